@@ -1,0 +1,61 @@
+"""The ``bpo-megatron`` command line: one registry of sub-commands.
+
+    bpo-megatron bench logprobs [--tokens N --vocab V --tp 1 2 --dtype fp32 bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    run: Callable[[list[str]], int]  # receives the arguments after the command name
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def command(name: str, help: str) -> Callable[[Callable[[list[str]], int]], Callable[[list[str]], int]]:
+    def register(run: Callable[[list[str]], int]) -> Callable[[list[str]], int]:
+        COMMANDS[name] = Command(help=help, run=run)
+        return run
+
+    return register
+
+
+# Benchmarks are imported on use: each pulls in Megatron-Core, which takes seconds to import.
+BENCHMARKS: dict[str, str] = {
+    "logprobs": "bpo_megatron.bench.logprobs",
+}
+
+
+@command("bench", "run a benchmark that prints a ratio table (ours vs the reference)")
+def _bench(argv: list[str]) -> int:
+    import importlib
+
+    parser = argparse.ArgumentParser(prog="bpo-megatron bench", add_help=False)
+    parser.add_argument("name", choices=sorted(BENCHMARKS))
+    args = parser.parse_args(argv[:1])
+    module = importlib.import_module(BENCHMARKS[args.name])
+    bench_parser = argparse.ArgumentParser(prog=f"bpo-megatron bench {args.name}", description=module.__doc__)
+    return module.main(argv[1:], bench_parser)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="bpo-megatron", description="RL post-training of MoE LLMs with BPO.")
+    parser.add_argument("command", choices=sorted(COMMANDS), help=" | ".join(f"{n}: {c.help}" for n, c in COMMANDS.items()))
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    args = parser.parse_args(argv[:1])
+    return COMMANDS[args.command].run(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

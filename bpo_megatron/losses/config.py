@@ -1,0 +1,65 @@
+"""Typed configuration of the policy loss (owned by the loss component)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """Which policy loss to use and its hyper-parameters.
+
+    Defaults are the paper's settings: BPO ε=0.1, C=3.0; GRPO-ClipHigher clip interval
+    [1-0.2, 1+0.28] (DAPO), which BPO's mask also uses; CISPO cap 3.0; DPPO δ=0.1; GSPO clip
+    interval [1-3e-3, 1+5e-3]; ``seq-mean-token-mean`` aggregation.
+    """
+
+    name: str = "bpo"
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    bpo_eps: float = 0.1
+    bpo_cap: float = 3.0
+    cispo_cap: float = 3.0
+    dppo_delta: float = 0.1
+    dppo_ratio_cap: float = 10.0
+    gspo_eps_low: float = 3e-3
+    gspo_eps_high: float = 5e-3
+    agg: str = "seq-mean-token-mean"
+    # Constant divisor of each sequence's token sum for ``seq-mean-token-sum-norm`` (set it to
+    # the maximum response length so it does not vary between micro-batches); None uses the
+    # padded length T of the call.
+    norm_length: int | None = None
+    # |log π − log μ| is clamped to this before exponentiating into a ratio, so a wildly
+    # off-policy token yields a huge but finite weight instead of inf/NaN.
+    max_log_ratio: float = 20.0
+
+    def __post_init__(self) -> None:
+        # Imported here: the registries import this module.
+        from bpo_megatron.losses.aggregation import AGGREGATIONS
+        from bpo_megatron.losses.registry import POLICY_LOSSES
+
+        if self.name not in POLICY_LOSSES:
+            raise ValueError(
+                f"PolicyLossConfig.name={self.name!r} is unknown; choose one of {sorted(POLICY_LOSSES)}"
+            )
+        if self.agg not in AGGREGATIONS:
+            raise ValueError(
+                f"PolicyLossConfig.agg={self.agg!r} is unknown; choose one of {sorted(AGGREGATIONS)}"
+            )
+        positive = ("bpo_eps", "bpo_cap", "cispo_cap", "dppo_delta", "dppo_ratio_cap", "max_log_ratio")
+        for field in positive:
+            value = getattr(self, field)
+            if not value > 0:
+                raise ValueError(f"PolicyLossConfig.{field} must be > 0, got {value}")
+        for field in ("eps_low", "gspo_eps_low"):
+            value = getattr(self, field)
+            if not 0 <= value < 1:
+                raise ValueError(f"PolicyLossConfig.{field} must be in [0, 1), got {value}")
+        for field in ("eps_high", "gspo_eps_high"):
+            value = getattr(self, field)
+            if not value >= 0:
+                raise ValueError(f"PolicyLossConfig.{field} must be >= 0, got {value}")
+        if self.norm_length is not None and self.norm_length < 1:
+            raise ValueError(
+                f"PolicyLossConfig.norm_length must be a positive token count or None, got {self.norm_length}"
+            )

@@ -1,0 +1,77 @@
+"""compute_policy_loss: the one entry point of the loss family."""
+
+from __future__ import annotations
+
+import torch
+
+from bpo_megatron.losses.aggregation import AGGREGATIONS, BatchTotals
+from bpo_megatron.losses.config import PolicyLossConfig
+from bpo_megatron.losses.registry import POLICY_LOSSES
+from bpo_megatron.losses.statistics import LossStatistics
+from bpo_megatron.losses.terms import TokenTerms
+from bpo_megatron.losses.validation import validate_policy_loss_inputs
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cfg: PolicyLossConfig,
+    *,
+    totals: BatchTotals | None = None,
+) -> tuple[torch.Tensor, LossStatistics]:
+    """Like :func:`compute_policy_loss`, but the statistics stay tensors (no host sync for them)
+    so a trainer can merge them over micro-batches and ranks before reading them."""
+    advantages, mask = validate_policy_loss_inputs(logprobs, rollout_logprobs, advantages, loss_mask)
+    work = torch.promote_types(logprobs.dtype, torch.float32)
+    terms = TokenTerms(
+        logprobs=logprobs.detach().to(work),
+        rollout_logprobs=rollout_logprobs.detach().to(work),
+        advantages=advantages.detach().to(work),
+        mask=mask,
+        max_log_ratio=cfg.max_log_ratio,
+    )
+    with torch.no_grad():
+        weight, keep = POLICY_LOSSES[cfg.name].weight_and_mask(terms, cfg)
+        active = mask & keep
+        coefficient = torch.where(active, terms.advantages * weight, 0.0)
+    # where(), not a product: padding may hold NaN/-inf log-probs and dropped tokens huge
+    # weights; either must contribute exactly 0 to the loss and its gradient.
+    token_losses = torch.where(active, -coefficient * logprobs.to(work), 0.0)
+    norm_length = cfg.norm_length or logprobs.shape[-1]
+    totals = totals or BatchTotals.of(mask)
+    loss = AGGREGATIONS[cfg.agg](token_losses, mask.to(work), totals, norm_length)
+    return loss, LossStatistics.compute(terms, weight, keep)
+
+
+def compute_policy_loss(
+    logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cfg: PolicyLossConfig,
+    *,
+    totals: BatchTotals | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Policy loss ``ℓ_t = −Â · M_t · sg(w_t) · log π(y_t)`` aggregated by ``cfg.agg``.
+
+    Args:
+        logprobs: [B, T] log π of the sampled tokens (differentiable).
+        rollout_logprobs: [B, T] log μ, the rollout engine's log-probs (no gradient flows here).
+        advantages: [B] per-response Â or [B, T] per-token.
+        loss_mask: [B, T] bool or 0/1; False for prompt and padding positions.
+        cfg: which loss and its hyper-parameters.
+        totals: token/sequence counts of the whole batch when this call sees only a part of it
+            (micro-batches, data-parallel ranks); defaults to this call's own counts.
+
+    Returns:
+        ``(loss, metrics)``: a scalar tensor and a dict of Python floats (masked fractions by sign
+        of Â, mean/max weight, mean |log π − log μ|, k3 KL(μ‖π), token count).
+
+    Raises:
+        ValueError: naming the argument, for shape mismatches, non-finite log-probs or
+        advantages under the mask, or log-probs > 0.
+    """
+    loss, stats = policy_loss(logprobs, rollout_logprobs, advantages, loss_mask, cfg, totals=totals)
+    return loss, stats.as_metrics()

@@ -1,0 +1,69 @@
+"""Diagnostics every policy loss reports, kept as sums so they merge over micro-batches/ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from bpo_megatron.losses.terms import TokenTerms
+
+MEAN_METRICS = (
+    "clip_frac",  # fraction of loss tokens the mask M drops
+    "clip_frac_pos",  # ... among tokens with Â > 0
+    "clip_frac_neg",  # ... among tokens with Â < 0
+    "weight_mean",  # mean of the stop-gradient weight w
+    "abs_logp_diff_mean",  # mean |log π − log μ|: train/rollout mismatch
+    "kl_k3",  # k3 estimate of KL(μ‖π): r − 1 − log r with r = π/μ
+)
+MAX_METRICS = ("weight_max",)
+
+
+@dataclass
+class LossStatistics:
+    """Numerators/denominators of the mean metrics, maxima of the max metrics, and the token count."""
+
+    numerators: torch.Tensor  # [len(MEAN_METRICS)]
+    denominators: torch.Tensor  # [len(MEAN_METRICS)]
+    maxima: torch.Tensor  # [len(MAX_METRICS)]
+
+    @staticmethod
+    def compute(terms: TokenTerms, weight: torch.Tensor, keep: torch.Tensor) -> "LossStatistics":
+        mask = terms.mask
+        dropped = mask & ~keep
+        pos, neg = mask & terms.positive, mask & terms.negative
+        count = mask.sum()
+        zero = torch.zeros((), dtype=weight.dtype, device=weight.device)
+        w = torch.where(mask, weight, zero)
+        abs_diff = torch.where(mask, (terms.logprobs - terms.rollout_logprobs).abs(), zero)
+        k3 = torch.where(mask, terms.ratio - 1.0 - terms.log_ratio, zero)
+        numerators = torch.stack(
+            [dropped.sum(), (dropped & pos).sum(), (dropped & neg).sum(), w.sum(), abs_diff.sum(), k3.sum()]
+        ).to(torch.float64)
+        denominators = torch.stack([count, pos.sum(), neg.sum(), count, count, count]).to(torch.float64)
+        weight_max = w.max() if mask.any() else zero
+        return LossStatistics(numerators, denominators, weight_max.reshape(1).to(torch.float64))
+
+    def merge(self, other: "LossStatistics") -> "LossStatistics":
+        return LossStatistics(
+            self.numerators + other.numerators,
+            self.denominators + other.denominators,
+            torch.maximum(self.maxima, other.maxima),
+        )
+
+    def all_reduce(self, group: dist.ProcessGroup | None = None) -> "LossStatistics":
+        """Combine the statistics of every rank of ``group`` (e.g. data parallel)."""
+        sums = torch.cat([self.numerators, self.denominators])
+        maxima = self.maxima.clone()
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+        n = len(MEAN_METRICS)
+        return LossStatistics(sums[:n], sums[n:], maxima)
+
+    def as_metrics(self) -> dict[str, float]:
+        means = (self.numerators / self.denominators.clamp(min=1.0)).tolist()
+        metrics = dict(zip(MEAN_METRICS, means))
+        metrics.update(zip(MAX_METRICS, self.maxima.tolist()))
+        metrics["num_tokens"] = float(self.denominators[0])
+        return metrics

@@ -1,0 +1,302 @@
+"""Run megatron-core 0.16.x on CPU over gloo.
+
+Megatron-Core's model code assumes CUDA in a handful of places (device queries, a side stream, the
+CUDA RNG, a few ``device="cuda"`` allocations) and has one bug that only shows without
+transformer-engine. On a machine without a GPU, :func:`ensure_megatron_cpu_compat` replaces exactly
+those spots with CPU equivalents by setting module attributes at runtime. Nothing on disk is
+modified and no environment variable is read or written; with CUDA present it does nothing.
+
+Each patch is a small function registered with :func:`_patch`, with a comment saying why it is
+needed. Every one was checked against the installed 0.16.1 source, and removing any one of them
+makes ``tests/test_megatron_cpu.py`` fail.
+
+Out of scope: ``megatron.core.optimizer.get_megatron_optimizer``. In 0.16.1 it still assumes CUDA:
+the FP32 and mixed-precision optimizers allocate ``device='cuda'`` scalars, the float16 and
+distributed optimizers accept only params whose ``type()`` is ``'torch.cuda.*Tensor'``, and
+``clip_grads`` (grad norm, clipping, zero counting) allocates ``device='cuda'`` tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import types
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from bpo_megatron import platform
+
+SUPPORTED_MAJOR_MINOR = (0, 16)
+
+
+@dataclass(frozen=True)
+class CompatPatch:
+    """One runtime patch: a name for reports and the function that applies it."""
+
+    name: str
+    apply: Callable[[], None]
+
+
+_PATCHES: list[CompatPatch] = []
+_applied: list[str] = []
+_done = False
+
+
+def _patch(fn: Callable[[], None]) -> Callable[[], None]:
+    """Register ``fn`` as a compat patch; patches are applied in registration order."""
+    _PATCHES.append(CompatPatch(name=fn.__name__.lstrip("_"), apply=fn))
+    return fn
+
+
+def megatron_version() -> str:
+    """The installed megatron-core version, read from package metadata (no import)."""
+    return importlib.metadata.version("megatron-core")
+
+
+def _check_supported_version() -> None:
+    # The patches name private functions and literal allocations of 0.16; on another minor
+    # version they could silently miss, so refuse instead.
+    version = megatron_version()
+    major_minor = tuple(int(part) for part in version.split(".")[:2])
+    if major_minor != SUPPORTED_MAJOR_MINOR:
+        raise RuntimeError(
+            "bpo-megatron's CPU compatibility layer supports megatron-core "
+            f"{SUPPORTED_MAJOR_MINOR[0]}.{SUPPORTED_MAJOR_MINOR[1]}.x; found {version}"
+        )
+
+
+def needs_cpu_compat() -> bool:
+    """True when the compat layer has work to do: no usable CUDA device."""
+    return not platform.has_cuda()
+
+
+def applied_patches() -> tuple[str, ...]:
+    """Names of the patches applied in this process (empty with CUDA or before the first call)."""
+    return tuple(_applied)
+
+
+def ensure_megatron_cpu_compat() -> tuple[str, ...]:
+    """Make megatron-core usable on CPU; a no-op with CUDA and on every call after the first.
+
+    Call it before creating Megatron process groups or models. Returns :func:`applied_patches`.
+    """
+    global _done
+    if _done or not needs_cpu_compat():
+        return applied_patches()
+    _check_supported_version()
+    for patch in _PATCHES:
+        if patch.name in _applied:  # applied by an earlier call that failed further on
+            continue
+        patch.apply()
+        _applied.append(patch.name)
+    _done = True
+    return applied_patches()
+
+
+# --------------------------------------------------------------------------------------------
+# torch.cuda entry points that Megatron calls unconditionally
+# --------------------------------------------------------------------------------------------
+
+
+@_patch
+def _cuda_current_device_is_cpu() -> None:
+    # Megatron allocates with device=torch.cuda.current_device() throughout the model code (RoPE
+    # frequencies, MoE routing buffers, pipeline p2p shape tensors, ...). Answering with the CPU
+    # device makes those allocations land where the model lives.
+    torch.cuda.current_device = platform.device  # type: ignore[assignment]
+
+
+@_patch
+def _cuda_synchronize_is_a_no_op() -> None:
+    # Pipeline p2p communication calls torch.cuda.synchronize() after batched isend/irecv
+    # (batch_p2p_sync, on by default) and the dist_checkpointing writer after staging tensors to
+    # host memory. Gloo requests are complete once wait() returns and CPU kernels are
+    # synchronous, so there is nothing to wait for.
+    torch.cuda.synchronize = lambda *_args, **_kwargs: None  # type: ignore[assignment]
+
+
+class _HostEvent:
+    """Stand-in for a CUDA event: CPU work is synchronous, so an event is always reached."""
+
+    def record(self, *_args: object, **_kwargs: object) -> None:
+        pass
+
+    def wait(self, *_args: object, **_kwargs: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _HostStream:
+    """Stand-in for a CUDA stream: on CPU the calling thread is the only, in-order queue."""
+
+    def __init__(self, *_args: object, **_kwargs: object) -> None:
+        pass
+
+    def wait_stream(self, _other: object) -> None:
+        pass
+
+    def wait_event(self, _event: object) -> None:
+        pass
+
+    def record_event(self, event: _HostEvent | None = None) -> _HostEvent:
+        return event if event is not None else _HostEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_CURRENT_STREAM = _HostStream()
+
+
+@_patch
+def _cuda_streams_are_host_streams() -> None:
+    # The alltoall MoE dispatcher creates a side stream when it is built
+    # (MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = torch.cuda.Stream()), and in every forward
+    # compares it with torch.cuda.current_stream(), makes it wait for the current stream and
+    # synchronises on an event recorded on it. (torch.cuda.stream(...) and torch.cuda.Event
+    # already degrade to no-ops without CUDA.) Streams that are always idle are exact on CPU.
+    torch.cuda.Stream = _HostStream  # type: ignore[misc,assignment]
+    torch.cuda.current_stream = lambda *_args, **_kwargs: _CURRENT_STREAM  # type: ignore[assignment]
+
+
+@_patch
+def _cuda_rng_uses_cpu_generator() -> None:
+    # Megatron keeps one RNG stream per parallel group (data, tensor, expert) in
+    # CudaRNGStatesTracker, seeded by model_parallel_cuda_manual_seed. Without CUDA,
+    # torch.cuda.get_rng_state raises, while torch.cuda.manual_seed and
+    # random._set_cuda_rng_state queue a lazy call that never runs, so every tracked stream
+    # would silently be the same unseeded state. On CPU, dropout and init draw from the default
+    # CPU generator: the tracker must seed, save and restore that one.
+    # (torch.cuda.set_rng_state is not patched: Megatron's model path goes through
+    # random._set_cuda_rng_state.)
+    import megatron.core.tensor_parallel.random as mcore_random
+
+    def get_rng_state(*_args: object, **_kwargs: object) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(state: torch.Tensor, *_args: object, **_kwargs: object) -> None:
+        torch.set_rng_state(state)
+
+    def manual_seed(seed: int) -> None:
+        torch.default_generator.manual_seed(int(seed))
+
+    torch.cuda.get_rng_state = get_rng_state  # type: ignore[assignment]
+    torch.cuda.manual_seed = manual_seed  # type: ignore[assignment]
+    mcore_random._get_cuda_rng_state = get_rng_state
+    mcore_random._set_cuda_rng_state = set_rng_state
+
+
+# --------------------------------------------------------------------------------------------
+# Megatron-Core functions that hard-code CUDA or break without transformer-engine
+# --------------------------------------------------------------------------------------------
+
+
+@_patch
+def _default_causal_mask_on_cpu() -> None:
+    # The unfused softmax (the only one without CUDA kernels) builds its causal mask with
+    # transformer.utils.get_default_causal_mask, which allocates on device="cuda".
+    # fused_softmax imported the function by name, so both module attributes are replaced.
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.transformer.utils as transformer_utils
+
+    def get_default_causal_mask(sq: int) -> torch.Tensor:
+        ones = torch.ones(sq, sq, dtype=torch.bool, device=platform.device())
+        return torch.triu(ones, diagonal=1)
+
+    transformer_utils.get_default_causal_mask = get_default_causal_mask
+    fused_softmax.get_default_causal_mask = get_default_causal_mask
+
+
+@_patch
+def _define_te_general_gemm_without_te() -> None:
+    # megatron-core 0.16.1 bug: moe_utils binds te_general_gemm only inside its
+    # transformer-engine import block, but RouterGatingLinearFunction tests
+    # `te_general_gemm is not None` unconditionally, so every MoE router forward raises
+    # NameError without TE. None selects the plain torch.mm path the code intends.
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+@_patch
+def _torch_norm_supports_sequence_parallel() -> None:
+    # Without TE or apex the layer specs fall back to WrappedTorchNorm, which refuses
+    # sequence_parallel; yet Megatron requires sequence parallelism for MoE with TP > 1. A norm
+    # is pointwise over the hidden dimension, so it runs unchanged on a sequence shard; only its
+    # weight gradient is partial per TP rank. Tagging the parameters `.sequence_parallel = True`
+    # (as apex's FusedLayerNorm and TE do) makes finalize_model_grads all-reduce them over TP.
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    build_norm = WrappedTorchNorm.__new__
+
+    def new_norm(cls: type, config: Any, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        if not config.sequence_parallel:
+            return build_norm(cls, config, *args, **kwargs)
+        config_without_sp = copy.copy(config)
+        config_without_sp.sequence_parallel = False
+        norm = build_norm(cls, config_without_sp, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    WrappedTorchNorm.__new__ = staticmethod(new_norm)  # type: ignore[method-assign,assignment]
+
+
+@_patch
+def _moe_split_sizes_reach_host_as_numpy() -> None:
+    # The alltoall dispatcher hands its all-to-all split sizes to the host with
+    # moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True), which only acts on CUDA tensors.
+    # On CPU the sizes stay torch tensors and all_to_all_single rejects them where it expects a
+    # sequence of ints (TypeError). Convert CPU tensors the way CUDA ones are converted.
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    move_to_host = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(
+        tensor: Any, as_numpy: bool = False, record_stream: bool = False
+    ) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.detach().numpy().copy()  # a private copy, like the device-to-host copy
+        return move_to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+class _TorchWithHostZeros(types.ModuleType):
+    """``torch`` as one module sees it, except that ``zeros(device="cuda")`` allocates on CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = platform.device()
+        return torch.zeros(*args, **kwargs)
+
+
+@_patch
+def _pipeline_schedules_count_tokens_on_cpu() -> None:
+    # Every forward_backward_* schedule starts with
+    # `total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")`. The device is a
+    # literal, not a lookup that could be redirected, so the schedules module gets its own view
+    # of torch whose zeros() maps that device to the CPU; every other attribute is torch's own.
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    schedules.torch = _TorchWithHostZeros()  # type: ignore[assignment]

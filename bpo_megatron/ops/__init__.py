@@ -1,0 +1,5 @@
+"""Tensor-parallel kernels."""
+
+from bpo_megatron.ops.vocab_parallel import vocab_parallel_logprobs
+
+__all__ = ["vocab_parallel_logprobs"]

@@ -1,0 +1,190 @@
+"""Log-probabilities (and entropy) of target tokens from vocabulary-parallel logits.
+
+Each tensor-parallel rank holds a contiguous slice ``[rank·V/TP, (rank+1)·V/TP)`` of the
+vocabulary (Megatron-Core's layout). With z = logits / T:
+
+    log π(y) = z_y − lse,   lse = M + log Σ_v exp(z_v − M)
+    H        = lse − Σ_v π(v) z_v
+
+One pass over the logits, in row chunks that stay in cache, computes per rank the local max m,
+Σ exp(z − m), the target logit (on the owning rank) and Σ exp(z − m)(z − m) for the entropy.
+Two small collectives of [N] vectors combine them (a MAX for M, one SUM for everything else,
+rescaled by exp(m − M)). The full vocabulary is never gathered.
+
+Backward is ``∂ log π(y)/∂z_v = (1[v = y] − π(v)) / T`` times the incoming gradient, computed
+chunk by chunk. Memory: with ``inplace=False`` the logits are left untouched and the only large
+allocation is the gradient itself; with ``inplace=True`` the caller gives up the logits buffer
+(fp32 logits then hold exp(z − m) after forward, and every dtype receives the gradient in place),
+so nothing of logits size is allocated at all.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+# Rows per pass are chosen so one fp32 temporary is about this large: big enough to amortise
+# per-op overhead, small enough to stay in cache and to bound the extra memory.
+_CHUNK_BYTES = 4 * 1024 * 1024
+
+
+def _default_chunk_rows(vocab_shard: int) -> int:
+    return max(1, _CHUNK_BYTES // (4 * vocab_shard))
+
+
+def _group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class _VocabParallelLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, group, temperature, chunk_rows, with_entropy, inplace):
+        vocab_shard = logits.shape[-1]
+        rows = targets.numel()
+        rank, world = _group_rank_size(group)
+        flat = logits.view(rows, vocab_shard) if inplace else logits.reshape(rows, vocab_shard)
+        local_target = targets.reshape(rows) - rank * vocab_shard
+        owned = (local_target >= 0) & (local_target < vocab_shard)
+        target_index = torch.where(owned, local_target, 0).unsqueeze(-1)
+        inv_t = 1.0 / temperature
+        # exp(z − m) is kept in the caller's fp32 buffer only when the caller gave it up and a
+        # backward will read it; otherwise every chunk works on a scratch copy.
+        store_exp = inplace and logits.dtype == torch.float32 and ctx.needs_input_grad[0]
+
+        f32 = dict(dtype=torch.float32, device=logits.device)
+        local_max = torch.empty(rows, **f32)
+        sum_exp = torch.empty(rows, **f32)
+        target_logit = torch.empty(rows, **f32)
+        exp_dot = torch.zeros(rows, **f32) if with_entropy else None
+        for start in range(0, rows, chunk_rows):
+            stop = min(start + chunk_rows, rows)
+            chunk = flat[start:stop]
+            if store_exp:
+                z = chunk.mul_(inv_t) if temperature != 1.0 else chunk
+            else:
+                z = chunk.to(torch.float32, copy=True)
+                if temperature != 1.0:
+                    z.mul_(inv_t)
+            m = z.amax(dim=-1)
+            local_max[start:stop] = m
+            target_logit[start:stop] = z.gather(-1, target_index[start:stop]).squeeze(-1)
+            z.sub_(m.unsqueeze(-1))
+            if with_entropy:
+                e = torch.exp(z)
+                exp_dot[start:stop] = torch.linalg.vecdot(e, z)
+                z.copy_(e) if store_exp else None
+                sum_exp[start:stop] = e.sum(dim=-1)
+            else:
+                sum_exp[start:stop] = z.exp_().sum(dim=-1)
+
+        global_max = local_max
+        if world > 1:
+            global_max = local_max.clone()
+            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+        scale = torch.exp(local_max - global_max)
+        parts = [sum_exp * scale, torch.where(owned, target_logit, 0.0)]
+        if with_entropy:
+            parts.append(scale * (exp_dot + (local_max - global_max) * sum_exp))
+        reduced = torch.stack(parts)
+        if world > 1:
+            dist.all_reduce(reduced, group=group)
+        total_exp = reduced[0]
+        log_total = torch.log(total_exp)
+        lse = global_max + log_total
+        logprobs = (reduced[1] - lse).view(targets.shape)
+
+        if ctx.needs_input_grad[0]:
+            # store_exp: π(v) = buffer · exp(m − M) / S;  otherwise π(v) = exp(z/T − lse).
+            row_term = scale / total_exp if store_exp else lse
+            # Save the input itself, not a view made here: autograd forbids in-place writes to
+            # views created in forward.
+            ctx.save_for_backward(logits, target_index, owned, row_term)
+            ctx.meta = (logits.shape, inv_t, chunk_rows, store_exp, inplace)
+        if not with_entropy:
+            return logprobs
+        entropy = (log_total - reduced[2] / total_exp).view(targets.shape)
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy=None):
+        logits, target_index, owned, row_term = ctx.saved_tensors
+        shape, inv_t, chunk_rows, store_exp, inplace = ctx.meta
+        rows = target_index.shape[0]
+        flat = logits.view(rows, shape[-1]) if inplace else logits.reshape(rows, shape[-1])
+        g = grad_logprobs.reshape(rows).to(torch.float32) * inv_t
+        grad = flat if inplace else torch.empty_like(flat)
+        target_grad = torch.where(owned, g, 0.0).unsqueeze(-1)
+        for start in range(0, rows, chunk_rows):
+            stop = min(start + chunk_rows, rows)
+            g_rows = g[start:stop].unsqueeze(-1)
+            if store_exp:
+                # the buffer holds exp(z − m): the gradient is computed where it lies
+                work = grad[start:stop]
+                work.mul_(-g_rows * row_term[start:stop].unsqueeze(-1))
+            else:
+                work = flat[start:stop].to(torch.float32, copy=True)
+                work.mul_(inv_t).sub_(row_term[start:stop].unsqueeze(-1)).exp_().mul_(-g_rows)
+            work.scatter_add_(-1, target_index[start:stop], target_grad[start:stop])
+            if work.data_ptr() != grad[start:stop].data_ptr():
+                grad[start:stop].copy_(work)
+        return grad.view(shape), None, None, None, None, None, None
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    with_entropy: bool = False,
+    inplace: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log π(targets) from this rank's vocabulary shard of the logits.
+
+    Args:
+        logits: ``[..., V/TP]`` this rank's contiguous vocabulary slice (any float dtype).
+        targets: ``[...]`` token ids in the full vocabulary ``[0, V)``.
+        tp_group: the tensor-parallel group the vocabulary is split over; None when ``logits``
+            hold the whole vocabulary.
+        temperature: logits are divided by it first (use the sampling temperature, so π and the
+            rollout engine's μ are the same distribution).
+        chunk_size: rows (tokens) per pass; None sizes a pass at about 4 MiB of fp32 scratch.
+        with_entropy: also return the entropy of π per position (not differentiable; logging).
+        inplace: the caller gives up ``logits``: fp32 logits are overwritten in forward, and the
+            gradient is written into the logits buffer in backward. Saves a logits-sized buffer.
+
+    Returns:
+        fp32 log-probs shaped like ``targets`` (and the entropy when ``with_entropy``).
+    """
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} must equal logits shape without the vocab dim "
+            f"{tuple(logits.shape[:-1])}"
+        )
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be integer token ids, got {targets.dtype}")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
+    if inplace and not logits.is_contiguous():
+        raise ValueError("inplace=True needs contiguous logits (a copy would defeat its purpose)")
+    _, world = _group_rank_size(tp_group)
+    vocab = logits.shape[-1] * world
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
+        raise ValueError(
+            f"targets must lie in [0, {vocab}) (vocab shard {logits.shape[-1]} x TP {world}), "
+            f"got range [{int(targets.min())}, {int(targets.max())}]"
+        )
+    chunk_rows = chunk_size or _default_chunk_rows(logits.shape[-1])
+    return _VocabParallelLogProbs.apply(
+        logits, targets, tp_group, float(temperature), chunk_rows, with_entropy, inplace
+    )

@@ -1,0 +1,49 @@
+"""The one place where the CUDA path and the CPU path are chosen.
+
+Everything else in bpo-megatron asks these functions instead of calling ``torch.cuda`` directly, so
+a machine without a GPU runs the same code on CPU tensors over gloo rather than a mocked GPU path.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Literal
+
+import torch
+
+DistributedBackend = Literal["nccl", "gloo"]
+
+
+def has_cuda() -> bool:
+    """True when torch was built with CUDA and can see at least one GPU."""
+    return torch.cuda.is_available()
+
+
+def local_rank() -> int:
+    """This process's index among the ranks of its node (set by torchrun, Slurm or Ray)."""
+    # LOCAL_RANK is how every launcher we support tells a process which GPU is its own.
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def device() -> torch.device:
+    """The device this process computes on: its own GPU, or the CPU."""
+    if has_cuda():
+        return torch.device("cuda", local_rank() % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def distributed_backend() -> DistributedBackend:
+    """The ``torch.distributed`` backend matching :func:`device` (NCCL needs CUDA tensors)."""
+    return "nccl" if has_cuda() else "gloo"
+
+
+@functools.cache
+def has_transformer_engine() -> bool:
+    """True when transformer-engine is installed.
+
+    Only the package metadata is looked up: importing TE initialises CUDA, so it must not happen
+    as a side effect of importing bpo-megatron (TE is a GPU-only extra).
+    """
+    return importlib.util.find_spec("transformer_engine") is not None
