@@ -56,7 +56,8 @@ def _method_fns(tp_group) -> dict[str, LogProbFn]:
 
     def naive(logits, targets, temperature):
         full = gather_from_tensor_model_parallel_region(logits) if tp_group.size() > 1 else logits
-        logp = torch.log_softmax(full.float() / temperature, dim=-1)
+        scaled = full.float() / temperature if temperature != 1.0 else full.float()
+        logp = torch.log_softmax(scaled, dim=-1)
         return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
     def megatron(logits, targets, temperature):
@@ -85,8 +86,13 @@ def _bench_rank(cfg: BenchConfig, tp: int, dtype_name: str) -> dict[str, dict]:
         group = parallel_state.get_tensor_model_parallel_group()
         rank = parallel_state.get_tensor_model_parallel_rank()
         shard = cfg.vocab // tp
-        gen = torch.Generator().manual_seed(1234 + rank)
-        base = (torch.randn(cfg.tokens, shard, generator=gen) * 4.0).to(DTYPES[dtype_name])
+
+        def fresh_logits() -> torch.Tensor:
+            # regenerated rather than cloned from a kept copy: at 4k x 152k that copy alone
+            # would be 2.5 GB per rank
+            gen = torch.Generator().manual_seed(1234 + rank)
+            return (torch.randn(cfg.tokens, shard, generator=gen) * 4.0).to(DTYPES[dtype_name])
+
         targets = torch.randint(0, shard * tp, (cfg.tokens,), generator=torch.Generator().manual_seed(7))
         grad_out = torch.randn(cfg.tokens, generator=torch.Generator().manual_seed(8))
         fns = _method_fns(group)
@@ -95,7 +101,7 @@ def _bench_rank(cfg: BenchConfig, tp: int, dtype_name: str) -> dict[str, dict]:
         for name in ("megatron",) + tuple(m for m in cfg.methods if m != "megatron"):
             fn, result = fns[name], MethodResult()
             for repeat in range(cfg.repeats + 1):  # the first run warms up
-                logits = base.clone().requires_grad_()  # in-place methods consume their input
+                logits = fresh_logits().requires_grad_()  # in-place methods consume their input
                 dist.barrier(group)
                 with PeakMemory() as peak:
                     start = time.perf_counter()
