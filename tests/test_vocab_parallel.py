@@ -61,6 +61,41 @@ def _assert_matches(case, logp, entropy, grad, ref):
     torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-6, atol=1e-6, msg=f"gradient {case}")
 
 
+REAL_VOCAB = 83  # the rest of the 96 columns is padding, as Megatron pads the vocabulary
+
+
+def _padded_rank(inplace):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    logits, targets, upstream = full_logits()
+    targets = targets % REAL_VOCAB
+    shard = VOCAB // world
+    local = logits[..., rank * shard : (rank + 1) * shard].contiguous()
+    leaf = local.clone().requires_grad_()
+    x = leaf * 1.0 if inplace else leaf
+    logp, entropy = vocab_parallel_logprobs(
+        x, targets, dist.group.WORLD, chunk_size=5, with_entropy=True, inplace=inplace, vocab_size=REAL_VOCAB
+    )
+    (logp * upstream).sum().backward()
+    return logp.detach(), entropy, leaf.grad
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_padding_columns_are_not_tokens(world):
+    logits, targets, upstream = full_logits()
+    targets = targets % REAL_VOCAB
+    x = logits.double()[..., :REAL_VOCAB].requires_grad_()
+    logp_all = torch.log_softmax(x, dim=-1)
+    ref = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ref_entropy = -(logp_all.exp() * logp_all).sum(-1)
+    (ref_grad,) = torch.autograd.grad(ref, x, upstream.double())
+    ref_grad = torch.cat([ref_grad, torch.zeros(*SHAPE, VOCAB - REAL_VOCAB, dtype=torch.float64)], -1)
+    for inplace in (False, True):
+        per_rank = run_gloo_world(_padded_rank, world, inplace, timeout=60)
+        logp, entropy, _ = per_rank[0]
+        grad = torch.cat([r[2] for r in per_rank], dim=-1)
+        _assert_matches(("padded", world, inplace), logp, entropy, grad, (ref.detach(), ref_entropy.detach(), ref_grad))
+
+
 def test_tp2_equals_full_vocabulary_log_softmax():
     per_rank = run_gloo_world(_tp_rank, 2, CASES, timeout=120)
     for i, case in enumerate(CASES):
@@ -126,6 +161,8 @@ def test_forward_only_does_not_modify_logits_even_inplace():
         (dict(targets=torch.zeros(SHAPE)), "targets must be integer"),
         (dict(temperature=0.0), "temperature must be a positive"),
         (dict(chunk_size=0), "chunk_size must be >= 1"),
+        (dict(vocab_size=VOCAB + 1), "vocab_size=97 must be in"),
+        (dict(targets=torch.full(SHAPE, 90), vocab_size=90), r"targets must lie in \[0, 90\)"),
         (dict(logits=torch.zeros(*SHAPE, 2 * VOCAB)[..., ::2], inplace=True), "contiguous"),
     ],
 )

@@ -6,14 +6,18 @@ transformer-engine. On a machine without a GPU, :func:`ensure_megatron_cpu_compa
 those spots with CPU equivalents by setting module attributes at runtime. Nothing on disk is
 modified and no environment variable is read or written; with CUDA present it does nothing.
 
+The same holds for Megatron's optimizer stack in fp32 without the distributed optimizer:
+``get_megatron_optimizer`` (FP32Optimizer per parameter kind, chained), its grad norm over the
+model-parallel and expert groups, clipping and zero counting, on top of Megatron's
+``DistributedDataParallel`` and ``finalize_model_grads`` (which need nothing beyond the model
+patches).
+
 Each patch is a small function registered with :func:`_patch`, with a comment saying why it is
 needed. Every one was checked against the installed 0.16.1 source, and removing any one of them
-makes ``tests/test_megatron_cpu.py`` fail.
+makes ``tests/test_megatron_cpu.py`` or ``tests/test_optimizer.py`` fail.
 
-Out of scope: ``megatron.core.optimizer.get_megatron_optimizer``. In 0.16.1 it still assumes CUDA:
-the FP32 and mixed-precision optimizers allocate ``device='cuda'`` scalars, the float16 and
-distributed optimizers accept only params whose ``type()`` is ``'torch.cuda.*Tensor'``, and
-``clip_grads`` (grad norm, clipping, zero counting) allocates ``device='cuda'`` tensors.
+Out of scope: the float16 and distributed optimizers (bf16/fp16 training, ZeRO-1 sharding). They
+accept only params whose ``type()`` is ``'torch.cuda.*Tensor'``; they are the GPU path.
 """
 
 from __future__ import annotations
@@ -275,8 +279,16 @@ def _moe_split_sizes_reach_host_as_numpy() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
-class _TorchWithHostZeros(types.ModuleType):
-    """``torch`` as one module sees it, except that ``zeros(device="cuda")`` allocates on CPU."""
+def _on_host(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` of a tensor factory with a ``device="cuda"`` literal redirected to the CPU."""
+    if str(kwargs.get("device", "")).startswith("cuda"):
+        kwargs["device"] = platform.device()
+    return kwargs
+
+
+class _TorchOnHost(types.ModuleType):
+    """``torch`` as one module sees it, except that ``zeros(device="cuda")`` and
+    ``tensor(..., device="cuda")`` allocate on the CPU; every other attribute is torch's own."""
 
     def __init__(self) -> None:
         super().__init__("torch")
@@ -286,9 +298,11 @@ class _TorchWithHostZeros(types.ModuleType):
 
     @staticmethod
     def zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
-        if str(kwargs.get("device", "")).startswith("cuda"):
-            kwargs["device"] = platform.device()
-        return torch.zeros(*args, **kwargs)
+        return torch.zeros(*args, **_on_host(kwargs))
+
+    @staticmethod
+    def tensor(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.tensor(*args, **_on_host(kwargs))
 
 
 @_patch
@@ -299,4 +313,82 @@ def _pipeline_schedules_count_tokens_on_cpu() -> None:
     # of torch whose zeros() maps that device to the CPU; every other attribute is torch's own.
     import megatron.core.pipeline_parallel.schedules as schedules
 
-    schedules.torch = _TorchWithHostZeros()  # type: ignore[assignment]
+    schedules.torch = _TorchOnHost()  # type: ignore[assignment]
+
+
+# --------------------------------------------------------------------------------------------
+# The fp32 optimizer stack (FP32Optimizer, ChainedOptimizer, clip_grads)
+# --------------------------------------------------------------------------------------------
+
+
+@_patch
+def _fp32_optimizer_loss_scale_on_host() -> None:
+    # FP32Optimizer.__init__ stores its (constant) loss scale as
+    # `torch.tensor([1.0], device='cuda')`, so get_megatron_optimizer fails while building the
+    # optimizer. Same literal-device situation as in the schedules: optimizer.py gets a view of
+    # torch that allocates that scalar on the CPU.
+    import megatron.core.optimizer.optimizer as mcore_optimizer
+
+    mcore_optimizer.torch = _TorchOnHost()  # type: ignore[assignment]
+
+
+@_patch
+def _grad_stats_allocate_on_host() -> None:
+    # get_grad_norm_fp32 allocates its overflow flag with `torch.zeros(1, device='cuda')` before
+    # every L2 norm (and the inf-norm result with torch.tensor(device='cuda')); count_zeros_fp32
+    # starts its count the same way. The flag is only read by fused kernels, the results are
+    # all-reduced over the model-parallel group: on CPU they belong on the CPU.
+    import megatron.core.optimizer.clip_grads as clip_grads
+
+    clip_grads.torch = _TorchOnHost()  # type: ignore[assignment]
+
+
+@_patch
+def _grad_norm_kernel_returns_host_tensor() -> None:
+    # Without TE or apex, the grad norm comes from megatron.core.utils.local_multi_tensor_l2_norm,
+    # which returns the norm as `torch.tensor([norm], device="cuda")`. This is the same
+    # computation (norm of the per-tensor fp32 norms, as a one-element fp32 tensor) on the CPU.
+    import megatron.core.optimizer.clip_grads as clip_grads
+    from megatron.core import utils as mcore_utils
+
+    if clip_grads.l2_norm_impl is not mcore_utils.local_multi_tensor_l2_norm:
+        return  # a fused kernel (TE/apex) is in use; it is not ours to replace
+
+    def l2_norm(
+        _chunk_size: int, _noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]],
+        _per_tensor: bool, *_args: Any,
+    ) -> tuple[torch.Tensor, None]:
+        norms = [torch.linalg.vector_norm(t.float()) for tensors in tensor_lists for t in tensors]
+        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+        return total.reshape(1).to(device=platform.device(), dtype=torch.float), None
+
+    clip_grads.l2_norm_impl = l2_norm
+
+
+@_patch
+def _clip_grads_accept_host_fp32_grads() -> None:
+    # clip_grad_by_total_norm_fp32 asserts `param.grad.type() == 'torch.cuda.FloatTensor'`, a
+    # check of dtype *and* device, so clipping fails for every CPU gradient. This is the same
+    # function with the check reduced to the dtype. optimizer.py imported it by name (FP32Optimizer
+    # and ChainedOptimizer clip through that binding), so both module attributes are replaced.
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.optimizer as mcore_optimizer
+    from megatron.core.utils import to_local_if_dtensor
+
+    def clip_grad_by_total_norm_fp32(
+        parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+    ) -> None:
+        grad_attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        allowed = (torch.float32, torch.bfloat16) if use_decoupled_grad else (torch.float32,)
+        grads = []
+        for param in parameters:
+            grad = getattr(param, grad_attr, None)
+            if grad is not None:
+                assert grad.dtype in allowed, f"clipping expects {allowed} grads, got {grad.dtype}"
+                grads.append(to_local_if_dtensor(grad).detach())
+        clip_coeff = max_norm / (total_norm + 1.0e-6)  # Megatron's epsilon, kept for parity
+        if clip_coeff < 1.0 and grads:
+            torch._foreach_mul_(grads, clip_coeff)
+
+    clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    mcore_optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32

@@ -34,6 +34,19 @@ def _default_chunk_rows(vocab_shard: int) -> int:
     return max(1, _CHUNK_BYTES // (4 * vocab_shard))
 
 
+def _valid_columns(vocab_size: int | None, rank: int, vocab_shard: int) -> int:
+    """How many leading columns of this rank's shard are real tokens."""
+    if vocab_size is None:
+        return vocab_shard
+    valid = min(vocab_shard, vocab_size - rank * vocab_shard)
+    if valid < 1:
+        raise ValueError(
+            f"vocab_size={vocab_size} leaves TP rank {rank} (columns from {rank * vocab_shard}) "
+            "without a single real token; use less tensor parallelism or less vocabulary padding"
+        )
+    return valid
+
+
 def _group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if group is None:
         return 0, 1
@@ -42,10 +55,13 @@ def _group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, group, temperature, chunk_rows, with_entropy, inplace):
+    def forward(ctx, logits, targets, group, temperature, chunk_rows, with_entropy, inplace, vocab_size):
         vocab_shard = logits.shape[-1]
         rows = targets.numel()
         rank, world = _group_rank_size(group)
+        # Columns past the real vocabulary (Megatron pads it to a multiple of 128·TP) are not
+        # tokens: they are left out of the softmax and get no gradient.
+        valid = _valid_columns(vocab_size, rank, vocab_shard)
         flat = logits.view(rows, vocab_shard) if inplace else logits.reshape(rows, vocab_shard)
         local_target = targets.reshape(rows) - rank * vocab_shard
         owned = (local_target >= 0) & (local_target < vocab_shard)
@@ -62,7 +78,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         exp_dot = torch.zeros(rows, **f32) if with_entropy else None
         for start in range(0, rows, chunk_rows):
             stop = min(start + chunk_rows, rows)
-            chunk = flat[start:stop]
+            chunk = flat[start:stop, :valid]
             if store_exp:
                 z = chunk.mul_(inv_t) if temperature != 1.0 else chunk
             else:
@@ -103,7 +119,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             # Save the input itself, not a view made here: autograd forbids in-place writes to
             # views created in forward.
             ctx.save_for_backward(logits, target_index, owned, row_term)
-            ctx.meta = (logits.shape, inv_t, chunk_rows, store_exp, inplace)
+            ctx.meta = (logits.shape, inv_t, chunk_rows, store_exp, inplace, valid)
         if not with_entropy:
             return logprobs
         entropy = (log_total - reduced[2] / total_exp).view(targets.shape)
@@ -113,7 +129,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy=None):
         logits, target_index, owned, row_term = ctx.saved_tensors
-        shape, inv_t, chunk_rows, store_exp, inplace = ctx.meta
+        shape, inv_t, chunk_rows, store_exp, inplace, valid = ctx.meta
         rows = target_index.shape[0]
         flat = logits.view(rows, shape[-1]) if inplace else logits.reshape(rows, shape[-1])
         g = grad_logprobs.reshape(rows).to(torch.float32) * inv_t
@@ -124,15 +140,17 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             g_rows = g[start:stop].unsqueeze(-1)
             if store_exp:
                 # the buffer holds exp(z − m): the gradient is computed where it lies
-                work = grad[start:stop]
+                work = grad[start:stop, :valid]
                 work.mul_(-g_rows * row_term[start:stop].unsqueeze(-1))
             else:
-                work = flat[start:stop].to(torch.float32, copy=True)
+                work = flat[start:stop, :valid].to(torch.float32, copy=True)
                 work.mul_(inv_t).sub_(row_term[start:stop].unsqueeze(-1)).exp_().mul_(-g_rows)
             work.scatter_add_(-1, target_index[start:stop], target_grad[start:stop])
             if work.data_ptr() != grad[start:stop].data_ptr():
-                grad[start:stop].copy_(work)
-        return grad.view(shape), None, None, None, None, None, None
+                grad[start:stop, :valid].copy_(work)
+        if valid < grad.shape[-1]:
+            grad[:, valid:] = 0
+        return grad.view(shape), None, None, None, None, None, None, None
 
 
 def vocab_parallel_logprobs(
@@ -144,6 +162,7 @@ def vocab_parallel_logprobs(
     chunk_size: int | None = None,
     with_entropy: bool = False,
     inplace: bool = False,
+    vocab_size: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log π(targets) from this rank's vocabulary shard of the logits.
 
@@ -158,6 +177,9 @@ def vocab_parallel_logprobs(
         with_entropy: also return the entropy of π per position (not differentiable; logging).
         inplace: the caller gives up ``logits``: fp32 logits are overwritten in forward, and the
             gradient is written into the logits buffer in backward. Saves a logits-sized buffer.
+        vocab_size: the real vocabulary size when the logits carry padding columns (Megatron pads
+            the vocabulary to a multiple of 128·TP); padding never enters the softmax. None: every
+            column is a token.
 
     Returns:
         fp32 log-probs shaped like ``targets`` (and the entropy when ``with_entropy``).
@@ -178,13 +200,17 @@ def vocab_parallel_logprobs(
     if inplace and not logits.is_contiguous():
         raise ValueError("inplace=True needs contiguous logits (a copy would defeat its purpose)")
     _, world = _group_rank_size(tp_group)
-    vocab = logits.shape[-1] * world
+    padded_vocab = logits.shape[-1] * world
+    if vocab_size is not None and not 0 < vocab_size <= padded_vocab:
+        raise ValueError(f"vocab_size={vocab_size} must be in [1, {padded_vocab}] (shard x TP)")
+    vocab = vocab_size or padded_vocab
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
         raise ValueError(
-            f"targets must lie in [0, {vocab}) (vocab shard {logits.shape[-1]} x TP {world}), "
+            f"targets must lie in [0, {vocab}) (vocab shard {logits.shape[-1]} x TP {world}"
+            f"{'' if vocab_size is None else f', real vocabulary {vocab_size}'}), "
             f"got range [{int(targets.min())}, {int(targets.max())}]"
         )
     chunk_rows = chunk_size or _default_chunk_rows(logits.shape[-1])
     return _VocabParallelLogProbs.apply(
-        logits, targets, tp_group, float(temperature), chunk_rows, with_entropy, inplace
+        logits, targets, tp_group, float(temperature), chunk_rows, with_entropy, inplace, vocab_size
     )

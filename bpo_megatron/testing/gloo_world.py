@@ -17,7 +17,18 @@ import time
 import traceback
 from typing import Any, Callable
 
-_PRELOAD = ["torch", "torch.distributed"]
+# Imported once by the fork server, so each rank starts with them loaded (megatron-core alone takes
+# several seconds to import). A module that fails to import is skipped by the server.
+_PRELOAD = [
+    "bpo_megatron.testing._quiet_imports",
+    "torch",
+    "torch.distributed",
+    "megatron.core.models.gpt",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.optimizer",
+    "megatron.core.distributed",
+    "megatron.core.dist_checkpointing",
+]
 
 
 class GlooWorldError(RuntimeError):

@@ -1,0 +1,66 @@
+"""Training-side choices for the Megatron model that a Hugging Face config does not carry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+import torch
+
+from bpo_megatron import platform
+
+ParamsDtype = Literal["fp32", "bf16"]
+Recompute = Literal["none", "full"]
+TokenDispatcher = Literal["alltoall", "allgather"]
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def default_params_dtype() -> ParamsDtype:
+    """bf16 on GPUs (what the clusters train in); fp32 on CPU, where bf16 matmuls are slow and
+    the tests compare against fp32 references."""
+    return "bf16" if platform.has_cuda() else "fp32"
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How the policy model is built and trained, independent of its architecture.
+
+    ``moe_aux_loss_coeff`` defaults to 0 (load balancing off): in RL post-training the policy loss
+    is the only objective, and an auxiliary balancing gradient would move the policy away from the
+    rollout policy for reasons unrelated to reward. It also keeps the router's behaviour identical
+    to what the rollout engine runs. Set it (e.g. to the checkpoint's ``router_aux_loss_coef``)
+    only to continue pre-training-style balancing.
+    """
+
+    params_dtype: ParamsDtype = field(default_factory=default_params_dtype)
+    routing_replay: bool = False  # R3: replay the rollout engine's expert choices (MoE only)
+    moe_aux_loss_coeff: float = 0.0
+    recompute: Recompute = "none"  # "full": recompute every layer in backward (1 layer per unit)
+    moe_token_dispatcher: TokenDispatcher = "alltoall"
+    make_vocab_size_divisible_by: int = 128
+
+    def __post_init__(self) -> None:
+        _check_choice("params_dtype", self.params_dtype, ParamsDtype)
+        _check_choice("recompute", self.recompute, Recompute)
+        _check_choice("moe_token_dispatcher", self.moe_token_dispatcher, TokenDispatcher)
+        if not isinstance(self.routing_replay, bool):
+            raise ValueError(f"model.routing_replay={self.routing_replay!r} must be true or false")
+        coeff = self.moe_aux_loss_coeff
+        if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or coeff < 0:
+            raise ValueError(f"model.moe_aux_loss_coeff={coeff!r} must be a non-negative number")
+        divisor = self.make_vocab_size_divisible_by
+        if isinstance(divisor, bool) or not isinstance(divisor, int) or divisor < 1:
+            raise ValueError(
+                f"model.make_vocab_size_divisible_by={divisor!r} must be a positive integer"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _TORCH_DTYPES[self.params_dtype]
+
+
+def _check_choice(name: str, value: object, choices: object) -> None:
+    allowed = get_args(choices)
+    if value not in allowed:
+        raise ValueError(f"model.{name}={value!r} must be one of {', '.join(map(repr, allowed))}")

@@ -1,0 +1,222 @@
+"""Qwen3 and Qwen3-MoE as Megatron-Core ``GPTModel``s.
+
+The mapping follows transformers' modeling code exactly: pre-norm RMSNorm blocks, grouped-query
+attention with RMSNorm on each query/key head (QK-norm) and plain RoPE, SwiGLU MLPs, no biases, and
+for MoE layers a softmax top-k router without shared experts. Megatron imports stay inside the
+functions, so importing this package does not pull in Megatron (callers silence its warnings first).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.nn.functional as F
+
+from bpo_megatron import platform
+from bpo_megatron.models.hf_config import HFModelConfig
+from bpo_megatron.models.options import ModelOptions
+from bpo_megatron.parallel.config import ParallelConfig
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+
+def uses_transformer_engine() -> bool:
+    """The one switch between transformer-engine modules and kernels (GPU) and Megatron's own
+    torch modules (CPU). Every TE-or-local choice of the model goes through it."""
+    return platform.has_cuda() and platform.has_transformer_engine()
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's vocabulary padding: round up to a multiple of ``divisible_by × tp``, so every
+    tensor-parallel shard of the embedding and output layer has the same, aligned number of rows."""
+    if vocab_size < 1 or tp < 1 or divisible_by < 1:
+        raise ValueError(f"vocab_size={vocab_size}, tp={tp} and divisible_by={divisible_by} "
+                         "must be positive")
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def model_vocab_size(hf: HFModelConfig, parallel: ParallelConfig, options: ModelOptions) -> int:
+    """Rows of the Megatron embedding and output layer (the padded vocabulary).
+
+    Rows from ``hf.vocab_size`` on are padding: no token id reaches them, but their logits exist,
+    so log-probabilities over the model's output must exclude them.
+    """
+    return padded_vocab_size(hf.vocab_size, parallel.tp, options.make_vocab_size_divisible_by)
+
+
+def transformer_config(
+    hf: HFModelConfig, parallel: ParallelConfig, options: ModelOptions
+) -> TransformerConfig:
+    """Megatron's ``TransformerConfig`` for ``hf`` split as ``parallel``, built as ``options`` say.
+
+    The RoPE base is not a ``TransformerConfig`` field in megatron-core 0.16 (GPTModel takes it as
+    an argument), so :func:`build_gpt_model` passes ``hf.rope_theta`` there.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    parallel.validate_model(
+        num_layers=hf.num_hidden_layers,
+        num_experts=hf.num_experts if hf.is_moe else 0,
+        num_attention_heads=hf.num_attention_heads,
+        num_query_groups=hf.num_key_value_heads,
+    )
+    te = uses_transformer_engine()
+    return TransformerConfig(
+        num_layers=hf.num_hidden_layers,
+        hidden_size=hf.hidden_size,
+        ffn_hidden_size=hf.intermediate_size,  # the dense MLPs (all layers, or mlp_only_layers)
+        num_attention_heads=hf.num_attention_heads,
+        num_query_groups=hf.num_key_value_heads,
+        kv_channels=hf.head_dim,  # Qwen3 sets head_dim independently of hidden/heads
+        normalization="RMSNorm",
+        layernorm_epsilon=hf.rms_norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,  # HFModelConfig refuses attention_bias=True
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # parallel layout
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.expert_tp,
+        sequence_parallel=parallel.sequence_parallel,
+        # precision
+        params_dtype=options.torch_dtype,
+        pipeline_dtype=options.torch_dtype,
+        bf16=options.params_dtype == "bf16",
+        fp16=False,
+        # Fused kernels come from transformer-engine / CUDA; the unfused paths are exact on CPU.
+        # gradient_accumulation_fusion writes into main_grad, which Megatron's DDP wrapper owns.
+        use_cpu_initialization=not platform.has_cuda(),
+        gradient_accumulation_fusion=te,
+        bias_activation_fusion=te,
+        bias_dropout_fusion=te,
+        masked_softmax_fusion=te,
+        apply_rope_fusion=te,
+        persist_layer_norm=False,
+        **_recompute_fields(options),
+        **_moe_fields(hf, options, te=te),
+    )
+
+
+def _recompute_fields(options: ModelOptions) -> dict[str, object]:
+    if options.recompute == "full":
+        # uniform, one layer per checkpoint: only layer inputs are kept for the backward
+        return {"recompute_granularity": "full", "recompute_method": "uniform",
+                "recompute_num_layers": 1}
+    return {"recompute_granularity": None}
+
+
+def _moe_fields(hf: HFModelConfig, options: ModelOptions, *, te: bool) -> dict[str, object]:
+    if not hf.is_moe:
+        if options.routing_replay:
+            raise ValueError("model.routing_replay=True needs a Mixture-of-Experts model; "
+                             f"{hf.architecture} here has no MoE layers")
+        return {"num_moe_experts": None}
+    if hf.num_experts_per_tok == 1 and hf.norm_topk_prob:
+        # Renormalised top-1 weights are constantly 1 (no router gradient); Megatron refuses
+        # top-1 without pre-softmax, and pre-softmax would not renormalise.
+        raise ValueError("config.json: num_experts_per_tok=1 with norm_topk_prob=true has no "
+                         "Megatron equivalent")
+    moe_layers = set(hf.moe_layers)
+    coeff = float(options.moe_aux_loss_coeff)
+    return {
+        "num_moe_experts": hf.num_experts,
+        "moe_router_topk": hf.num_experts_per_tok,
+        "moe_ffn_hidden_size": hf.moe_intermediate_size,
+        "moe_layer_freq": [int(layer in moe_layers) for layer in range(hf.num_hidden_layers)],
+        "moe_shared_expert_intermediate_size": None,
+        "moe_router_score_function": "softmax",
+        # norm_topk_prob: softmax over all experts, then renormalise the top k = softmax over
+        # the top-k logits, which is Megatron's default (top-k first). Without renormalisation
+        # the probabilities are taken from the full softmax: pre-softmax.
+        "moe_router_pre_softmax": not hf.norm_topk_prob,
+        "moe_router_dtype": "fp32",  # transformers routes in fp32 as well
+        "moe_router_load_balancing_type": "aux_loss" if coeff > 0 else "none",
+        "moe_aux_loss_coeff": coeff,
+        "moe_token_dispatcher_type": options.moe_token_dispatcher,
+        "moe_enable_routing_replay": options.routing_replay,
+        # the fused router computes its own top-k and would bypass the replayed expert choices
+        "moe_router_fusion": te and not options.routing_replay,
+        "moe_permute_fusion": te,
+        "moe_grouped_gemm": te,  # TE's grouped GEMM; the local spec loops over experts
+    }
+
+
+def layer_spec(hf: HFModelConfig, config: TransformerConfig) -> TransformerBlockSubmodules:
+    """The decoder's module spec: transformer-engine modules on GPUs with TE, Megatron's local
+    torch modules otherwise. ``config.moe_layer_freq`` picks a dense or MoE spec per layer, and
+    only this pipeline stage's layers are kept."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if config.num_layers != hf.num_hidden_layers or not config.qk_layernorm:
+        raise ValueError("layer_spec: config was not made by transformer_config for this model")
+    te = uses_transformer_engine()
+    # normalization="RMSNorm" makes the local spec use torch.nn.RMSNorm (WrappedTorchNorm) for
+    # the layer and QK norms; TE's norms read config.normalization themselves.
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
+    if not te:
+        # The local block's final norm is apex's FusedLayerNorm whenever apex is installed, and
+        # that refuses RMSNorm; use the same torch RMSNorm as the layers.
+        spec.layer_norm = WrappedTorchNorm
+    return spec
+
+
+def _check_process_groups(parallel: ParallelConfig) -> None:
+    """Megatron's process groups must have been set up for the same layout."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError("build_gpt_model: Megatron's model-parallel groups are not "
+                           "initialised (call parallel_state.initialize_model_parallel first)")
+    actual = {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "etp": ps.get_expert_tensor_parallel_world_size(),
+    }
+    wanted = {"tp": parallel.tp, "pp": parallel.pp, "ep": parallel.ep, "etp": parallel.expert_tp}
+    if actual != wanted:
+        raise ValueError(f"build_gpt_model: parallel config {wanted} does not match Megatron's "
+                         f"initialised process groups {actual}")
+
+
+def build_gpt_model(
+    hf: HFModelConfig,
+    parallel: ParallelConfig,
+    options: ModelOptions,
+    *,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+) -> GPTModel:
+    """This rank's part of the model (its pipeline stage, TP and EP shards), freshly initialised.
+
+    ``pre_process``/``post_process`` (embedding / final norm and output layer) default to whether
+    this rank is the first / last pipeline stage.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    _check_process_groups(parallel)
+    config = transformer_config(hf, parallel, options)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(hf, config),
+        vocab_size=model_vocab_size(hf, parallel, options),
+        max_sequence_length=hf.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage() if pre_process is None else pre_process,
+        post_process=ps.is_pipeline_last_stage() if post_process is None else post_process,
+        parallel_output=True,  # logits stay vocab-sharded: log-probs are computed per shard
+        share_embeddings_and_output_weights=hf.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=hf.rope_theta,
+    )

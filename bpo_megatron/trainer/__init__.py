@@ -1,0 +1,1 @@
+"""The RL trainer: Megatron-Core model chunks, their optimizer and the training step."""

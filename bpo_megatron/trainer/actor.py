@@ -1,0 +1,306 @@
+"""The train actor: one per rank, a slice of the policy model under TP × EP × PP × DP.
+
+Plain Python (the orchestration layer wraps it in a Ray actor). Every rank of the trainer world
+calls the same methods with the same arguments; each rank takes its data-parallel share of the
+samples itself.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from bpo_megatron import platform
+from bpo_megatron.losses import BatchTotals, PolicyLossConfig, policy_loss
+from bpo_megatron.models import HFModelConfig, ModelOptions, build_gpt_model
+from bpo_megatron.ops import vocab_parallel_logprobs
+from bpo_megatron.parallel import ParallelConfig
+from bpo_megatron.trainer import checkpoint
+from bpo_megatron.trainer.config import TrainerConfig
+from bpo_megatron.trainer.optimizer import OptimizerSettings, build_optimizer, wrap_ddp, zero_grad
+from bpo_megatron.trainer.replay import RoutingReplay, check_routed_experts
+from bpo_megatron.trainer.samples import MicroBatch, TrainSample, check_samples, chunk, collate, split
+
+
+@dataclass
+class ScoredSamples:
+    """Per-sample results of :meth:`TrainActor.compute_logprobs`, one entry per response token
+    (routing: one per input position, ``[len(tokens) − 1, MoE layers, top-k]``)."""
+
+    logprobs: list[torch.Tensor]
+    entropies: list[torch.Tensor]
+    routed_experts: list[torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class _Ranks:
+    """This rank's place in the layout (read once from Megatron's parallel state)."""
+
+    tp: int
+    tp_size: int
+    dp: int
+    dp_size: int
+    is_first_stage: bool
+    is_last_stage: bool
+
+
+class TrainActor:
+    """Builds the model, DDP and optimizer, and runs forward-only scoring and training steps."""
+
+    def __init__(self, hf: HFModelConfig, *, parallel: ParallelConfig, model: ModelOptions,
+                 loss: PolicyLossConfig, optimizer: OptimizerSettings, trainer: TrainerConfig) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        from bpo_megatron.megatron import ensure_megatron_cpu_compat
+
+        if not dist.is_initialized():
+            raise RuntimeError("TrainActor needs an initialised torch.distributed world (one process per rank)")
+        if model.routing_replay and not hf.num_experts:
+            raise ValueError("model.routing_replay=true needs a Mixture-of-Experts model; this one is dense")
+        parallel.validate_world(dist.get_world_size())
+        parallel.validate_model(num_layers=hf.num_hidden_layers, num_experts=hf.num_experts,
+                                num_attention_heads=hf.num_attention_heads,
+                                num_query_groups=hf.num_key_value_heads)
+        ensure_megatron_cpu_compat()
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tp,
+            pipeline_model_parallel_size=parallel.pp,
+            expert_model_parallel_size=parallel.ep,
+            expert_tensor_parallel_size=parallel.expert_tp,
+        )
+        model_parallel_cuda_manual_seed(trainer.seed)
+        torch.manual_seed(trainer.seed)
+
+        self.hf, self.parallel, self.model_options = hf, parallel, model
+        self.loss_cfg, self.trainer_cfg = loss, trainer
+        self.ranks = _Ranks(
+            tp=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+            dp=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+            is_first_stage=ps.is_pipeline_first_stage(), is_last_stage=ps.is_pipeline_last_stage(),
+        )
+        self.model = build_gpt_model(hf, parallel, model)
+        self.config = self.model.config
+        # Micro-batches differ in length; pipeline stages exchange shapes before activations.
+        self.config.variable_seq_lengths = parallel.pp > 1
+        self.ddp = wrap_ddp([self.model], self.config)
+        self.optimizer = build_optimizer(optimizer, self.ddp)
+        self.replay = (
+            RoutingReplay(self.model, moe_layers=list(hf.moe_layers), tp_rank=self.ranks.tp,
+                          tp_size=self.ranks.tp_size, sequence_parallel=parallel.sequence_parallel)
+            if model.routing_replay else None
+        )
+        self.step = 0
+        self._tp_group = ps.get_tensor_model_parallel_group()
+        self._dp_group = ps.get_data_parallel_group()
+        self._pp_group = ps.get_pipeline_model_parallel_group()
+
+    # ------------------------------------------------------------------------------------ API
+    @property
+    def is_output_rank(self) -> bool:
+        """Ranks that hold the results of :meth:`compute_logprobs` (the last pipeline stage)."""
+        return self.ranks.is_last_stage
+
+    def compute_logprobs(self, samples: list[TrainSample], *, record_routing: bool = False
+                         ) -> ScoredSamples | None:
+        """log π and the entropy of π at every response token of every sample (forward only).
+
+        With ``model.routing_replay`` the samples' routed experts are replayed (R3). With
+        ``record_routing`` the routers instead choose freely and their choices are returned,
+        e.g. to measure how often trainer and rollout engine route alike. Results are in sample
+        order on the ranks of the last pipeline stage; None elsewhere.
+        """
+        if record_routing and self.replay is None:
+            raise ValueError("record_routing needs a model built with model.routing_replay=true")
+        self._check(samples, replaying=not record_routing)
+        mine = split(samples, self.ranks.dp_size)[self.ranks.dp]
+        micro_batches = self._micro_batches(mine, with_routing=not record_routing)
+        recorded: list[torch.Tensor] = []
+
+        def loss_func(micro: MicroBatch, logits: torch.Tensor):
+            logp, entropy = vocab_parallel_logprobs(
+                logits, micro.targets, self._tp_group, temperature=self.trainer_cfg.temperature,
+                with_entropy=True, inplace=True, vocab_size=self.hf.vocab_size)
+            return logp.sum() * 0.0, {"logp": logp, "entropy": entropy, "micro": micro}
+
+        for module in self.ddp:
+            module.eval()
+        with torch.no_grad():
+            outputs = self._run(micro_batches, loss_func, forward_only=True,
+                                record_into=recorded if record_routing else None)
+        for module in self.ddp:
+            module.train()
+        routing = self._assemble_routing(micro_batches, recorded) if record_routing else None
+        if not self.ranks.is_last_stage:
+            return None
+        logps, entropies = [], []
+        for out in outputs:
+            micro = out["micro"]
+            for row, n in enumerate(micro.lengths.tolist()):
+                start = int(micro.loss_mask[row].nonzero()[0])
+                logps.append(out["logp"][row, start:n].clone())
+                entropies.append(out["entropy"][row, start:n].clone())
+        return ScoredSamples(
+            logprobs=self._gather_over_dp(logps),
+            entropies=self._gather_over_dp(entropies),
+            routed_experts=None if routing is None else self._gather_over_dp(routing),
+        )
+
+    def train_step(self, minibatch: list[TrainSample]) -> dict[str, float]:
+        """One optimizer step on ``minibatch`` (every rank passes the whole minibatch).
+
+        The loss is the policy loss of the whole minibatch, aggregated as ``loss.agg`` says, no
+        matter how it is split over data-parallel ranks and micro-batches. Returns the loss, the
+        loss statistics, the grad norm (pre-clip) and timings, identical on every rank.
+        """
+        self._check(minibatch)
+        start = time.perf_counter()
+        totals = BatchTotals(tokens=float(sum(s.num_response_tokens for s in minibatch)),
+                             sequences=float(len(minibatch)))
+        mine = split(minibatch, self.ranks.dp_size)[self.ranks.dp]
+        micro_batches = self._micro_batches(mine)
+        # Megatron's schedule divides each micro-batch loss by their number and DDP divides the
+        # gradients by the DP size; the losses here are already shares of the whole minibatch.
+        scale = len(micro_batches) * self.ranks.dp_size
+
+        def loss_func(micro: MicroBatch, logits: torch.Tensor):
+            logp = vocab_parallel_logprobs(
+                logits, micro.targets, self._tp_group, temperature=self.trainer_cfg.temperature,
+                inplace=True, vocab_size=self.hf.vocab_size)
+            loss, stats = policy_loss(logp, micro.rollout_logprobs, micro.advantages, micro.loss_mask,
+                                      self.loss_cfg, totals=totals)
+            return loss * scale, {"loss": loss.detach().clone(), "stats": stats}
+
+        zero_grad(self.ddp, self.optimizer)
+        outputs = self._run(micro_batches, loss_func, forward_only=False)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        if not update_ok:
+            raise FloatingPointError(f"optimizer step {self.step} skipped: non-finite gradients")
+        self.step += 1
+        metrics = self._step_metrics(outputs)
+        metrics.update(grad_norm=float(grad_norm), train_time_s=time.perf_counter() - start,
+                       num_micro_batches=float(len(micro_batches)), step=float(self.step))
+        return metrics
+
+    def save(self, root: str, *, trainer_state: dict[str, Any] | None = None,
+             keep_last: int | None = None) -> str:
+        """Atomically write model, optimizer, RNG and ``trainer_state`` (e.g. the data cursor)."""
+        state = {"actor_step": self.step, **(trainer_state or {})}
+        return str(checkpoint.save(root, self.step, self.model, self.optimizer, state,
+                                   layout=self._layout(), keep_last=keep_last))
+
+    def load(self, path: str, *, load_optimizer: bool = True) -> dict[str, Any]:
+        """Load a checkpoint saved under any layout; returns its trainer state."""
+        meta = checkpoint.load(path, self.model, self.optimizer if load_optimizer else None,
+                               layout=self._layout())
+        self.step = int(meta.get("actor_step", meta["step"]))
+        return meta
+
+    # ------------------------------------------------------------------------------ internals
+    def _layout(self) -> dict[str, int]:
+        p = self.parallel
+        return {"tp": p.tp, "pp": p.pp, "ep": p.ep, "etp": p.expert_tp, "dp": self.ranks.dp_size}
+
+    def _check(self, samples: list[TrainSample], *, replaying: bool = True) -> None:
+        check_samples(samples, vocab_size=self.hf.vocab_size)
+        if self.replay is not None and replaying:
+            check_routed_experts(samples, num_moe_layers=len(self.hf.moe_layers),
+                                 topk=self.hf.num_experts_per_tok, num_experts=self.hf.num_experts)
+        if len(samples) % self.ranks.dp_size:
+            raise ValueError(
+                f"{len(samples)} samples cannot be split evenly over {self.ranks.dp_size} data-parallel "
+                "ranks (every rank must run the same number of micro-batches); use a batch size that "
+                "the data-parallel size divides"
+            )
+
+    def _micro_batches(self, samples: list[TrainSample], *, with_routing: bool = True) -> list[MicroBatch]:
+        pad = self.ranks.tp_size if self.parallel.sequence_parallel else 1
+        with_routing = with_routing and self.replay is not None
+        return [collate(group, pad_to_multiple=pad, with_routing=with_routing)
+                for group in chunk(samples, self.trainer_cfg.micro_batch_size)]
+
+    def _run(self, micro_batches: list[MicroBatch],
+             loss_func: Callable[[MicroBatch, torch.Tensor], tuple], *, forward_only: bool,
+             record_into: list[torch.Tensor] | None = None) -> list[dict]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        device = platform.device()
+        replay = self.replay
+
+        def forward_step(data: Iterator[MicroBatch], model: torch.nn.Module):
+            micro = next(data).to(device)
+            if record_into is not None:
+                replay.start_recording()
+            elif replay is not None:
+                replay.load(micro)
+            output = model(micro.input_ids, micro.position_ids, attention_mask=None)
+            if record_into is not None:
+                record_into.append(replay.take_recorded(micro.shape[0]))
+            elif replay is not None:
+                replay.forward_done()
+            return output, lambda logits: loss_func(micro, logits)
+
+        seq = max(m.shape[1] for m in micro_batches)
+        try:
+            outputs = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro_batches),
+                model=self.ddp,
+                num_microbatches=len(micro_batches),
+                seq_length=seq,
+                micro_batch_size=max(m.shape[0] for m in micro_batches),
+                forward_only=forward_only,
+            )
+        finally:
+            if replay is not None:
+                replay.finish(recompute=self.model_options.recompute != "none" and not forward_only)
+        return outputs
+
+    def _step_metrics(self, outputs: list[dict]) -> dict[str, float]:
+        """Loss and loss statistics summed over micro-batches and DP ranks, sent to every stage."""
+        metrics: dict[str, float] = {}
+        if self.ranks.is_last_stage:
+            loss = torch.stack([o["loss"] for o in outputs]).sum().reshape(1).double()
+            stats = outputs[0]["stats"]
+            for out in outputs[1:]:
+                stats = stats.merge(out["stats"])
+            dist.all_reduce(loss, group=self._dp_group)
+            stats = stats.all_reduce(self._dp_group)
+            metrics = {"loss": float(loss), **stats.as_metrics()}
+        if self.parallel.pp > 1:
+            box = [metrics]
+            last = dist.get_global_rank(self._pp_group, self.parallel.pp - 1)
+            dist.broadcast_object_list(box, src=last, group=self._pp_group)
+            metrics = box[0]
+        return metrics
+
+    def _assemble_routing(self, micro_batches: list[MicroBatch], recorded: list[torch.Tensor]
+                          ) -> list[torch.Tensor]:
+        """Per-sample ``[n − 1, MoE layers, K]`` routing from every rank's sequence shard and
+        pipeline stage's layers (recorded as ``[s_local, b, local layers, K]`` per micro-batch)."""
+        if self.parallel.sequence_parallel:
+            shards: list = [None] * self.ranks.tp_size
+            dist.all_gather_object(shards, recorded, group=self._tp_group)
+            recorded = [torch.cat(parts, dim=0) for parts in zip(*shards)]
+        if self.parallel.pp > 1:
+            stages: list = [None] * self.parallel.pp
+            dist.all_gather_object(stages, (self.replay.local_moe_layers, recorded), group=self._pp_group)
+            order = [index for layers, _ in stages for index in layers]
+            merged = [torch.cat(parts, dim=2) for parts in zip(*(r for _, r in stages))]
+            recorded = [m[:, :, sorted(range(len(order)), key=order.__getitem__)] for m in merged]
+        per_sample = []
+        for micro, routing in zip(micro_batches, recorded):
+            for row, n in enumerate(micro.lengths.tolist()):
+                per_sample.append(routing[:n, row].clone())
+        return per_sample
+
+    def _gather_over_dp(self, local: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.ranks.dp_size == 1:
+            return local
+        parts: list[list[torch.Tensor] | None] = [None] * self.ranks.dp_size
+        dist.all_gather_object(parts, local, group=self._dp_group)
+        return [t for part in parts for t in part]

@@ -1,0 +1,127 @@
+"""Training samples, their validation, and padded micro-batches for the Megatron model.
+
+A sample is one prompt+response token sequence with the rollout engine's log μ of each response
+token, the response's advantage and (for R3) the experts each processed token was routed to. The
+model is fed ``tokens[:-1]`` and predicts ``tokens[1:]``: position t's logits score token t+1, and
+the engine routed exactly those n−1 input positions (the last sampled token is never fed back).
+
+Micro-batches are right-padded to a common length (a multiple of the TP size, for sequence
+parallelism). Padding sits after every real token, so causal attention never lets it influence a
+real position; its loss mask is False and its routing is a fixed valid expert set.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    tokens: torch.Tensor  # [n] int: prompt then response
+    response_start: int  # index of the first response token (the prompt length)
+    rollout_logprobs: torch.Tensor  # [n - response_start] log μ of each response token
+    advantage: float
+    routed_experts: torch.Tensor | None = None  # [n - 1, num_moe_layers, topk] int
+
+    @property
+    def num_response_tokens(self) -> int:
+        return self.tokens.numel() - self.response_start
+
+
+def check_samples(samples: list[TrainSample], *, vocab_size: int) -> None:
+    """Refuse malformed samples before any compute, naming the sample and the field."""
+    if not samples:
+        raise ValueError("got an empty list of samples")
+    for i, s in enumerate(samples):
+        where = f"sample {i}"
+        if s.tokens.dim() != 1 or s.tokens.dtype.is_floating_point or s.tokens.dtype == torch.bool:
+            raise ValueError(f"{where}: tokens must be a 1-D integer tensor, got {s.tokens.dtype} {tuple(s.tokens.shape)}")
+        n = s.tokens.numel()
+        if not 1 <= s.response_start < n:
+            raise ValueError(
+                f"{where}: response_start={s.response_start} must leave at least one prompt and one "
+                f"response token in {n} tokens"
+            )
+        if n and (int(s.tokens.min()) < 0 or int(s.tokens.max()) >= vocab_size):
+            raise ValueError(f"{where}: token ids must lie in [0, {vocab_size}) (the model's vocabulary)")
+        if s.rollout_logprobs.shape != (n - s.response_start,):
+            raise ValueError(
+                f"{where}: rollout_logprobs has shape {tuple(s.rollout_logprobs.shape)}, expected "
+                f"({n - s.response_start},) = one per response token"
+            )
+        if not bool(torch.isfinite(s.rollout_logprobs).all()) or bool((s.rollout_logprobs > 1e-5).any()):
+            raise ValueError(f"{where}: rollout_logprobs must be finite log-probabilities (<= 0)")
+        if not math.isfinite(s.advantage):
+            raise ValueError(f"{where}: advantage must be finite, got {s.advantage}")
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded tensors of a few samples; the sequence axis has the input positions."""
+
+    input_ids: torch.Tensor  # [b, s]
+    position_ids: torch.Tensor  # [b, s]
+    targets: torch.Tensor  # [b, s] token at position t+1
+    loss_mask: torch.Tensor  # [b, s] bool: the target is a response token
+    rollout_logprobs: torch.Tensor  # [b, s] log μ of the target (0 off the mask)
+    advantages: torch.Tensor  # [b]
+    lengths: torch.Tensor  # [b] real input positions per row (n − 1)
+    routed_experts: torch.Tensor | None  # [b, s, num_moe_layers, topk] or None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.input_ids.shape)  # type: ignore[return-value]
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        moved = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in vars(self).items()}
+        return MicroBatch(**moved)
+
+
+def collate(samples: list[TrainSample], *, pad_to_multiple: int = 1, with_routing: bool = False) -> MicroBatch:
+    """Right-pad ``samples`` into one micro-batch (length rounded up to ``pad_to_multiple``)."""
+    lengths = [s.tokens.numel() - 1 for s in samples]
+    seq = -(-max(lengths) // pad_to_multiple) * pad_to_multiple
+    b = len(samples)
+    input_ids = torch.zeros(b, seq, dtype=torch.long)
+    targets = torch.zeros(b, seq, dtype=torch.long)
+    loss_mask = torch.zeros(b, seq, dtype=torch.bool)
+    rollout_logprobs = torch.zeros(b, seq, dtype=torch.float32)
+    routed = None
+    if with_routing:
+        layers, topk = samples[0].routed_experts.shape[1:]
+        # Padding routes to experts 0..k-1: a valid, duplicate-free choice whose output is unused.
+        routed = torch.arange(topk).expand(b, seq, layers, topk).clone()
+    for row, (s, n) in enumerate(zip(samples, lengths)):
+        tokens = s.tokens.long()
+        input_ids[row, :n] = tokens[:-1]
+        targets[row, :n] = tokens[1:]
+        first = s.response_start - 1  # the position whose target is the first response token
+        loss_mask[row, first:n] = True
+        rollout_logprobs[row, first:n] = s.rollout_logprobs.float()
+        if routed is not None:
+            routed[row, :n] = s.routed_experts.long()
+    return MicroBatch(
+        input_ids=input_ids,
+        position_ids=torch.arange(seq).expand(b, seq).clone(),
+        targets=targets,
+        loss_mask=loss_mask,
+        rollout_logprobs=rollout_logprobs,
+        advantages=torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32),
+        lengths=torch.tensor(lengths),
+        routed_experts=routed,
+    )
+
+
+def split(items: list, parts: int) -> list[list]:
+    """``items`` in ``parts`` contiguous, nearly equal slices (the first ones one longer)."""
+    size, extra = divmod(len(items), parts)
+    bounds = [i * size + min(i, extra) for i in range(parts + 1)]
+    return [items[bounds[i] : bounds[i + 1]] for i in range(parts)]
+
+
+def chunk(items: list, size: int) -> list[list]:
+    """Consecutive slices of at most ``size`` items."""
+    return [items[i : i + size] for i in range(0, len(items), size)]

@@ -1,0 +1,80 @@
+"""Shared pieces of the train-actor tests: the tiny Qwen3-MoE, samples, actor construction."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import torch
+
+from bpo_megatron.trainer.samples import TrainSample
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+TINY_MOE = FIXTURES / "tiny_qwen3_moe" / "config.json"
+
+
+def quiet() -> None:
+    warnings.filterwarnings("ignore", module=r"megatron\.")
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+
+
+def tiny_moe():
+    from bpo_megatron.models import HFModelConfig
+
+    return HFModelConfig.load(TINY_MOE)
+
+
+def random_routing(n: int, hf, gen: torch.Generator) -> torch.Tensor:
+    """Distinct top-k expert ids for n positions of every MoE layer."""
+    scores = torch.rand(n, len(hf.moe_layers), hf.num_experts, generator=gen)
+    return scores.argsort(dim=-1)[..., : hf.num_experts_per_tok]
+
+
+def make_samples(count: int, *, seed: int, routing: bool = False) -> list[TrainSample]:
+    """Prompts of 2–5 and responses of 2–7 tokens; advantages of both signs."""
+    hf = tiny_moe()
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(count):
+        prompt = int(torch.randint(2, 6, (1,), generator=gen))
+        response = int(torch.randint(2, 8, (1,), generator=gen))
+        tokens = torch.randint(0, hf.vocab_size, (prompt + response,), generator=gen)
+        samples.append(TrainSample(
+            tokens=tokens,
+            response_start=prompt,
+            rollout_logprobs=-torch.rand(response, generator=gen) * 4 - 3,
+            advantage=(1.0 if i % 2 == 0 else -1.0) * (0.5 + i / count),
+            routed_experts=random_routing(prompt + response - 1, hf, gen) if routing else None,
+        ))
+    return samples
+
+
+def build_actor(*, tp=1, pp=1, ep=1, replay=False, recompute="none", lr=1e-3, loss="bpo",
+                micro_batch_size=2, grad_clip=1.0):
+    from bpo_megatron.losses import PolicyLossConfig
+    from bpo_megatron.models import ModelOptions
+    from bpo_megatron.parallel import ParallelConfig
+    from bpo_megatron.trainer.actor import TrainActor
+    from bpo_megatron.trainer.config import TrainerConfig
+    from bpo_megatron.trainer.optimizer import OptimizerSettings
+
+    quiet()
+    return TrainActor(
+        tiny_moe(),
+        parallel=ParallelConfig(tp=tp, pp=pp, ep=ep),
+        model=ModelOptions(routing_replay=replay, recompute=recompute),
+        loss=PolicyLossConfig(name=loss),
+        optimizer=OptimizerSettings(lr=lr, grad_clip=grad_clip),
+        trainer=TrainerConfig(micro_batch_size=micro_batch_size),
+    )
+
+
+def flat_params(actor) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in actor.model.named_parameters()}
+
+
+def close_down() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
