@@ -23,4 +23,4 @@ echo "[setup] installing bpo-megatron (editable) with test tools"
 "${PIP[@]}" install -c tools/constraints-cpu.txt -e ".[dev]"
 "$VENV/bin/python" -m pip check
 echo "$want" > "$STAMP"
-echo "[setup] done: $("$VENV/bin/python" -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)')"
+echo "[setup] done: $("$VENV/bin/python" -W ignore -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)')"
