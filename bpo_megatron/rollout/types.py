@@ -1,0 +1,86 @@
+"""What crosses the rollout-engine boundary: sampling settings, requests and samples."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings of one request. ``top_k=0`` and ``top_p=1.0`` disable those filters.
+
+    Log-probabilities reported for the sampled tokens are always those of the temperature-scaled
+    distribution *before* top-p/top-k filtering: the distribution the trainer recomputes.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    n: int = 1  # responses per prompt
+
+    def __post_init__(self) -> None:
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"rollout.temperature must be > 0, got {self.temperature} (greedy decoding is not sampling from π)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"rollout.top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.n < 1:
+            raise ValueError(f"rollout.n must be >= 1, got {self.n}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_tokens: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_tokens:
+            raise ValueError(f"request {self.request_id!r} has an empty prompt")
+
+
+@dataclass
+class Sample:
+    """One generated response. ``index`` tells the n responses of a request apart."""
+
+    request_id: str
+    index: int
+    prompt_tokens: torch.Tensor  # [P] int64
+    response_tokens: torch.Tensor  # [R] int64 (includes the stop token when one ended it)
+    rollout_logprobs: torch.Tensor  # [R] float32, log μ of each response token
+    finish_reason: FinishReason
+    routed_experts: torch.Tensor | None = None  # [P + R − 1, MoE layers, top-k] when captured
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return torch.cat([self.prompt_tokens, self.response_tokens])
+
+    def check(self, *, num_moe_layers: int | None = None, topk: int | None = None) -> None:
+        """Raise ValueError if the pieces disagree (e.g. a decoding bug in an engine client)."""
+        r = self.response_tokens.numel()
+        if self.rollout_logprobs.shape != (r,):
+            raise ValueError(f"sample {self.request_id}/{self.index}: {self.rollout_logprobs.numel()} "
+                             f"log-probs for {r} response tokens")
+        if self.routed_experts is not None:
+            want = (self.prompt_tokens.numel() + r - 1, num_moe_layers, topk)
+            got = tuple(self.routed_experts.shape)
+            if got[0] != want[0] or (num_moe_layers is not None and got[1:] != want[1:]):
+                raise ValueError(f"sample {self.request_id}/{self.index}: routed experts {got}, expected {want}")
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    healthy: bool
+    detail: str = ""
