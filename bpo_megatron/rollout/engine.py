@@ -54,7 +54,7 @@ class RolloutEngine(abc.ABC):
 # engine name -> "module:Class"; imported only when the engine is used
 ENGINES: dict[str, str] = {
     "hf": "bpo_megatron.rollout.hf_engine:HFEngine",
-    "sglang": "bpo_megatron.rollout.sglang_engine:SGLangEngine",
+    "sglang": "bpo_megatron.rollout.sglang:SGLangEngine",
     "vllm": "bpo_megatron.rollout.vllm_engine:VLLMEngine",
 }
 

@@ -1,0 +1,63 @@
+"""Settings of the SGLang rollout engine (owned by this engine)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Literal
+
+WeightSync = Literal["tensor", "distributed"]
+
+
+@dataclass(frozen=True)
+class SGLangConfig:
+    """How to start (or reach) one SGLang server and talk to it.
+
+    ``url`` attaches to a running server instead of starting one (then nothing is restarted by
+    us). ``weight_sync``: ``"tensor"`` when the engine shares GPUs with the trainer (CUDA IPC
+    handles through ``/update_weights_from_tensor``), ``"distributed"`` when it does not (an NCCL
+    group between trainer rank 0 and the engine, ``/update_weights_from_distributed``).
+    """
+
+    model_path: str = ""
+    url: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    tp_size: int = 1
+    mem_fraction_static: float | None = None
+    capture_routed_experts: bool = True
+    weight_sync: WeightSync = "distributed"
+    extra_args: tuple[str, ...] = ()  # passed to sglang.launch_server verbatim
+    launcher: tuple[str, ...] = field(default_factory=lambda: (sys.executable, "-m", "sglang.launch_server"))
+    startup_timeout_s: float = 900.0
+    request_timeout_s: float = 1800.0
+    max_retries: int = 2  # per request chunk, after the first attempt
+    max_restarts: int = 3  # per generate call
+    weight_bucket_bytes: int = 512 * 1024 * 1024  # tensors sent per weight-update call
+    requests_per_post: int = 64  # requests sent in one /generate call
+    concurrent_posts: int = 8
+
+    def __post_init__(self) -> None:
+        if not self.url and not self.model_path:
+            raise ValueError("rollout.sglang.model_path is required unless rollout.sglang.url attaches to a server")
+        if self.weight_sync not in ("tensor", "distributed"):
+            raise ValueError(f"rollout.sglang.weight_sync={self.weight_sync!r}: choose 'tensor' or 'distributed'")
+        for name in ("tp_size", "requests_per_post", "concurrent_posts", "weight_bucket_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.sglang.{name} must be >= 1")
+        if self.max_retries < 0 or self.max_restarts < 0:
+            raise ValueError("rollout.sglang.max_retries and max_restarts must be >= 0")
+
+    @property
+    def base_url(self) -> str:
+        return (self.url or f"http://{self.host}:{self.port}").rstrip("/")
+
+    def launch_command(self) -> list[str]:
+        """The server command line: token ids in and out, routed experts when capturing."""
+        cmd = [*self.launcher, "--model-path", self.model_path, "--host", self.host,
+               "--port", str(self.port), "--tp-size", str(self.tp_size), "--skip-tokenizer-init"]
+        if self.capture_routed_experts:
+            cmd.append("--enable-return-routed-experts")
+        if self.mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        return cmd + list(self.extra_args)

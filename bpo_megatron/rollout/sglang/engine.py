@@ -1,0 +1,181 @@
+"""The SGLang rollout engine: one server (started here or attached to), driven over HTTP."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+import torch
+
+from bpo_megatron.rollout.engine import EngineCapabilities, RolloutEngine
+from bpo_megatron.rollout.sglang.config import SGLangConfig
+from bpo_megatron.rollout.sglang.http import RequestTimeout, ServerError, ServerUnavailable, request_json
+from bpo_megatron.rollout.sglang.protocol import WorkItem, decode_sample, expand, generate_body
+from bpo_megatron.rollout.sglang.server import ServerProcess
+from bpo_megatron.rollout.sglang.weights import DistributedWeightSender, tensor_update_body
+from bpo_megatron.rollout.types import EngineHealth, GenerationRequest, Sample
+from bpo_megatron.rollout.weight_buckets import buckets, tensor_bytes
+
+
+class RolloutFailed(RuntimeError):
+    """Generation could not be completed (a request kept timing out or the server kept dying)."""
+
+
+class SGLangEngine(RolloutEngine):
+    def __init__(self, cfg: SGLangConfig, *, num_moe_layers: int | None = None, topk: int | None = None) -> None:
+        if cfg.capture_routed_experts and (num_moe_layers is None or topk is None):
+            raise ValueError("capturing routed experts needs the model's number of MoE layers and top-k")
+        self.cfg = cfg
+        self.num_moe_layers, self.topk = num_moe_layers, topk
+        self.capabilities = EngineCapabilities(captures_routing=cfg.capture_routed_experts,
+                                               updates_weights_in_place=True)
+        self.server = None if cfg.url else ServerProcess(cfg)
+        self.weight_sender: DistributedWeightSender | None = None
+        self._paused = False
+        self.restarts = 0
+        if self.server is not None:
+            self.server.start()
+
+    # ------------------------------------------------------------------------------ generation
+    def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
+        if self._paused:
+            raise RuntimeError("the SGLang engine is paused (a weight update is in progress); call resume()")
+        items = expand(requests)
+        chunks = [tuple(items[i : i + self.cfg.requests_per_post])
+                  for i in range(0, len(items), self.cfg.requests_per_post)]
+        results: dict[str, Sample] = {}
+        attempts = {chunk: 0 for chunk in chunks}
+        restarts_left = self.cfg.max_restarts
+        pending = chunks
+        while pending:
+            failed, server_down = [], False
+            with ThreadPoolExecutor(max_workers=self.cfg.concurrent_posts) as pool:
+                futures = {pool.submit(self._post_generate, chunk): chunk for chunk in pending}
+                for future in as_completed(futures):
+                    chunk = futures[future]
+                    try:
+                        for sample, item in zip(future.result(), chunk):
+                            if item.rid in results:
+                                raise RolloutFailed(f"request {item.rid} was answered twice")
+                            results[item.rid] = sample
+                    except ServerUnavailable:
+                        server_down = True
+                        failed.append(chunk)
+                    except (RequestTimeout, ServerError) as exc:
+                        if isinstance(exc, ServerError) and not exc.retryable:
+                            raise RolloutFailed(f"SGLang refused a request: {exc}") from exc
+                        attempts[chunk] += 1
+                        if attempts[chunk] > self.cfg.max_retries:
+                            raise RolloutFailed(
+                                f"requests {chunk[0].rid}..{chunk[-1].rid} failed {attempts[chunk]} times "
+                                f"(last: {exc}); raise rollout.sglang.request_timeout_s or max_retries"
+                            ) from exc
+                        failed.append(chunk)
+            if server_down or (self.server is not None and not self.server.alive()):
+                restarts_left = self._recover(restarts_left)
+            pending = failed
+        return [results[item.rid] for item in items]
+
+    def _post_generate(self, chunk: tuple[WorkItem, ...]) -> list[Sample]:
+        body = generate_body(list(chunk), capture_routing=self.cfg.capture_routed_experts)
+        response = request_json("POST", f"{self.cfg.base_url}/generate", body, timeout=self.cfg.request_timeout_s)
+        if not isinstance(response, list) or len(response) != len(chunk):
+            raise ServerError(f"/generate returned {type(response).__name__} for {len(chunk)} requests",
+                              retryable=True)
+        return [decode_sample(item, answer, capture_routing=self.cfg.capture_routed_experts,
+                              num_moe_layers=self.num_moe_layers, topk=self.topk)
+                for item, answer in zip(chunk, response)]
+
+    def _recover(self, restarts_left: int) -> int:
+        """Restart a server we own that died; unfinished requests are then sent again."""
+        if self.server is None:
+            raise RolloutFailed(f"the SGLang server at {self.cfg.base_url} stopped answering (attached with "
+                                "rollout.sglang.url, so it is not restarted here)")
+        if restarts_left == 0:
+            raise RolloutFailed(f"the SGLang server died {self.cfg.max_restarts + 1} times in one rollout; "
+                                f"last output:\n{self.server.log_tail()}")
+        self.server.restart()
+        self.restarts += 1
+        self.weight_sender = None  # the server's side of the update group died with it
+        return restarts_left - 1
+
+    # ------------------------------------------------------------------------------- weights
+    def connect_weight_group(self, master_address: str, master_port: int, *, backend: str = "nccl",
+                             group_name: str = "bpo-weight-sync") -> None:
+        """Form the trainer→engine group: this process is rank 0, the server's TP ranks follow."""
+        world_size = 1 + self.cfg.tp_size
+        body = {"master_address": master_address, "master_port": master_port, "rank_offset": 1,
+                "world_size": world_size, "group_name": group_name, "backend": backend}
+        # The server joins the group while answering, so the request runs beside our own join.
+        reply = _Background(lambda: self._post("init_weights_update_group", body))
+        self.weight_sender = DistributedWeightSender(master_address, master_port, world_size, backend, group_name)
+        reply.result()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        start, sent = time.perf_counter(), 0
+        for bucket in buckets(named_tensors, self.cfg.weight_bucket_bytes):
+            if self.cfg.weight_sync == "tensor":
+                self._post("update_weights_from_tensor", tensor_update_body(bucket, self.cfg.tp_size))
+            else:
+                if self.weight_sender is None:
+                    raise RuntimeError("call connect_weight_group() before update_weights() with weight_sync=distributed")
+                body = self.weight_sender.metadata(bucket)
+                reply = _Background(lambda: self._post("update_weights_from_distributed", body))
+                self.weight_sender.broadcast(bucket)
+                reply.result()
+            sent += sum(tensor_bytes(t) for _, t in bucket)
+        self._post("flush_cache", {})  # no KV computed with the old weights may be reused
+        self.last_sync_seconds = time.perf_counter() - start
+        return sent
+
+    # ------------------------------------------------------------------------------- control
+    def pause(self) -> None:
+        self._post("pause_generation", {})
+        self._paused = True
+
+    def resume(self) -> None:
+        self._post("continue_generation", {})
+        self._paused = False
+
+    def health(self) -> EngineHealth:
+        if self.server is not None and not self.server.alive():
+            return EngineHealth(False, f"process exited ({self.server.process and self.server.process.returncode})")
+        try:
+            request_json("GET", f"{self.cfg.base_url}/health", timeout=10.0)
+            return EngineHealth(True)
+        except (ServerUnavailable, RequestTimeout, ServerError) as exc:
+            return EngineHealth(False, str(exc))
+
+    def shutdown(self) -> None:
+        if self.weight_sender is not None:
+            self.weight_sender.close()
+            self.weight_sender = None
+        if self.server is not None:
+            self.server.stop()
+
+    def _post(self, endpoint: str, body: dict):
+        return request_json("POST", f"{self.cfg.base_url}/{endpoint}", body, timeout=self.cfg.request_timeout_s)
+
+
+class _Background:
+    """Runs ``fn`` in a thread; ``result()`` joins it and re-raises its exception."""
+
+    def __init__(self, fn) -> None:
+        self._result, self._error = None, None
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self._result = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in result()
+            self._error = exc
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+

@@ -1,0 +1,119 @@
+"""SGLang's native HTTP protocol: request bodies from our requests, samples from its responses.
+
+Field names and encodings are SGLang's (``/generate`` with ``input_ids``, ``sampling_params``,
+``return_logprob``, ``return_routed_experts``; ``meta_info.output_token_logprobs`` as
+``[logprob, token_id, text]`` triples, ``meta_info.routed_experts`` as base64 of raw int32 laid
+out ``[prompt + response − 1, layers, top-k]``, ``meta_info.finish_reason.type``).
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from bpo_megatron.rollout.types import GenerationRequest, Sample, SamplingParams
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One response to produce: request × sample index, with its own request id and seed."""
+
+    rid: str
+    request: GenerationRequest
+    index: int
+
+    @property
+    def seed(self) -> int | None:
+        seed = self.request.sampling.seed
+        return None if seed is None else seed + self.index
+
+
+def expand(requests: list[GenerationRequest]) -> list[WorkItem]:
+    """n samples per request become n work items (own rid and seed), so none is lost or merged."""
+    return [WorkItem(rid=f"{r.request_id}#{i}", request=r, index=i)
+            for r in requests for i in range(r.sampling.n)]
+
+
+def sampling_params(params: SamplingParams, seed: int | None) -> dict:
+    body = {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,  # SGLang: -1 disables top-k
+        "max_new_tokens": params.max_new_tokens,
+        "n": 1,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,  # keep the stop token: the trainer scores it like any other
+    }
+    if params.stop_token_ids:
+        body["stop_token_ids"] = list(params.stop_token_ids)
+    if seed is not None:
+        body["sampling_seed"] = seed
+    return body
+
+
+def generate_body(items: list[WorkItem], *, capture_routing: bool) -> dict:
+    """One batched ``/generate`` request body."""
+    return {
+        "rid": [item.rid for item in items],
+        "input_ids": [list(item.request.prompt_tokens) for item in items],
+        "sampling_params": [sampling_params(item.request.sampling, item.seed) for item in items],
+        "return_logprob": True,
+        "logprob_start_len": -1,  # output tokens only
+        "return_routed_experts": capture_routing,
+        "routed_experts_start_len": 0,  # routing of the whole sequence, prompt included
+    }
+
+
+class ProtocolError(ValueError):
+    """A response that does not match what was asked (never trained on)."""
+
+
+def decode_routed_experts(encoded: str, *, num_layers: int, topk: int) -> torch.Tensor:
+    raw = base64.b64decode(encoded)
+    if len(raw) % (4 * num_layers * topk):
+        raise ProtocolError(f"routed_experts has {len(raw)} bytes, not a multiple of 4 x {num_layers} layers x top-{topk}")
+    array = np.frombuffer(raw, dtype=np.int32).reshape(-1, num_layers, topk)
+    return torch.from_numpy(array.copy())
+
+
+def decode_sample(item: WorkItem, response: dict, *, capture_routing: bool,
+                  num_moe_layers: int | None, topk: int | None) -> Sample:
+    """A ``Sample`` from one element of SGLang's ``/generate`` response."""
+    meta = response.get("meta_info") or {}
+    if meta.get("id") not in (None, item.rid):
+        raise ProtocolError(f"response for {meta.get('id')!r} where {item.rid!r} was expected")
+    triples = meta.get("output_token_logprobs")
+    if triples is None:
+        raise ProtocolError(f"{item.rid}: meta_info.output_token_logprobs missing (was return_logprob sent?)")
+    tokens = [int(t[1]) for t in triples]
+    output_ids = response.get("output_ids")
+    if output_ids is not None and list(output_ids) != tokens:
+        raise ProtocolError(f"{item.rid}: output_ids and output_token_logprobs disagree")
+    finish = (meta.get("finish_reason") or {}).get("type", "abort")
+    prompt = torch.tensor(item.request.prompt_tokens, dtype=torch.long)
+    sample = Sample(
+        request_id=item.request.request_id,
+        index=item.index,
+        prompt_tokens=prompt,
+        response_tokens=torch.tensor(tokens, dtype=torch.long),
+        rollout_logprobs=torch.tensor([float(t[0]) for t in triples], dtype=torch.float32),
+        finish_reason=_FINISH.get(finish, "abort"),
+    )
+    if capture_routing:
+        encoded = meta.get("routed_experts")
+        if encoded is None:
+            raise ProtocolError(
+                f"{item.rid}: no routed experts in the response; start the server with "
+                "--enable-return-routed-experts (rollout.capture_routed_experts=true)"
+            )
+        sample.routed_experts = decode_routed_experts(encoded, num_layers=num_moe_layers, topk=topk)
+    try:
+        sample.check(num_moe_layers=num_moe_layers, topk=topk)
+    except ValueError as exc:
+        raise ProtocolError(str(exc)) from exc
+    return sample

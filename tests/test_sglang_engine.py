@@ -1,0 +1,219 @@
+"""The SGLang engine client up to the server boundary.
+
+SGLang cannot run on these CPU machines, so the server is ``tests/fake_sglang_server.py``: the
+launch command, request bodies, response decoding (SGLang's field names and encodings), retries,
+restarts and both weight-update protocols are exercised against it over real HTTP on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import pickle
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bpo_megatron.rollout import GenerationRequest, SamplingParams
+from bpo_megatron.rollout.sglang import RolloutFailed, SGLangConfig, SGLangEngine
+from bpo_megatron.rollout.sglang.http import request_json
+from bpo_megatron.rollout.sglang.protocol import ProtocolError, decode_sample, expand, generate_body
+from bpo_megatron.rollout.sglang.weights import pickle_serializer, tensor_update_body
+
+FAKE_SERVER = str(Path(__file__).resolve().parent / "fake_sglang_server.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def config(tmp_path, *extra: str, **overrides) -> SGLangConfig:
+    values = dict(model_path="/models/qwen3-tiny", port=free_port(), launcher=(sys.executable, FAKE_SERVER),
+                  extra_args=("--marker-dir", str(tmp_path), *extra), startup_timeout_s=30,
+                  request_timeout_s=5, requests_per_post=2, concurrent_posts=2)
+    values.update(overrides)
+    return SGLangConfig(**values)
+
+
+def requests(count: int = 5, n: int = 2, seed: int = 7) -> list[GenerationRequest]:
+    return [GenerationRequest(f"q{i}", tuple(range(1, 3 + i)),
+                              SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=6, n=n, seed=seed + 10 * i))
+            for i in range(count)]
+
+
+@pytest.fixture
+def engine(tmp_path):
+    made = []
+
+    def make(*extra: str, **overrides) -> SGLangEngine:
+        made.append(SGLangEngine(config(tmp_path, *extra, **overrides), num_moe_layers=2, topk=2))
+        return made[-1]
+
+    yield make
+    for e in made:
+        e.shutdown()
+
+
+# ------------------------------------------------------------------------- pure protocol
+def test_launch_command_from_config():
+    cfg = SGLangConfig(model_path="/ckpt/hf", port=31000, tp_size=4, mem_fraction_static=0.7,
+                       extra_args=("--dtype", "bfloat16"))
+    cmd = cfg.launch_command()
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    assert cmd[3:] == ["--model-path", "/ckpt/hf", "--host", "127.0.0.1", "--port", "31000", "--tp-size", "4",
+                       "--skip-tokenizer-init", "--enable-return-routed-experts",
+                       "--mem-fraction-static", "0.7", "--dtype", "bfloat16"]
+    assert "--enable-return-routed-experts" not in SGLangConfig(model_path="m", capture_routed_experts=False).launch_command()
+
+
+def test_generate_body_uses_sglang_field_names():
+    items = expand([GenerationRequest("a", (5, 6), SamplingParams(temperature=0.5, top_k=0, max_new_tokens=9,
+                                                                stop_token_ids=(2,), seed=3, n=2))])
+    body = generate_body(items, capture_routing=True)
+    assert body["rid"] == ["a#0", "a#1"] and body["input_ids"] == [[5, 6], [5, 6]]
+    assert body["return_logprob"] is True and body["logprob_start_len"] == -1
+    assert body["return_routed_experts"] is True and body["routed_experts_start_len"] == 0
+    first, second = body["sampling_params"]
+    assert first == {"temperature": 0.5, "top_p": 1.0, "top_k": -1, "max_new_tokens": 9, "n": 1,
+                     "skip_special_tokens": False, "no_stop_trim": True, "stop_token_ids": [2], "sampling_seed": 3}
+    assert second["sampling_seed"] == 4  # one seed per sample, so the n samples differ
+
+
+def test_decode_a_response_with_sglang_encodings():
+    item = expand([GenerationRequest("r", (1, 2, 3))])[0]
+    experts = np.arange(4 * 2 * 2, dtype=np.int32).reshape(4, 2, 2) % 8  # 3 prompt + 2 output − 1 rows
+    response = {"output_ids": [9, 4], "meta_info": {
+        "id": "r#0", "finish_reason": {"type": "stop", "matched": 4},
+        "output_token_logprobs": [[-0.5, 9, None], [-1.25, 4, None]],
+        "routed_experts": base64.b64encode(experts.tobytes()).decode()}}
+    sample = decode_sample(item, response, capture_routing=True, num_moe_layers=2, topk=2)
+    assert sample.response_tokens.tolist() == [9, 4] and sample.finish_reason == "stop"
+    assert sample.rollout_logprobs.tolist() == [-0.5, -1.25]
+    assert torch.equal(sample.routed_experts, torch.from_numpy(experts))
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda r: r["meta_info"].pop("routed_experts"), "--enable-return-routed-experts"),
+        (lambda r: r["meta_info"].update(routed_experts=base64.b64encode(b"\0" * 12).decode()), "not a multiple"),
+        (lambda r: r["meta_info"].update(id="other#0"), "where 'r#0' was expected"),
+        (lambda r: r.update(output_ids=[1]), "disagree"),
+        (lambda r: r["meta_info"].pop("output_token_logprobs"), "return_logprob"),
+    ],
+)
+def test_malformed_responses_are_refused(mutate, match):
+    item = expand([GenerationRequest("r", (1, 2))])[0]
+    experts = np.zeros((2, 2, 2), dtype=np.int32)
+    response = {"output_ids": [5], "meta_info": {
+        "id": "r#0", "finish_reason": {"type": "length"}, "output_token_logprobs": [[-1.0, 5, None]],
+        "routed_experts": base64.b64encode(experts.tobytes()).decode()}}
+    mutate(response)
+    with pytest.raises(ProtocolError, match=match):
+        decode_sample(item, response, capture_routing=True, num_moe_layers=2, topk=2)
+
+
+def test_tensor_update_body_carries_one_payload_per_tp_rank():
+    bucket = [("model.norm.weight", torch.ones(3))]
+    body = tensor_update_body(bucket, tp_size=2, serializer=pickle_serializer)
+    assert len(body["serialized_named_tensors"]) == 2
+    decoded = pickle.loads(base64.b64decode(body["serialized_named_tensors"][1]))
+    assert decoded[0][0] == "model.norm.weight" and torch.equal(decoded[0][1], torch.ones(3))
+
+
+# ------------------------------------------------------------------- against the fake server
+def test_generate_returns_every_sample_once_in_order(engine):
+    e = engine()
+    samples = e.generate(requests())
+    assert [(s.request_id, s.index) for s in samples] == [(f"q{i}", j) for i in range(5) for j in range(2)]
+    for s in samples:
+        assert s.routed_experts.shape == (s.prompt_tokens.numel() + s.response_tokens.numel() - 1, 2, 2)
+        assert s.rollout_logprobs.numel() == s.response_tokens.numel() > 0
+    again = e.generate(requests())  # same seeds, same samples
+    assert all(torch.equal(a.response_tokens, b.response_tokens) for a, b in zip(samples, again))
+
+
+def test_a_server_that_dies_mid_batch_is_restarted_and_nothing_is_lost_or_duplicated(engine, tmp_path):
+    log = tmp_path / "rids.log"
+    e = engine("--die-after", "2", "--log-requests", str(log))
+    samples = e.generate(requests())
+    assert e.restarts == 1 and e.server.starts == 2
+    assert [(s.request_id, s.index) for s in samples] == [(f"q{i}", j) for i in range(5) for j in range(2)]
+    reference = engine(port=free_port())  # a server that never dies gives the same samples
+    for a, b in zip(samples, reference.generate(requests())):
+        assert torch.equal(a.response_tokens, b.response_tokens)
+    sent = [rid for line in log.read_text().splitlines() for rid in json.loads(line)]
+    assert len(sent) > 10, "the unfinished requests were sent again"
+
+
+def test_a_timed_out_request_is_retried(engine):
+    e = engine("--stall-rid", "q0#0", request_timeout_s=2)
+    samples = e.generate(requests(count=2))
+    assert len(samples) == 4 and e.restarts == 0
+
+
+def test_a_request_that_keeps_timing_out_fails_the_step_clearly(engine):
+    e = engine("--stall-rid", "q0#0", request_timeout_s=1, max_retries=0)
+    with pytest.raises(RolloutFailed, match="failed 1 times .*request_timeout_s"):
+        e.generate(requests(count=1))
+
+
+def test_an_attached_server_that_dies_is_not_restarted(engine, tmp_path):
+    owner = engine("--die-after", "1")
+    attached = SGLangEngine(config(tmp_path, url=owner.cfg.base_url), num_moe_layers=2, topk=2)
+    with pytest.raises(RolloutFailed, match="attached with rollout.sglang.url"):
+        attached.generate(requests(count=1))
+
+
+def test_pause_resume_and_health(engine):
+    e = engine()
+    assert e.health().healthy
+    e.pause()
+    with pytest.raises(RuntimeError, match="paused"):
+        e.generate(requests(count=1))
+    e.resume()
+    assert len(e.generate(requests(count=1, n=1))) == 1
+    e.shutdown()
+    assert not e.health().healthy
+
+
+def _engine_weights(e: SGLangEngine) -> dict:
+    blob = request_json("GET", f"{e.cfg.base_url}/debug/weights", timeout=10)["weights"]
+    return pickle.loads(base64.b64decode(blob))
+
+
+def test_distributed_weight_update_over_a_real_process_group(engine):
+    e = engine(weight_bucket_bytes=64)
+    e.connect_weight_group("127.0.0.1", free_port(), backend="gloo")
+    weights = [("model.layers.0.self_attn.q_proj.weight", torch.randn(4, 4)),
+               ("model.norm.weight", torch.randn(4)), ("lm_head.weight", torch.randn(8, 4, dtype=torch.bfloat16))]
+    sent = e.update_weights(iter(weights))
+    assert sent == 4 * 16 + 4 * 4 + 2 * 32
+    received = _engine_weights(e)
+    for name, tensor in weights:
+        assert torch.equal(received[name], tensor) and received[name].dtype == tensor.dtype
+
+
+def test_tensor_weight_update_path(engine, monkeypatch):
+    import bpo_megatron.rollout.sglang.engine as engine_module
+
+    e = engine(weight_sync="tensor")
+    monkeypatch.setattr(engine_module, "tensor_update_body",
+                        lambda bucket, tp: tensor_update_body(bucket, tp, serializer=pickle_serializer))
+    e.update_weights([("model.norm.weight", torch.arange(3.0))])
+    assert torch.equal(_engine_weights(e)["model.norm.weight"], torch.arange(3.0))
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="rollout.sglang.model_path is required"):
+        SGLangConfig()
+    with pytest.raises(ValueError, match="rollout.sglang.weight_sync"):
+        SGLangConfig(model_path="m", weight_sync="ipc")
+    with pytest.raises(ValueError, match="number of MoE layers"):
+        SGLangEngine(SGLangConfig(model_path="m", url="http://127.0.0.1:1"))
