@@ -1,6 +1,8 @@
 """The ``bpo-megatron`` command line: one registry of sub-commands.
 
     bpo-megatron bench logprobs [--tokens N --vocab V --tp 1 2 --dtype fp32 bf16]
+    bpo-megatron convert hf-to-mcore --hf-dir HF --out CKPT [--tp N --ep N --pp N]
+    bpo-megatron convert mcore-to-hf --ckpt CKPT --out HF [--hf-config HF_OR_CONFIG_JSON]
 """
 
 from __future__ import annotations
@@ -44,6 +46,20 @@ def _bench(argv: list[str]) -> int:
     module = importlib.import_module(BENCHMARKS[args.name])
     bench_parser = argparse.ArgumentParser(prog=f"bpo-megatron bench {args.name}", description=module.__doc__)
     return module.main(argv[1:], bench_parser)
+
+
+@command("convert", "convert checkpoints between Hugging Face and Megatron-Core (hf-to-mcore | mcore-to-hf)")
+def _convert(argv: list[str]) -> int:
+    from bpo_megatron.convert.cli import main as convert_main
+
+    return convert_main(argv, prog="bpo-megatron convert")
+
+
+@command("train", "run an RL experiment from a YAML config with dotted overrides")
+def _train(argv: list[str]) -> int:
+    from bpo_megatron.commands.train import main as train_main
+
+    return train_main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,9 +9,10 @@ refused here, so a checkpoint never loads into a model that computes something e
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,10 @@ class HFModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.0
+    # The parsed config.json as read (None when constructed directly). It travels with
+    # checkpoints so they can be exported back to Hugging Face with every field the original had
+    # (token ids, dtype, ...); it takes no part in equality, hashing or validation.
+    source: Mapping[str, Any] | None = field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.model_type not in ARCHITECTURES:
@@ -126,6 +131,48 @@ class HFModelConfig:
     @property
     def is_moe(self) -> bool:
         return bool(self.moe_layers)
+
+    @property
+    def weights_dtype(self) -> str:
+        """The dtype the Hugging Face weights are stored in (``dtype``, or transformers 4's
+        ``torch_dtype``), ``"float32"`` when the config does not say."""
+        raw = self.source or {}
+        return str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A ``config.json`` dict for this architecture: the parsed original when there is one
+        (a deep copy), otherwise the fields here in transformers' naming."""
+        if self.source is not None:
+            return copy.deepcopy(dict(self.source))
+        raw: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "hidden_act": "silu",
+            "dtype": "float32",
+        }
+        if self.model_type == "qwen3_moe":
+            raw.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+                router_aux_loss_coef=self.router_aux_loss_coef,
+            )
+        return raw
 
     @classmethod
     def load(cls, source: str | Path | Mapping[str, Any]) -> HFModelConfig:
@@ -201,9 +248,22 @@ def _head_dim(raw: Mapping[str, Any]) -> Any:
     return hidden // heads
 
 
+def _num_experts_alias(raw: Mapping[str, Any]) -> Mapping[str, Any]:
+    """transformers 5 writes Qwen3-MoE's ``num_experts`` as ``num_local_experts``; read either."""
+    if "num_local_experts" not in raw:
+        return raw
+    if "num_experts" in raw and raw["num_experts"] != raw["num_local_experts"]:
+        raise _error(f"num_experts={raw['num_experts']!r} disagrees with "
+                     f"num_local_experts={raw['num_local_experts']!r}")
+    return {**raw, "num_experts": raw["num_local_experts"]}
+
+
 def _from_dict(raw: Mapping[str, Any]) -> HFModelConfig:
+    source = copy.deepcopy(dict(raw))
     model_type = _model_type(raw)
     moe = model_type == "qwen3_moe"
+    if moe:
+        raw = _num_experts_alias(raw)
     for name in _REQUIRED + (_REQUIRED_MOE if moe else ()):
         if name not in raw:
             raise _error(f"required field {name!r} is missing")
@@ -226,7 +286,7 @@ def _from_dict(raw: Mapping[str, Any]) -> HFModelConfig:
             mlp_only_layers=tuple(mlp_only),
             router_aux_loss_coef=raw.get("router_aux_loss_coef", 0.001),
         )
-    return HFModelConfig(**fields)
+    return HFModelConfig(**fields, source=source)
 
 
 def parameter_counts(hf: HFModelConfig) -> tuple[int, int]:

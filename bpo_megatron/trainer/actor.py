@@ -187,11 +187,15 @@ class TrainActor:
         return metrics
 
     def save(self, root: str, *, trainer_state: dict[str, Any] | None = None,
-             keep_last: int | None = None) -> str:
-        """Atomically write model, optimizer, RNG and ``trainer_state`` (e.g. the data cursor)."""
-        state = {"actor_step": self.step, **(trainer_state or {})}
-        return str(checkpoint.save(root, self.step, self.model, self.optimizer, state,
-                                   layout=self._layout(), keep_last=keep_last))
+             keep_last: int | None = None, step: int | None = None) -> str:
+        """Atomically write model, optimizer, RNG and ``trainer_state`` (e.g. the data cursor).
+
+        The checkpoint is named after ``step`` (e.g. the RL step), by default the optimizer step.
+        """
+        # the HF config travels with the weights, so the checkpoint can be exported to HF alone
+        state = {"actor_step": self.step, "hf_config": self.hf.to_hf_dict(), **(trainer_state or {})}
+        return str(checkpoint.save(root, self.step if step is None else step, self.model, self.optimizer,
+                                   state, layout=self._layout(), keep_last=keep_last))
 
     def load(self, path: str, *, load_optimizer: bool = True) -> dict[str, Any]:
         """Load a checkpoint saved under any layout; returns its trainer state."""
@@ -199,6 +203,20 @@ class TrainActor:
                                layout=self._layout())
         self.step = int(meta.get("actor_step", meta["step"]))
         return meta
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Constant learning rate from the next step on (e.g. a supervised warm start uses its own)."""
+        if not lr > 0:
+            raise ValueError(f"learning rate must be > 0, got {lr}")
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def reload_optimizer_params(self) -> None:
+        """After the model's weights were set directly (e.g. from a Hugging Face checkpoint):
+        optimizers that keep their own fp32 master copies (mixed precision on GPU) refresh them."""
+        reload = getattr(self.optimizer, "reload_model_params", None)
+        if reload is not None:
+            reload()
 
     # ------------------------------------------------------------------------------ internals
     def _layout(self) -> dict[str, int]:

@@ -1,0 +1,1 @@
+"""Implementations of the ``bpo-megatron`` sub-commands (imported only when used)."""

@@ -1,0 +1,136 @@
+"""Typed configs from YAML and ``dotted.key=value`` overrides, with errors that name the key.
+
+Any frozen dataclass tree works: nested dataclasses become YAML mappings, ``Literal`` fields
+accept only their choices, tuples accept lists, ``X | None`` accepts null. An unknown key is
+refused with the list of valid ones; a value of the wrong type names its full dotted key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config key or value is wrong; the message names the dotted key and the fix."""
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """``["loss.name=grpo", "parallel.tp=2"]`` applied to a nested dict (values parsed as YAML)."""
+    for override in overrides:
+        key, sep, raw = override.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {override!r} is not of the form section.key=value")
+        node = data
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {override!r}: {part!r} is a value, not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    return data
+
+
+def build(cls: type[T], data: Mapping[str, Any] | None, path: str = "") -> T:
+    """Construct dataclass ``cls`` from ``data``, checking keys and types recursively."""
+    data = dict(data or {})
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"{path}." if path else ""
+        raise ConfigError(f"unknown key {where}{unknown[0]}; valid keys{' of ' + path if path else ''}: "
+                          f"{', '.join(sorted(fields))}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {name: _coerce(hints[name], value, _join(path, name)) for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc) if path.split(".")[0] in str(exc) else f"{path}: {exc}") from exc
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """Plain data (tuples as lists), ready for YAML."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, tuple):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+
+    return plain(dataclasses.asdict(config))
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _coerce(hint: Any, value: Any, path: str) -> Any:
+    origin = get_origin(hint)
+    if origin in (Union, types.UnionType):
+        options = get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _coerce(option, value, path)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}={value!r} matches none of {hint}")
+    if origin is Literal:
+        if value not in get_args(hint):
+            raise ConfigError(f"{path}={value!r} must be one of {', '.join(map(repr, get_args(hint)))}")
+        return value
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path} must be a section (mapping), got {value!r}")
+        return build(hint, value, path)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path} must be a list, got {value!r}")
+        args = get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
+        if len(args) != len(value):
+            raise ConfigError(f"{path} must have {len(args)} entries, got {len(value)}")
+        return tuple(_coerce(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if origin in (dict, Mapping) or hint in (dict, Any):
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}={value!r} must be true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}={value!r} must be an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}={value!r} must be a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}={value!r} must be a string")
+        return value
+    return value

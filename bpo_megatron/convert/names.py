@@ -1,0 +1,187 @@
+"""Every weight of a Qwen3 / Qwen3-MoE model, once: its Megatron-Core parameter names, its Hugging
+Face tensor names and shapes, and the layout that turns one into the other.
+
+The table is data: one :class:`WeightRule` per kind of weight. A rule lists the Megatron parameter
+names of both module specs (Megatron's local torch modules, used on CPU, and transformer-engine's
+on GPU, which fuses the block norms into the following linear layer and keeps the experts of a
+layer in one grouped module), the Hugging Face names it becomes (the names on disk:
+``mlp.experts.{e}.gate_proj.weight``, even though transformers 5 fuses experts in memory), their
+shapes in terms of the config, and the name of the layout in :mod:`bpo_megatron.convert.layouts`.
+
+A weight is identified across ranks by its :data:`WeightKey` ``(rule, global layer, global
+expert)``, with -1 where a rule has no layer or expert.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from bpo_megatron.models.hf_config import HFModelConfig
+
+# Where a rule applies. "first"/"last" are model-level weights before / after the decoder layers
+# (they also fix the export order: embedding, layers, final norm, output layer).
+Scope = Literal["first", "layer", "dense_layer", "moe_layer", "expert", "last"]
+WeightKey = tuple[str, int, int]  # (rule name, global layer or -1, global expert or -1)
+
+_PHASE: dict[str, int] = {"first": 0, "layer": 1, "dense_layer": 1, "moe_layer": 1, "expert": 1,
+                          "last": 2}
+
+
+@dataclass(frozen=True)
+class WeightRule:
+    """One kind of weight. ``hf`` and ``shapes`` are in the order the layout splits or joins them."""
+
+    name: str
+    megatron: tuple[str, ...]  # parameter-name templates: local spec, then transformer-engine spec
+    hf: tuple[str, ...]  # Hugging Face tensor-name templates
+    shapes: tuple[tuple[str, ...], ...]  # one per HF tensor, in the dimension names of model_dims
+    layout: str  # a key of layouts.LAYOUTS
+    scope: Scope
+    # With tie_word_embeddings the output layer is the embedding: HF checkpoints store only the
+    # embedding, so this weight is read from (and not written as) that tensor.
+    tied_to: str | None = None
+    _patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.hf) != len(self.shapes):
+            raise ValueError(f"rule {self.name}: {len(self.hf)} HF names but {len(self.shapes)} shapes")
+        object.__setattr__(self, "_patterns", tuple(_compile(t) for t in self.megatron))
+
+    @property
+    def is_expert(self) -> bool:
+        return self.scope == "expert"
+
+    def match(self, megatron_name: str) -> tuple[int, int] | None:
+        """``(local layer, local expert)`` (-1 when absent) if the parameter is this rule's."""
+        for pattern in self._patterns:
+            found = pattern.fullmatch(megatron_name)
+            if found:
+                groups = found.groupdict()
+                return int(groups.get("layer") or -1), int(groups.get("expert") or -1)
+        return None
+
+    def hf_names(self, layer: int = -1, expert: int = -1) -> list[str]:
+        return [t.format(layer=layer, expert=expert) for t in self.hf]
+
+    def hf_shapes(self, dims: dict[str, int]) -> list[tuple[int, ...]]:
+        return [tuple(dims[d] for d in shape) for shape in self.shapes]
+
+
+def _compile(template: str) -> re.Pattern[str]:
+    pattern = re.escape(template)
+    for placeholder in ("layer", "expert"):
+        pattern = pattern.replace(re.escape("{" + placeholder + "}"), f"(?P<{placeholder}>\\d+)")
+    return re.compile(pattern)
+
+
+_L = "decoder.layers.{layer}."
+_H = "model.layers.{layer}."
+
+RULES: tuple[WeightRule, ...] = (
+    WeightRule("embedding", ("embedding.word_embeddings.weight",),
+               ("model.embed_tokens.weight",), (("vocab", "hidden"),), "vocab_rows", "first"),
+    WeightRule("input_norm",
+               (_L + "input_layernorm.weight", _L + "self_attention.linear_qkv.layer_norm_weight"),
+               (_H + "input_layernorm.weight",), (("hidden",),), "replicated", "layer"),
+    WeightRule("qkv", (_L + "self_attention.linear_qkv.weight",),
+               (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight",
+                _H + "self_attn.v_proj.weight"),
+               (("q", "hidden"), ("kv", "hidden"), ("kv", "hidden")), "qkv", "layer"),
+    WeightRule("q_norm", (_L + "self_attention.q_layernorm.weight",),
+               (_H + "self_attn.q_norm.weight",), (("head_dim",),), "replicated", "layer"),
+    WeightRule("k_norm", (_L + "self_attention.k_layernorm.weight",),
+               (_H + "self_attn.k_norm.weight",), (("head_dim",),), "replicated", "layer"),
+    WeightRule("attention_out", (_L + "self_attention.linear_proj.weight",),
+               (_H + "self_attn.o_proj.weight",), (("hidden", "q"),), "row_parallel", "layer"),
+    WeightRule("post_attention_norm",
+               (_L + "pre_mlp_layernorm.weight", _L + "mlp.linear_fc1.layer_norm_weight"),
+               (_H + "post_attention_layernorm.weight",), (("hidden",),), "replicated", "layer"),
+    WeightRule("mlp_in", (_L + "mlp.linear_fc1.weight",),
+               (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
+               (("ffn", "hidden"), ("ffn", "hidden")), "glu", "dense_layer"),
+    WeightRule("mlp_out", (_L + "mlp.linear_fc2.weight",),
+               (_H + "mlp.down_proj.weight",), (("hidden", "ffn"),), "row_parallel", "dense_layer"),
+    WeightRule("router", (_L + "mlp.router.weight",),
+               (_H + "mlp.gate.weight",), (("experts", "hidden"),), "replicated", "moe_layer"),
+    WeightRule("expert_in",
+               (_L + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
+                _L + "mlp.experts.linear_fc1.weight{expert}"),
+               (_H + "mlp.experts.{expert}.gate_proj.weight", _H + "mlp.experts.{expert}.up_proj.weight"),
+               (("moe_ffn", "hidden"), ("moe_ffn", "hidden")), "glu", "expert"),
+    WeightRule("expert_out",
+               (_L + "mlp.experts.local_experts.{expert}.linear_fc2.weight",
+                _L + "mlp.experts.linear_fc2.weight{expert}"),
+               (_H + "mlp.experts.{expert}.down_proj.weight",), (("hidden", "moe_ffn"),),
+               "row_parallel", "expert"),
+    WeightRule("final_norm", ("decoder.final_layernorm.weight",),
+               ("model.norm.weight",), (("hidden",),), "replicated", "last"),
+    WeightRule("output", ("output_layer.weight",),
+               ("lm_head.weight",), (("vocab", "hidden"),), "vocab_rows", "last",
+               tied_to="model.embed_tokens.weight"),
+)
+
+RULES_BY_NAME: dict[str, WeightRule] = {rule.name: rule for rule in RULES}
+_RULE_INDEX: dict[str, int] = {rule.name: i for i, rule in enumerate(RULES)}
+
+
+def model_dims(hf: HFModelConfig) -> dict[str, int]:
+    """The dimension names the rules' shapes are written in."""
+    return {
+        "hidden": hf.hidden_size,
+        "vocab": hf.vocab_size,
+        "q": hf.num_attention_heads * hf.head_dim,
+        "kv": hf.num_key_value_heads * hf.head_dim,
+        "head_dim": hf.head_dim,
+        "ffn": hf.intermediate_size,
+        "moe_ffn": hf.moe_intermediate_size,
+        "experts": hf.num_experts,
+    }
+
+
+def match_megatron_name(name: str) -> tuple[WeightRule, int, int] | None:
+    """The rule of a Megatron parameter and its local layer and local expert index (-1: none)."""
+    for rule in RULES:
+        found = rule.match(name)
+        if found is not None:
+            return rule, found[0], found[1]
+    return None
+
+
+def sort_key(key: WeightKey) -> tuple[int, int, int, int]:
+    """Hugging Face order: embedding, then layer by layer (rule order, experts ascending), then
+    the final norm and the output layer."""
+    rule = RULES_BY_NAME[key[0]]
+    return _PHASE[rule.scope], key[1], _RULE_INDEX[rule.name], key[2]
+
+
+def _applies(rule: WeightRule, layer_is_moe: bool) -> bool:
+    return {"layer": True, "dense_layer": not layer_is_moe, "moe_layer": layer_is_moe,
+            "expert": layer_is_moe}[rule.scope]
+
+
+def expected_keys(hf: HFModelConfig) -> list[WeightKey]:
+    """Every weight the model has, in Hugging Face order; the output layer only when untied."""
+    keys: list[WeightKey] = [("embedding", -1, -1)]
+    moe_layers = set(hf.moe_layers)
+    for layer in range(hf.num_hidden_layers):
+        for rule in RULES:
+            if _PHASE[rule.scope] != 1 or not _applies(rule, layer in moe_layers):
+                continue
+            experts = range(hf.num_experts) if rule.is_expert else (-1,)
+            keys.extend((rule.name, layer, expert) for expert in experts)
+    keys.append(("final_norm", -1, -1))
+    if not hf.tie_word_embeddings:
+        keys.append(("output", -1, -1))
+    return keys
+
+
+def hf_tensor_shapes(hf: HFModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face tensor of the checkpoint and its shape, in export order."""
+    dims = model_dims(hf)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, layer, expert in expected_keys(hf):
+        rule = RULES_BY_NAME[name]
+        shapes.update(zip(rule.hf_names(layer, expert), rule.hf_shapes(dims)))
+    return shapes

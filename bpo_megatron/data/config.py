@@ -1,0 +1,29 @@
+"""The ``data`` section: where training prompts come from and how answers are scored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """``train`` is a dataset name (under ``root``), a ``.jsonl``/``.parquet`` path, or
+    ``procedural:<task>`` (an endless generated task, see ``bpo_megatron.data.procedural``)."""
+
+    train: str = "gsm8k_train"
+    root: str = "../shared/data"
+    template: str = "math-boxed"
+    reward: str = "math"
+    max_prompt_tokens: int = 2048
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        from bpo_megatron.data.rewards import REWARDS
+        from bpo_megatron.data.tokenizer import TEMPLATES
+
+        if self.reward not in REWARDS:
+            raise ValueError(f"data.reward={self.reward!r} is unknown; choose one of {sorted(REWARDS)}")
+        if self.template not in TEMPLATES:
+            raise ValueError(f"data.template={self.template!r} is unknown; choose one of {sorted(TEMPLATES)}")
+        if self.max_prompt_tokens < 1:
+            raise ValueError("data.max_prompt_tokens must be >= 1")

@@ -1,0 +1,24 @@
+"""The ``eval`` section: Avg@k on held-out benchmarks every few steps (paper: Avg@32, AIME24–26)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every: int = 10  # steps; 0 disables evaluation
+    datasets: tuple[str, ...] = ("aime24", "aime25", "aime26")
+    k: int = 32  # samples per question
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int | None = None  # None: the rollout limit
+    limit: int | None = None  # questions per dataset (None: all)
+    procedural_count: int = 200  # questions of a procedural:<task> dataset
+    at_start: bool = True  # also evaluate the initial policy (step 0)
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.k < 1:
+            raise ValueError("eval.every must be >= 0 and eval.k >= 1")
+        if not self.datasets and self.every:
+            raise ValueError("eval.datasets is empty while eval.every > 0")

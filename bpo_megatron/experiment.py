@@ -1,0 +1,138 @@
+"""One experiment = one config: every component's section, loaded, overridden and validated.
+
+    cfg = load_experiment("configs/tiny_moe_cpu.yaml", ["loss.name=grpo", "parallel.tp=2"])
+
+Each section is the typed config of the component that uses it; this module only composes them
+and checks what no single component can see (layouts against the model and the world, batch
+sizes against each other, R3 against the rollout engine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bpo_megatron import platform
+from bpo_megatron.config import ConfigError, apply_overrides, build, load_yaml, to_dict
+from bpo_megatron.data.config import DataConfig
+from bpo_megatron.eval.config import EvalConfig
+from bpo_megatron.losses import PolicyLossConfig
+from bpo_megatron.loop.config import CheckpointConfig, LoopConfig
+from bpo_megatron.models.config import ModelConfig
+from bpo_megatron.models.hf_config import HFModelConfig
+from bpo_megatron.observability.config import LoggingConfig
+from bpo_megatron.orchestration.config import ClusterConfig
+from bpo_megatron.parallel import ParallelConfig
+from bpo_megatron.rollout.config import RolloutConfig
+from bpo_megatron.trainer.optimizer import OptimizerSettings
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    name: str = "experiment"
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path="."))
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    train: LoopConfig = field(default_factory=LoopConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.logging.run_dir.format(name=self.name))
+
+    @property
+    def responses_per_step(self) -> int:
+        return self.train.prompts_per_step * self.rollout.group_size
+
+    @property
+    def minibatch_size(self) -> int:
+        return self.responses_per_step // self.train.minibatches_per_step
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.parallel.data_parallel_size(self.cluster.trainer_ranks)
+
+    def hf_config(self) -> HFModelConfig:
+        return HFModelConfig.load(self.model.path)
+
+
+def load_experiment(path: str | Path | None, overrides: list[str] = (), *, check_model: bool = True) -> ExperimentConfig:
+    """Read a YAML experiment (or only defaults with ``path=None``), apply overrides, validate."""
+    data = load_yaml(path) if path is not None else {}
+    if path is not None:
+        _resolve_relative_paths(data, Path(path).parent)
+    cfg = build(ExperimentConfig, apply_overrides(data, list(overrides)))
+    validate(cfg, check_model=check_model)
+    return cfg
+
+
+def _resolve_relative_paths(data: dict, base: Path) -> None:
+    """``model.path`` given relative to the config file (e.g. ``models/tiny``) works from anywhere."""
+    model = data.get("model") or {}
+    for key in ("path", "tokenizer"):
+        value = model.get(key)
+        if isinstance(value, str) and value and value != "char" and not Path(value).is_absolute():
+            candidate = base / value
+            if candidate.exists():
+                model[key] = str(candidate)
+
+
+def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
+    """Cross-section checks; each error names the fields to change."""
+    try:
+        cfg.parallel.validate_world(cfg.cluster.trainer_ranks)
+    except ValueError as exc:
+        raise ConfigError(f"{exc} (cluster.trainer_ranks={cfg.cluster.trainer_ranks})") from exc
+    if cfg.responses_per_step % cfg.train.minibatches_per_step:
+        raise ConfigError(
+            f"train.prompts_per_step × rollout.group_size = {cfg.responses_per_step} responses cannot be split "
+            f"into train.minibatches_per_step={cfg.train.minibatches_per_step} equal minibatches")
+    if cfg.minibatch_size % cfg.data_parallel_size:
+        raise ConfigError(
+            f"minibatches of {cfg.minibatch_size} responses cannot be split over {cfg.data_parallel_size} "
+            "data-parallel ranks (cluster.trainer_ranks / (parallel.tp × parallel.pp))")
+    if cfg.model.routing_replay and not cfg.rollout.capture_routed_experts:
+        raise ConfigError("model.routing_replay=true (R3) needs rollout.capture_routed_experts=true: the trainer "
+                          "replays the experts the engine records")
+    if cfg.model.routing_replay and cfg.rollout.engine == "vllm" and not platform.has_cuda():
+        raise ConfigError("model.routing_replay=true with rollout.engine=vllm: vLLM records routed experts only "
+                          "on GPUs; use rollout.engine=hf on CPU")
+    if cfg.rollout.engine == "sglang":
+        from bpo_megatron.rollout.sglang import SGLangConfig
+
+        try:
+            SGLangConfig(**{"model_path": cfg.model.path, **cfg.rollout.sglang})
+        except TypeError as exc:
+            raise ConfigError(f"rollout.sglang: {exc}") from exc
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+    if not check_model:
+        return
+    try:
+        hf = cfg.hf_config()
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.path={cfg.model.path!r}: {exc}") from exc
+    try:
+        cfg.parallel.validate_model(num_layers=hf.num_hidden_layers, num_experts=hf.num_experts,
+                                    num_attention_heads=hf.num_attention_heads,
+                                    num_query_groups=hf.num_key_value_heads)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if cfg.model.routing_replay and not hf.num_experts:
+        raise ConfigError("model.routing_replay=true needs a Mixture-of-Experts model; model.path is dense")
+
+
+def save_resolved(cfg: ExperimentConfig, run_dir: str | Path) -> Path:
+    """Write the fully resolved config next to the run's outputs."""
+    import yaml
+
+    path = Path(run_dir) / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return path

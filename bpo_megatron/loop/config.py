@@ -1,0 +1,43 @@
+"""The ``train`` and ``checkpoint`` sections: the shape of one RL step and when to save."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """One step samples ``prompts_per_step`` prompts × ``rollout.group_size`` responses and takes
+    ``minibatches_per_step`` optimizer steps on equal slices of them (paper: 256 × 16 responses,
+    8 minibatches of 512, 400 steps)."""
+
+    steps: int = 400
+    prompts_per_step: int = 256
+    minibatches_per_step: int = 8
+    micro_batch_size: int = 1
+    seed: int = 1234
+    sft_warmup_steps: int = 0  # supervised steps on reference answers before RL (CPU demos)
+    sft_batch_size: int = 64
+    sft_lr: float | None = None  # learning rate of the warm start (None: optimizer.lr)
+    routing_agreement_samples: int = 8  # responses per step re-routed by the trainer to measure agreement
+    verify_weight_sync: bool = False  # fingerprint engine weights after every sync (slow on big models)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "prompts_per_step", "minibatches_per_step", "micro_batch_size", "sft_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.sft_warmup_steps < 0:
+            raise ValueError("train.sft_warmup_steps must be >= 0")
+        if self.sft_lr is not None and not self.sft_lr > 0:
+            raise ValueError(f"train.sft_lr must be > 0 (or null), got {self.sft_lr}")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 10  # steps; 0 saves only at the end
+    keep_last: int | None = 3
+    resume: bool = True  # continue from the newest checkpoint in the run directory
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or (self.keep_last is not None and self.keep_last < 1):
+            raise ValueError("checkpoint.every must be >= 0 and checkpoint.keep_last >= 1 (or null)")

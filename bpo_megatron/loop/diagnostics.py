@@ -1,0 +1,33 @@
+"""Per-step diagnostics beyond the loss: minibatch averages and trainer/engine routing agreement."""
+
+from __future__ import annotations
+
+import torch
+
+
+def mean_over_minibatches(updates: list[dict[str, float]]) -> dict[str, float]:
+    """Averages of the minibatch metrics; maxima stay maxima; the grad norm of each update too."""
+    keys = updates[0].keys()
+    out = {}
+    for key in keys:
+        values = [u[key] for u in updates]
+        out[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
+    out["grad_norm_max"] = max(u["grad_norm"] for u in updates)
+    out.pop("step", None)
+    return out
+
+
+def routing_agreement(trainer, samples, cfg) -> dict[str, float]:
+    """Fraction of (token, MoE layer) pairs where the trainer's own top-k set equals the engine's,
+    on a few responses: how much R3 corrects (1.0 would mean replay changes nothing)."""
+    subset = [s for s in samples if s.routed_experts is not None][: cfg.train.routing_agreement_samples]
+    if not subset or not cfg.model.routing_replay:
+        return {}
+    scored = trainer.on_last_stage("compute_logprobs", subset, True)
+    same = total = 0
+    for sample, trainer_routing in zip(subset, scored.routed_experts):
+        engine = sample.routed_experts.sort(dim=-1).values
+        mine = trainer_routing.sort(dim=-1).values
+        equal = (engine == mine).all(dim=-1)
+        same, total = same + int(equal.sum()), total + equal.numel()
+    return {"routing_agreement": same / max(total, 1)}

@@ -1,0 +1,105 @@
+"""The RL loop (paper §4 and App. B): sample, verify, normalise, update, sync, evaluate, save.
+
+Every step: ``prompts_per_step`` prompts × G responses from the rollout engines; a verifier
+scores each response; advantages are normalised within each prompt's group; the responses are
+shuffled into ``minibatches_per_step`` equal minibatches with one optimizer step each; the new
+weights go to the engines. Evaluation and checkpoints every few steps; a killed run resumes from
+its newest checkpoint exactly (same data, same seeds).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+from bpo_megatron.data.rewards import reward_fn
+from bpo_megatron.data.tokenizer import load_tokenizer
+from bpo_megatron.eval.avg_at_k import BestCheckpoint, evaluate, stop_tokens
+from bpo_megatron.experiment import ExperimentConfig
+from bpo_megatron.loop import diagnostics
+from bpo_megatron.loop.prompts import PromptStream, encode, requests
+from bpo_megatron.loop.run import checkpoint_root, initial_hf_dir, prepare_run_dir, resume_state
+from bpo_megatron.loop.scoring import score, training_samples
+from bpo_megatron.loop.sft import sft_warmup
+from bpo_megatron.observability.metrics import MetricsWriter, summary_line
+from bpo_megatron.orchestration.cluster import start_ray, stop_ray
+from bpo_megatron.orchestration.groups import EngineGroup, TrainerGroup
+from bpo_megatron.orchestration.weight_sync import sync_weights
+from bpo_megatron.trainer.samples import split
+
+
+def run(cfg: ExperimentConfig, *, echo=print) -> dict:
+    run_dir = prepare_run_dir(cfg)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+    verify = reward_fn(cfg.data.reward)
+    state, checkpoint = resume_state(cfg)
+    start_ray(cfg.cluster, cpus_needed=cfg.cluster.trainer_ranks + cfg.rollout.num_engines)
+    hf_dir = initial_hf_dir(cfg)
+    trainer, engines = TrainerGroup(cfg), EngineGroup(cfg, hf_dir)
+    metrics_out = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard)
+    bucket = cfg.rollout.weight_bucket_mb * 1024 * 1024
+    push = lambda only=None: sync_weights(trainer, engines, bucket_bytes=bucket,  # noqa: E731
+                                          verify=cfg.train.verify_weight_sync, only=only)
+    engines.on_restart = lambda indices: push(only=indices)
+    best = BestCheckpoint(state.best_step, state.best_mean, list(state.eval_history))
+    try:
+        if checkpoint:
+            trainer.call("load", checkpoint)
+            echo(f"resumed from step {state.step} ({checkpoint})")
+        else:
+            trainer.call("load_hf", hf_dir)
+        prompts = PromptStream(cfg.data.train, cfg.data.root, seed=cfg.data.seed, cursor=state.data_cursor)
+        if not state.sft_done and cfg.train.sft_warmup_steps:
+            sft_warmup(cfg, trainer, prompts, tokenizer, metrics_out, echo)
+        state.sft_done = True
+        push()
+        if state.step == 0 and cfg.eval.every and cfg.eval.at_start:
+            _evaluate(cfg, engines, tokenizer, verify, 0, best, metrics_out, echo)
+
+        for step in range(state.step + 1, cfg.train.steps + 1):
+            timer = time.perf_counter()
+            problems = prompts.take(cfg.train.prompts_per_step)
+            batch = encode(problems, tokenizer, cfg.data.template, cfg.data.max_prompt_tokens)
+            samples = engines.generate(requests(
+                batch, tag=f"s{step}", n=cfg.rollout.group_size, temperature=cfg.rollout.temperature,
+                top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
+                stop_token_ids=stop_tokens(cfg, tokenizer), seed=cfg.rollout.seed + step))
+            t_rollout = time.perf_counter()
+            rewards = score(samples, [p.answer for p in problems for _ in range(cfg.rollout.group_size)],
+                            tokenizer, verify)
+            train_samples, metrics = training_samples(samples, rewards, cfg.rollout.group_size,
+                                                      keep_routing=cfg.model.routing_replay)
+            metrics.update(diagnostics.routing_agreement(trainer, train_samples, cfg))
+            random.Random(cfg.train.seed + step).shuffle(train_samples)
+            updates = [trainer.on_last_stage("train_step", mb)
+                       for mb in split(train_samples, cfg.train.minibatches_per_step)]
+            t_train = time.perf_counter()
+            metrics.update(diagnostics.mean_over_minibatches(updates))
+            metrics.update(push())
+            metrics.update({"time/rollout_s": t_rollout - timer, "time/train_s": t_train - t_rollout,
+                            "time/sync_s": time.perf_counter() - t_train, "time/step_s": time.perf_counter() - timer})
+            state.step, state.data_cursor = step, prompts.cursor
+            if cfg.eval.every and step % cfg.eval.every == 0:
+                metrics.update(_evaluate(cfg, engines, tokenizer, verify, step, best, metrics_out, echo))
+            metrics_out.write(step, metrics)
+            echo(summary_line(step, cfg.train.steps, metrics))
+            if step == cfg.train.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                state.best_step, state.best_mean, state.eval_history = best.step, best.mean, best.history
+                trainer.call("save", str(checkpoint_root(cfg)), step, state.to_dict(), cfg.checkpoint.keep_last)
+        return {"step": state.step, "best_step": best.step, "best_mean": best.mean, "run_dir": str(run_dir)}
+    finally:
+        metrics_out.close()
+        engines.shutdown()
+        trainer.shutdown()
+        stop_ray()
+
+
+def _evaluate(cfg, engines, tokenizer, verify, step, best, metrics_out, echo) -> dict:
+    result = evaluate(engines.generate, tokenizer, verify, cfg, step)
+    improved = best.update(result)
+    metrics = result.metrics(cfg.eval.k)
+    if step == 0:
+        metrics_out.write(0, metrics)
+    echo(f"eval step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in result.scores.items())
+         + f" | mean {result.mean:.3f}{' (best)' if improved else ''}")
+    return metrics

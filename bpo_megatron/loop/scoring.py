@@ -1,0 +1,33 @@
+"""From generated samples to training samples: decode, reward, group-normalise."""
+
+from __future__ import annotations
+
+import torch
+
+from bpo_megatron.algo import group_advantages
+from bpo_megatron.rollout import Sample
+from bpo_megatron.trainer.samples import TrainSample
+
+
+def response_texts(samples: list[Sample], tokenizer) -> list[str]:
+    eos = set(tokenizer.eos_token_ids)
+    return [tokenizer.decode([t for t in s.response_tokens.tolist() if t not in eos]) for s in samples]
+
+
+def score(samples: list[Sample], answers: list[str], tokenizer, reward_fn) -> torch.Tensor:
+    """Rewards in sample order (``answers`` holds one answer per sample)."""
+    return torch.tensor(reward_fn(response_texts(samples, tokenizer), answers), dtype=torch.float32)
+
+
+def training_samples(samples: list[Sample], rewards: torch.Tensor, group_size: int, *,
+                     keep_routing: bool) -> tuple[list[TrainSample], dict[str, float]]:
+    """Samples arrive grouped (the G responses of a prompt together), as advantages need."""
+    advantages, metrics = group_advantages(rewards, group_size)
+    train = [TrainSample(tokens=s.tokens, response_start=s.prompt_tokens.numel(),
+                         rollout_logprobs=s.rollout_logprobs, advantage=float(a),
+                         routed_experts=s.routed_experts if keep_routing else None)
+             for s, a in zip(samples, advantages.tolist())]
+    lengths = torch.tensor([s.response_tokens.numel() for s in samples], dtype=torch.float32)
+    metrics.update(response_length_mean=float(lengths.mean()), response_length_max=float(lengths.max()),
+                   truncated_frac=sum(s.finish_reason == "length" for s in samples) / len(samples))
+    return train, metrics

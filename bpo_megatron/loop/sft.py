@@ -1,0 +1,40 @@
+"""Supervised warm start on reference answers (CPU demos: a random tiny model knows nothing).
+
+An SFT step is a policy step with advantage +1 on the reference response and the trainer's own
+log-probs as μ: every BPO weight is then 1 and nothing is masked, so the update is exactly the
+negative log-likelihood gradient — no separate loss code path is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from bpo_megatron.trainer.samples import TrainSample
+
+
+def sft_warmup(cfg, trainer, prompts, tokenizer, metrics_out, echo) -> None:
+    eos = tokenizer.eos_token_ids[0]
+    if cfg.train.sft_lr is not None:
+        trainer.call("set_learning_rate", cfg.train.sft_lr)
+    for step in range(1, cfg.train.sft_warmup_steps + 1):
+        problems = prompts.take(cfg.train.sft_batch_size)
+        samples = []
+        for p in problems:
+            prompt = tokenizer.encode(tokenizer.render_prompt(p.problem, cfg.data.template))
+            answer = tokenizer.encode(p.answer) + [eos]
+            samples.append(TrainSample(tokens=torch.tensor(prompt + answer), response_start=len(prompt),
+                                       rollout_logprobs=torch.zeros(len(answer)), advantage=1.0))
+        # With R3 the trainer replays routing; here it replays its own, recorded in this forward.
+        replay = cfg.model.routing_replay
+        scored = trainer.on_last_stage("compute_logprobs", samples, replay)
+        routing = scored.routed_experts if replay else [None] * len(samples)
+        samples = [replace(s, rollout_logprobs=lp.clamp(max=0.0), routed_experts=r)
+                   for s, lp, r in zip(samples, scored.logprobs, routing)]
+        metrics = trainer.on_last_stage("train_step", samples)
+        nll = -float(torch.cat(scored.logprobs).mean())
+        metrics_out.write(-cfg.train.sft_warmup_steps + step, {"sft/nll": nll, "sft/grad_norm": metrics["grad_norm"]})
+        if step == 1 or step % 10 == 0 or step == cfg.train.sft_warmup_steps:
+            echo(f"sft {step}/{cfg.train.sft_warmup_steps} | nll {nll:.3f}")
+    trainer.call("set_learning_rate", cfg.optimizer.lr)

@@ -1,0 +1,41 @@
+"""Starting Ray: an embedded local instance by default, or joining an existing cluster."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def start_ray(cluster, *, cpus_needed: int) -> None:
+    """``cluster.ray_address`` None: a private Ray on this machine, bound to loopback, with a
+    bounded object store (a stray ``RAY_ADDRESS`` in the environment is not followed)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if cluster.ray_address:
+        ray.init(address=cluster.ray_address, log_to_driver=True)
+        return
+    ray.init(
+        address="local",
+        num_cpus=max(os.cpu_count() or 1, cpus_needed),
+        object_store_memory=cluster.object_store_mb * 1024 * 1024,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=True,
+        configure_logging=True,
+        logging_level="ERROR",
+    )
+
+
+def stop_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

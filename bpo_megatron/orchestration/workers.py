@@ -1,0 +1,156 @@
+"""The Ray actors: one train worker per trainer rank, one engine worker per rollout engine.
+
+Both are plain classes; :mod:`bpo_megatron.orchestration.groups` turns them into Ray actors.
+Keeping Ray out of them keeps them testable and lets the trainer world run without Ray too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bpo_megatron import platform
+
+
+def _quiet_worker_logs() -> None:
+    """Megatron-Core warns at import that apex/TE are absent and torch about deprecated
+    collectives it calls; both repeat once per actor and say nothing about the run."""
+    import warnings
+
+    warnings.filterwarnings("ignore", module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+class TrainWorker:
+    """One rank of the trainer world: a :class:`~bpo_megatron.trainer.actor.TrainActor`."""
+
+    def __init__(self, cfg, rank: int, world_size: int, master: str, threads: int = 1) -> None:
+        _quiet_worker_logs()
+        from bpo_megatron.trainer.actor import TrainActor
+        from bpo_megatron.trainer.config import TrainerConfig
+
+        torch.set_num_threads(threads)
+        dist.init_process_group(backend=platform.distributed_backend(), init_method=f"tcp://{master}",
+                                rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=30))
+        self.cfg, self.rank = cfg, rank
+        self.hf = cfg.hf_config()
+        self.actor = TrainActor(
+            self.hf, parallel=cfg.parallel, model=cfg.model.options(), loss=cfg.loss, optimizer=cfg.optimizer,
+            trainer=TrainerConfig(micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature,
+                                  seed=cfg.train.seed),
+        )
+
+    def ready(self) -> bool:
+        return True
+
+    def load_hf(self, directory: str) -> int:
+        from bpo_megatron.convert import load_hf_weights
+
+        loaded = load_hf_weights(self.actor.model, self.hf, directory)
+        self.actor.reload_optimizer_params()
+        return loaded
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.actor.set_learning_rate(lr)
+
+    def compute_logprobs(self, samples, record_routing: bool = False):
+        return self.actor.compute_logprobs(samples, record_routing=record_routing)
+
+    def train_step(self, minibatch) -> dict[str, float]:
+        return self.actor.train_step(minibatch)
+
+    def save(self, root: str, step: int, trainer_state: dict[str, Any], keep_last: int | None) -> str:
+        return self.actor.save(root, trainer_state=trainer_state, keep_last=keep_last, step=step)
+
+    def load(self, root: str) -> dict[str, Any]:
+        return self.actor.load(root)
+
+    def push_weights(self, engines: list, bucket_bytes: int, verify: bool) -> dict[str, Any]:
+        """Stream the model as Hugging Face tensors; rank 0 sends them to every engine in buckets.
+
+        Every rank takes part in gathering the shards; only rank 0 talks to the engines. With
+        ``verify``, rank 0 also returns the tensors' fingerprints for the equality check.
+        """
+        import ray
+
+        from bpo_megatron.convert import iter_hf_weights
+        from bpo_megatron.rollout.checksums import fingerprint
+        from bpo_megatron.rollout.weight_buckets import buckets, tensor_bytes
+
+        start, sent, expected = time.perf_counter(), 0, {}
+        stream = iter_hf_weights(self.actor.model, self.hf, dst=0)
+        for bucket in buckets(((n, t.detach().cpu()) for n, t in stream), bucket_bytes):
+            if verify:
+                expected.update((name, fingerprint(tensor)) for name, tensor in bucket)
+            ref = ray.put(bucket)
+            ray.get([engine.update_weights.remote(ref) for engine in engines])
+            sent += sum(tensor_bytes(t) for _, t in bucket)
+        return {"bytes": sent, "seconds": time.perf_counter() - start, "fingerprints": expected}
+
+    def shutdown(self) -> None:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+class EngineWorker:
+    """One rollout engine, built from the experiment's ``rollout`` section."""
+
+    def __init__(self, cfg, model_dir: str, index: int) -> None:
+        _quiet_worker_logs()
+        from bpo_megatron.rollout import engine_class
+
+        hf = cfg.hf_config()
+        capture = cfg.rollout.capture_routed_experts and hf.num_experts > 0
+        name = cfg.rollout.engine
+        if name == "hf":
+            self.engine = engine_class("hf")(model_dir, capture_routing=capture,
+                                             threads=cfg.rollout.threads_per_engine)
+        elif name == "sglang":
+            from bpo_megatron.rollout.sglang import SGLangConfig
+
+            options = {"model_path": model_dir, "capture_routed_experts": capture, **cfg.rollout.sglang}
+            options.setdefault("port", 30000 + index)
+            self.engine = engine_class("sglang")(SGLangConfig(**options), num_moe_layers=len(hf.moe_layers),
+                                                 topk=hf.num_experts_per_tok)
+        else:
+            self.engine = engine_class(name)(model_dir, capture_routing=capture)
+
+    def captures_routing(self) -> bool:
+        return self.engine.capabilities.captures_routing
+
+    def generate(self, requests):
+        return self.engine.generate(requests)
+
+    def update_weights(self, bucket) -> int:
+        return self.engine.update_weights(bucket)
+
+    def fingerprints(self) -> dict[str, str]:
+        from bpo_megatron.rollout.checksums import fingerprints
+
+        return fingerprints(self.engine.named_hf_weights())
+
+    def pause(self) -> None:
+        self.engine.pause()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def healthy(self) -> bool:
+        return self.engine.health().healthy
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,44 @@
+"""The ``rollout`` section: which engine generates, and how it samples."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+EngineName = Literal["hf", "sglang", "vllm"]
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Sampling for training (the paper: G=16 at T=1.0, top-p 1.0, no top-k, 16k tokens).
+
+    ``capture_routed_experts`` makes the engine record the experts of every processed token;
+    R3 (``model.routing_replay``) needs it. ``sglang`` holds the SGLang engine's own settings
+    (see ``bpo_megatron.rollout.sglang.SGLangConfig``; ``model_path`` defaults to ``model.path``).
+    """
+
+    engine: EngineName = "hf"
+    num_engines: int = 1
+    group_size: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 16384
+    stop_token_ids: tuple[int, ...] = ()  # added to the tokenizer's end-of-sequence tokens
+    capture_routed_experts: bool = True
+    seed: int = 0
+    threads_per_engine: int = 1  # torch threads of the embedded engine
+    weight_bucket_mb: int = 512
+    sglang: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("num_engines", "group_size", "max_new_tokens", "threads_per_engine", "weight_bucket_mb"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"rollout.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"rollout.top_k must be >= 0 (0 disables it), got {self.top_k}")

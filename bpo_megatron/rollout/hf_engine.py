@@ -1,0 +1,251 @@
+"""The embedded rollout engine: a transformers Qwen3 / Qwen3-MoE model sampled by our own loop.
+
+``model.generate`` is not used so that what a sample reports is exactly what was sampled from: per
+step, fp32 logits / temperature → log-softmax = log μ (before top-k/top-p), then the filtered draw
+(see :mod:`hf_sampling`). All rows of all requests decode together with one KV cache: prompts are
+left-padded, masked and given their own position ids, so every row computes what a single unpadded
+forward computes (up to float summation order). Rows leave the batch (and the cache) as they finish.
+With capture on, the experts each MoE router picks for every processed token are recorded (R3).
+
+The KV cache lives only inside one :meth:`HFEngine.generate` call, so no cache ever outlives a
+weight update.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from bpo_megatron.rollout.engine import EngineCapabilities, RolloutEngine
+from bpo_megatron.rollout.hf_capture import RoutingCapture, moe_routers
+from bpo_megatron.rollout.hf_sampling import BatchSampler, row_seeds
+from bpo_megatron.rollout.hf_weights import HFWeights
+from bpo_megatron.rollout.types import EngineHealth, GenerationRequest, Sample
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One of the ``n`` responses of a request: a row of a decoding batch."""
+
+    request: GenerationRequest
+    index: int
+    seed: int
+
+
+@dataclass
+class _Batch:
+    """Outputs of one decoding batch, indexed by its rows (in the order they were given)."""
+
+    tokens: torch.Tensor  # [b, T] sampled tokens
+    logprobs: torch.Tensor  # [b, T] log μ
+    lengths: list[int]  # response length of each row
+    stopped: list[bool]  # ended on a stop token
+    routing: torch.Tensor | None  # [b, P + T − 1, moe layers, top-k], left-padded columns
+    width: int  # P, the padded prompt width
+
+
+class HFEngine(RolloutEngine):
+    """Rollout engine on a transformers causal LM, in-process (the CPU default).
+
+    ``model_dir_or_model`` is a local checkpoint directory (loaded with ``dtype`` onto ``device``) or
+    an already built model, used as is. ``threads`` sets torch's (process-wide) intra-op threads.
+    ``max_batch_rows`` bounds the rows decoded together; more are split into batches of similar
+    prompt length.
+    """
+
+    def __init__(self, model_dir_or_model: str | Path | nn.Module, *, capture_routing: bool,
+                 dtype: torch.dtype = torch.float32, threads: int = 1, device: str | torch.device = "cpu",
+                 max_batch_rows: int = 256) -> None:
+        if threads < 1 or max_batch_rows < 1:
+            raise ValueError(f"threads={threads} and max_batch_rows={max_batch_rows} must be >= 1")
+        torch.set_num_threads(threads)
+        if isinstance(model_dir_or_model, nn.Module):
+            model = model_dir_or_model
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(model_dir_or_model), dtype=dtype, local_files_only=True).to(device)
+            model.requires_grad_(False)
+        self._model: nn.Module | None = model.eval()
+        self._device = next(model.parameters()).device
+        self._max_batch_rows = max_batch_rows
+        self._max_positions = getattr(model.config, "max_position_embeddings", None)
+        self._weights = HFWeights(model)
+        routers = moe_routers(model)
+        self._capture = (RoutingCapture(routers, topk=model.config.num_experts_per_tok,
+                                        num_experts=model.config.num_experts)
+                         if capture_routing and routers else None)
+        self.num_moe_layers = len(routers)
+        self.capabilities = EngineCapabilities(captures_routing=self._capture is not None,
+                                               updates_weights_in_place=True)
+        self._paused = False
+        self._lock = threading.Lock()  # generate and update_weights never interleave
+
+    @property
+    def model(self) -> nn.Module:
+        return self._live_model()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def pause(self) -> None:
+        self._live_model()
+        self._paused = True
+
+    def resume(self) -> None:
+        self._live_model()
+        self._paused = False
+
+    def health(self) -> EngineHealth:
+        if self._model is None:
+            return EngineHealth(healthy=False, detail="shut down")
+        return EngineHealth(healthy=True, detail="paused" if self._paused else "ready")
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._capture is not None:
+                self._capture.remove()
+            self._model = self._weights = self._capture = None
+
+    def _live_model(self) -> nn.Module:
+        if self._model is None:
+            raise RuntimeError("the hf rollout engine was shut down; create a new one")
+        return self._model
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy each tensor into the weight of that on-disk name, in order; returns bytes received.
+
+        Each tensor is checked (name, shape) before it is written; a refused one raises ValueError
+        and leaves its weight untouched (tensors before it are already applied).
+        """
+        self._live_model()
+        with self._lock:
+            return sum(self._weights.load(name, tensor) for name, tensor in named_tensors)
+
+    def named_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The current weights under their on-disk names (views of the live model: clone to keep)."""
+        self._live_model()
+        yield from self._weights.items()
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
+        model = self._live_model()
+        if self._paused:
+            raise RuntimeError("the hf rollout engine is paused (a weight update is in progress); "
+                               "call resume() before generate()")
+        self._check_lengths(requests)
+        rows = [_Row(request, index, seed) for request in requests
+                for index, seed in enumerate(row_seeds(request.sampling.seed, request.sampling.n))]
+        samples: list[Sample | None] = [None] * len(rows)
+        # similar prompt lengths share a batch, so little of it is left padding
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i].request.prompt_tokens))
+        with self._lock, torch.inference_mode():
+            for start in range(0, len(order), self._max_batch_rows):
+                chunk = order[start:start + self._max_batch_rows]
+                batch = self._decode(model, [rows[i] for i in chunk])
+                for position, i in enumerate(chunk):
+                    samples[i] = self._sample(rows[i], batch, position)
+        return samples
+
+    def _check_lengths(self, requests: list[GenerationRequest]) -> None:
+        if self._max_positions is None:
+            return
+        for request in requests:
+            total = len(request.prompt_tokens) + request.sampling.max_new_tokens
+            if total > self._max_positions:
+                raise ValueError(f"request {request.request_id!r}: prompt ({len(request.prompt_tokens)}) + "
+                                 f"max_new_tokens ({request.sampling.max_new_tokens}) = {total} exceeds the "
+                                 f"model's max_position_embeddings={self._max_positions}")
+
+    def _decode(self, model: nn.Module, rows: list[_Row]) -> _Batch:
+        device = self._device
+        input_ids, mask, positions = _left_padded([r.request.prompt_tokens for r in rows], device)
+        width = input_ids.shape[1]
+        sampler = BatchSampler([r.request.sampling for r in rows], [r.seed for r in rows], device)
+        steps = max(r.request.sampling.max_new_tokens for r in rows)
+        tokens = torch.zeros(len(rows), steps, dtype=torch.long, device=device)
+        logprobs = torch.zeros(len(rows), steps, dtype=torch.float32, device=device)
+        lengths, stopped = [0] * len(rows), [False] * len(rows)
+        capture = self._capture
+        if capture is not None:
+            capture.open(len(rows), width + steps - 1, device)
+
+        cache = DynamicCache(config=model.config)
+        live = torch.arange(len(rows), device=device)  # batch rows still decoding
+        next_position = positions[:, -1] + 1
+        step_ids, step_positions = input_ids, positions
+        try:
+            for step in range(steps):
+                if capture is not None:  # prefill fills columns [0, width); step s feeds column width+s-1
+                    capture.target(None if live.numel() == len(rows) else live,
+                                   0 if step == 0 else width + step - 1, step_ids.shape[1])
+                logits = model(input_ids=step_ids, attention_mask=mask, position_ids=step_positions,
+                               past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+                if capture is not None:
+                    capture.check_forward()
+                sampled, sampled_logprobs = sampler.sample(logits, step)
+                tokens[live, step] = sampled
+                logprobs[live, step] = sampled_logprobs
+                stop = sampler.is_stop(sampled)
+                done = stop | (sampler.max_new_tokens <= step + 1)
+                if int(done.sum()):  # the one host sync of a step
+                    done_rows = [(row, is_stop) for row, is_done, is_stop
+                                 in zip(live.tolist(), done.tolist(), stop.tolist()) if is_done]
+                    for row, is_stop in done_rows:
+                        lengths[row], stopped[row] = step + 1, is_stop
+                    if len(done_rows) == live.numel():
+                        break
+                    # finished rows leave the batch: their cache, mask and settings go with them
+                    keep = (~done).nonzero()[:, 0]
+                    cache.batch_select_indices(keep)
+                    live, mask, sampled, next_position = live[keep], mask[keep], sampled[keep], next_position[keep]
+                    sampler.keep(keep)
+                step_ids, step_positions = sampled[:, None], next_position[:, None]
+                next_position = next_position + 1
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        finally:
+            routing = capture.close() if capture is not None else None
+        return _Batch(tokens, logprobs, lengths, stopped, routing, width)
+
+    @staticmethod
+    def _sample(row: _Row, batch: _Batch, i: int) -> Sample:
+        prompt = torch.tensor(row.request.prompt_tokens, dtype=torch.long)
+        length = batch.lengths[i]
+        routed = None
+        if batch.routing is not None:
+            # real positions only: after the row's left padding, up to the last token fed back
+            first = batch.width - prompt.numel()
+            routed = batch.routing[i, first:batch.width + length - 1].to(torch.int32).cpu()
+        return Sample(
+            request_id=row.request.request_id,
+            index=row.index,
+            prompt_tokens=prompt,
+            response_tokens=batch.tokens[i, :length].cpu().clone(),
+            rollout_logprobs=batch.logprobs[i, :length].cpu().clone(),
+            finish_reason="stop" if batch.stopped[i] else "length",
+            routed_experts=routed,
+        )
+
+
+def _left_padded(prompts: list[tuple[int, ...]], device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids, attention mask and position ids ``[b, P]`` of prompts right-aligned in P columns.
+
+    Positions count real tokens only (a row's first prompt token is position 0), as in an unpadded
+    forward; transformers would otherwise number the padding too.
+    """
+    width = max(len(p) for p in prompts)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        input_ids[i, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+    lengths = torch.tensor([len(p) for p in prompts])
+    mask = (torch.arange(width) >= width - lengths[:, None]).long()
+    positions = (mask.cumsum(1) - 1).clamp_min(0)
+    return input_ids.to(device), mask.to(device), positions.to(device)

@@ -1,0 +1,263 @@
+"""The embedded rollout engine against independent references: a teacher-forced transformers forward
+(log μ and routed experts), the checkpoint files ``save_pretrained`` writes (weight names and fused
+expert layout), and closed-form sampling distributions."""
+
+from __future__ import annotations
+
+import gc
+import math
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from bpo_megatron.models.hf_config import HFModelConfig
+from bpo_megatron.rollout import GenerationRequest, SamplingParams, engine_class
+from bpo_megatron.rollout.hf_engine import HFEngine
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TOLERANCE = 1e-5  # fp32 log μ: KV-cache decoding sums in another order than one full forward
+
+torch.set_num_threads(1)
+
+
+def _random_checkpoint(fixture: str, out: Path, seed: int) -> Path:
+    """A tiny random model whose logits (~N(0, 2²)) and routers (~N(0, 4²)) are far from uniform,
+    so a wrong position, mask or expert shows up in log μ and routing is not decided by ties."""
+    config = AutoConfig.from_pretrained(FIXTURES / fixture)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hidden = config.hidden_size
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 1:  # norms: distinct values so a mix-up between them is visible
+                param.normal_(1.0, 0.1)
+            elif name.endswith("embed_tokens.weight"):
+                param.normal_(0.0, 2.0 / math.sqrt(hidden) if config.tie_word_embeddings else 1.0)
+            elif name.startswith("lm_head"):
+                param.normal_(0.0, 2.0 / math.sqrt(hidden))
+            elif name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 4.0 / math.sqrt(hidden))
+            else:
+                param.normal_(0.0, 1.0 / math.sqrt(param.shape[-1]))
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    return _random_checkpoint("tiny_qwen3_moe", tmp_path_factory.mktemp("moe"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory) -> Path:
+    return _random_checkpoint("tiny_qwen3", tmp_path_factory.mktemp("dense"), seed=0)
+
+
+def _requests(vocab: int, lengths=(3, 17, 1, 30, 9), **sampling) -> list[GenerationRequest]:
+    generator = torch.Generator().manual_seed(1)
+    defaults = dict(temperature=0.7, top_p=0.9, top_k=40, max_new_tokens=24, n=3)
+    return [GenerationRequest(f"q{i}", tuple(torch.randint(0, vocab, (length,), generator=generator).tolist()),
+                              SamplingParams(**{**defaults, "seed": 100 + i, **sampling}))
+            for i, length in enumerate(lengths)]
+
+
+def _teacher_forced(model, tokens: torch.Tensor, temperature: float):
+    """log-softmax(logits / T) of every next token and the experts every router picked, from one
+    unpadded forward of ``tokens[:-1]`` (the trainer's recompute)."""
+    picked: list[torch.Tensor] = []
+    routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    handles = [r.register_forward_hook(lambda module, args, out: picked.append(out[2])) for r in routers]
+    try:
+        with torch.inference_mode():
+            logits = model(input_ids=tokens[None, :-1]).logits[0].float()
+    finally:
+        for handle in handles:
+            handle.remove()
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return logprobs, torch.stack(picked, dim=1) if picked else None
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+def test_rollout_logprobs_and_routing_equal_a_teacher_forced_recompute(kind, moe_dir, dense_dir):
+    path = moe_dir if kind == "moe" else dense_dir
+    engine = HFEngine(path, capture_routing=True)
+    hf = HFModelConfig.load(path)
+    assert engine.capabilities.captures_routing == (kind == "moe")
+    assert engine.num_moe_layers == len(hf.moe_layers)
+    requests = _requests(hf.vocab_size, stop_token_ids=(7, 11))
+    samples = engine.generate(requests)
+
+    # n samples per request, in request order then index order
+    assert [(s.request_id, s.index) for s in samples] == [(r.request_id, i) for r in requests for i in range(3)]
+    worst, routed_tokens = 0.0, 0
+    for sample in samples:
+        sample.check(num_moe_layers=len(hf.moe_layers) or None, topk=hf.num_experts_per_tok or None)
+        prompt = sample.prompt_tokens.numel()
+        logprobs, routing = _teacher_forced(engine.model, sample.tokens, temperature=0.7)
+        response_logprobs = logprobs[prompt - 1:].gather(1, sample.response_tokens[:, None])[:, 0]
+        worst = max(worst, (response_logprobs - sample.rollout_logprobs).abs().max().item())
+        # every sampled token lies inside top-k, then top-p, of the recomputed distribution
+        ranks = (logprobs[prompt - 1:] > response_logprobs[:, None]).sum(1)
+        assert int(ranks.max()) < 40
+        assert sample.finish_reason == ("stop" if sample.response_tokens[-1].item() in (7, 11) else "length")
+        if kind == "moe":
+            assert sample.routed_experts.dtype == torch.int32
+            assert torch.equal(sample.routed_experts, routing.to(torch.int32)), sample.request_id
+            routed_tokens += routing.shape[0]
+        else:
+            assert sample.routed_experts is None
+    assert worst <= TOLERANCE, worst
+    assert routed_tokens == sum(s.tokens.numel() - 1 for s in samples) if kind == "moe" else True
+
+
+def test_sampling_follows_the_filtered_distribution_while_logprobs_stay_unfiltered(moe_dir):
+    """One prompt, many first tokens: frequencies match top-k-then-top-p of softmax(logits / T)."""
+    engine = HFEngine(moe_dir, capture_routing=False)
+    prompt = (5, 9, 2, 77)
+    params = SamplingParams(temperature=0.8, top_k=6, top_p=0.7, max_new_tokens=1, n=3000, seed=3)
+    samples = engine.generate([GenerationRequest("p", prompt, params)])
+    logprobs, _ = _teacher_forced(engine.model, torch.tensor(prompt + (0,)), temperature=0.8)
+    full = logprobs[-1].exp()
+    ordered, order = full.sort(descending=True)
+    kept = ordered[:6] / ordered[:6].sum()
+    kept = kept[:int(((kept.cumsum(0) - kept) < 0.7).sum())]
+    expected = torch.zeros_like(full)
+    expected[order[:kept.numel()]] = kept / kept.sum()
+    first = torch.tensor([s.response_tokens[0].item() for s in samples])
+    frequencies = torch.bincount(first, minlength=full.numel()).double() / first.numel()
+    sigma = (expected * (1 - expected) / first.numel()).sqrt()
+    assert (frequencies[expected == 0] == 0).all()
+    assert ((frequencies - expected).abs() <= 4 * sigma + 1e-9).all()
+    reported = torch.tensor([s.rollout_logprobs[0].item() for s in samples])
+    assert torch.allclose(reported, logprobs[-1][first], atol=TOLERANCE, rtol=0)
+
+
+def test_a_seed_fixes_the_samples_whatever_else_is_batched(moe_dir):
+    engine = HFEngine(moe_dir, capture_routing=True)
+    requests = _requests(200)
+    first, again = engine.generate(requests), engine.generate(requests)
+    alone = engine.generate([requests[3]])
+    for a, b in zip(first, again):
+        assert torch.equal(a.response_tokens, b.response_tokens)
+        assert torch.equal(a.rollout_logprobs, b.rollout_logprobs)
+        assert torch.equal(a.routed_experts, b.routed_experts)
+    for a, b in zip(first[9:12], alone):
+        assert torch.equal(a.response_tokens, b.response_tokens)
+        assert torch.equal(a.routed_experts, b.routed_experts)
+        assert torch.allclose(a.rollout_logprobs, b.rollout_logprobs, atol=TOLERANCE, rtol=0)
+    # the n samples of a request differ, and so do other seeds
+    assert not torch.equal(first[0].response_tokens, first[1].response_tokens)
+    reseeded = engine.generate(_requests(200, seed=7))
+    assert any(not torch.equal(a.response_tokens, b.response_tokens) for a, b in zip(first, reseeded))
+
+
+def test_stop_tokens_end_a_response_and_max_new_tokens_bounds_it(moe_dir):
+    engine = HFEngine(moe_dir, capture_routing=True)
+    prompt = (4, 8, 15, 16, 23, 42)
+    free = engine.generate([GenerationRequest("free", prompt, SamplingParams(max_new_tokens=20, seed=5))])[0]
+    assert free.finish_reason == "length" and free.response_tokens.numel() == 20
+    stop_id = int(free.response_tokens[6])
+    cut = 1 + int((free.response_tokens == stop_id).nonzero()[0])  # first occurrence, included
+    requests = [
+        GenerationRequest("stop", prompt, SamplingParams(max_new_tokens=20, seed=5, stop_token_ids=(stop_id, 199))),
+        GenerationRequest("short", prompt, SamplingParams(max_new_tokens=3, seed=5)),
+        GenerationRequest("any", (1, 2), SamplingParams(max_new_tokens=9, stop_token_ids=tuple(range(200)))),
+    ]
+    stopped, short, instantly = engine.generate(requests)
+    assert stopped.finish_reason == "stop"
+    assert torch.equal(stopped.response_tokens, free.response_tokens[:cut])
+    assert torch.equal(stopped.routed_experts, free.routed_experts[:len(prompt) + cut - 1])
+    assert short.finish_reason == "length" and torch.equal(short.response_tokens, free.response_tokens[:3])
+    assert instantly.finish_reason == "stop" and instantly.response_tokens.numel() == 1
+    assert instantly.routed_experts.shape == (2, 2, 2)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        engine.generate([GenerationRequest("long", prompt, SamplingParams(max_new_tokens=251))])
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+def test_named_hf_weights_are_the_checkpoint_tensors(kind, moe_dir, dense_dir):
+    path = moe_dir if kind == "moe" else dense_dir
+    on_disk = load_file(path / "model.safetensors")
+    weights = dict(HFEngine(path, capture_routing=False).named_hf_weights())
+    assert sorted(weights) == sorted(on_disk)
+    for name, tensor in on_disk.items():
+        assert torch.equal(weights[name], tensor), name
+
+
+def test_update_weights_by_on_disk_names_lands_in_the_fused_experts(moe_dir, tmp_path):
+    engine = HFEngine(moe_dir, capture_routing=True)
+    requests = _requests(200)
+    before = engine.generate(requests)
+    other_dir = _random_checkpoint("tiny_qwen3_moe", tmp_path / "other", seed=1)
+    new = load_file(other_dir / "model.safetensors")
+
+    received = engine.update_weights(iter(new.items()))
+    assert received == sum(t.numel() * t.element_size() for t in new.values())
+    experts = engine.model.model.layers[0].mlp.experts  # gate_up_proj [E, 2I, H], down_proj [E, H, I]
+    inter = experts.gate_up_proj.shape[1] // 2
+    assert torch.equal(experts.gate_up_proj[3, :inter], new["model.layers.0.mlp.experts.3.gate_proj.weight"])
+    assert torch.equal(experts.gate_up_proj[3, inter:], new["model.layers.0.mlp.experts.3.up_proj.weight"])
+    assert torch.equal(experts.down_proj[3], new["model.layers.0.mlp.experts.3.down_proj.weight"])
+    assert all(torch.equal(tensor, new[name]) for name, tensor in engine.named_hf_weights())
+
+    after = engine.generate(requests)
+    assert any(not torch.equal(a.response_tokens, b.response_tokens) for a, b in zip(before, after))
+    engine.model.save_pretrained(tmp_path / "saved")
+    for fresh in (HFEngine(other_dir, capture_routing=True), HFEngine(tmp_path / "saved", capture_routing=True)):
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(fresh.named_hf_weights(), engine.named_hf_weights()))
+        for a, b in zip(after, fresh.generate(requests)):
+            assert torch.equal(a.response_tokens, b.response_tokens)
+            assert torch.equal(a.rollout_logprobs, b.rollout_logprobs)
+            assert torch.equal(a.routed_experts, b.routed_experts)
+
+
+def test_update_weights_refuses_unknown_names_and_wrong_shapes(moe_dir):
+    engine = HFEngine(moe_dir, capture_routing=False)
+    snapshot = {name: t.clone() for name, t in engine.named_hf_weights()}
+    gate = "model.layers.1.mlp.experts.2.gate_proj.weight"
+    bad = {
+        "model.layers.0.mlp.experts.4.gate_proj.weight": torch.zeros(32, 64),  # expert 4 of 4
+        "model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 64, 64),  # in-memory, not on-disk
+        gate: torch.zeros(64, 32),  # transposed
+    }
+    for name, tensor in bad.items():
+        with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+            engine.update_weights([(name, tensor)])
+    with pytest.raises(ValueError, match="floating-point"):
+        engine.update_weights([(gate, torch.zeros(32, 64, dtype=torch.long))])
+    assert all(torch.equal(t, snapshot[name]) for name, t in engine.named_hf_weights())
+
+
+def test_pause_resume_and_shutdown(moe_dir):
+    engine = engine_class("hf")(moe_dir, capture_routing=True)
+    request = [GenerationRequest("x", (1, 2, 3), SamplingParams(max_new_tokens=2, seed=0))]
+    engine.pause()
+    assert engine.health().detail == "paused"
+    with pytest.raises(RuntimeError, match="paused"):
+        engine.generate(request)
+    name, tensor = next(engine.named_hf_weights())
+    assert engine.update_weights([(name, tensor.clone())]) == tensor.numel() * 4  # allowed while paused
+    engine.resume()
+    assert engine.health().healthy and engine.health().detail == "ready"
+    assert len(engine.generate(request)) == 1
+
+    model = weakref.ref(engine.model)
+    engine.shutdown()
+    gc.collect()
+    assert model() is None, "shutdown must free the model"
+    assert not engine.health().healthy
+    for call in (lambda: engine.generate(request), engine.pause, engine.resume,
+                 lambda: engine.update_weights([]), lambda: next(engine.named_hf_weights())):
+        with pytest.raises(RuntimeError, match="shut down"):
+            call()
+
+
+def test_capture_is_off_when_not_asked_for(moe_dir):
+    engine = HFEngine(moe_dir, capture_routing=False)
+    assert not engine.capabilities.captures_routing and engine.capabilities.updates_weights_in_place
+    sample = engine.generate([GenerationRequest("x", (1, 2, 3), SamplingParams(max_new_tokens=4, seed=0))])[0]
+    assert sample.routed_experts is None
