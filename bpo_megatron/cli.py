@@ -62,6 +62,27 @@ def _train(argv: list[str]) -> int:
     return train_main(argv)
 
 
+@command("plot", "write PNG curves (reward, eval accuracy) of one or more run directories")
+def _plot(argv: list[str]) -> int:
+    from bpo_megatron.commands.plot import main as plot_main
+
+    return plot_main(argv)
+
+
+@command("eval", "Avg@k of a checkpoint or Hugging Face model on the config's eval datasets")
+def _eval(argv: list[str]) -> int:
+    from bpo_megatron.commands.evaluate import main as eval_main
+
+    return eval_main(argv)
+
+
+@command("compare", "run BPO and the baselines (or a sweep) over seeds; write the results table and curves")
+def _compare(argv: list[str]) -> int:
+    from bpo_megatron.commands.compare import main as compare_main
+
+    return compare_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="bpo-megatron", description="RL post-training of MoE LLMs with BPO.")

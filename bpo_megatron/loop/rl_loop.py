@@ -22,6 +22,7 @@ from bpo_megatron.loop.run import checkpoint_root, initial_hf_dir, prepare_run_d
 from bpo_megatron.loop.scoring import score, training_samples
 from bpo_megatron.loop.sft import sft_warmup
 from bpo_megatron.observability.metrics import MetricsWriter, summary_line
+from bpo_megatron.observability.plot import plot_runs
 from bpo_megatron.orchestration.cluster import start_ray, stop_ray
 from bpo_megatron.orchestration.groups import EngineGroup, TrainerGroup
 from bpo_megatron.orchestration.weight_sync import sync_weights
@@ -86,6 +87,7 @@ def run(cfg: ExperimentConfig, *, echo=print) -> dict:
             if step == cfg.train.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                 state.best_step, state.best_mean, state.eval_history = best.step, best.mean, best.history
                 trainer.call("save", str(checkpoint_root(cfg)), step, state.to_dict(), cfg.checkpoint.keep_last)
+                plot_runs([run_dir], run_dir / "curves.png", labels=[cfg.name])
         return {"step": state.step, "best_step": best.step, "best_mean": best.mean, "run_dir": str(run_dir)}
     finally:
         metrics_out.close()
