@@ -1,0 +1,122 @@
+"""Datasets, procedural tasks, tokenizers, rewards, the prompt stream, Avg@k, metrics and plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bpo_megatron.data.problems import load_problems
+from bpo_megatron.data.procedural import generate
+from bpo_megatron.data.rewards import MathVerifier, reward_fn
+from bpo_megatron.data.tokenizer import CharTokenizer
+from bpo_megatron.eval.avg_at_k import BestCheckpoint, EvalResult, avg_at_k
+from bpo_megatron.loop.prompts import PromptStream
+from bpo_megatron.observability.metrics import MetricsWriter, read_metrics, summary_line
+from bpo_megatron.observability.plot import plot_runs
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="the shared data directory is not next to the checkout")
+@pytest.mark.parametrize("name, count", [("aime24", 30), ("aime25", 30), ("aime26", 30), ("math500", 500),
+                                         ("gsm8k_test", 1319)])
+def test_shared_datasets_load_by_name(name, count):
+    problems = load_problems(name, SHARED)
+    assert len(problems) == count and all(p.problem and p.answer for p in problems)
+
+
+def test_any_path_in_the_same_format(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(json.dumps({"id": f"q{i}", "problem": f"{i}+1", "answer": str(i + 1)}) for i in range(3)))
+    assert [p.answer for p in load_problems(str(path))] == ["1", "2", "3"]
+
+
+@pytest.mark.parametrize(
+    "lines, match",
+    [
+        (['{"id": "a", "problem": "x"}'], r"mine.jsonl:1: field 'answer' must be a non-empty string"),
+        (['{"id": "a", "problem": "x", "answer": "1"}', "{oops"], r"mine.jsonl:2: not valid JSON"),
+        (['{"id": "a", "problem": "x", "answer": "1"}'] * 2, "duplicate ids"),
+        (['{"id": "a", "problem": "", "answer": "1"}'], "field 'problem' must be a non-empty string"),
+    ],
+)
+def test_bad_records_name_file_line_and_field(tmp_path, lines, match):
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(lines))
+    with pytest.raises(ValueError, match=match):
+        load_problems(str(path))
+
+
+def test_unknown_dataset():
+    with pytest.raises(FileNotFoundError, match="neither a known name"):
+        load_problems("no_such_set")
+
+
+def test_procedural_tasks_are_deterministic_and_correct():
+    a, b = generate("add", 50, seed=3), generate("add", 50, seed=3)
+    assert a == b and a != generate("add", 50, seed=4)
+    for p in a:
+        x, y = p.problem.split("+")
+        assert int(x) + int(y) == int(p.answer)
+
+
+def test_char_tokenizer_round_trip():
+    tok = CharTokenizer()
+    ids = tok.encode("7+8=15")
+    assert tok.decode(ids) == "7+8=15" and tok.decode(ids + [1]) == "7+8=15"  # <eos> vanishes
+    assert tok.decode([120]) == "\ufffd"  # ids past the alphabet
+    with pytest.raises(ValueError, match="not in the character tokenizer"):
+        tok.encode("é")
+
+
+def test_rewards():
+    assert reward_fn("exact")([" 15", "16"], ["15", "15"]) == [1.0, 0.0]
+    verifier = MathVerifier(workers=1, timeout_s=20)
+    try:
+        scores = verifier(["... so \\boxed{\\frac{1}{2}}", "the answer is 0.5", "no idea", "\\boxed{"],
+                          ["\\frac{1}{2}", "\\frac12", "7", "3"])
+    finally:
+        verifier.close()
+    assert scores[0] == 1.0 and scores[2] == 0.0 and scores[3] == 0.0
+    with pytest.raises(ValueError, match="data.reward='nope' is unknown"):
+        reward_fn("nope")
+
+
+def test_prompt_stream_resumes_exactly():
+    stream = PromptStream("procedural:add", ".", seed=9)
+    first = stream.take(5) + stream.take(7)
+    resumed = PromptStream("procedural:add", ".", seed=9, cursor=5)
+    assert resumed.take(7) == first[5:]
+
+
+def test_prompt_stream_epochs_reshuffle_a_fixed_dataset(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps({"id": str(i), "problem": "p", "answer": "a"}) for i in range(4)))
+    stream = PromptStream(str(path), ".", seed=1)
+    epoch1, epoch2 = stream.take(4), stream.take(4)
+    assert sorted(p.id for p in epoch1) == sorted(p.id for p in epoch2) == ["0", "1", "2", "3"]
+
+
+def test_avg_at_k_and_the_checkpoint_rule():
+    correct = torch.tensor([1, 1, 0, 0, 1, 0, 0, 0], dtype=torch.float32)  # 2 questions × k=4
+    assert avg_at_k(correct, 4) == pytest.approx((0.5 + 0.25) / 2)
+    best = BestCheckpoint()
+    for step, score in [(0, 0.2), (10, 0.5), (20, 0.5), (30, 0.4)]:
+        best.update(EvalResult(step, {"a": score, "b": score}))
+    assert best.step == 10 and best.mean == 0.5  # the earlier step wins a tie
+
+
+def test_metrics_line_jsonl_and_plot(tmp_path):
+    writer = MetricsWriter(tmp_path, tensorboard=False)
+    for step in range(1, 6):
+        writer.write(step, {"reward_mean": step / 10, "loss": 0.1, "eval/mean_avg@4": step / 20})
+    writer.close()
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5] and records[-1]["reward_mean"] == 0.5
+    line = summary_line(3, 10, {"reward_mean": 0.25, "grad_norm": 1.5, "time/train_s": 2.0})
+    assert line == "step 3/10 | reward 0.250 | gnorm 1.500 | train 2.0s"
+    png = plot_runs([tmp_path, tmp_path], tmp_path / "c.png", labels=["a", "b"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

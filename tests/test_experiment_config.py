@@ -1,0 +1,92 @@
+"""Experiment configs: YAML + dotted overrides, typed sections, errors that name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bpo_megatron.config import ConfigError
+from bpo_megatron.experiment import load_experiment, save_resolved
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "configs" / "tiny_moe_cpu.yaml"
+MOE = str(ROOT / "tests" / "fixtures" / "tiny_qwen3_moe")
+DENSE = str(ROOT / "tests" / "fixtures" / "tiny_qwen3")
+
+
+def test_the_demo_config_loads_and_resolves_its_model_path():
+    cfg = load_experiment(DEMO)
+    assert cfg.model.routing_replay and cfg.rollout.capture_routed_experts
+    assert Path(cfg.model.path).is_dir() and cfg.hf_config().num_experts == 4
+    assert cfg.minibatch_size == 16 * 8 // 2 and cfg.data_parallel_size == 2
+
+
+def test_overrides_are_typed():
+    cfg = load_experiment(DEMO, ["loss.name=grpo", "loss.eps_high=0.3", "optimizer.betas=[0.9, 0.95]",
+                                 "eval.datasets=[procedural:max]", "checkpoint.keep_last=null", "parallel.tp=2",
+                                 "parallel.ep=1", "model.routing_replay=false"])
+    assert cfg.loss.name == "grpo" and cfg.loss.eps_high == 0.3
+    assert cfg.optimizer.betas == (0.9, 0.95) and cfg.eval.datasets == ("procedural:max",)
+    assert cfg.checkpoint.keep_last is None and cfg.parallel.tp == 2
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_experiment(DEMO, ["loss.name=cispo"])
+    path = save_resolved(cfg, tmp_path)
+    again = load_experiment(path)
+    assert again == cfg
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        # unknown keys, anywhere
+        (["loss.nmae=grpo"], "unknown key loss.nmae; valid keys of loss: agg, bpo_cap"),
+        (["trian.steps=3"], "unknown key trian"),
+        (["rollout.sglang.prot=1", "rollout.engine=sglang"], "rollout.sglang"),
+        # wrong types and values
+        (["train.steps=many"], "train.steps='many' must be an integer"),
+        (["model.routing_replay=maybe"], "model.routing_replay='maybe' must be true or false"),
+        (["rollout.engine=tgi"], "rollout.engine='tgi' must be one of 'hf', 'sglang', 'vllm'"),
+        (["loss.name=ppo"], "PolicyLossConfig.name='ppo' is unknown"),
+        # parallel sizes that do not divide the world ...
+        (["parallel.tp=3", "parallel.ep=1"], "world size 2 is not divisible by parallel.tp × parallel.pp = 3 × 1"),
+        (["cluster.trainer_ranks=3"], "world size 3 is not divisible|parallel.ep × parallel.etp = 2 × 1 must divide"),
+        # ... or the model
+        ([f"model.path={MOE}", "parallel.ep=1", "parallel.pp=4", "cluster.trainer_ranks=4"],
+         "parallel.pp=4 must divide the model's 2 layers"),
+        (["parallel.tp=2", "parallel.ep=1", "cluster.trainer_ranks=2", f"model.path={ROOT / 'configs/models/tiny_qwen3_moe'}",
+          "parallel.tp=4", "cluster.trainer_ranks=4"], "parallel.tp=4 must divide the attention heads"),
+        # EP larger than the number of experts
+        (["parallel.ep=8", "cluster.trainer_ranks=8"], "parallel.ep=8 must divide the model's 4 experts"),
+        # batch not divisible into minibatches, or minibatches over DP ranks
+        (["train.minibatches_per_step=3"], "128 responses cannot be split into train.minibatches_per_step=3"),
+        (["train.prompts_per_step=3", "rollout.group_size=2", "train.minibatches_per_step=2"],
+         "minibatches of 3 responses cannot be split over 2 data-parallel ranks"),
+        # R3 with an engine that cannot capture
+        (["rollout.capture_routed_experts=false"], "model.routing_replay=true .* needs rollout.capture_routed_experts=true"),
+        (["rollout.engine=vllm"], "vLLM records routed experts only on GPUs"),
+        ([f"model.path={DENSE}", "parallel.ep=1"], "needs a Mixture-of-Experts model"),
+        # missing model
+        (["model.path=/nonexistent/model"], "model.path='/nonexistent/model'"),
+    ],
+)
+def test_bad_configs_are_refused_naming_the_field(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_experiment(DEMO, overrides)
+
+
+def test_malformed_override_and_file():
+    with pytest.raises(ConfigError, match="not of the form"):
+        load_experiment(DEMO, ["loss.name"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_experiment("/nowhere.yaml")
+
+
+def test_a_yaml_that_is_not_a_mapping(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump([1, 2]))
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_experiment(path)
