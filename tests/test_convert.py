@@ -38,7 +38,7 @@ from bpo_megatron.convert.safetensors_io import parse_size
 from bpo_megatron.convert.world import world_size_for
 from bpo_megatron.models import HFModelConfig
 from bpo_megatron.parallel import ParallelConfig
-from bpo_megatron.testing import GlooWorldError, run_gloo_world
+from bpo_megatron.testing import run_gloo_world
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -314,10 +314,6 @@ def test_bf16_checkpoint_round_trips_in_bf16(tmp_path):
     _assert_bit_exact(tmp_path / "out", tmp_path / "hf")
 
 
-@pytest.mark.xfail(strict=True, raises=GlooWorldError,
-                   reason="megatron-core 0.16 moves a tied output layer to CUDA when pp > 1 "
-                   "(LanguageModule.setup_embeddings_and_output_layer); the CPU compat layer "
-                   "does not cover it yet")
 def test_dense_tied_pp2(hf_models, tmp_path):
     hf_dir, ref = hf_models["dense"]
     checkpoint = convert_hf_to_mcore(hf_dir, tmp_path / "ckpt", parallel=ParallelConfig(pp=2),

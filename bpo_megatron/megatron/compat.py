@@ -392,3 +392,24 @@ def _clip_grads_accept_host_fp32_grads() -> None:
 
     clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
     mcore_optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
+@_patch
+def _tied_output_layer_stays_on_host() -> None:
+    # With tied embeddings and pp > 1, LanguageModule.setup_embeddings_and_output_layer moves the
+    # last stage's copy of the embedding to CUDA (`weight.data = weight.data.cuda()`) before
+    # all-reducing it with the first stage's. On CPU the copy must stay where it is: during that
+    # one call, Tensor.cuda() returns the tensor itself.
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    setup = LanguageModule.setup_embeddings_and_output_layer
+
+    def setup_embeddings_and_output_layer(self: Any) -> Any:
+        to_cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *_args, **_kwargs: tensor  # type: ignore[method-assign]
+        try:
+            return setup(self)
+        finally:
+            torch.Tensor.cuda = to_cuda  # type: ignore[method-assign]
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer

@@ -1,0 +1,331 @@
+"""Benchmark: the embedded rollout engine and trainer → engine weight sync, each against a plain
+PyTorch reference measured in the same run.
+
+(a) Generation: :class:`~bpo_megatron.rollout.hf_engine.HFEngine` (log μ of every token, with and
+    without routed-expert capture) against transformers' own ``model.generate`` sampling the same
+    model, batch and settings (temperature, no top-k/top-p, a fixed number of new tokens). Tokens/s
+    (median and best of the repeats) and the ratio to ``generate``.
+(b) Weight sync at world size 1: the trainer's Megatron model streamed as Hugging Face tensors
+    (``iter_hf_weights``) → buckets → ``HFEngine.update_weights``, against the floor for moving the
+    same bytes in one process (``copy_`` of every tensor into a preallocated clone). Seconds,
+    bytes/s and the ratio to the copy.
+
+Every measurement runs in a fresh one-thread process (a gloo world of size 1, which the trainer
+needs anyway).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bpo_megatron.testing import run_gloo_world
+
+MiB = 2**20
+
+# Qwen3-MoE shapes. "tiny" is tests/fixtures/tiny_qwen3_moe; "bench" is large enough (≈240 MB of
+# fp32 weights) that a weight sync takes a measurable time on CPU.
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(vocab_size=200, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 num_experts=4, num_experts_per_tok=2, max_position_embeddings=256),
+    "bench": dict(vocab_size=32000, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+                  num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                  num_experts=16, num_experts_per_tok=4, max_position_embeddings=1024),
+}
+
+
+def model_config(size: str):
+    """A transformers ``Qwen3MoeConfig`` of one of :data:`MODEL_SIZES` (fp32, untied, no biases)."""
+    from transformers import Qwen3MoeConfig
+
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown model size {size!r}; choose one of {sorted(MODEL_SIZES)}")
+    return Qwen3MoeConfig(**MODEL_SIZES[size], norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1e6,
+                          tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[],
+                          torch_dtype="float32")
+
+
+def random_checkpoint(config, out: str | Path, *, seed: int) -> Path:
+    """Save a random transformers model of ``config`` (a config object, or a directory or
+    ``config.json`` holding one) to ``out``.
+
+    The initialisation keeps logits (~N(0, 2²)) and router scores (~N(0, 4²)) far from uniform, so
+    a wrong position, mask or expert shows up in log μ and routing is not decided by near-ties.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        config = AutoConfig.from_pretrained(str(path.parent if path.suffix == ".json" else path))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hidden = config.hidden_size
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 1:  # norms: distinct values, so a mix-up between them is visible
+                param.normal_(1.0, 0.1)
+            elif name.endswith("embed_tokens.weight"):
+                param.normal_(0.0, 2.0 / math.sqrt(hidden) if config.tie_word_embeddings else 1.0)
+            elif name.startswith("lm_head"):
+                param.normal_(0.0, 2.0 / math.sqrt(hidden))
+            elif name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 4.0 / math.sqrt(hidden))
+            else:
+                param.normal_(0.0, 1.0 / math.sqrt(param.shape[-1]))
+    model.save_pretrained(str(out))
+    return Path(out)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    prompts: int = 16
+    new_tokens: int = 32
+    temperature: float = 1.0
+    repeats: int = 5
+    generation_model: str = "tiny"
+    sync_model: str = "bench"
+    bucket_mb: int = 64
+    seed: int = 0
+
+
+# ----------------------------------------------------------------------------- (a) generation
+GENERATION_METHODS = ("transformers.generate", "hf-engine", "hf-engine+capture")
+
+
+def _prompts(cfg: BenchConfig, vocab: int) -> list[list[int]]:
+    """Prompts of 4–12 tokens: real batches are ragged, so both sides pay for left padding."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    lengths = torch.randint(4, 13, (cfg.prompts,), generator=gen).tolist()
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _generate_with_transformers(model, prompts: list[list[int]], cfg: BenchConfig) -> int:
+    """Plain sampling with ``model.generate`` (left-padded batch); returns the new tokens made."""
+    from transformers import GenerationConfig
+
+    width = max(len(p) for p in prompts)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        input_ids[i, width - len(prompt):] = torch.tensor(prompt)
+        mask[i, width - len(prompt):] = 1
+    # no end-of-sequence token: every row makes exactly new_tokens tokens, as on the engine side
+    settings = GenerationConfig(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0,
+                                max_new_tokens=cfg.new_tokens, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=settings)
+    return (out.shape[1] - width) * len(prompts)
+
+
+def _generate_with_engine(engine, prompts: list[list[int]], cfg: BenchConfig, seed: int) -> int:
+    from bpo_megatron.rollout import GenerationRequest, SamplingParams
+
+    params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.new_tokens, seed=seed)
+    samples = engine.generate([GenerationRequest(f"p{i}", tuple(p), params) for i, p in enumerate(prompts)])
+    return sum(s.response_tokens.numel() for s in samples)
+
+
+def _generation_rank(cfg: BenchConfig, model_dir: str) -> dict[str, dict]:
+    from bpo_megatron.rollout.hf_engine import HFEngine
+
+    plain = HFEngine(model_dir, capture_routing=False)
+    captured = HFEngine(model_dir, capture_routing=True)
+    prompts = _prompts(cfg, plain.model.config.vocab_size)
+    runs = {
+        "transformers.generate": lambda seed: _generate_with_transformers(plain.model, prompts, cfg),
+        "hf-engine": lambda seed: _generate_with_engine(plain, prompts, cfg, seed),
+        "hf-engine+capture": lambda seed: _generate_with_engine(captured, prompts, cfg, seed),
+    }
+    results: dict[str, dict] = {name: {"seconds": [], "tokens": 0} for name in runs}
+    for repeat in range(cfg.repeats + 1):  # the first round warms up
+        for name, run_once in runs.items():  # interleaved, so drift in machine load hits all alike
+            torch.manual_seed(cfg.seed + repeat)
+            start = time.perf_counter()
+            tokens = run_once(cfg.seed + repeat)
+            elapsed = time.perf_counter() - start
+            if repeat:
+                results[name]["seconds"].append(elapsed)
+                results[name]["tokens"] = tokens
+    return results
+
+
+@dataclass(frozen=True)
+class GenerationRow:
+    method: str
+    tokens: int  # new tokens per run
+    median_tokens_per_s: float
+    best_tokens_per_s: float
+
+
+def _generation_rows(raw: dict[str, dict]) -> list[GenerationRow]:
+    return [GenerationRow(name, r["tokens"], r["tokens"] / statistics.median(r["seconds"]),
+                          r["tokens"] / min(r["seconds"])) for name, r in raw.items()]
+
+
+# ---------------------------------------------------------------------------- (b) weight sync
+SYNC_METHODS = ("copy_ (reference)", "gather (iter_hf_weights)", "sync (gather→buckets→engine)")
+
+
+def _sync_rank(cfg: BenchConfig, model_dir: str) -> dict:
+    from bpo_megatron.convert import ExportPlan, iter_hf_weights, load_hf_weights
+    from bpo_megatron.losses import PolicyLossConfig
+    from bpo_megatron.models import HFModelConfig, ModelOptions
+    from bpo_megatron.parallel import ParallelConfig
+    from bpo_megatron.rollout.checksums import fingerprints
+    from bpo_megatron.rollout.hf_engine import HFEngine
+    from bpo_megatron.rollout.weight_buckets import buckets, tensor_bytes
+    from bpo_megatron.trainer.actor import TrainActor
+    from bpo_megatron.trainer.config import TrainerConfig
+    from bpo_megatron.trainer.optimizer import OptimizerSettings
+
+    hf = HFModelConfig.load(model_dir)
+    actor = TrainActor(hf, parallel=ParallelConfig(), model=ModelOptions(params_dtype="fp32"),
+                       loss=PolicyLossConfig(), optimizer=OptimizerSettings(), trainer=TrainerConfig())
+    load_hf_weights(actor.model, hf, model_dir)
+    engine = HFEngine(model_dir, capture_routing=False)
+    plan = ExportPlan.build(actor.model, hf)  # built once and reused, as a training run does
+    stream = lambda: iter_hf_weights(actor.model, hf, plan=plan)  # noqa: E731
+    bucket_bytes = cfg.bucket_mb * MiB
+
+    # The reference moves exactly the bytes a sync sends, between two buffers of one process.
+    sources = [(name, tensor.clone()) for name, tensor in stream()]
+    targets = [tensor.clone() for _, tensor in sources]
+    nbytes = sum(tensor_bytes(t) for _, t in sources)
+
+    def copy() -> None:
+        with torch.no_grad():
+            for (_, source), target in zip(sources, targets):
+                target.copy_(source)
+
+    def gather() -> None:
+        for _ in stream():
+            pass
+
+    def sync() -> None:
+        engine.pause()
+        for bucket in buckets(stream(), bucket_bytes):
+            engine.update_weights(bucket)
+        engine.resume()
+
+    runs = dict(zip(SYNC_METHODS, (copy, gather, sync)))
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    for repeat in range(cfg.repeats + 1):
+        for name, run_once in runs.items():
+            start = time.perf_counter()
+            run_once()
+            if repeat:
+                seconds[name].append(time.perf_counter() - start)
+    sent = fingerprints(sources)
+    held = fingerprints(engine.named_hf_weights())
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    return {"seconds": seconds, "bytes": nbytes, "tensors": len(sources),
+            "engine_matches": sent == {name: held[name] for name in sent} and set(sent) == set(held)}
+
+
+@dataclass(frozen=True)
+class SyncRow:
+    method: str
+    bytes: int
+    median_s: float
+    best_s: float
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bytes / self.median_s
+
+
+def _sync_rows(raw: dict) -> list[SyncRow]:
+    return [SyncRow(name, raw["bytes"], statistics.median(s), min(s)) for name, s in raw["seconds"].items()]
+
+
+# -------------------------------------------------------------------------------- reporting
+@dataclass
+class BenchResult:
+    generation: list[GenerationRow] = field(default_factory=list)
+    sync: list[SyncRow] = field(default_factory=list)
+    sync_tensors: int = 0
+    engine_matches: bool = False
+
+
+def format_table(result: BenchResult, cfg: BenchConfig) -> str:
+    reference = next(r for r in result.generation if r.method == "transformers.generate")
+    sizes = MODEL_SIZES[cfg.generation_model]
+    lines = [
+        f"(a) generation: {cfg.prompts} prompts × {cfg.new_tokens} new tokens, temperature "
+        f"{cfg.temperature}, model '{cfg.generation_model}' ({sizes['num_hidden_layers']} layers, "
+        f"{sizes['num_experts']} experts, hidden {sizes['hidden_size']}), 1 thread, "
+        f"{cfg.repeats} runs after a warm-up",
+        "",
+        "| method | tokens/s (median) | tokens/s (best) | speed vs transformers.generate (median) |",
+        "|---|---:|---:|---:|",
+    ]
+    for row in result.generation:
+        lines.append(f"| {row.method} | {row.median_tokens_per_s:.0f} | {row.best_tokens_per_s:.0f} "
+                     f"| {row.median_tokens_per_s / reference.median_tokens_per_s:.2f}× |")
+    copy = next(r for r in result.sync if r.method == SYNC_METHODS[0])
+    sizes = MODEL_SIZES[cfg.sync_model]
+    lines += [
+        "",
+        f"(b) weight sync, world size 1: model '{cfg.sync_model}' ({sizes['num_hidden_layers']} layers, "
+        f"{sizes['num_experts']} experts, hidden {sizes['hidden_size']}, vocab {sizes['vocab_size']}), "
+        f"{result.sync_tensors} tensors, {copy.bytes / MiB:.1f} MiB fp32, buckets of {cfg.bucket_mb} MiB; "
+        f"engine fingerprints equal the trainer's: {'yes' if result.engine_matches else 'NO'}",
+        "",
+        "| method | seconds (median) | seconds (best) | MiB/s (median) | time vs copy_ |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for row in result.sync:
+        lines.append(f"| {row.method} | {row.median_s:.3f} | {row.best_s:.3f} | {row.bytes_per_s / MiB:.0f} "
+                     f"| {row.median_s / copy.median_s:.2f}× |")
+    return "\n".join(lines)
+
+
+def run(cfg: BenchConfig, workdir: str | Path | None = None) -> BenchResult:
+    with tempfile.TemporaryDirectory(prefix="bench-rollout-") as scratch:
+        root = Path(workdir or scratch)
+        result = BenchResult()
+        print(f"[bench] (a) generation, model '{cfg.generation_model}' ...", file=sys.stderr, flush=True)
+        gen_dir = random_checkpoint(model_config(cfg.generation_model), root / "generation", seed=cfg.seed)
+        (raw,) = run_gloo_world(_generation_rank, 1, cfg, str(gen_dir), timeout=3600)
+        result.generation = _generation_rows(raw)
+        print(f"[bench] (b) weight sync, model '{cfg.sync_model}' ...", file=sys.stderr, flush=True)
+        sync_dir = (gen_dir if cfg.sync_model == cfg.generation_model else
+                    random_checkpoint(model_config(cfg.sync_model), root / "sync", seed=cfg.seed))
+        (raw,) = run_gloo_world(_sync_rank, 1, cfg, str(sync_dir), timeout=3600)
+        result.sync, result.sync_tensors = _sync_rows(raw), raw["tensors"]
+        result.engine_matches = raw["engine_matches"]
+        return result
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    defaults = BenchConfig()
+    parser.add_argument("--prompts", type=int, default=defaults.prompts)
+    parser.add_argument("--new-tokens", type=int, default=defaults.new_tokens)
+    parser.add_argument("--temperature", type=float, default=defaults.temperature)
+    parser.add_argument("--repeats", type=int, default=defaults.repeats)
+    parser.add_argument("--generation-model", choices=sorted(MODEL_SIZES), default=defaults.generation_model)
+    parser.add_argument("--sync-model", choices=sorted(MODEL_SIZES), default=defaults.sync_model)
+    parser.add_argument("--bucket-mb", type=int, default=defaults.bucket_mb)
+    return parser
+
+
+def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
+    args = build_parser(parser).parse_args(argv)
+    cfg = BenchConfig(prompts=args.prompts, new_tokens=args.new_tokens, temperature=args.temperature,
+                      repeats=args.repeats, generation_model=args.generation_model,
+                      sync_model=args.sync_model, bucket_mb=args.bucket_mb)
+    result = run(cfg)
+    print(format_table(result, cfg))
+    return 0 if result.engine_matches else 1

@@ -1,0 +1,290 @@
+"""Rollout engine and trainer agree: same weights give the same log-probabilities and (with R3) the
+same experts, and a weight sync leaves the engine holding exactly the trainer's weights.
+
+The engine is the embedded ``HFEngine`` (transformers) in rank 0's process, the trainer a Megatron
+``TrainActor`` over the ranks of a gloo world, both started from one random Hugging Face
+checkpoint: two independent implementations of the same network. Samples travel from the engine to
+every rank as the RL loop sends them (``training_samples``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from bpo_megatron.bench.rollout import random_checkpoint
+from bpo_megatron.testing import run_gloo_world
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tiny_qwen3_moe"
+TIMEOUT = 120
+MEAN_TOLERANCE = 1e-5  # fp32: KV-cache decoding and Megatron's forward sum in different orders
+MAX_TOLERANCE = 1e-4
+LAYOUTS = {"ws1": (1, {}), "ep2": (2, dict(ep=2)), "tp2": (2, dict(tp=2)), "tp2_ep2": (2, dict(tp=2, ep=2))}
+
+
+# ------------------------------------------------------------------------------ rank helpers
+def _requests(temperature: float, seed: int):
+    """Several prompts of different lengths, n > 1 responses each, no top-k/top-p (the paper's)."""
+    from bpo_megatron.rollout import GenerationRequest, SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    return [GenerationRequest(f"q{i}", tuple(torch.randint(0, 200, (length,), generator=gen).tolist()),
+                              SamplingParams(temperature=temperature, n=4, max_new_tokens=16, seed=seed + i))
+            for i, length in enumerate((3, 11, 6, 20))]
+
+
+def _generate_on_rank0(engine, temperature: float, seed: int):
+    """The engine's samples on every rank (the engine itself lives on rank 0)."""
+    box = [engine.generate(_requests(temperature, seed)) if engine is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _train_samples(samples):
+    """Rewards that vary within each prompt's group, so every response has an advantage."""
+    from bpo_megatron.loop.scoring import training_samples
+
+    rewards = torch.tensor([float((s.response_tokens < 100).float().mean()) for s in samples])
+    train, _ = training_samples(samples, rewards, group_size=4, keep_routing=True)
+    return train
+
+
+def _actor(model_dir: str, layout: dict, temperature: float, lr: float = 1e-3):
+    """A trainer whose temperature is the sampling temperature, loaded from the engine's checkpoint."""
+    from bpo_megatron.convert import load_hf_weights
+    from bpo_megatron.losses import PolicyLossConfig
+    from bpo_megatron.models import HFModelConfig, ModelOptions
+    from bpo_megatron.parallel import ParallelConfig
+    from bpo_megatron.trainer.actor import TrainActor
+    from bpo_megatron.trainer.config import TrainerConfig
+    from bpo_megatron.trainer.optimizer import OptimizerSettings
+
+    hf = HFModelConfig.load(model_dir)
+    actor = TrainActor(hf, parallel=ParallelConfig(**layout), model=ModelOptions(routing_replay=True),
+                       loss=PolicyLossConfig(name="bpo"), optimizer=OptimizerSettings(lr=lr),
+                       trainer=TrainerConfig(micro_batch_size=4, temperature=temperature))
+    load_hf_weights(actor.model, hf, model_dir)
+    actor.reload_optimizer_params()
+    return actor
+
+
+def _close_down() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+
+
+def _logprob_gaps(scored: list[torch.Tensor], samples) -> torch.Tensor:
+    return torch.cat([(mine - s.rollout_logprobs).abs() for mine, s in zip(scored, samples, strict=True)])
+
+
+def _same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per (token, layer): do the two top-k expert lists name the same set of experts?"""
+    return (a.long().sort(dim=-1).values == b.long().sort(dim=-1).values).all(dim=-1)
+
+
+class DispatchRecorder:
+    """Forward hooks on every Megatron router: the experts each token was actually sent to.
+
+    Independent of the replay machinery: it reads the router's output ``routing_map``
+    (``[tokens, experts]`` bool, sequence-major ``[s_local · b]``), whatever produced it.
+    """
+
+    def __init__(self, model: torch.nn.Module, topk: int) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.topk = topk
+        routers = [m for m in model.modules() if isinstance(m, TopKRouter)]  # in layer order (PP=1)
+        self.maps: list[list[torch.Tensor]] = [[] for _ in routers]
+        self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(routers)]
+
+    def _hook(self, layer: int):
+        def record(module, args, output) -> None:
+            self.maps[layer].append(output[1].detach().clone())
+        return record
+
+    def per_sample(self, actor, samples) -> list[torch.Tensor]:
+        """``[len(tokens) − 1, MoE layers, K]`` expert sets per sample, in sample order, on every rank."""
+        from megatron.core import parallel_state as ps
+
+        from bpo_megatron.trainer.samples import chunk, split
+
+        for handle in self._handles:
+            handle.remove()
+        mine = split(samples, actor.ranks.dp_size)[actor.ranks.dp]
+        out = []
+        for k, group in enumerate(chunk(mine, actor.trainer_cfg.micro_batch_size)):
+            layers = []
+            for maps in self.maps:
+                routing_map = maps[k]
+                assert bool((routing_map.sum(-1) == self.topk).all()), "a token went to != top-k experts"
+                experts = routing_map.float().topk(self.topk, dim=-1).indices.sort(dim=-1).values
+                experts = experts.reshape(-1, len(group), self.topk)  # [s_local, b, K]
+                if actor.parallel.sequence_parallel:  # each TP rank routed its slice of the sequence
+                    parts = [torch.empty_like(experts) for _ in range(actor.ranks.tp_size)]
+                    dist.all_gather(parts, experts.contiguous(), group=ps.get_tensor_model_parallel_group())
+                    experts = torch.cat(parts, dim=0)
+                layers.append(experts)
+            routed = torch.stack(layers, dim=2)  # [s, b, L, K]
+            out += [routed[: s.tokens.numel() - 1, row] for row, s in enumerate(group)]
+        gathered: list = [None] * actor.ranks.dp_size
+        dist.all_gather_object(gathered, out, group=ps.get_data_parallel_group())
+        return [t for part in gathered for t in part]
+
+
+# ---------------------------------------------------------------------------- A: agreement
+def _agreement(model_dir: str, layout: dict, temperature: float) -> dict:
+    from bpo_megatron.rollout.hf_engine import HFEngine
+
+    engine = HFEngine(model_dir, capture_routing=True) if dist.get_rank() == 0 else None
+    samples = _generate_on_rank0(engine, temperature, seed=100)
+    actor = _actor(model_dir, layout, temperature)
+    train = _train_samples(samples)
+
+    watch = DispatchRecorder(actor.model, actor.hf.num_experts_per_tok)
+    replayed = actor.compute_logprobs(train)
+    dispatched = watch.per_sample(actor, train)
+    free = actor.compute_logprobs(train, record_routing=True)
+    result = {"samples": len(samples), "layers": len(actor.hf.moe_layers),
+              "lengths": [s.response_tokens.numel() for s in samples]}
+    gaps = _logprob_gaps(replayed.logprobs, samples)
+    free_gaps = _logprob_gaps(free.logprobs, samples)
+    replay_same = torch.cat([_same_sets(d, s.routed_experts).flatten() for d, s in zip(dispatched, samples)])
+    free_same = torch.cat([_same_sets(t, s.routed_experts).flatten()
+                           for t, s in zip(free.routed_experts, samples)])
+    result.update(mean=float(gaps.mean()), max=float(gaps.max()), tokens=gaps.numel(),
+                  free_mean=float(free_gaps.mean()), free_max=float(free_gaps.max()),
+                  replay_agreement=float(replay_same.float().mean()), routed_pairs=replay_same.numel(),
+                  free_disagreement=1.0 - float(free_same.float().mean()))
+    # negative control: scoring at another temperature than the engine sampled at must disagree
+    actor.trainer_cfg = dataclasses.replace(actor.trainer_cfg, temperature=temperature + 0.5)
+    result["wrong_temperature_mean"] = float(_logprob_gaps(actor.compute_logprobs(train).logprobs, samples).mean())
+    _close_down()
+    return result
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(random_checkpoint(FIXTURE, tmp_path_factory.mktemp("tiny_moe"), seed=0))
+
+
+@pytest.mark.parametrize("name, temperature", [("ws1", 0.7), ("ep2", 1.0), ("tp2", 0.7)])
+def test_trainer_logprobs_with_r3_equal_the_engines(model_dir, name, temperature):
+    """Engine samples (several prompts, n=4) scored by the trainer with the engine's routing
+    replayed: log π = log μ within fp32 summation noise, and every token goes to the experts the
+    engine recorded. Free routing (no replay) is measured and reported."""
+    world, layout = LAYOUTS[name]
+    results = run_gloo_world(_agreement, world, model_dir, layout, temperature, timeout=TIMEOUT)
+    got = results[0]
+    for other in results[1:]:  # every rank holds the same (gathered) results
+        assert other == got
+    print(f"\n[agreement {name} T={temperature}] {got['samples']} samples, {got['tokens']} response tokens, "
+          f"{got['routed_pairs']} (token, MoE layer) pairs: R3 mean |Δ log μ| = {got['mean']:.2e}, "
+          f"max = {got['max']:.2e}, routing agreement = {got['replay_agreement']:.2%}; free routing: "
+          f"disagreement = {got['free_disagreement']:.2%}, mean |Δ| = {got['free_mean']:.2e}, "
+          f"max = {got['free_max']:.2e}")
+    assert got["samples"] == 16 and min(got["lengths"]) >= 1
+    assert got["mean"] <= MEAN_TOLERANCE, got
+    assert got["max"] <= MAX_TOLERANCE, got
+    assert got["replay_agreement"] == 1.0, got
+    assert 0.0 <= got["free_disagreement"] <= 1.0
+    assert got["wrong_temperature_mean"] > 100 * MEAN_TOLERANCE, "the check must notice a temperature mismatch"
+
+
+# ---------------------------------------------------------------------------- B: weight sync
+BUCKET_BYTES = 16 * 1024  # several buckets even for the tiny model
+CORRUPTED = "model.layers.1.mlp.experts.3.down_proj.weight"
+
+
+def _flip_lowest_bit(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy with the least significant bit of one element flipped: the smallest possible error."""
+    bad = tensor.detach().clone().contiguous()
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[bad.element_size()]
+    bad.view(-1).view(as_int)[bad.numel() // 2] ^= 1
+    return bad
+
+
+def _push(actor, engine, *, corrupt: str | None = None) -> tuple[dict[str, str], int]:
+    """Weight sync: every rank streams its shards; rank 0 sends buckets to the engine. Returns the
+    fingerprints of what the trainer sent and the number of buckets (rank 0)."""
+    from bpo_megatron.convert import iter_hf_weights
+    from bpo_megatron.rollout.checksums import fingerprints
+    from bpo_megatron.rollout.weight_buckets import buckets
+
+    stream = iter_hf_weights(actor.model, actor.hf, dst=0)
+    if engine is None:
+        for _ in stream:  # ranks other than dst send their pieces while the generator runs
+            pass
+        return {}, 0
+    sent: dict[str, str] = {}
+    count = 0
+    engine.pause()
+    try:
+        for bucket in buckets(stream, BUCKET_BYTES):
+            sent.update(fingerprints(bucket))
+            # in transit: a tensor may alias the trainer's own parameter, so corrupt a copy
+            bucket = [(n, _flip_lowest_bit(t) if n == corrupt else t) for n, t in bucket]
+            engine.update_weights(bucket)
+            count += 1
+    finally:
+        engine.resume()
+    return sent, count
+
+
+def _train_and_sync(model_dir: str, layout: dict) -> dict | None:
+    from bpo_megatron.rollout.checksums import WeightMismatch, compare, fingerprints
+    from bpo_megatron.rollout.hf_engine import HFEngine
+
+    temperature = 1.0
+    rank0 = dist.get_rank() == 0
+    engine = HFEngine(model_dir, capture_routing=True) if rank0 else None
+    initial = fingerprints(engine.named_hf_weights()) if rank0 else {}
+    samples = _generate_on_rank0(engine, temperature, seed=200)
+    actor = _actor(model_dir, layout, temperature, lr=1e-3)
+    train = _train_samples(samples)
+    metrics = actor.train_step(train)
+
+    sent, num_buckets = _push(actor, engine)
+    result: dict = {"metrics": metrics}
+    if rank0:
+        held = fingerprints(engine.named_hf_weights())
+        compare(sent, held, engine="hf engine")  # raises WeightMismatch on any difference
+        result.update(sent=sorted(sent), held=sorted(held), buckets=num_buckets,
+                      changed=sorted(n for n in sent if sent[n] != initial[n]))
+
+    # the engine now samples from the trained weights, and the trainer agrees with it
+    after = _generate_on_rank0(engine, temperature, seed=300)
+    scored = actor.compute_logprobs(_train_samples(after))
+    gaps = _logprob_gaps(scored.logprobs, after)
+    result.update(mean=float(gaps.mean()), max=float(gaps.max()))
+
+    # one bit of one tensor flipped in transit is caught, and named
+    _, _ = _push(actor, engine, corrupt=CORRUPTED)
+    if rank0:
+        try:
+            compare(sent, fingerprints(engine.named_hf_weights()), engine="hf engine")
+            result["mismatch"] = None
+        except WeightMismatch as exc:
+            result["mismatch"] = str(exc)
+    _close_down()
+    return result if rank0 else None
+
+
+@pytest.mark.parametrize("name", ["ws1", "tp2_ep2"])
+def test_a_sync_after_training_leaves_the_engine_with_the_trainers_weights(model_dir, name):
+    world, layout = LAYOUTS[name]
+    got = run_gloo_world(_train_and_sync, world, model_dir, layout, timeout=TIMEOUT)[0]
+    print(f"\n[sync {name}] {len(got['sent'])} tensors in {got['buckets']} buckets, {len(got['changed'])} "
+          f"changed by the step; after sync mean |Δ log μ| = {got['mean']:.2e}, max = {got['max']:.2e}")
+    assert got["metrics"]["grad_norm"] > 0
+    assert got["sent"] == got["held"], "every engine weight must be sent, and only those"
+    assert got["buckets"] > 3
+    # AdamW moves every weight matrix (weight decay alone would); norms move with their gradients
+    assert len(got["changed"]) >= 0.9 * len(got["sent"]), got["changed"]
+    assert got["mean"] <= MEAN_TOLERANCE and got["max"] <= MAX_TOLERANCE, got
+    assert got["mismatch"] is not None, "a corrupted bucket went unnoticed"
+    assert CORRUPTED in got["mismatch"] and "1 tensors differ" in got["mismatch"], got["mismatch"]
