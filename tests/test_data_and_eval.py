@@ -50,6 +50,15 @@ def test_bad_records_name_file_line_and_field(tmp_path, lines, match):
         load_problems(str(path))
 
 
+def test_parquet_in_the_same_format(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"id": ["a", "b"], "problem": ["1+1", "2+2"], "answer": ["2", "4"]})
+    pq.write_table(table, tmp_path / "set.parquet")
+    assert [p.answer for p in load_problems(str(tmp_path / "set.parquet"))] == ["2", "4"]
+
+
 def test_unknown_dataset():
     with pytest.raises(FileNotFoundError, match="neither a known name"):
         load_problems("no_such_set")

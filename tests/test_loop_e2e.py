@@ -37,7 +37,7 @@ def test_a_few_steps_then_resume(tmp_path):
     assert last["routing_agreement"] == 1.0  # the trainer routes like the engine on the same weights
     assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000002"
     assert (run_dir / "curves.png").is_file() and (run_dir / "config.yaml").is_file()
-    assert any(line.startswith("step 2/2") for line in lines)
+    assert any(line.startswith("[####################] step 2/2 | reward") for line in lines)
 
     result, lines = _run(run_dir, steps=3)  # killed after step 2, started again with a longer budget
     assert lines[0] == f"resumed from step 2 ({run_dir / 'checkpoints'})"

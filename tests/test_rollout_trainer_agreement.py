@@ -160,7 +160,16 @@ def _agreement(model_dir: str, layout: dict, temperature: float) -> dict:
                   free_mean=float(free_gaps.mean()), free_max=float(free_gaps.max()),
                   replay_agreement=float(replay_same.float().mean()), routed_pairs=replay_same.numel(),
                   free_disagreement=1.0 - float(free_same.float().mean()))
-    # negative control: scoring at another temperature than the engine sampled at must disagree
+    # controls: the recorder sees what replay dictates (other experts when told so) ...
+    shifted = [dataclasses.replace(t, routed_experts=(t.routed_experts + 1) % actor.hf.num_experts) for t in train]
+    watch = DispatchRecorder(actor.model, actor.hf.num_experts_per_tok)
+    actor.compute_logprobs(shifted)
+    moved = watch.per_sample(actor, shifted)
+    result["shifted_agreement"] = float(torch.cat(
+        [_same_sets(d, t.routed_experts).flatten() for d, t in zip(moved, shifted)]).float().mean())
+    result["shifted_vs_engine"] = float(torch.cat(
+        [_same_sets(d, s.routed_experts).flatten() for d, s in zip(moved, samples)]).float().mean())
+    # ... and scoring at another temperature than the engine sampled at disagrees
     actor.trainer_cfg = dataclasses.replace(actor.trainer_cfg, temperature=temperature + 0.5)
     result["wrong_temperature_mean"] = float(_logprob_gaps(actor.compute_logprobs(train).logprobs, samples).mean())
     _close_down()
@@ -192,6 +201,7 @@ def test_trainer_logprobs_with_r3_equal_the_engines(model_dir, name, temperature
     assert got["max"] <= MAX_TOLERANCE, got
     assert got["replay_agreement"] == 1.0, got
     assert 0.0 <= got["free_disagreement"] <= 1.0
+    assert got["shifted_agreement"] == 1.0 and got["shifted_vs_engine"] == 0.0, "replay must decide the experts"
     assert got["wrong_temperature_mean"] > 100 * MEAN_TOLERANCE, "the check must notice a temperature mismatch"
 
 

@@ -51,8 +51,25 @@ def _check(record: dict, where: str) -> Problem:
                    source=str(record.get("source", "")))
 
 
+HF_PREFIX = "hf:"
+
+
+def _load_hf_dataset(spec: str) -> list[Problem]:
+    """``hf:<name or local dir>[:split]`` through the ``datasets`` library, when installed."""
+    try:
+        import datasets
+    except ImportError as exc:
+        raise RuntimeError(f"dataset {spec!r} needs the datasets package (pip install datasets), or "
+                           "export it to .jsonl/.parquet with fields id, problem, answer") from exc
+    name, _, split = spec[len(HF_PREFIX):].partition(":")
+    rows = datasets.load_dataset(name, split=split or "train")
+    return [_check(dict(row), f"{spec} row {i}") for i, row in enumerate(rows)]
+
+
 def load_problems(spec: str, root: str | Path = ".") -> list[Problem]:
     """Every record of a dataset; a malformed record names its file, line and field."""
+    if spec.startswith(HF_PREFIX):
+        return _load_hf_dataset(spec)
     path = resolve(spec, root)
     if path.suffix == ".parquet":
         try:

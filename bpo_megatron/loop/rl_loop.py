@@ -83,7 +83,7 @@ def run(cfg: ExperimentConfig, *, echo=print) -> dict:
             if cfg.eval.every and step % cfg.eval.every == 0:
                 metrics.update(_evaluate(cfg, engines, tokenizer, verify, step, best, metrics_out, echo))
             metrics_out.write(step, metrics)
-            echo(summary_line(step, cfg.train.steps, metrics))
+            echo(summary_line(step, cfg.train.steps, metrics, bar=cfg.logging.progress))
             if step == cfg.train.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                 state.best_step, state.best_mean, state.eval_history = best.step, best.mean, best.history
                 trainer.call("save", str(checkpoint_root(cfg)), step, state.to_dict(), cfg.checkpoint.keep_last)

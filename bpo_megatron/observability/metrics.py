@@ -49,8 +49,13 @@ class MetricsWriter:
             self._tb.close()
 
 
-def summary_line(step: int, total: int, metrics: dict[str, float]) -> str:
-    parts = [f"step {step}/{total}"]
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    filled = round(width * done / max(total, 1))
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def summary_line(step: int, total: int, metrics: dict[str, float], *, bar: bool = False) -> str:
+    parts = [f"{progress_bar(step, total)} step {step}/{total}" if bar else f"step {step}/{total}"]
     for key, label, fmt in SUMMARY:
         if key in metrics:
             unit = "s" if fmt.endswith("s") else ""

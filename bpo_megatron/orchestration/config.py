@@ -9,7 +9,12 @@ from dataclasses import dataclass
 class ClusterConfig:
     """``ray_address`` None starts an embedded Ray on this machine (loopback only). The trainer
     world has ``trainer_ranks`` processes = tp × pp × dp. ``colocate`` puts engines on the
-    trainer's devices (phases alternate; weights and KV caches are offloaded on GPU)."""
+    trainer's devices (phases alternate; weights and KV caches are offloaded on GPU).
+
+    ``nodes``, ``gpus_per_node`` and ``gpu_memory_gb`` describe the allocation the experiment is
+    meant for: the launchers take them as their defaults and ``bpo-megatron plan`` checks the
+    layout and the memory per GPU against them. They change nothing on a CPU run.
+    """
 
     ray_address: str | None = None
     trainer_ranks: int = 1
@@ -18,9 +23,17 @@ class ClusterConfig:
     cpus_per_actor: float = 1.0
     colocate: bool = True
     object_store_mb: int = 512
+    nodes: int = 1
+    gpus_per_node: int = 0
+    gpu_memory_gb: float = 80.0
 
     def __post_init__(self) -> None:
         if self.trainer_ranks < 1:
             raise ValueError("cluster.trainer_ranks must be >= 1")
         if self.object_store_mb < 64:
             raise ValueError("cluster.object_store_mb must be >= 64")
+        if self.nodes < 1 or self.gpus_per_node < 0:
+            raise ValueError(f"cluster.nodes must be >= 1 and cluster.gpus_per_node >= 0, got "
+                             f"{self.nodes} and {self.gpus_per_node}")
+        if not self.gpu_memory_gb > 0:
+            raise ValueError(f"cluster.gpu_memory_gb must be > 0, got {self.gpu_memory_gb}")
