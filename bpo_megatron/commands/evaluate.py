@@ -8,7 +8,6 @@ directory, or by default the run's newest checkpoint (else ``model.path``).
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 
 
@@ -22,13 +21,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
 
-    from bpo_megatron.config import ConfigError
-    from bpo_megatron.experiment import load_experiment
+    from bpo_megatron.commands.common import load_or_exit
 
-    try:
-        cfg = load_experiment(args.config, args.overrides)
-    except (ConfigError, FileNotFoundError) as exc:
-        print(f"bpo-megatron eval: {exc}", file=sys.stderr)
+    cfg = load_or_exit("bpo-megatron eval", args.config, args.overrides)
+    if cfg is None:
         return 2
     from bpo_megatron.data.rewards import reward_fn
     from bpo_megatron.data.tokenizer import load_tokenizer

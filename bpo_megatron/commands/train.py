@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def main(argv: list[str]) -> int:
@@ -12,13 +11,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. loss.name=grpo parallel.tp=2")
     args = parser.parse_args(argv)
 
-    from bpo_megatron.config import ConfigError
-    from bpo_megatron.experiment import load_experiment
+    from bpo_megatron.commands.common import load_or_exit
 
-    try:
-        cfg = load_experiment(args.config, args.overrides)
-    except (ConfigError, FileNotFoundError) as exc:
-        print(f"bpo-megatron train: {exc}", file=sys.stderr)
+    cfg = load_or_exit("bpo-megatron train", args.config, args.overrides)
+    if cfg is None:
         return 2
     from bpo_megatron.loop.rl_loop import run
 

@@ -34,12 +34,7 @@ def smooth(values: list[float], window: int) -> list[float]:
 
 def plot_runs(run_dirs: list[str | Path], out: str | Path, *, labels: list[str] | None = None,
               smoothing: int = 5) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_reward, ax_eval) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_reward, ax_eval) = _figure()
     for index, run_dir in enumerate(run_dirs):
         records = read_metrics(run_dir)
         label = labels[index] if labels else Path(run_dir).name
@@ -54,7 +49,22 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, *, labels: list[str] 
             ax_eval.axhline(max(accuracy), color=color, linestyle="--", linewidth=0.8)
     ax_reward.set(xlabel="step", ylabel=f"train reward (moving mean of {smoothing})", title="Reward")
     ax_eval.set(xlabel="step", ylabel="mean Avg@k", title="Evaluation accuracy (dashed: peak)")
-    for ax in (ax_reward, ax_eval):
+    return _save(fig, out)
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, 2, figsize=(12, 4.5))
+
+
+def _save(fig, out: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    for ax in fig.axes:
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8)
@@ -69,12 +79,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, *, labels: list[str] 
 def plot_variants(variants: dict[str, list[str | Path]], out: str | Path) -> Path:
     """Evaluation accuracy per variant, averaged over its runs (seeds), with a dashed line at
     each variant's peak; train reward likewise."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_reward, ax_eval) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_reward, ax_eval) = _figure()
     for index, (label, run_dirs) in enumerate(variants.items()):
         color = f"C{index % 10}"
         runs = [read_metrics(d) for d in run_dirs]
@@ -91,13 +96,4 @@ def plot_variants(variants: dict[str, list[str | Path]], out: str | Path) -> Pat
                 ax.axhline(max(means), color=color, linestyle="--", linewidth=0.8)
     ax_reward.set(xlabel="step", ylabel="train reward (mean over seeds, smoothed)", title="Reward")
     ax_eval.set(xlabel="step", ylabel="mean Avg@k (mean over seeds)", title="Evaluation accuracy (dashed: peak)")
-    for ax in (ax_reward, ax_eval):
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
