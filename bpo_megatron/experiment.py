@@ -103,6 +103,9 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
     if cfg.model.routing_replay and cfg.rollout.engine == "vllm" and not platform.has_cuda():
         raise ConfigError("model.routing_replay=true with rollout.engine=vllm: vLLM records routed experts only "
                           "on GPUs; use rollout.engine=hf on CPU")
+    if cfg.train.verify_weight_sync and cfg.rollout.engine != "hf":
+        raise ConfigError(f"train.verify_weight_sync=true reads the engine's weights back, which only "
+                          f"rollout.engine=hf allows (not {cfg.rollout.engine})")
     if cfg.rollout.engine == "sglang":
         from bpo_megatron.rollout.sglang import SGLangConfig
 

@@ -69,6 +69,7 @@ def test_resolved_config_round_trips(tmp_path):
         (["rollout.capture_routed_experts=false"], "model.routing_replay=true .* needs rollout.capture_routed_experts=true"),
         (["rollout.engine=vllm"], "vLLM records routed experts only on GPUs"),
         ([f"model.path={DENSE}", "parallel.ep=1"], "needs a Mixture-of-Experts model"),
+        (["rollout.engine=sglang", "train.verify_weight_sync=true"], "only rollout.engine=hf allows"),
         # missing model
         (["model.path=/nonexistent/model"], "model.path='/nonexistent/model'"),
     ],

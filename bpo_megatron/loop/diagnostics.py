@@ -20,7 +20,10 @@ def mean_over_minibatches(updates: list[dict[str, float]]) -> dict[str, float]:
 def routing_agreement(trainer, samples, cfg) -> dict[str, float]:
     """Fraction of (token, MoE layer) pairs where the trainer's own top-k set equals the engine's,
     on a few responses: how much R3 corrects (1.0 would mean replay changes nothing)."""
-    subset = [s for s in samples if s.routed_experts is not None][: cfg.train.routing_agreement_samples]
+    routed = [s for s in samples if s.routed_experts is not None]
+    # every data-parallel rank must get the same number of samples
+    count = min(len(routed), cfg.train.routing_agreement_samples) // cfg.data_parallel_size * cfg.data_parallel_size
+    subset = routed[:count]
     if not subset or not cfg.model.routing_replay:
         return {}
     scored = trainer.on_last_stage("compute_logprobs", subset, True)

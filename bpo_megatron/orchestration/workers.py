@@ -127,7 +127,7 @@ class EngineWorker:
             self.engine = engine_class("sglang")(SGLangConfig(**options), num_moe_layers=len(hf.moe_layers),
                                                  topk=hf.num_experts_per_tok)
         else:
-            self.engine = engine_class(name)(model_dir, capture_routing=capture)
+            self.engine = engine_class(name)(model_dir, capture_routing=capture, **cfg.rollout.vllm)
 
     def captures_routing(self) -> bool:
         return self.engine.capabilities.captures_routing

@@ -29,10 +29,13 @@ def compare(expected: dict[str, str], actual: dict[str, str], *, engine: str) ->
     """Raise WeightMismatch naming every tensor that differs, is missing, or is extra."""
     wrong = sorted(n for n in expected if n in actual and actual[n] != expected[n])
     missing = sorted(set(expected) - set(actual))
-    if wrong or missing:
+    extra = sorted(set(actual) - set(expected))  # weights the sync never sent: stale on the engine
+    if wrong or missing or extra:
         parts = []
         if wrong:
             parts.append(f"{len(wrong)} tensors differ (e.g. {', '.join(wrong[:3])})")
         if missing:
             parts.append(f"{len(missing)} tensors were not received (e.g. {', '.join(missing[:3])})")
+        if extra:
+            parts.append(f"{len(extra)} engine tensors were never sent (e.g. {', '.join(extra[:3])})")
         raise WeightMismatch(f"after weight sync, {engine} does not hold the trainer's weights: {'; '.join(parts)}")

@@ -15,7 +15,8 @@ class RolloutConfig:
 
     ``capture_routed_experts`` makes the engine record the experts of every processed token;
     R3 (``model.routing_replay``) needs it. ``sglang`` holds the SGLang engine's own settings
-    (see ``bpo_megatron.rollout.sglang.SGLangConfig``; ``model_path`` defaults to ``model.path``).
+    (see ``bpo_megatron.rollout.sglang.SGLangConfig``; ``model_path`` defaults to ``model.path``);
+    ``vllm`` the vLLM engine's keyword arguments (``bpo_megatron.rollout.vllm_engine.VLLMEngine``).
     """
 
     engine: EngineName = "hf"
@@ -31,6 +32,7 @@ class RolloutConfig:
     threads_per_engine: int = 1  # torch threads of the embedded engine
     weight_bucket_mb: int = 512
     sglang: dict[str, Any] = field(default_factory=dict)
+    vllm: dict[str, Any] = field(default_factory=dict)  # keyword arguments of VLLMEngine
 
     def __post_init__(self) -> None:
         for name in ("num_engines", "group_size", "max_new_tokens", "threads_per_engine", "weight_bucket_mb"):
