@@ -33,6 +33,7 @@ def command(name: str, help: str) -> Callable[[Callable[[list[str]], int]], Call
 # Benchmarks are imported on use: each pulls in Megatron-Core, which takes seconds to import.
 BENCHMARKS: dict[str, str] = {
     "logprobs": "bpo_megatron.bench.logprobs",
+    "rollout": "bpo_megatron.bench.rollout",
 }
 
 
@@ -81,6 +82,20 @@ def _compare(argv: list[str]) -> int:
     from bpo_megatron.commands.compare import main as compare_main
 
     return compare_main(argv)
+
+
+@command("launch", "launch an experiment or a sweep with NeMo-Run: local | slurm (Ray on Slurm) | kuberay")
+def _launch(argv: list[str]) -> int:
+    from bpo_megatron.launch.cli import main as launch_main
+
+    return launch_main(argv)
+
+
+@command("plan", "check a parallel layout and estimate memory per GPU (training and rollout); --sweep")
+def _plan(argv: list[str]) -> int:
+    from bpo_megatron.planner.cli import main as plan_main
+
+    return plan_main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

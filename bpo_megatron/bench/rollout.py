@@ -90,7 +90,7 @@ class BenchConfig:
     prompts: int = 16
     new_tokens: int = 32
     temperature: float = 1.0
-    repeats: int = 5
+    repeats: int = 10
     generation_model: str = "tiny"
     sync_model: str = "bench"
     bucket_mb: int = 64

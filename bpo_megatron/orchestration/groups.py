@@ -1,13 +1,14 @@
 """Groups of Ray actors: the trainer world and the rollout engines.
 
 The trainer ranks sit in one placement group and form their own ``torch.distributed`` world
-(gloo on CPU, NCCL on GPU). The engines are independent actors; a dead engine is replaced and
-its unfinished requests are sent again.
+(gloo on CPU, NCCL on GPU). The engines are independent actors; a dead (or, with a timeout,
+hung) engine is replaced and its unfinished requests are sent again.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
 
 from bpo_megatron.orchestration.workers import EngineWorker, TrainWorker
@@ -75,25 +76,40 @@ class TrainerGroup:
 
 
 class EngineGroup:
-    """``rollout.num_engines`` engines; requests are spread over them in contiguous slices."""
+    """``rollout.num_engines`` engines; requests are spread over them in contiguous slices.
 
-    def __init__(self, cfg, model_dir: str, *, max_restarts: int = 2) -> None:
+    An engine whose actor dies (its process killed or crashed) is replaced by a fresh one, and so
+    is, with ``generate_timeout_s``, one that has not answered a ``generate`` within that many
+    seconds (it is killed first: a hung engine is as useless as a dead one). ``on_restart`` is then
+    called with the replaced indices (to load the current weights into them) before their shares
+    are sent again; the answers of the other engines are kept. ``max_restarts`` per engine, on
+    average, bounds the replacements over the group's life.
+    """
+
+    def __init__(self, cfg, model_dir: str, *, max_restarts: int = 2,
+                 generate_timeout_s: float | None = None) -> None:
         import ray
 
+        if generate_timeout_s is not None and not generate_timeout_s > 0:
+            raise ValueError(f"generate_timeout_s must be > 0 (or None: wait forever), got {generate_timeout_s}")
         self.cfg, self.model_dir = cfg, model_dir
         self.max_restarts = max_restarts
-        self._actor = ray.remote(EngineWorker)
-        self.workers = [self._start(i) for i in range(cfg.rollout.num_engines)]
+        self.generate_timeout_s = generate_timeout_s
         self.restarts = 0
         self.on_restart: Callable[[list[int]], None] | None = None  # reload weights into new engines
+        self._actor = ray.remote(EngineWorker)
+        self.workers = self._start(list(range(cfg.rollout.num_engines)))
 
-    def _start(self, index: int):
+    def _start(self, indices: list[int]) -> list:
+        """New engines for ``indices``, started side by side: each spends seconds importing its
+        libraries and loading the model, mostly waiting on the disk."""
         import ray
 
-        worker = self._actor.options(num_cpus=self.cfg.cluster.cpus_per_actor,
-                                     num_gpus=self.cfg.cluster.gpus_per_engine).remote(self.cfg, self.model_dir, index)
-        ray.get(worker.captures_routing.remote())  # raise here if the engine cannot start
-        return worker
+        workers = [self._actor.options(num_cpus=self.cfg.cluster.cpus_per_actor,
+                                       num_gpus=self.cfg.cluster.gpus_per_engine).remote(self.cfg, self.model_dir, i)
+                   for i in indices]
+        ray.get([w.captures_routing.remote() for w in workers])  # raise here if an engine cannot start
+        return workers
 
     def captures_routing(self) -> bool:
         import ray
@@ -101,35 +117,46 @@ class EngineGroup:
         return all(ray.get([w.captures_routing.remote() for w in self.workers]))
 
     def generate(self, requests: list) -> list:
-        """All samples, in request order; an engine that dies is replaced and its share re-sent."""
-        import ray
-
+        """All samples, in request order; a dead or hung engine is replaced and its share re-sent."""
         shares = _split(requests, len(self.workers))
-        results: list[list | None] = [None] * len(shares)
+        results: list[list | None] = [[] if not share else None for share in shares]
         pending = [i for i, share in enumerate(shares) if share]
-        for i, share in enumerate(shares):
-            if not share:
-                results[i] = []
         while pending:
             futures = {i: self.workers[i].generate.remote(shares[i]) for i in pending}
-            dead = []
-            for i, future in futures.items():
-                try:
-                    results[i] = ray.get(future)
-                except ray.exceptions.RayActorError:
-                    dead.append(i)
-            if dead:
-                self._replace(dead)
-            pending = dead
+            failed = self._collect(futures, results)
+            if failed:
+                self._replace(failed)
+            pending = failed
         return [sample for part in results for sample in part]
+
+    def _collect(self, futures: dict[int, Any], results: list[list | None]) -> list[int]:
+        """Store every engine's answer; return the engines that died or ran out of time (the
+        engines work in parallel, so they share one deadline)."""
+        import ray
+
+        timeout = self.generate_timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
+        failed = []
+        for i, future in futures.items():
+            try:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                results[i] = ray.get(future, timeout=left)
+            except ray.exceptions.GetTimeoutError:
+                log.warning("rollout engine %d did not answer within %.0f s; replacing it", i, timeout)
+                ray.kill(self.workers[i])
+                failed.append(i)
+            except ray.exceptions.RayActorError:
+                log.warning("rollout engine %d died; replacing it", i)
+                failed.append(i)
+        return failed
 
     def _replace(self, indices: list[int]) -> None:
         if self.restarts + len(indices) > self.max_restarts * max(1, len(self.workers)):
-            raise RuntimeError(f"rollout engines {indices} died again after {self.restarts} restarts")
-        for i in indices:
-            log.warning("rollout engine %d died; starting a new one and re-sending its requests", i)
-            self.workers[i] = self._start(i)
-            self.restarts += 1
+            raise RuntimeError(f"rollout engines {indices} died or timed out again after {self.restarts} "
+                               f"restarts (at most {self.max_restarts} per engine)")
+        for i, worker in zip(indices, self._start(indices)):
+            self.workers[i] = worker
+        self.restarts += len(indices)
         if self.on_restart is not None:
             self.on_restart(indices)
 
@@ -142,9 +169,9 @@ class EngineGroup:
         import ray
 
         for w in self.workers:
-            try:
-                ray.get(w.shutdown.remote())
-            except ray.exceptions.RayActorError:
+            try:  # bounded: a hung engine must not hang the shutdown; it is killed either way
+                ray.get(w.shutdown.remote(), timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 pass
             ray.kill(w)
 

@@ -1,0 +1,170 @@
+"""Faults of Ray rollout-engine groups: an engine killed or crashed mid-generate, or hung.
+
+One embedded Ray for the module (it takes ~20 s to start here) and one group of two embedded
+(``hf``) engines built from an experiment config. Before each fault the engines get new weights
+(another random checkpoint), so a replacement engine, which starts from ``model.path``, only
+produces the expected samples if ``on_restart`` pushed the weights into it again. The expected
+samples come from an in-process engine holding the new weights: per-row seeds make them
+independent of how requests are split over engines.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bpo_megatron.bench.rollout import random_checkpoint
+from bpo_megatron.rollout import GenerationRequest, SamplingParams
+
+ray = pytest.importorskip("ray")
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tiny_qwen3_moe"
+KILL_AFTER_S = 0.2  # each engine's share of BIG takes about a second: the kill lands mid-generate
+TOLERANCE = 1e-5  # log μ of the same row decoded in another batch (fp32 summation order)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    from bpo_megatron.orchestration.cluster import start_ray, stop_ray
+    from bpo_megatron.orchestration.config import ClusterConfig
+
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("RAY_ADDRESS", raising=False)  # never join a cluster this machine may know of
+        env.setenv("RAY_AUTH_MODE", "disabled")
+        start_ray(ClusterConfig(object_store_mb=256), cpus_needed=3)
+        try:
+            yield
+        finally:
+            stop_ray()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> tuple[str, str]:
+    """The engines' starting weights and the weights pushed to them."""
+    root = tmp_path_factory.mktemp("engines")
+    return (str(random_checkpoint(FIXTURE, root / "start", seed=0)),
+            str(random_checkpoint(FIXTURE, root / "pushed", seed=1)))
+
+
+@pytest.fixture(scope="module")
+def pushed_weights(checkpoints) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    return list(load_file(Path(checkpoints[1]) / "model.safetensors").items())
+
+
+@pytest.fixture(scope="module")
+def group(ray_session, checkpoints):
+    from bpo_megatron.experiment import load_experiment
+    from bpo_megatron.orchestration.groups import EngineGroup
+
+    start_dir = checkpoints[0]
+    cfg = load_experiment(None, [f"model.path={start_dir}", "model.tokenizer=char", "rollout.engine=hf",
+                                 "rollout.num_engines=2"], check_model=True)
+    engines = EngineGroup(cfg, start_dir, max_restarts=2)
+    yield engines
+    engines.shutdown()
+
+
+def _requests(count: int, new_tokens: int) -> list[GenerationRequest]:
+    gen = torch.Generator().manual_seed(3)
+    return [GenerationRequest(f"r{i}", tuple(torch.randint(0, 200, (int(torch.randint(2, 9, (1,), generator=gen)),),
+                                                           generator=gen).tolist()),
+                              SamplingParams(temperature=1.0, n=4, max_new_tokens=new_tokens, seed=50 + i))
+            for i in range(count)]
+
+
+BIG = _requests(32, 240)  # 128 rows: 64 per engine, about a second of decoding each (5x KILL_AFTER_S)
+SMALL = _requests(4, 8)
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoints) -> dict[str, list]:
+    from bpo_megatron.rollout.hf_engine import HFEngine
+
+    engine = HFEngine(checkpoints[1], capture_routing=True)
+    return {"big": engine.generate(BIG), "small": engine.generate(SMALL)}
+
+
+def _arm(group, pushed_weights) -> list[list[int]]:
+    """Push the new weights into every engine; record (and re-push on) every restart."""
+    restarted: list[list[int]] = []
+
+    def on_restart(indices: list[int]) -> None:
+        restarted.append(list(indices))
+        ray.get([group.workers[i].update_weights.remote(pushed_weights) for i in indices])
+
+    group.on_restart = on_restart
+    group.call("update_weights", pushed_weights)
+    return restarted
+
+
+def _check_samples(samples, requests, reference) -> None:
+    """Every sample exactly once, in request order, equal to the in-process reference."""
+    assert [(s.request_id, s.index) for s in samples] == [(r.request_id, i) for r in requests
+                                                          for i in range(r.sampling.n)]
+    for got, want in zip(samples, reference, strict=True):
+        assert torch.equal(got.response_tokens, want.response_tokens), got.request_id
+        assert torch.equal(got.routed_experts, want.routed_experts), got.request_id
+        torch.testing.assert_close(got.rollout_logprobs, want.rollout_logprobs, atol=TOLERANCE, rtol=0)
+
+
+def _engine_pid(worker) -> int:
+    return ray.get(worker.__ray_call__.remote(lambda self: os.getpid()))
+
+
+@pytest.mark.parametrize("fault", ["ray.kill", "SIGKILL"])
+def test_an_engine_that_dies_mid_generate_is_replaced_and_its_share_sent_again(
+        group, pushed_weights, expected, fault):
+    """``ray.kill`` of the actor, or the engine process killed outright (as the OOM killer does)."""
+    victim_index = 1 if fault == "ray.kill" else 0
+    victim = group.workers[victim_index]
+    restarted = _arm(group, pushed_weights)
+    restarts_before = group.restarts
+    if fault == "ray.kill":
+        kill = threading.Timer(KILL_AFTER_S, ray.kill, args=(victim,))
+    else:
+        kill = threading.Timer(KILL_AFTER_S, os.kill, args=(_engine_pid(victim), signal.SIGKILL))
+    kill.start()
+    try:
+        samples = group.generate(BIG)
+    finally:
+        kill.join()
+    # a kill that landed after the engine answered would leave nothing to restart
+    assert restarted == [[victim_index]], "the engine was not replaced (or on_restart not called)"
+    assert group.restarts == restarts_before + 1 and group.workers[victim_index] is not victim
+    _check_samples(samples, BIG, expected["big"])
+    assert group.captures_routing()
+
+
+def test_an_engine_that_stops_answering_is_killed_replaced_and_its_share_sent_again(
+        group, pushed_weights, expected):
+    """A hung engine (here: busy in a call that never returns) is given ``generate_timeout_s``."""
+    restarted = _arm(group, pushed_weights)
+    hung = group.workers[0]
+    hung.__ray_call__.remote(lambda self: time.sleep(600))  # the engine's next call waits behind it
+    group.generate_timeout_s = 3.0  # a normal answer to SMALL takes a fraction of a second
+    try:
+        start = time.monotonic()
+        samples = group.generate(SMALL)
+        elapsed = time.monotonic() - start
+    finally:
+        group.generate_timeout_s = None
+    assert restarted == [[0]] and group.workers[0] is not hung
+    assert elapsed >= 3.0
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(hung.captures_routing.remote(), timeout=30)  # killed, not left running
+    _check_samples(samples, SMALL, expected["small"])
+
+
+def test_a_timeout_must_be_positive():
+    from bpo_megatron.orchestration.groups import EngineGroup
+
+    with pytest.raises(ValueError, match="generate_timeout_s"):
+        EngineGroup(None, "unused", generate_timeout_s=0)
