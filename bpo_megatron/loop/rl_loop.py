@@ -34,16 +34,17 @@ def run(cfg: ExperimentConfig, *, echo=print) -> dict:
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     verify = reward_fn(cfg.data.reward)
     state, checkpoint = resume_state(cfg)
-    start_ray(cfg.cluster, cpus_needed=cfg.cluster.trainer_ranks + cfg.rollout.num_engines)
     hf_dir = initial_hf_dir(cfg)
-    trainer, engines = TrainerGroup(cfg), EngineGroup(cfg, hf_dir)
     metrics_out = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard)
-    bucket = cfg.rollout.weight_bucket_mb * 1024 * 1024
-    push = lambda only=None: sync_weights(trainer, engines, bucket_bytes=bucket,  # noqa: E731
-                                          verify=cfg.train.verify_weight_sync, only=only)
-    engines.on_restart = lambda indices: push(only=indices)
     best = BestCheckpoint(state.best_step, state.best_mean, list(state.eval_history))
+    trainer = engines = None
     try:
+        start_ray(cfg.cluster, cpus_needed=cfg.cluster.trainer_ranks + cfg.rollout.num_engines)
+        trainer, engines = TrainerGroup(cfg), EngineGroup(cfg, hf_dir)
+        bucket = cfg.rollout.weight_bucket_mb * 1024 * 1024
+        push = lambda only=None: sync_weights(trainer, engines, bucket_bytes=bucket,  # noqa: E731
+                                              verify=cfg.train.verify_weight_sync, only=only)
+        engines.on_restart = lambda indices: push(only=indices)
         if checkpoint:
             trainer.call("load", checkpoint)
             echo(f"resumed from step {state.step} ({checkpoint})")
@@ -91,8 +92,9 @@ def run(cfg: ExperimentConfig, *, echo=print) -> dict:
         return {"step": state.step, "best_step": best.step, "best_mean": best.mean, "run_dir": str(run_dir)}
     finally:
         metrics_out.close()
-        engines.shutdown()
-        trainer.shutdown()
+        for group in (engines, trainer):
+            if group is not None:
+                group.shutdown()
         stop_ray()
 
 
