@@ -46,8 +46,13 @@ class StaticMemory:
 
     weights: int
     grads: int
-    optimizer: int
-    optimizer_replicated: int  # what the optimizer would hold without the distributed optimizer
+    optimizer_replicated: int  # every DP rank holds all of its parameters' states
+    optimizer_distributed: int  # states sharded over DP / expert DP
+    distributed: bool  # which of the two the trainer uses
+
+    @property
+    def optimizer(self) -> int:
+        return self.optimizer_distributed if self.distributed else self.optimizer_replicated
 
     @property
     def total(self) -> int:
@@ -56,13 +61,11 @@ class StaticMemory:
 
 def static_memory(params: StageParams, precision: Precision, *, dp: int, expert_dp: int,
                   distributed_optimizer: bool) -> StaticMemory:
-    replicated = params.total * precision.optimizer_bytes
-    if distributed_optimizer:
-        # each DP rank owns 1/dp of the dense and 1/expert_dp of the expert parameters
-        owned = -(-params.dense // dp) + -(-params.expert // expert_dp)
-        optimizer = owned * precision.optimizer_bytes
-    else:
-        optimizer = replicated
+    # with the distributed optimizer each DP rank owns 1/dp of the dense and 1/expert_dp of the
+    # expert parameters' states
+    owned = -(-params.dense // dp) + -(-params.expert // expert_dp)
     return StaticMemory(weights=params.total * precision.param_bytes,
                         grads=params.total * precision.grad_bytes,
-                        optimizer=optimizer, optimizer_replicated=replicated)
+                        optimizer_replicated=params.total * precision.optimizer_bytes,
+                        optimizer_distributed=owned * precision.optimizer_bytes,
+                        distributed=distributed_optimizer)

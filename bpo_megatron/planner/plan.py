@@ -1,0 +1,137 @@
+"""One plan: the layout's checks and the memory of every trainer stage and rollout engine GPU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from bpo_megatron.models.hf_config import HFModelConfig, parameter_counts
+from bpo_megatron.models.qwen3 import model_vocab_size
+from bpo_megatron.planner.activations import logits_bytes, micro_batches_in_flight, stage_activation_bytes
+from bpo_megatron.planner.layout import Allocation, Check, layout_checks
+from bpo_megatron.planner.params import StageParams, rank_parameters
+from bpo_megatron.planner.precision import Precision, StaticMemory, static_memory
+from bpo_megatron.planner.rollout import RolloutMemory, rollout_memory
+
+if TYPE_CHECKING:
+    from bpo_megatron.experiment import ExperimentConfig
+
+# A fixed allowance per GPU, beyond what is counted: CUDA context, NCCL communicators, allocator
+# fragmentation (trainer); CUDA graphs, sampling buffers and decode activations (engine).
+RESERVED_BYTES = 4e9
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    params: StageParams
+    static: StaticMemory
+    activations: float
+    logits: float
+    in_flight: int
+    reserved: float  # RESERVED_BYTES on GPUs, nothing on a CPU allocation
+
+    @property
+    def total(self) -> float:
+        return self.static.total + self.activations + self.logits + self.reserved
+
+
+@dataclass(frozen=True)
+class Plan:
+    cfg: ExperimentConfig
+    hf: HFModelConfig
+    allocation: Allocation
+    checks: list[Check]
+    precision: Precision
+    distributed_optimizer: bool
+    dp: int
+    expert_dp: int
+    tokens_per_micro_batch: int
+    micro_batches: int  # per DP rank and optimizer step
+    stages: list[StagePlan]
+    rollout: RolloutMemory | None  # None on a CPU allocation
+
+    @property
+    def layout_ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def train_peak(self) -> float:
+        return max((s.total for s in self.stages), default=0.0)
+
+    @property
+    def rollout_peak(self) -> float:
+        return self.rollout.total + RESERVED_BYTES if self.rollout else 0.0
+
+    @property
+    def rollout_pool(self) -> float | None:
+        """Bytes the engine may use for weights and KV cache, when its config caps them."""
+        if self.rollout is None or self.rollout.profile.pool_fraction is None:
+            return None
+        return self.rollout.profile.pool_fraction * self.allocation.gpu_bytes
+
+    @property
+    def memory_ok(self) -> bool:
+        if not self.allocation.gpus_per_node:
+            return True  # a CPU allocation has no per-GPU budget
+        cap = self.allocation.gpu_bytes
+        pool = self.rollout_pool
+        in_pool = pool is None or self.rollout.total <= pool
+        return self.train_peak <= cap and self.rollout_peak <= cap and in_pool
+
+    @property
+    def fits(self) -> bool:
+        return self.layout_ok and self.memory_ok
+
+    @property
+    def model_size(self) -> tuple[int, int]:
+        return parameter_counts(self.hf)
+
+
+def _splits(cfg: ExperimentConfig, hf: HFModelConfig) -> bool:
+    try:
+        cfg.parallel.validate_world(cfg.cluster.trainer_ranks)
+        cfg.parallel.validate_model(num_layers=hf.num_hidden_layers,
+                                    num_experts=hf.num_experts if hf.is_moe else 0,
+                                    num_attention_heads=hf.num_attention_heads,
+                                    num_query_groups=hf.num_key_value_heads)
+    except ValueError:
+        return False
+    return True
+
+
+def make_plan(cfg: ExperimentConfig, hf: HFModelConfig, allocation: Allocation | None = None, *,
+              distributed_optimizer: bool | None = None) -> Plan:
+    """Plan ``cfg`` on ``allocation`` (default: the cluster section's). The distributed optimizer
+    is what the trainer uses on GPUs (default: on for a GPU allocation, off for a CPU one)."""
+    allocation = allocation or Allocation.of(cfg)
+    if distributed_optimizer is None:
+        distributed_optimizer = allocation.gpus_per_node > 0
+    checks = layout_checks(cfg, hf, allocation)
+    precision = Precision.of(cfg.model.params_dtype)
+    p, ranks = cfg.parallel, cfg.cluster.trainer_ranks
+    world_ok = _splits(cfg, hf)  # the memory model needs a layout the model can be cut into
+    dp = ranks // (p.tp * p.pp) if world_ok else 1
+    expert_dp = ranks // p.pp // (p.ep * p.expert_tp) if world_ok else 1
+    tokens = cfg.train.micro_batch_size * (cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+    micro_batches = max(1, cfg.minibatch_size // max(dp, 1) // cfg.train.micro_batch_size)
+    stages = []
+    if world_ok:
+        vocab_rows = model_vocab_size(hf, p, cfg.model) // p.tp
+        for params in rank_parameters(hf, p, cfg.model):
+            in_flight = micro_batches_in_flight(p.pp, params.stage, micro_batches)
+            stages.append(StagePlan(
+                params=params,
+                static=static_memory(params, precision, dp=dp, expert_dp=expert_dp,
+                                     distributed_optimizer=distributed_optimizer),
+                activations=stage_activation_bytes(hf, p, params.layers, tokens=tokens,
+                                                   recompute=cfg.model.recompute,
+                                                   act_bytes=precision.param_bytes, in_flight=in_flight),
+                logits=logits_bytes(vocab_rows, tokens, precision.param_bytes)
+                if params.stage == p.pp - 1 else 0.0,
+                in_flight=in_flight,
+                reserved=RESERVED_BYTES if allocation.gpus_per_node else 0.0,
+            ))
+    rollout = rollout_memory(cfg, hf, parameter_counts(hf)[0]) if allocation.gpus_per_node else None
+    return Plan(cfg=cfg, hf=hf, allocation=allocation, checks=checks, precision=precision,
+                distributed_optimizer=distributed_optimizer, dp=dp, expert_dp=expert_dp,
+                tokens_per_micro_batch=tokens, micro_batches=micro_batches, stages=stages, rollout=rollout)

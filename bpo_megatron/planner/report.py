@@ -1,0 +1,157 @@
+"""Plain-text reports of a plan and of a layout sweep (GB = 10^9 bytes)."""
+
+from __future__ import annotations
+
+from bpo_megatron.planner.layout import Allocation
+from bpo_megatron.planner.plan import RESERVED_BYTES, Plan, StagePlan
+from bpo_megatron.planner.search import SweepResult
+
+_DTYPE_NAMES = {2: "bf16", 4: "fp32"}
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.2f}"
+
+
+def mb(n: float) -> str:
+    return f"{n / 1e6:.3f}"
+
+
+def billions(n: float) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n:,.0f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    def line(cells: list[str]) -> str:
+        return "  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return [line(header), *[line(r) for r in rows]]
+
+
+def _verdict(total: float, allocation: Allocation) -> str:
+    if not allocation.gpus_per_node:
+        return "(CPU allocation: no GPU budget)"
+    spare = allocation.gpu_bytes - total
+    if spare >= 0:
+        return f"fits in {allocation.gpu_memory_gb:g} GB, {gb(spare)} GB spare"
+    return f"does NOT fit in {allocation.gpu_memory_gb:g} GB: {gb(-spare)} GB over"
+
+
+def _shown_stages(plan: Plan) -> list[StagePlan]:
+    if len(plan.stages) <= 4:
+        return plan.stages
+    peak = max(plan.stages, key=lambda s: s.total)
+    keep = sorted({0, peak.params.stage, len(plan.stages) - 1})
+    return [plan.stages[i] for i in keep]
+
+
+def _header(plan: Plan) -> list[str]:
+    cfg, hf, a = plan.cfg, plan.hf, plan.allocation
+    total, active = plan.model_size
+    p = cfg.parallel
+    experts = f", {hf.num_experts} experts (top {hf.num_experts_per_tok})" if hf.is_moe else ""
+    where = f"{a.nodes} node(s) × {a.gpus_per_node} GPUs × {a.gpu_memory_gb:g} GB" if a.gpus_per_node \
+        else f"{a.nodes} node(s), CPU"
+    optimizer = "distributed optimizer" if plan.distributed_optimizer else "replicated optimizer"
+    lines = [
+        f"plan: {cfg.name} on {where}",
+        f"model: {hf.architecture}, {billions(total)} parameters ({billions(active)} active per token), "
+        f"{hf.num_hidden_layers} layers{experts}",
+        f"trainer: {cfg.cluster.trainer_ranks} ranks = tp {p.tp} × pp {p.pp} × dp {plan.dp}; ep {p.ep}, "
+        f"etp {p.expert_tp} (expert dp {plan.expert_dp}); sequence parallel {'on' if p.sequence_parallel else 'off'}; "
+        f"recompute {cfg.model.recompute}; {_DTYPE_NAMES[plan.precision.param_bytes]} weights, {optimizer}",
+        f"         micro-batches of {cfg.train.micro_batch_size} × {plan.tokens_per_micro_batch} tokens, "
+        f"{plan.micro_batches} per DP rank and optimizer step",
+    ]
+    if plan.rollout:
+        r = plan.rollout
+        placement = "colocated with the trainer" if cfg.cluster.colocate else "on their own GPUs"
+        lines.append(f"rollout: {cfg.rollout.num_engines} {cfg.rollout.engine} engine(s) × tp {r.profile.tp} "
+                     f"({placement}), {r.profile.sequences} sequences in flight each")
+    return lines
+
+
+def _training(plan: Plan) -> list[str]:
+    stages = _shown_stages(plan)
+    # a CPU demo's model is a few MB: GB would show zeros
+    fmt, unit = (gb, "GB") if plan.allocation.gpus_per_node else (mb, "MB")
+    precision = plan.precision
+    dtype = _DTYPE_NAMES[precision.param_bytes]
+    master = "fp32 master + " if precision.master_bytes else ""
+    expert_dp = f", expert dp {plan.expert_dp}" if plan.hf.is_moe else ""
+    shard = f" / dp {plan.dp}{expert_dp}" if plan.distributed_optimizer else ""
+    rows = [
+        ["parameters (dense + expert)", *[f"{billions(s.params.dense)} + {billions(s.params.expert)}" for s in stages]],
+        [f"weights ({dtype})", *[fmt(s.static.weights) for s in stages]],
+        ["gradients (fp32 main grads)", *[fmt(s.static.grads) for s in stages]],
+        [f"optimizer ({master}2 Adam moments{shard})", *[fmt(s.static.optimizer) for s in stages]],
+        ["  without the distributed optimizer" if plan.distributed_optimizer
+         else "  with the distributed optimizer",
+         *[fmt(s.static.optimizer_replicated if plan.distributed_optimizer else s.static.optimizer_distributed)
+           for s in stages]],
+        [f"activations (recompute {plan.cfg.model.recompute}, micro-batches in flight: "
+         f"{'/'.join(str(s.in_flight) for s in stages)})", *[fmt(s.activations) for s in stages]],
+        ["logits (last stage, in place)", *[fmt(s.logits) for s in stages]],
+        ["reserved (CUDA context, NCCL, fragmentation)", *[fmt(s.reserved) for s in stages]],
+        ["total", *[fmt(s.total) for s in stages]],
+    ]
+    header = [f"training memory per {'GPU' if plan.allocation.gpus_per_node else 'rank'} ({unit})", *[f"stage {s.params.stage}" for s in stages]]
+    peak = max(s.total for s in plan.stages)
+    return [*_table(header, rows), f"  → {_verdict(peak, plan.allocation)}"]
+
+
+def _rollout(plan: Plan) -> list[str]:
+    r = plan.rollout
+    if r is None:
+        return []
+    rows = [
+        [f"weights (bf16, / tp {r.profile.tp})", gb(r.weights)],
+        [f"KV cache ({r.profile.sequences} seq × {r.tokens_per_sequence} tokens × "
+         f"{r.kv_bytes_per_token / 1024:.1f} KiB)", gb(r.kv_cache)],
+        ["reserved (CUDA graphs, sampling, decode activations)", gb(RESERVED_BYTES)],
+        ["total", gb(plan.rollout_peak)],
+    ]
+    header = [f"rollout memory per GPU (GB, {plan.cfg.rollout.engine})", "engine"]
+    lines = [*_table(header, rows), f"  → {_verdict(plan.rollout_peak, plan.allocation)}"]
+    pool = plan.rollout_pool
+    if pool is not None:
+        ok = r.total <= pool
+        lines.append(f"  → weights + KV cache {gb(r.total)} GB {'within' if ok else 'EXCEED'} the engine's pool of "
+                     f"{r.profile.pool_fraction:g} × {plan.allocation.gpu_memory_gb:g} GB = {gb(pool)} GB"
+                     + ("" if ok else " (fewer sequences in flight, or more engine TP)"))
+    return lines
+
+
+def format_plan(plan: Plan) -> str:
+    lines = _header(plan) + ["", "layout checks"]
+    lines += [f"  {'ok  ' if c.ok else 'FAIL'}  {c.message}" for c in plan.checks]
+    if plan.stages:
+        lines += ["", *_training(plan)]
+    if plan.rollout:
+        lines += ["", *_rollout(plan)]
+    verdict = "FITS" if plan.fits else "DOES NOT FIT"
+    why = [] if plan.fits else [
+        "layout checks failed" if not plan.layout_ok else "",
+        "memory exceeds the GPU" if not plan.memory_ok else "",
+    ]
+    reasons = "; ".join(w for w in why if w)
+    lines += ["", f"verdict: {verdict}" + (f" ({reasons})" if reasons else "")]
+    return "\n".join(lines)
+
+
+def format_sweep(result: SweepResult, allocation: Allocation, limit: int | None = None) -> str:
+    title = (f"layouts that fit on {allocation.nodes} node(s) × {allocation.gpus_per_node} GPUs × "
+             f"{allocation.gpu_memory_gb:g} GB (best first: fewer pipeline stages, less TP, less expert TP, "
+             f"lower peak)")
+    plans = result.plans
+    if not plans:
+        reasons = [f"  {count} × {why}" for why, count in list(result.rejected.items())[:5]]
+        return "\n".join([title, "  none; rejected layouts:", *reasons])
+    shown = plans if limit is None else plans[:limit]
+    rows = [[str(pl.cfg.parallel.tp), str(pl.cfg.parallel.pp), str(pl.cfg.parallel.ep),
+             str(pl.cfg.parallel.expert_tp), str(pl.dp), gb(pl.train_peak), gb(pl.rollout_peak)]
+            for pl in shown]
+    lines = [title, *_table(["tp", "pp", "ep", "etp", "dp", "train GB", "rollout GB"], rows)]
+    if len(shown) < len(plans):
+        lines.append(f"  ... and {len(plans) - len(shown)} more (--limit)")
+    return "\n".join(lines)

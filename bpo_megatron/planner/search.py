@@ -1,0 +1,74 @@
+"""``plan --sweep``: every (tp, pp, ep, etp) layout of the trainer that passes the checks and fits.
+
+The trainer gets every GPU of the allocation when engines are colocated, otherwise what the
+engines leave (``rollout.num_engines × cluster.gpus_per_engine``). Candidates keep TP inside a
+node and split the attention heads. They are sorted by what costs throughput first: fewer pipeline stages (bubbles), then less
+tensor parallelism (per-layer collectives), then less expert tensor parallelism, then the lower
+peak memory (the most headroom for longer responses or bigger micro-batches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from bpo_megatron.models.hf_config import HFModelConfig
+from bpo_megatron.parallel import ParallelConfig
+from bpo_megatron.planner.layout import Allocation
+from bpo_megatron.planner.plan import Plan, make_plan
+
+if TYPE_CHECKING:
+    from bpo_megatron.experiment import ExperimentConfig
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def trainer_ranks_for(cfg: ExperimentConfig, allocation: Allocation) -> int:
+    if cfg.cluster.colocate:
+        return allocation.gpus
+    return allocation.gpus - int(cfg.rollout.num_engines * cfg.cluster.gpus_per_engine)
+
+
+def candidate_layouts(hf: HFModelConfig, ranks: int, gpus_per_node: int) -> list[ParallelConfig]:
+    layouts = []
+    heads = (hf.num_attention_heads, hf.num_key_value_heads)
+    for tp in (t for t in _divisors(gpus_per_node) if all(h % t == 0 for h in heads)):
+        for pp in _divisors(hf.num_hidden_layers):
+            if ranks % (tp * pp):
+                continue
+            for ep in _divisors(hf.num_experts) if hf.is_moe else [1]:
+                for etp in sorted({1, tp}) if ep > 1 else [tp]:
+                    if (ranks // pp) % (ep * etp) == 0:
+                        layouts.append(ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp))
+    return layouts
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    plans: list[Plan]  # the layouts that fit, best first
+    rejected: dict[str, int]  # why the others do not: failed check or "memory", with counts
+
+
+def sweep(cfg: ExperimentConfig, hf: HFModelConfig, allocation: Allocation) -> SweepResult:
+    """Plans of every layout that passes all checks and fits in the GPUs' memory, best first."""
+    ranks = trainer_ranks_for(cfg, allocation)
+    if ranks < 1:
+        return SweepResult([], {f"the engines take all {allocation.gpus} GPUs, none is left for the trainer": 1})
+    cluster = dataclasses.replace(cfg.cluster, trainer_ranks=ranks, nodes=allocation.nodes,
+                                  gpus_per_node=allocation.gpus_per_node,
+                                  gpu_memory_gb=allocation.gpu_memory_gb)
+    plans, rejected = [], Counter()
+    for parallel in candidate_layouts(hf, ranks, allocation.gpus_per_node):
+        plan = make_plan(dataclasses.replace(cfg, parallel=parallel, cluster=cluster), hf, allocation)
+        if plan.fits:
+            plans.append(plan)
+        elif not plan.layout_ok:
+            rejected.update({next(c.message for c in plan.checks if not c.ok): 1})
+        else:
+            rejected.update({"memory per GPU exceeded (training or rollout)": 1})
+    plans.sort(key=lambda pl: (pl.cfg.parallel.pp, pl.cfg.parallel.tp, pl.cfg.parallel.expert_tp, pl.train_peak))
+    return SweepResult(plans, dict(rejected.most_common()))

@@ -1,0 +1,186 @@
+"""Launchers: the Slurm script and the KubeRay manifest render offline with what a cluster needs;
+a sweep is one job per grid point; the local launcher runs the CPU demo."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bpo_megatron.launch import launch, plan_batch
+from bpo_megatron.launch.settings import ExecutorSettings
+from bpo_megatron.launch.sweep import split_grid
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE_30B = "configs/qwen3_30b_a3b_bpo.yaml"  # as the driver sees it: relative to the shipped code
+RECIPE_4B = "configs/qwen3_4b_ablation.yaml"
+IMAGE = "nvcr.io/nvidia/nemo:25.09"
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    # NeMo-Run keeps records under its home; recipes are given relative to the repository
+    monkeypatch.setenv("NEMORUN_HOME", str(tmp_path / "nemo_run"))
+    monkeypatch.chdir(ROOT)
+    # NeMo-Run runs local shell steps through invoke, which reads stdin: give it an empty one
+    with open(os.devnull) as devnull:
+        monkeypatch.setattr(sys, "stdin", devnull)
+        yield
+
+
+def _cluster_settings(tmp_path, **extra) -> ExecutorSettings:
+    return ExecutorSettings(
+        nodes=4, gpus_per_node=8, container_image=IMAGE, mounts=("/lustre/data:/data", "/lustre/models:/models"),
+        env={"NCCL_DEBUG": "WARN"}, setup=("pip install --no-deps -e /nemo_run/code",),
+        account="rl_team", partition="batch", time="08:00:00", remote_dir="/lustre/rl/bpo-jobs",
+        packager="none", home=str(tmp_path / "nemo_run"), **extra)
+
+
+def _driver_line(script: str) -> str:
+    block = script.split("DRIVER=$(cat <<'BPO_DRIVER'\n", 1)[1]
+    return block.split("\nBPO_DRIVER", 1)[0]
+
+
+def test_slurm_script_for_4_nodes_of_8_gpus(tmp_path):
+    [job] = launch("slurm", RECIPE_30B, ["model.path=/models/Qwen3-30B-A3B-Base"], _cluster_settings(tmp_path),
+                   dryrun=True)
+    text = job.text
+    assert job.kind == "sbatch" and job.name == "qwen3_30b_a3b_bpo"
+    for flag in ("--nodes=4", "--gpus-per-node=8", "--ntasks-per-node=1", "--account=rl_team",
+                 "--partition=batch", "--time=08:00:00", "--job-name=bpo-qwen3_30b_a3b_bpo"):
+        assert f"#SBATCH {flag}\n" in text, flag
+    assert "export NCCL_DEBUG=WARN" in text
+    # every Ray node runs in the container, with the mounts and NeMo-Run's job directory
+    ray_sruns = [line for line in text.splitlines() if line.startswith(("srun --container-image", "  srun --container-image"))]
+    assert len(ray_sruns) == 2  # head, then the worker loop
+    for line in ray_sruns:
+        assert f"--container-image={IMAGE}" in line and "/lustre/data:/data,/lustre/models:/models" in line
+        assert ":/nemo_run," in line and "-A=" not in line and "--mpi" not in line
+    assert "ray start --head --node-ip-address=$head_ip --port=$RAY_PORT" in text
+    assert "ray start --address=$ray_address" in text
+    assert "for ((i = 1; i < SLURM_JOB_NUM_NODES; i++))" in text
+    assert "pip install --no-deps -e /nemo_run/code" in text.split("SETUP=$(cat <<'BPO_SETUP'")[1]
+    # the driver: bpo-megatron train on the head node, attached to this Ray cluster
+    assert _driver_line(text) == ("bpo-megatron train configs/qwen3_30b_a3b_bpo.yaml "
+                                  "model.path=/models/Qwen3-30B-A3B-Base cluster.nodes=4 cluster.gpus_per_node=8")
+    assert 'bash -c "$DRIVER cluster.ray_address=$ray_address"' in text
+    assert "--container-name=ray-head --container-workdir=/nemo_run/code" in text
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)  # valid shell
+
+
+def test_slurm_driver_arguments_are_shell_quoted(tmp_path):
+    [job] = launch("slurm", RECIPE_30B, ["logging.run_dir=/lustre/runs/{name} x"],
+                   _cluster_settings(tmp_path), dryrun=True)
+    assert "'logging.run_dir=/lustre/runs/{name} x'" in _driver_line(job.text)
+
+
+def test_sweep_renders_one_job_per_grid_point(tmp_path):
+    losses = ["bpo", "grpo", "gspo", "cispo", "dppo_tv"]
+    jobs = launch("slurm", RECIPE_30B, ["loss.name=" + ",".join(losses)], _cluster_settings(tmp_path), dryrun=True)
+    assert [j.name for j in jobs] == [f"qwen3_30b_a3b_bpo-loss-{loss}" for loss in losses]
+    for loss, job in zip(losses, jobs):
+        driver = _driver_line(job.text)
+        assert f" loss.name={loss} " in driver and driver.endswith(f"name=qwen3_30b_a3b_bpo-loss-{loss}")
+        assert f"#SBATCH --job-name=bpo-qwen3_30b_a3b_bpo-loss-{loss}\n" in job.text
+    # one NeMo-Run experiment: every job directory sits under the same experiment id
+    experiment_dirs = {re.search(r"LOG_DIR=/lustre/rl/bpo-jobs/qwen3_30b_a3b_bpo/([^/]+)/", j.text).group(1)
+                       for j in jobs}
+    assert len(experiment_dirs) == 1
+
+
+def test_two_axis_grid_and_its_names():
+    batch = plan_batch(RECIPE_4B, ["loss.bpo_eps=0.05,0.1,0.2,0.3", "loss.bpo_cap=2,3,4"], ExecutorSettings())
+    assert len(batch.runs) == 12 and batch.title == "qwen3_4b_ablation"
+    assert len({r.name for r in batch.runs}) == 12
+    assert batch.runs[0].name == "qwen3_4b_ablation-bpo_eps-0.05-bpo_cap-2"
+    assert batch.runs[0].overrides[-3:] == ("loss.bpo_eps=0.05", "loss.bpo_cap=2",
+                                            "name=qwen3_4b_ablation-bpo_eps-0.05-bpo_cap-2")
+
+
+def test_grid_parsing_keeps_yaml_lists_whole():
+    fixed, axes = split_grid(["eval.datasets=[aime24,aime25]", "loss.name=bpo,grpo", "train.steps=3"])
+    assert fixed == ["eval.datasets=[aime24,aime25]", "train.steps=3"]
+    assert axes == [("loss.name", ["bpo", "grpo"])]
+    with pytest.raises(ValueError, match="name cannot be swept"):
+        split_grid(["name=a,b"])
+
+
+def test_kuberay_manifest(tmp_path):
+    settings = _cluster_settings(tmp_path, namespace="rl")
+    settings = ExecutorSettings(**{**settings.__dict__, "mounts": ("models-pvc:/models", "/raid/data:/data")})
+    [job] = launch("kuberay", RECIPE_30B, ["model.path=/models/Qwen3-30B-A3B-Base"], settings, dryrun=True)
+    manifest = yaml.safe_load(job.text)
+    assert (manifest["apiVersion"], manifest["kind"]) == ("ray.io/v1", "RayJob")
+    assert manifest["metadata"]["namespace"] == "rl"
+    spec = manifest["spec"]
+    assert spec["entrypoint"].startswith("bpo-megatron train configs/qwen3_30b_a3b_bpo.yaml "
+                                         "model.path=/models/Qwen3-30B-A3B-Base")
+    assert spec["entrypoint"].endswith("cluster.ray_address=auto")
+    [workers] = spec["rayClusterSpec"]["workerGroupSpecs"]
+    assert workers["replicas"] == 4
+    [worker] = workers["template"]["spec"]["containers"]
+    assert worker["image"] == IMAGE and worker["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert {"name": "NCCL_DEBUG", "value": "WARN"} in worker["env"]
+    assert worker["lifecycle"]["postStart"]["exec"]["command"][-1] == "pip install --no-deps -e /nemo_run/code"
+    volumes = workers["template"]["spec"]["volumes"]
+    assert {"name": "mount-0", "persistentVolumeClaim": {"claimName": "models-pvc"}} in volumes
+    assert {"name": "mount-1", "hostPath": {"path": "/raid/data"}} in volumes
+
+
+def test_kuberay_manifest_is_what_nemo_run_submits(tmp_path, monkeypatch):
+    import nemo_run  # noqa: F401  (NeMo-Run's Ray helpers import after the package)
+    from nemo_run.run.ray import kuberay as nemo_kuberay
+
+    from bpo_megatron.launch import kuberay
+    from bpo_megatron.launch.base import Resources
+
+    # KubeRayJob reads a kube config on construction; the dry run needs none
+    monkeypatch.setattr(nemo_kuberay.config, "load_kube_config", lambda *a, **k: None)
+    settings = _cluster_settings(tmp_path)
+    run_ = plan_batch(RECIPE_30B, ["loss.bpo_eps=0.2"], settings).runs[0]
+    user = nemo_kuberay.get_user()
+    name = kuberay.k8s_name(run_.name, user)
+    ours = kuberay.rayjob_manifest(name, kuberay.executor(settings, Resources(4, 8)), kuberay.entrypoint(run_), user)
+    theirs = nemo_kuberay.KubeRayJob(name=name, executor=kuberay.executor(settings, Resources(4, 8))).start(
+        command=kuberay.entrypoint(run_), dryrun=True)
+    assert ours == theirs
+    assert len(f"{user}-{kuberay.k8s_name('x' * 80, user)}-rayjob-raycluster") <= 63
+
+
+def test_bad_launches_fail_before_submitting(capsys):
+    from bpo_megatron.cli import main
+
+    assert main(["launch", "slurm", RECIPE_30B, "loss.name=bpo,ppo", "--dryrun"]) == 2
+    assert "PolicyLossConfig.name='ppo' is unknown" in capsys.readouterr().err
+    assert main(["launch", "kuberay", RECIPE_30B, "--dryrun"]) == 2
+    assert "--container-image" in capsys.readouterr().err
+    assert main(["launch", "slurm", RECIPE_30B, "--mounts", "nocolon", "--dryrun"]) == 2
+    assert "SRC:/container/path" in capsys.readouterr().err
+
+
+def test_local_dryrun_is_the_train_command():
+    [job] = launch("local", "configs/tiny_moe_cpu.yaml", ["train.steps=2"], ExecutorSettings(), dryrun=True)
+    assert job.kind == "command"
+    assert job.text == f"{sys.executable} -m bpo_megatron.cli train {ROOT / 'configs/tiny_moe_cpu.yaml'} train.steps=2"
+
+
+def test_local_launcher_runs_the_cpu_demo(tmp_path):
+    """The CPU demo for 2 SFT + 2 RL steps through NeMo-Run's local executor (Ray starts inside)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(NEMORUN_HOME=str(tmp_path / "nemo_run"), RAY_AUTH_MODE="disabled")
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "bpo_megatron.cli", "launch", "local", str(ROOT / "configs" / "tiny_moe_cpu.yaml"),
+           "train.steps=2", "train.sft_warmup_steps=2", "eval.every=0", "checkpoint.every=0",
+           f"logging.run_dir={run_dir}", "logging.progress=false", "--home", str(tmp_path / "nemo_run")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tiny_moe_cpu: SUCCEEDED" in proc.stdout
+    assert "done: 2 steps" in proc.stdout
+    steps = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"step"' in line]
+    assert steps
+    assert (tmp_path / "nemo_run" / "experiments" / "tiny_moe_cpu").is_dir()

@@ -1,0 +1,213 @@
+"""The planner: per-rank counts equal the built Megatron model and optimizer; memory terms follow
+their closed forms; layouts are checked and swept; the 30B recipe fits 4 × 8 × 80 GB."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+import train_helpers as th
+from bpo_megatron.experiment import load_experiment
+from bpo_megatron.models import HFModelConfig, ModelOptions
+from bpo_megatron.models.hf_config import parameter_counts
+from bpo_megatron.parallel import ParallelConfig
+from bpo_megatron.planner import Allocation, Precision, make_plan, rank_parameters, static_memory, sweep
+from bpo_megatron.planner.activations import stage_activation_bytes
+from bpo_megatron.planner.rollout import kv_bytes_per_token
+from bpo_megatron.testing import run_gloo_world
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE_30B = ROOT / "configs" / "qwen3_30b_a3b_bpo.yaml"
+QWEN3_30B = th.FIXTURES / "qwen3_30b_a3b" / "config.json"
+WORLD_TIMEOUT_S = 120.0
+
+
+# ------------------------------------------------------------------ against the built model
+def _built_rank(tp: int, ep: int) -> dict:
+    """Build the tiny MoE actor, take one optimizer step, and measure what each rank holds."""
+    import torch.distributed as dist
+
+    actor = th.build_actor(tp=tp, ep=ep, micro_batch_size=2)
+    params = sum(p.numel() for p in actor.model.parameters())
+    grad_bytes = sum(buffer.grad_data.numel() * buffer.grad_data.element_size()
+                     for chunk in actor.ddp for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers])
+    actor.train_step(th.make_samples(4, seed=3))  # Adam creates its moments on the first step
+    state_bytes, with_state = 0, 0
+    for optimizer in actor.optimizer.chained_optimizers:
+        for state in optimizer.optimizer.state.values():
+            with_state += 1
+            state_bytes += sum(state[key].numel() * state[key].element_size() for key in ("exp_avg", "exp_avg_sq"))
+    out = {"rank": dist.get_rank(), "params": params, "grad_bytes": grad_bytes, "state_bytes": state_bytes,
+           "params_with_state": with_state, "param_tensors": len(list(actor.model.parameters())),
+           "dp": actor.ranks.dp_size}
+    th.close_down()
+    return out
+
+
+@pytest.mark.parametrize("tp,ep,world", [(2, 1, 2), (1, 2, 2), (2, 2, 4)], ids=["tp2", "ep2", "tp2-ep2"])
+def test_rank_counts_equal_the_built_model_and_optimizer(tp, ep, world):
+    ranks = run_gloo_world(_built_rank, world, tp, ep, timeout=WORLD_TIMEOUT_S)
+    parallel = ParallelConfig(tp=tp, ep=ep)
+    [stage] = rank_parameters(th.tiny_moe(), parallel, ModelOptions())  # fp32 on CPU, as built
+    dp = parallel.data_parallel_size(world)
+    expert_dp = world // (parallel.ep * parallel.expert_tp)
+    planned = static_memory(stage, Precision.of("fp32"), dp=dp, expert_dp=expert_dp,
+                            distributed_optimizer=False)  # the CPU path: FP32Optimizer, no sharding
+    for out in ranks:
+        assert out["dp"] == dp
+        assert out["params"] == stage.total
+        assert out["grad_bytes"] == planned.grads == 4 * stage.total
+        assert out["params_with_state"] == out["param_tensors"]
+        assert out["state_bytes"] == planned.optimizer == 8 * stage.total
+
+
+def test_pipeline_stages_hold_their_layers_embedding_and_output():
+    hf = th.tiny_moe()
+    first, last = rank_parameters(hf, ParallelConfig(pp=2), ModelOptions())
+    [whole] = rank_parameters(hf, ParallelConfig(), ModelOptions())
+    # measured on the built model: 65,984 and 66,048 parameters per stage (final norm on the last)
+    assert (first.total, last.total) == (65_984, 66_048)
+    assert first.total + last.total == whole.total
+    assert last.total - first.total == hf.hidden_size
+
+
+# ------------------------------------------------------------------ the real model's size
+def test_qwen3_30b_a3b_parameter_count_is_the_real_size():
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = HFModelConfig.load(QWEN3_30B)
+    total, active = parameter_counts(hf)
+    with torch.device("meta"):  # transformers' own model, no memory
+        reference = AutoModelForCausalLM.from_config(AutoConfig.for_model(**json.loads(QWEN3_30B.read_text())))
+    assert total == sum(p.numel() for p in reference.parameters())
+    assert abs(total - 30.5e9) / 30.5e9 < 0.01
+    # active: everything but the experts a token does not use
+    per_expert = 3 * hf.hidden_size * hf.moe_intermediate_size
+    assert active == total - len(hf.moe_layers) * (hf.num_experts - hf.num_experts_per_tok) * per_expert
+    # Qwen quotes "3.3B activated" for 3.353 B: 1.6 % above, a rounding, not a different count
+    assert abs(active - 3.3e9) / 3.3e9 < 0.02
+    # one rank holding the whole model holds exactly that (151,936 rows are a multiple of 128) ...
+    [stage] = rank_parameters(hf, ParallelConfig(), ModelOptions(params_dtype="bf16"))
+    assert stage.total == total
+    # ... and at tp 4 ep 8: vocabulary padded to a multiple of 128 × 4 = 152,064 rows and split;
+    # per layer QKV [(32 + 2·4)·128 / 4, 2048], output projection [2048, 32·128 / 4], q/k norms,
+    # two layer norms and the router [128, 2048] (replicated); 16 local experts
+    [shard] = rank_parameters(hf, ParallelConfig(tp=4, ep=8), ModelOptions(params_dtype="bf16"))
+    layer = 40 * 128 // 4 * 2048 + 2048 * (32 * 128 // 4) + 2 * 128 + 2 * 2048 + 128 * 2048
+    assert shard.dense == 2 * 152_064 // 4 * 2048 + 2048 + 48 * layer
+    assert shard.expert == 48 * 16 * 3 * 2048 * 768
+
+
+# ------------------------------------------------------------------ memory terms
+def _recipe(*overrides: str):
+    return load_experiment(RECIPE_30B, list(overrides), check_model=False)
+
+
+def test_static_memory_closed_forms_for_the_30b_layout():
+    plan = make_plan(_recipe(), HFModelConfig.load(QWEN3_30B))
+    [stage] = plan.stages
+    dense, expert = stage.params.dense, stage.params.expert
+    assert (plan.dp, plan.expert_dp) == (8, 4)
+    assert stage.static.weights == 2 * (dense + expert)  # bf16
+    assert stage.static.grads == 4 * (dense + expert)  # fp32 main grads
+    assert stage.static.optimizer == 12 * (math.ceil(dense / 8) + math.ceil(expert / 4))
+    assert stage.static.optimizer_replicated == 12 * (dense + expert)
+    assert plan.distributed_optimizer and stage.static.optimizer < stage.static.optimizer_replicated
+    # 16 of 128 experts per rank, each 3·2048·768, in 48 layers
+    assert expert == 48 * 16 * 3 * 2048 * 768
+
+
+def test_activations_shrink_with_recompute_and_grow_with_pipeline_in_flight():
+    hf = HFModelConfig.load(QWEN3_30B)
+    p = ParallelConfig(tp=4, ep=8)
+    layers = tuple(range(48))
+    kw = dict(tokens=18_432, act_bytes=2)
+    full = stage_activation_bytes(hf, p, layers, recompute="full", in_flight=1, **kw)
+    none = stage_activation_bytes(hf, p, layers, recompute="none", in_flight=1, **kw)
+    assert none > 10 * full
+    # full recompute keeps b·h/tp per token and layer, plus one rebuilt layer and the dispatch buffers
+    kept = 18_432 * 48 * 2 * 2048 / 4
+    assert kept < full < kept + none / 48 * 1.5
+    two = stage_activation_bytes(hf, p, layers, recompute="none", in_flight=2, **kw)
+    assert two == pytest.approx(2 * none, rel=0.01)
+
+
+def test_kv_cache_per_token_closed_form():
+    hf = HFModelConfig.load(QWEN3_30B)
+    # 2 (K, V) × 48 layers × KV heads per rank × 128 × 2 bytes; 4 KV heads split over TP, replicated beyond
+    assert kv_bytes_per_token(hf, 1) == 2 * 48 * 4 * 128 * 2
+    assert kv_bytes_per_token(hf, 4) == 2 * 48 * 1 * 128 * 2
+    assert kv_bytes_per_token(hf, 8) == kv_bytes_per_token(hf, 4)
+    plan = make_plan(_recipe(), hf)
+    r = plan.rollout
+    assert (r.profile.tp, r.profile.sequences) == (4, 96)  # sglang tp_size; 12 × 8 requests in flight
+    assert r.kv_cache == 96 * (2048 + 16_384) * 2 * 48 * 128 * 2
+    assert r.weights == parameter_counts(hf)[0] * 2 / 4
+
+
+# ------------------------------------------------------------------ checks, verdict, sweep
+def test_the_30b_recipe_passes_plan_on_4x8x80(capsys):
+    from bpo_megatron.cli import main
+
+    assert main(["plan", str(RECIPE_30B)]) == 0
+    out = capsys.readouterr().out
+    assert "4 node(s) × 8 GPUs × 80 GB" in out
+    assert "verdict: FITS" in out and "FAIL" not in out
+    plan = make_plan(_recipe(), HFModelConfig.load(QWEN3_30B))
+    assert plan.fits and plan.train_peak < 80e9 and plan.rollout_peak < 80e9
+
+
+def test_checks_name_what_to_change():
+    hf = HFModelConfig.load(QWEN3_30B)
+    cases = [
+        (["parallel.pp=5", "cluster.trainer_ranks=160"], "parallel.pp=5 must divide the model's 48 layers"),
+        (["parallel.ep=256", "parallel.tp=1", "cluster.trainer_ranks=256"],
+         "parallel.ep=256 must divide the model's 128 experts"),
+        (["cluster.colocate=false"], "trainer 32 + engines 32 GPUs ≤ 32"),
+        (["cluster.gpus_per_engine=2"], "a sglang engine of tp 4 needs 4 GPUs"),
+        (["parallel.tp=8", "cluster.gpus_per_node=4", "cluster.nodes=8"], "parallel.tp=8 must divide the 4 GPUs"),
+    ]
+    for overrides, message in cases:
+        plan = make_plan(_recipe(*overrides), hf)
+        failed = [c.message for c in plan.checks if not c.ok]
+        assert any(message in m for m in failed), (overrides, failed)
+        assert not plan.fits
+
+
+def test_memory_verdict_against_a_smaller_gpu(capsys):
+    from bpo_megatron.cli import main
+
+    assert main(["plan", str(RECIPE_30B), "--gpu-memory-gb", "40"]) == 1
+    out = capsys.readouterr().out
+    assert "does NOT fit in 40 GB" in out and "verdict: DOES NOT FIT (memory exceeds the GPU)" in out
+
+
+def test_sweep_lists_fitting_layouts_best_first(capsys):
+    cfg, hf = _recipe(), HFModelConfig.load(QWEN3_30B)
+    result = sweep(cfg, hf, Allocation(nodes=4, gpus_per_node=8, gpu_memory_gb=80))
+    layouts = [(p.cfg.parallel.tp, p.cfg.parallel.pp, p.cfg.parallel.ep, p.cfg.parallel.expert_tp) for p in result.plans]
+    assert (4, 1, 8, 1) in layouts  # the recipe's own
+    assert all(p.fits and p.cfg.cluster.trainer_ranks == 32 for p in result.plans)
+    keys = [(p.cfg.parallel.pp, p.cfg.parallel.tp, p.cfg.parallel.expert_tp, p.train_peak) for p in result.plans]
+    assert keys == sorted(keys)
+    assert result.rejected  # e.g. ep=1 keeps all 128 experts on every rank
+    from bpo_megatron.cli import main
+
+    # on 2 nodes the recipe's 8 engines of 4 GPUs do not fit; with 4 engines layouts do
+    assert main(["plan", str(RECIPE_30B), "--sweep", "--nodes", "2"]) == 1
+    assert "engines 32 GPUs each ≤ 16" in capsys.readouterr().out
+    assert main(["plan", str(RECIPE_30B), "rollout.num_engines=4", "--sweep", "--nodes", "2", "--limit", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "2 node(s) × 8 GPUs" in out and "tp  pp  ep  etp  dp" in out and "more (--limit)" in out
+
+
+def test_plan_reads_a_bare_config_json(tmp_path, capsys):
+    from bpo_megatron.cli import main
+
+    assert main(["plan", str(ROOT / "configs" / "tiny_moe_cpu.yaml"), "--hf-config", str(th.TINY_MOE)]) == 0
+    assert "training memory per rank (MB)" in capsys.readouterr().out
+    assert main(["plan", str(RECIPE_30B), "--hf-config", str(tmp_path / "missing.json")]) == 2

@@ -1,0 +1,100 @@
+"""The shipped recipes: they load and validate against their model configs, carry the paper's
+settings, differ from each other only where the paper's runs do, and fit their clusters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bpo_megatron.config import to_dict
+from bpo_megatron.experiment import load_experiment
+from bpo_megatron.launch import plan_batch
+from bpo_megatron.launch.settings import ExecutorSettings
+from bpo_megatron.models.hf_config import parameter_counts
+from bpo_megatron.planner import make_plan
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+MAIN = CONFIGS / "qwen3_30b_a3b_bpo.yaml"
+ABLATION = CONFIGS / "qwen3_4b_ablation.yaml"
+BASELINES = {  # the paper's hyper-parameters of each baseline (appendix, experimental details)
+    "grpo": {"name": "grpo", "eps_low": 0.2, "eps_high": 0.28},
+    "gspo": {"name": "gspo", "gspo_eps_low": 3e-3, "gspo_eps_high": 5e-3},
+    "cispo": {"name": "cispo", "cispo_cap": 3.0},
+    "dppo": {"name": "dppo_tv", "dppo_delta": 0.1},
+}
+RECIPES = [MAIN, ABLATION, *(CONFIGS / f"qwen3_30b_a3b_{b}.yaml" for b in BASELINES)]
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_recipe_validates_with_its_model_and_fits_its_cluster(path):
+    cfg = load_experiment(path, check_model=True)  # model.path: the shipped config.json
+    assert cfg.name == path.stem
+    assert cfg.data.train == "/data/dapo_math_17k.jsonl"
+    assert cfg.model.params_dtype == "bf16" and cfg.model.init == "pretrained"
+    plan = make_plan(cfg, cfg.hf_config())
+    assert plan.fits, [c.message for c in plan.checks if not c.ok]
+
+
+def test_main_setting_is_the_papers():
+    cfg = load_experiment(MAIN)
+    assert (cfg.train.prompts_per_step, cfg.rollout.group_size) == (256, 16)
+    assert (cfg.train.minibatches_per_step, cfg.minibatch_size) == (8, 512)
+    assert cfg.train.steps == 400 and cfg.rollout.max_new_tokens == 16_384
+    assert (cfg.optimizer.lr, cfg.optimizer.betas, cfg.optimizer.weight_decay, cfg.optimizer.grad_clip) == (
+        1e-6, (0.9, 0.98), 0.1, 1.0)
+    assert (cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k) == (1.0, 1.0, 0)
+    assert cfg.model.routing_replay and cfg.rollout.capture_routed_experts  # R3
+    assert (cfg.loss.name, cfg.loss.bpo_eps, cfg.loss.bpo_cap, cfg.loss.agg) == ("bpo", 0.1, 3.0, "seq-mean-token-mean")
+    assert (cfg.eval.every, cfg.eval.k, cfg.eval.datasets) == (10, 32, ("aime24", "aime25", "aime26"))
+    assert (cfg.eval.temperature, cfg.eval.top_p, cfg.eval.max_new_tokens) == (1.0, 1.0, None)  # training's limit
+    assert (cfg.cluster.nodes, cfg.cluster.gpus_per_node, cfg.cluster.gpu_memory_gb) == (4, 8, 80.0)
+    total, active = parameter_counts(cfg.hf_config())
+    assert round(total / 1e9, 1) == 30.5
+
+
+@pytest.mark.parametrize("baseline", BASELINES)
+def test_baselines_change_only_the_policy_loss(baseline):
+    main = to_dict(load_experiment(MAIN))
+    cfg = to_dict(load_experiment(CONFIGS / f"qwen3_30b_a3b_{baseline}.yaml"))
+    for key, value in BASELINES[baseline].items():
+        assert cfg["loss"][key] == value
+    assert cfg.pop("name") == f"qwen3_30b_a3b_{baseline}"
+    main.pop("name"), main.pop("loss"), cfg.pop("loss")
+    assert cfg == main
+
+
+def test_ablation_setting_and_its_sweeps():
+    cfg = load_experiment(ABLATION)
+    assert cfg.hf_config().architecture == "Qwen3ForCausalLM"
+    assert (cfg.train.prompts_per_step, cfg.rollout.group_size, cfg.train.minibatches_per_step) == (128, 16, 4)
+    assert cfg.minibatch_size == 512 and cfg.rollout.max_new_tokens == 8192 and cfg.train.steps == 1000
+    assert (cfg.loss.bpo_eps, cfg.loss.bpo_cap) == (0.1, 3.0)
+    assert not cfg.model.routing_replay  # dense: nothing to replay
+    assert abs(parameter_counts(cfg.hf_config())[0] - 4.02e9) / 4.02e9 < 0.01  # Qwen3-4B
+    eps = plan_batch(str(ABLATION), ["loss.bpo_eps=0.05,0.1,0.2,0.3"], ExecutorSettings())
+    cap = plan_batch(str(ABLATION), ["loss.bpo_cap=2,3,4"], ExecutorSettings())
+    assert [r.name for r in eps.runs] == [f"qwen3_4b_ablation-bpo_eps-{e}" for e in ("0.05", "0.1", "0.2", "0.3")]
+    assert [r.name for r in cap.runs] == [f"qwen3_4b_ablation-bpo_cap-{c}" for c in (2, 3, 4)]
+    for run in (*eps.runs, *cap.runs):  # every point validates
+        load_experiment(run.config, list(run.overrides))
+
+
+def test_shipped_model_configs():
+    fixture = Path(__file__).resolve().parent / "fixtures" / "qwen3_30b_a3b" / "config.json"
+    assert json.loads((CONFIGS / "models" / "qwen3_30b_a3b" / "config.json").read_text()) == json.loads(
+        fixture.read_text())
+    qwen3_4b = json.loads((CONFIGS / "models" / "qwen3_4b" / "config.json").read_text())
+    expected = {"num_hidden_layers": 36, "hidden_size": 2560, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "head_dim": 128, "intermediate_size": 9728, "vocab_size": 151936, "rope_theta": 1_000_000,
+                "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768}
+    assert {k: qwen3_4b[k] for k in expected} == expected
+
+
+def test_recipes_are_plain_yaml_without_unknown_keys():
+    for path in RECIPES:
+        data = yaml.safe_load(path.read_text())
+        assert set(data) <= {"name", "model", "parallel", "rollout", "loss", "optimizer", "train", "data", "eval",
+                             "checkpoint", "logging", "cluster"}
