@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bpo_megatron.bench.rollout import random_checkpoint
+from bpo_megatron.testing.models import random_checkpoint
 from bpo_megatron.rollout import GenerationRequest, SamplingParams
 
 ray = pytest.importorskip("ray")

@@ -5,18 +5,17 @@ expert layout), and closed-form sampling distributions."""
 from __future__ import annotations
 
 import gc
-import math
 import weakref
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from bpo_megatron.models.hf_config import HFModelConfig
 from bpo_megatron.rollout import GenerationRequest, SamplingParams, engine_class
 from bpo_megatron.rollout.hf_engine import HFEngine
+from bpo_megatron.testing.models import random_checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TOLERANCE = 1e-5  # fp32 log μ: KV-cache decoding sums in another order than one full forward
@@ -25,26 +24,7 @@ torch.set_num_threads(1)
 
 
 def _random_checkpoint(fixture: str, out: Path, seed: int) -> Path:
-    """A tiny random model whose logits (~N(0, 2²)) and routers (~N(0, 4²)) are far from uniform,
-    so a wrong position, mask or expert shows up in log μ and routing is not decided by ties."""
-    config = AutoConfig.from_pretrained(FIXTURES / fixture)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    hidden = config.hidden_size
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.ndim == 1:  # norms: distinct values so a mix-up between them is visible
-                param.normal_(1.0, 0.1)
-            elif name.endswith("embed_tokens.weight"):
-                param.normal_(0.0, 2.0 / math.sqrt(hidden) if config.tie_word_embeddings else 1.0)
-            elif name.startswith("lm_head"):
-                param.normal_(0.0, 2.0 / math.sqrt(hidden))
-            elif name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, 4.0 / math.sqrt(hidden))
-            else:
-                param.normal_(0.0, 1.0 / math.sqrt(param.shape[-1]))
-    model.save_pretrained(out)
-    return out
+    return random_checkpoint(FIXTURES / fixture, out, seed=seed)
 
 
 @pytest.fixture(scope="module")

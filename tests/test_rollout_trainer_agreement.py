@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bpo_megatron.bench.rollout import random_checkpoint
+from bpo_megatron.testing.models import random_checkpoint
 from bpo_megatron.testing import run_gloo_world
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tiny_qwen3_moe"

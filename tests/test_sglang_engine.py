@@ -21,7 +21,8 @@ import torch
 from bpo_megatron.rollout import GenerationRequest, SamplingParams
 from bpo_megatron.rollout.sglang import RolloutFailed, SGLangConfig, SGLangEngine
 from bpo_megatron.rollout.sglang.http import request_json
-from bpo_megatron.rollout.sglang.protocol import ProtocolError, decode_sample, expand, generate_body
+from bpo_megatron.rollout.sglang.protocol import ProtocolError, decode_sample, generate_body
+from bpo_megatron.rollout.types import response_slots as expand
 from bpo_megatron.rollout.sglang.weights import pickle_serializer, tensor_update_body
 
 FAKE_SERVER = str(Path(__file__).resolve().parent / "fake_sglang_server.py")

@@ -17,13 +17,13 @@ from bpo_megatron.rollout import GenerationRequest, SamplingParams, engine_class
 from bpo_megatron.rollout.vllm_engine import (
     LOAD_WEIGHTS_RPC,
     ProtocolError,
-    Row,
     VLLMConfig,
     VLLMEngine,
     decode_output,
-    expand,
     sampling_kwargs,
 )
+from bpo_megatron.rollout.types import ResponseSlot
+from bpo_megatron.rollout.types import response_slots as expand
 
 MOE_DIR = Path(__file__).resolve().parent / "fixtures" / "tiny_qwen3_moe"  # 2 MoE layers, top-2 of 4
 DENSE_DIR = MOE_DIR.parent / "tiny_qwen3"
@@ -151,7 +151,7 @@ def _decode(row, output, capture=True):
 
 
 def test_decoding_a_completion():
-    row = Row(request(stop_token_ids=(9,)), 1)
+    row = ResponseSlot(request(stop_token_ids=(9,)), 1)
     sample = _decode(row, RequestOutput([5, 6, 7], [completion(3, [4, 8, 1, 2])]))
     assert (sample.request_id, sample.index, sample.finish_reason) == ("q", 1, "length")
     assert sample.tokens.tolist() == [5, 6, 7, 4, 8, 1, 2]
@@ -161,7 +161,7 @@ def test_decoding_a_completion():
 
 
 def test_a_stop_token_is_kept_and_is_a_stop_even_on_the_last_allowed_step():
-    row = Row(request(stop_token_ids=(9,)), 0)
+    row = ResponseSlot(request(stop_token_ids=(9,)), 0)
     stopped = _decode(row, RequestOutput([5, 6, 7], [completion(3, [4, 9], finish="stop")]))
     assert stopped.response_tokens.tolist() == [4, 9] and stopped.finish_reason == "stop"
     # vLLM tests the length cap first and says "length"; the other engines say "stop"
@@ -170,7 +170,7 @@ def test_a_stop_token_is_kept_and_is_a_stop_even_on_the_last_allowed_step():
 
 
 def test_a_routing_row_for_the_last_token_is_dropped():
-    sample = _decode(Row(request(), 0), RequestOutput([5, 6, 7], [completion(3, [4, 8], extra_row=True)]))
+    sample = _decode(ResponseSlot(request(), 0), RequestOutput([5, 6, 7], [completion(3, [4, 8], extra_row=True)]))
     assert sample.routed_experts.shape == (4, 2, 2)
 
 
@@ -202,13 +202,13 @@ def test_malformed_outputs_are_refused(case, message):
     elif case == "other prompt":
         prompt = [5, 6]
     with pytest.raises(ProtocolError, match=message):
-        _decode(Row(request(), 0), RequestOutput(prompt, outputs))
+        _decode(ResponseSlot(request(), 0), RequestOutput(prompt, outputs))
 
 
 def test_without_capture_routing_is_not_read():
     out = completion(3, [4, 8])
     out.routed_experts = None
-    assert _decode(Row(request(), 0), RequestOutput([5, 6, 7], [out]), capture=False).routed_experts is None
+    assert _decode(ResponseSlot(request(), 0), RequestOutput([5, 6, 7], [out]), capture=False).routed_experts is None
 
 
 # ------------------------------------------------------------------- the engine over a stand-in
@@ -272,7 +272,7 @@ def test_real_vllm_logprobs_equal_a_teacher_forced_recompute(tmp_path):
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM
 
-    from bpo_megatron.bench.rollout import random_checkpoint
+    from bpo_megatron.testing.models import random_checkpoint
 
     model_dir = random_checkpoint(MOE_DIR, tmp_path / "moe", seed=0)
     capture = torch.cuda.is_available()

@@ -84,3 +84,26 @@ class Sample:
 class EngineHealth:
     healthy: bool
     detail: str = ""
+
+
+@dataclass(frozen=True)
+class ResponseSlot:
+    """One response to produce: a request and its sample index, with that response's own id and
+    seed (so the n responses of a request differ, and none can be lost or merged)."""
+
+    request: GenerationRequest
+    index: int
+
+    @property
+    def rid(self) -> str:
+        return f"{self.request.request_id}#{self.index}"
+
+    @property
+    def seed(self) -> int | None:
+        seed = self.request.sampling.seed
+        return None if seed is None else seed + self.index
+
+
+def response_slots(requests: list[GenerationRequest]) -> list[ResponseSlot]:
+    """Every request's n responses, in request order then index order."""
+    return [ResponseSlot(r, i) for r in requests for i in range(r.sampling.n)]

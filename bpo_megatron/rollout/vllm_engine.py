@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from bpo_megatron.rollout.engine import EngineCapabilities, RolloutEngine
-from bpo_megatron.rollout.types import EngineHealth, FinishReason, GenerationRequest, Sample, SamplingParams
+from bpo_megatron.rollout.types import (EngineHealth, FinishReason, GenerationRequest, ResponseSlot, Sample,
+                                        SamplingParams, response_slots)
 from bpo_megatron.rollout.weight_buckets import DEFAULT_BUCKET_BYTES, buckets, tensor_bytes
 
 LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
@@ -89,23 +90,6 @@ class VLLMConfig:
 
 
 # ---------------------------------------------------------------------------- translation
-@dataclass(frozen=True)
-class Row:
-    """One response to produce: a request and its sample index, with the seed of that response."""
-
-    request: GenerationRequest
-    index: int
-
-    @property
-    def seed(self) -> int | None:
-        seed = self.request.sampling.seed
-        return None if seed is None else seed + self.index
-
-
-def expand(requests: list[GenerationRequest]) -> list[Row]:
-    return [Row(r, i) for r in requests for i in range(r.sampling.n)]
-
-
 def check_logprobs_semantics(params: SamplingParams, mode: LogprobsMode) -> None:
     """Refuse settings under which vLLM's reported log-prob is not log-softmax(logits / T)."""
     filtered = params.top_k > 0 or params.top_p < 1.0
@@ -162,7 +146,7 @@ def decode_routed_experts(array: Any, *, positions: int, num_layers: int, topk: 
     return torch.from_numpy(routed[:positions].astype(np.int32, copy=True))
 
 
-def decode_output(row: Row, output: Any, *, capture_routing: bool, num_moe_layers: int | None,
+def decode_output(row: ResponseSlot, output: Any, *, capture_routing: bool, num_moe_layers: int | None,
                   topk: int | None) -> Sample:
     """A ``Sample`` from one ``vllm.RequestOutput`` (its single ``CompletionOutput``)."""
     where = f"request {row.request.request_id}/{row.index}"
@@ -246,7 +230,7 @@ class VLLMEngine(RolloutEngine):
         llm = self._live()
         if self._paused:
             raise RuntimeError("the vllm rollout engine is paused (a weight update is in progress); call resume()")
-        rows = expand(requests)
+        rows = response_slots(requests)
         params = [self._vllm.SamplingParams(**sampling_kwargs(r.request.sampling, r.seed, self.cfg.logprobs_mode))
                   for r in rows]  # every row is checked before anything is generated
         prompts = [{"prompt_token_ids": list(r.request.prompt_tokens)} for r in rows]

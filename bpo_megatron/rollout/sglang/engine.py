@@ -12,10 +12,10 @@ import torch
 from bpo_megatron.rollout.engine import EngineCapabilities, RolloutEngine
 from bpo_megatron.rollout.sglang.config import SGLangConfig
 from bpo_megatron.rollout.sglang.http import RequestTimeout, ServerError, ServerUnavailable, request_json
-from bpo_megatron.rollout.sglang.protocol import WorkItem, decode_sample, expand, generate_body
+from bpo_megatron.rollout.sglang.protocol import decode_sample, generate_body
 from bpo_megatron.rollout.sglang.server import ServerProcess
 from bpo_megatron.rollout.sglang.weights import DistributedWeightSender, tensor_update_body
-from bpo_megatron.rollout.types import EngineHealth, GenerationRequest, Sample
+from bpo_megatron.rollout.types import EngineHealth, GenerationRequest, ResponseSlot, Sample, response_slots
 from bpo_megatron.rollout.weight_buckets import buckets, tensor_bytes
 
 
@@ -42,7 +42,7 @@ class SGLangEngine(RolloutEngine):
     def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
         if self._paused:
             raise RuntimeError("the SGLang engine is paused (a weight update is in progress); call resume()")
-        items = expand(requests)
+        items = response_slots(requests)
         chunks = [tuple(items[i : i + self.cfg.requests_per_post])
                   for i in range(0, len(items), self.cfg.requests_per_post)]
         results: dict[str, Sample] = {}
@@ -78,7 +78,7 @@ class SGLangEngine(RolloutEngine):
             pending = failed
         return [results[item.rid] for item in items]
 
-    def _post_generate(self, chunk: tuple[WorkItem, ...]) -> list[Sample]:
+    def _post_generate(self, chunk: tuple[ResponseSlot, ...]) -> list[Sample]:
         body = generate_body(list(chunk), capture_routing=self.cfg.capture_routed_experts)
         response = request_json("POST", f"{self.cfg.base_url}/generate", body, timeout=self.cfg.request_timeout_s)
         if not isinstance(response, list) or len(response) != len(chunk):

@@ -9,34 +9,13 @@ out ``[prompt + response − 1, layers, top-k]``, ``meta_info.finish_reason.type
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from bpo_megatron.rollout.types import GenerationRequest, Sample, SamplingParams
+from bpo_megatron.rollout.types import ResponseSlot, Sample, SamplingParams
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
-@dataclass(frozen=True)
-class WorkItem:
-    """One response to produce: request × sample index, with its own request id and seed."""
-
-    rid: str
-    request: GenerationRequest
-    index: int
-
-    @property
-    def seed(self) -> int | None:
-        seed = self.request.sampling.seed
-        return None if seed is None else seed + self.index
-
-
-def expand(requests: list[GenerationRequest]) -> list[WorkItem]:
-    """n samples per request become n work items (own rid and seed), so none is lost or merged."""
-    return [WorkItem(rid=f"{r.request_id}#{i}", request=r, index=i)
-            for r in requests for i in range(r.sampling.n)]
 
 
 def sampling_params(params: SamplingParams, seed: int | None) -> dict:
@@ -56,7 +35,7 @@ def sampling_params(params: SamplingParams, seed: int | None) -> dict:
     return body
 
 
-def generate_body(items: list[WorkItem], *, capture_routing: bool) -> dict:
+def generate_body(items: list[ResponseSlot], *, capture_routing: bool) -> dict:
     """One batched ``/generate`` request body."""
     return {
         "rid": [item.rid for item in items],
@@ -81,7 +60,7 @@ def decode_routed_experts(encoded: str, *, num_layers: int, topk: int) -> torch.
     return torch.from_numpy(array.copy())
 
 
-def decode_sample(item: WorkItem, response: dict, *, capture_routing: bool,
+def decode_sample(item: ResponseSlot, response: dict, *, capture_routing: bool,
                   num_moe_layers: int | None, topk: int | None) -> Sample:
     """A ``Sample`` from one element of SGLang's ``/generate`` response."""
     meta = response.get("meta_info") or {}
