@@ -1,1 +1,1 @@
-"""loop."""
+"""The RL loop and what it needs around the algorithm: prompts, scoring, warm start, run state."""

@@ -1,1 +1,1 @@
-"""orchestration."""
+"""Where actors run: Ray start-up, the trainer and engine actor groups, weight sync."""
