@@ -142,7 +142,8 @@ def _checkpoint_logits(checkpoint_root: str, layout: dict) -> dict | None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from bpo_megatron.convert.world import build_model, layout_record, tear_down
+    from bpo_megatron.convert.world import build_model, tear_down
+    from bpo_megatron.parallel import layout_record
     from bpo_megatron.models import ModelOptions
     from bpo_megatron.trainer import checkpoint
 

@@ -233,20 +233,9 @@ def test_transformer_config_refusals() -> None:
 
 
 def _init_parallel(parallel: ParallelConfig) -> None:
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from bpo_megatron.parallel import initialize_parallel
 
-    from bpo_megatron.megatron import ensure_megatron_cpu_compat
-
-    ensure_megatron_cpu_compat()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tp,
-        pipeline_model_parallel_size=parallel.pp,
-        expert_model_parallel_size=parallel.ep,
-        expert_tensor_parallel_size=parallel.expert_tp,
-    )
-    model_parallel_cuda_manual_seed(tg.SEED)
-    torch.manual_seed(tg.SEED)
+    initialize_parallel(parallel, seed=tg.SEED)
 
 
 def _summary(model: torch.nn.Module) -> dict[str, Any]:

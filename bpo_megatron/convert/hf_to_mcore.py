@@ -20,12 +20,11 @@ from bpo_megatron.convert.safetensors_io import HFWeightsReader
 from bpo_megatron.convert.world import (
     DEFAULT_TIMEOUT_S,
     build_model,
-    layout_record,
     tear_down,
     world_size_for,
 )
 from bpo_megatron.models import HFModelConfig, ModelOptions
-from bpo_megatron.parallel import ParallelConfig
+from bpo_megatron.parallel import ParallelConfig, layout_record
 
 # safetensors dtype tag -> the name transformers writes in config.json
 _DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}

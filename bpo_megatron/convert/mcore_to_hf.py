@@ -23,12 +23,11 @@ from bpo_megatron.convert.validate import check_same_architecture
 from bpo_megatron.convert.world import (
     DEFAULT_TIMEOUT_S,
     build_model,
-    layout_record,
     tear_down,
     world_size_for,
 )
 from bpo_megatron.models import HFModelConfig, ModelOptions
-from bpo_megatron.parallel import ParallelConfig
+from bpo_megatron.parallel import ParallelConfig, layout_record
 
 _EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

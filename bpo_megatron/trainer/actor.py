@@ -18,7 +18,7 @@ from bpo_megatron import platform
 from bpo_megatron.losses import BatchTotals, PolicyLossConfig, policy_loss
 from bpo_megatron.models import HFModelConfig, ModelOptions, build_gpt_model
 from bpo_megatron.ops import vocab_parallel_logprobs
-from bpo_megatron.parallel import ParallelConfig
+from bpo_megatron.parallel import ParallelConfig, initialize_parallel, layout_record
 from bpo_megatron.trainer import checkpoint
 from bpo_megatron.trainer.config import TrainerConfig
 from bpo_megatron.trainer.optimizer import OptimizerSettings, build_optimizer, wrap_ddp, zero_grad
@@ -54,9 +54,6 @@ class TrainActor:
     def __init__(self, hf: HFModelConfig, *, parallel: ParallelConfig, model: ModelOptions,
                  loss: PolicyLossConfig, optimizer: OptimizerSettings, trainer: TrainerConfig) -> None:
         from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-        from bpo_megatron.megatron import ensure_megatron_cpu_compat
 
         if not dist.is_initialized():
             raise RuntimeError("TrainActor needs an initialised torch.distributed world (one process per rank)")
@@ -66,15 +63,7 @@ class TrainActor:
         parallel.validate_model(num_layers=hf.num_hidden_layers, num_experts=hf.num_experts,
                                 num_attention_heads=hf.num_attention_heads,
                                 num_query_groups=hf.num_key_value_heads)
-        ensure_megatron_cpu_compat()
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=parallel.tp,
-            pipeline_model_parallel_size=parallel.pp,
-            expert_model_parallel_size=parallel.ep,
-            expert_tensor_parallel_size=parallel.expert_tp,
-        )
-        model_parallel_cuda_manual_seed(trainer.seed)
-        torch.manual_seed(trainer.seed)
+        initialize_parallel(parallel, seed=trainer.seed)
 
         self.hf, self.parallel, self.model_options = hf, parallel, model
         self.loss_cfg, self.trainer_cfg = loss, trainer
@@ -220,8 +209,7 @@ class TrainActor:
 
     # ------------------------------------------------------------------------------ internals
     def _layout(self) -> dict[str, int]:
-        p = self.parallel
-        return {"tp": p.tp, "pp": p.pp, "ep": p.ep, "etp": p.expert_tp, "dp": self.ranks.dp_size}
+        return layout_record(self.parallel, dist.get_world_size())
 
     def _check(self, samples: list[TrainSample], *, replaying: bool = True) -> None:
         check_samples(samples, vocab_size=self.hf.vocab_size)
