@@ -21,6 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import tiny_gpt as tg
+
 from bpo_megatron.convert import (
     ConfigMismatchError,
     HFWeightsReader,
@@ -121,20 +123,8 @@ def hf_models(tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor]]:
 # ------------------------------------------------------------------------------ rank functions
 def _pipeline_logits(model: torch.nn.Module, vocab_size: int) -> torch.Tensor | None:
     """One forward through Megatron's schedule; the last stage returns its logits shard."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    tokens = _batch(vocab_size)
     positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
-
-    def forward_step(data_iterator, model):
-        next(data_iterator)
-        output = model(tokens, positions, attention_mask=None)
-        return output, lambda logits: (logits.sum() * 0, {"logits": logits.detach().clone()})
-
-    reports = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter([None]), model=[model],
-        num_microbatches=1, seq_length=SEQ, micro_batch_size=BATCH, forward_only=True)
-    return reports[0]["logits"] if reports else None
+    return tg.schedule_logits(model, _batch(vocab_size), positions)
 
 
 def _checkpoint_logits(checkpoint_root: str, layout: dict) -> dict | None:

@@ -92,19 +92,8 @@ def _pipeline_rank(checkpoint: str) -> list[float]:
     model = tg.build_tiny_gpt(layout)
     tg.load_checkpoint(model, Path(checkpoint))
 
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        output = model(batch.tokens, batch.position_ids, attention_mask=None)
-
-        def loss_func(logits: torch.Tensor):
-            loss = tg.token_losses(logits, batch.labels).mean()
-            # the schedule divides the returned loss in place by num_microbatches; report a copy
-            return loss, {"loss": loss.detach().clone()}
-
-        return output, loss_func
-
     reports = get_forward_backward_func()(
-        forward_step_func=forward_step,
+        forward_step_func=tg.mean_loss_forward_step,
         data_iterator=iter([tg.make_batch(0), tg.make_batch(1)]),
         model=[model],
         num_microbatches=2,

@@ -278,20 +278,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _pipeline_logits(model: torch.nn.Module) -> torch.Tensor | None:
     """One forward through Megatron's pipeline schedule; the last stage returns the logits."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    tokens, positions = _batch()
-
-    def forward_step(data_iterator, model):
-        next(data_iterator)
-        output = model(tokens, positions, attention_mask=None)
-        return output, lambda logits: (logits.sum() * 0, {"logits": logits.detach().clone()})
-
-    reports = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter([None]), model=[model],
-        num_microbatches=1, seq_length=SEQ, micro_batch_size=BATCH, forward_only=True,
-    )
-    return reports[0]["logits"] if reports else None
+    return tg.schedule_logits(model, *_batch())
 
 
 def _forward_rank(raw: dict[str, Any], layout: dict[str, int], checkpoint: str,

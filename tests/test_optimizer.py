@@ -140,18 +140,6 @@ def _torch_reference_rank() -> dict[str, Any]:
     return result
 
 
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch.tokens, batch.position_ids, attention_mask=None)
-
-    def loss_func(logits: torch.Tensor):
-        # the mean over this micro-batch; the schedule divides it by the number of micro-batches
-        loss = tg.token_losses(logits, batch.labels).mean()
-        return loss, {"loss": loss.detach().clone()}
-
-    return output, loss_func
-
-
 def _layout_step_rank(
     layout: tg.Layout,
     initial_checkpoint: str,
@@ -183,7 +171,7 @@ def _layout_step_rank(
 
     zero_grad([ddp], optimizer)
     get_forward_backward_func()(
-        forward_step_func=_forward_step,
+        forward_step_func=tg.mean_loss_forward_step,
         data_iterator=iter([tg.make_batch(seed) for seed in seeds]),
         model=[ddp],
         num_microbatches=len(seeds),

@@ -250,3 +250,32 @@ def load_checkpoint(model: torch.nn.Module, directory: Path) -> None:
             param.zero_()
     state = dist_checkpointing.load(model.sharded_state_dict(prefix=""), str(directory))
     model.load_state_dict(state, strict=True)
+
+
+def mean_loss_forward_step(data_iterator, model):
+    """A ``forward_step_func`` for Megatron's schedules: the mean token loss of the next batch."""
+    batch = next(data_iterator)
+    output = model(batch.tokens, batch.position_ids, attention_mask=None)
+
+    def loss_func(logits: torch.Tensor):
+        loss = token_losses(logits, batch.labels).mean()
+        # the schedule divides the returned loss in place by num_microbatches; report a copy
+        return loss, {"loss": loss.detach().clone()}
+
+    return output, loss_func
+
+
+def schedule_logits(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor):
+    """One forward-only pass through Megatron's (pipeline) schedule; the last stage returns its
+    logits shard, the other stages None."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model):
+        next(data_iterator)
+        output = model(tokens, positions, attention_mask=None)
+        return output, lambda logits: (logits.sum() * 0, {"logits": logits.detach().clone()})
+
+    reports = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter([None]), model=[model], num_microbatches=1,
+        seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0], forward_only=True)
+    return reports[0]["logits"] if reports else None
