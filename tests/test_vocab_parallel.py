@@ -41,6 +41,8 @@ def _ours(logits, targets, upstream, group, chunk, temperature, inplace):
         x, targets, group, temperature=temperature, chunk_size=chunk, with_entropy=True, inplace=inplace
     )
     (logp * upstream).sum().backward()
+    if not inplace:  # the copy-safe mode must leave the caller's logits as they were
+        assert torch.equal(leaf.detach(), logits), "copy-safe log-probs modified their input"
     return logp.detach(), entropy, leaf.grad
 
 
