@@ -76,21 +76,36 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         sum_exp = torch.empty(rows, **f32)
         target_logit = torch.empty(rows, **f32)
         exp_dot = torch.zeros(rows, **f32) if with_entropy else None
+        # chunk-sized fp32 scratch, allocated once: fresh large buffers cost page faults per chunk
+        scratch_shape = (min(chunk_rows, rows), valid)
+        z_scratch = None if store_exp else torch.empty(scratch_shape, **f32)
+        exp_scratch = torch.empty(scratch_shape, **f32) if with_entropy else None
         for start in range(0, rows, chunk_rows):
             stop = min(start + chunk_rows, rows)
             chunk = flat[start:stop, :valid]
             if store_exp:
                 z = chunk.mul_(inv_t) if temperature != 1.0 else chunk
+                m = z.amax(dim=-1)
+                target_logit[start:stop] = z.gather(-1, target_index[start:stop]).squeeze(-1)
+                z.sub_(m.unsqueeze(-1))
             else:
-                z = chunk.to(torch.float32, copy=True)
+                # max and target come from the caller's logits (max and 1/T commute as T > 0);
+                # fp32 logits are read once into the scratch z − m, lower precisions are upcast
+                # first, which is faster than a mixed-dtype subtraction
+                raw_max = chunk.amax(dim=-1).float()
+                m = raw_max * inv_t
+                target = chunk.gather(-1, target_index[start:stop]).squeeze(-1)
+                target_logit[start:stop] = target.float() * inv_t
+                z = z_scratch[: stop - start]
+                if chunk.dtype == torch.float32:
+                    torch.sub(chunk, raw_max.unsqueeze(-1), out=z)
+                else:
+                    z.copy_(chunk).sub_(raw_max.unsqueeze(-1))
                 if temperature != 1.0:
                     z.mul_(inv_t)
-            m = z.amax(dim=-1)
             local_max[start:stop] = m
-            target_logit[start:stop] = z.gather(-1, target_index[start:stop]).squeeze(-1)
-            z.sub_(m.unsqueeze(-1))
             if with_entropy:
-                e = torch.exp(z)
+                e = torch.exp(z, out=exp_scratch[: stop - start])
                 exp_dot[start:stop] = torch.linalg.vecdot(e, z)
                 z.copy_(e) if store_exp else None
                 sum_exp[start:stop] = e.sum(dim=-1)
@@ -134,6 +149,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         flat = logits.view(rows, shape[-1]) if inplace else logits.reshape(rows, shape[-1])
         g = grad_logprobs.reshape(rows).to(torch.float32) * inv_t
         grad = flat if inplace else torch.empty_like(flat)
+        fp32_grad = grad.dtype == torch.float32
+        scratch_shape = (min(chunk_rows, rows), valid)
+        scratch = None if fp32_grad else torch.empty(scratch_shape, dtype=torch.float32, device=grad.device)
         target_grad = torch.where(owned, g, 0.0).unsqueeze(-1)
         for start in range(0, rows, chunk_rows):
             stop = min(start + chunk_rows, rows)
@@ -143,8 +161,22 @@ class _VocabParallelLogProbs(torch.autograd.Function):
                 work = grad[start:stop, :valid]
                 work.mul_(-g_rows * row_term[start:stop].unsqueeze(-1))
             else:
-                work = flat[start:stop, :valid].to(torch.float32, copy=True)
-                work.mul_(inv_t).sub_(row_term[start:stop].unsqueeze(-1)).exp_().mul_(-g_rows)
+                # π(v) = exp(z/T − lse): an fp32 gradient is computed where it will lie, other
+                # dtypes in an fp32 scratch chunk copied back below
+                logits_rows = flat[start:stop, :valid]
+                lse_rows = row_term[start:stop].unsqueeze(-1)
+                if fp32_grad:
+                    work = grad[start:stop, :valid]
+                    if inv_t != 1.0:
+                        torch.mul(logits_rows, inv_t, out=work).sub_(lse_rows)
+                    else:
+                        torch.sub(logits_rows, lse_rows, out=work)
+                else:
+                    work = scratch[: stop - start].copy_(logits_rows)
+                    if inv_t != 1.0:
+                        work.mul_(inv_t)
+                    work.sub_(lse_rows)
+                work.exp_().mul_(-g_rows)
             work.scatter_add_(-1, target_index[start:stop], target_grad[start:stop])
             if work.data_ptr() != grad[start:stop].data_ptr():
                 grad[start:stop, :valid].copy_(work)
