@@ -88,7 +88,10 @@ def test_qwen3_30b_a3b_parameter_count_is_the_real_size():
     # active: everything but the experts a token does not use
     per_expert = 3 * hf.hidden_size * hf.moe_intermediate_size
     assert active == total - len(hf.moe_layers) * (hf.num_experts - hf.num_experts_per_tok) * per_expert
-    # Qwen quotes "3.3B activated" for 3.353 B: 1.6 % above, a rounding, not a different count
+    # The model card's figures (30.5 B total, 29.9 B non-embedding, 3.3 B activated) are the exact
+    # counts cut to one decimal: 3.353 B active is 1.6 % above "3.3", a truncation, not a miscount.
+    embeddings = 2 * hf.vocab_size * hf.hidden_size  # untied input embedding and output layer
+    assert [int(n // 1e8) for n in (total, total - embeddings, active)] == [305, 299, 33]
     assert abs(active - 3.3e9) / 3.3e9 < 0.02
     # one rank holding the whole model holds exactly that (151,936 rows are a multiple of 128) ...
     [stage] = rank_parameters(hf, ParallelConfig(), ModelOptions(params_dtype="bf16"))
