@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bpo_megatron.data.config import DataConfig
 from bpo_megatron.data.problems import load_problems
 from bpo_megatron.data.procedural import generate
 from bpo_megatron.data.rewards import MathVerifier, reward_fn
@@ -57,6 +58,54 @@ def test_parquet_in_the_same_format(tmp_path):
     table = pa.table({"id": ["a", "b"], "problem": ["1+1", "2+2"], "answer": ["2", "4"]})
     pq.write_table(table, tmp_path / "set.parquet")
     assert [p.answer for p in load_problems(str(tmp_path / "set.parquet"))] == ["2", "4"]
+
+
+def _dapo_rows():
+    """Records shaped like DAPO-Math-17k's parquet (chat prompt, reward_model, extra_info)."""
+    return [{"data_source": "math_dapo", "prompt": [{"role": "user", "content": f"What is {i}+{i}?"}],
+             "ability": "MATH", "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+             "extra_info": {"index": f"uuid-{i}"}} for i in range(3)]
+
+
+DAPO_FIELDS = {"id": "extra_info.index", "problem": "prompt.0.content", "answer": "reward_model.ground_truth"}
+
+
+def test_another_schema_is_read_through_a_field_map(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(_dapo_rows()), tmp_path / "dapo.parquet")
+    (tmp_path / "dapo.jsonl").write_text("\n".join(json.dumps(r) for r in _dapo_rows()))
+    for name in ("dapo.parquet", "dapo.jsonl"):
+        problems = load_problems(str(tmp_path / name), fields=DAPO_FIELDS)
+        assert [(p.id, p.problem, p.answer) for p in problems] == [
+            (f"uuid-{i}", f"What is {i}+{i}?", str(2 * i)) for i in range(3)]
+
+
+def test_field_map_errors_name_the_setting(tmp_path):
+    path = tmp_path / "dapo.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in _dapo_rows()))
+    # without a map, the error lists what the record has and points at data.fields
+    with pytest.raises(ValueError, match=r"dapo.jsonl:1: field 'id' must be .* got nothing; the record has "
+                                         r"ability, data_source, extra_info, prompt, reward_model .*data.fields"):
+        load_problems(str(path))
+    wrong = {**DAPO_FIELDS, "answer": "reward_model.answer"}
+    with pytest.raises(ValueError, match=r"field 'answer' \(read from 'reward_model.answer', data.fields.answer\)"):
+        load_problems(str(path), fields=wrong)
+    with pytest.raises(ValueError, match=r"field 'problem' \(read from 'prompt.5.content'"):
+        load_problems(str(path), fields={**DAPO_FIELDS, "problem": "prompt.5.content"})
+    with pytest.raises(ValueError, match=r"data.fields.question is not a problem field"):
+        load_problems(str(path), fields={"question": "prompt.0.content"})
+
+
+def test_field_map_reaches_the_prompt_stream_from_the_config(tmp_path):
+    path = tmp_path / "dapo.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in _dapo_rows()))
+    data = DataConfig(train=str(path), fields=DAPO_FIELDS)
+    stream = PromptStream(data.train, data.root, seed=1, fields=data.fields)
+    assert sorted(p.answer for p in stream.take(3)) == ["0", "2", "4"]
+    with pytest.raises(ValueError, match="data.fields.question is not a problem field"):
+        DataConfig(fields={"question": "prompt.0.content"})
 
 
 def test_unknown_dataset():

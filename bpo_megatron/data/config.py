@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    """``train`` is a dataset name (under ``root``), a ``.jsonl``/``.parquet`` path, or
-    ``procedural:<task>`` (an endless generated task, see ``bpo_megatron.data.procedural``)."""
+    """``train`` is a dataset name (under ``root``), a ``.jsonl``/``.parquet`` path, ``hf:<name>``,
+    or ``procedural:<task>`` (an endless generated task, see ``bpo_megatron.data.procedural``).
+    ``fields`` reads ``train`` records of another schema: problem field -> dotted path, e.g.
+    ``{problem: prompt.0.content, answer: reward_model.ground_truth, id: extra_info.index}``."""
 
     train: str = "gsm8k_train"
     root: str = "../shared/data"
@@ -16,8 +18,10 @@ class DataConfig:
     reward: str = "math"
     max_prompt_tokens: int = 2048
     seed: int = 1234
+    fields: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        from bpo_megatron.data.problems import check_field_map
         from bpo_megatron.data.rewards import REWARDS
         from bpo_megatron.data.tokenizer import TEMPLATES
 
@@ -27,3 +31,4 @@ class DataConfig:
             raise ValueError(f"data.template={self.template!r} is unknown; choose one of {sorted(TEMPLATES)}")
         if self.max_prompt_tokens < 1:
             raise ValueError("data.max_prompt_tokens must be >= 1")
+        check_field_map(self.fields)

@@ -1,8 +1,14 @@
-"""Prompt datasets: JSONL/Parquet files of ``{id, problem, answer}``, by path or by name."""
+"""Prompt datasets: JSONL/Parquet files of ``{id, problem, answer}``, by path or by name.
+
+Other schemas are read through a field map from each of ``id``, ``problem``, ``answer`` to a
+dotted path in the record, where numbers index lists. DAPO-Math-17k's parquet, for example:
+``{"id": "extra_info.index", "problem": "prompt.0.content", "answer": "reward_model.ground_truth"}``.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +30,8 @@ NAMED_FILES = {
     "aime25": "aime25.jsonl",
     "aime26": "aime26.jsonl",
 }
-_REQUIRED = ("id", "problem", "answer")
+PROBLEM_FIELDS = ("id", "problem", "answer")
+FieldMap = Mapping[str, str]  # a Problem field -> the dotted path it is read from
 
 
 def resolve(spec: str, root: str | Path) -> Path:
@@ -42,19 +49,53 @@ def resolve(spec: str, root: str | Path) -> Path:
     return path
 
 
-def _check(record: dict, where: str) -> Problem:
-    for field in _REQUIRED:
-        value = record.get(field)
-        if not isinstance(value, (str, int)) or (isinstance(value, str) and not value.strip() and field != "id"):
-            raise ValueError(f"{where}: field {field!r} must be a non-empty string, got {value!r}")
-    return Problem(id=str(record["id"]), problem=str(record["problem"]), answer=str(record["answer"]),
-                   source=str(record.get("source", "")))
+def check_field_map(fields: FieldMap, setting: str = "data.fields") -> None:
+    for name, source in fields.items():
+        if name not in PROBLEM_FIELDS:
+            raise ValueError(f"{setting}.{name} is not a problem field; map any of {', '.join(PROBLEM_FIELDS)}")
+        if not isinstance(source, str) or not source.strip():
+            raise ValueError(f"{setting}.{name}={source!r} must be a dotted path such as reward_model.ground_truth")
+
+
+_MISSING = object()
+
+
+def _lookup(record: object, path: str) -> object:
+    """``record["a"]["b"][0]`` for ``"a.b.0"``; _MISSING when any step is absent."""
+    node = record
+    for part in path.split("."):
+        if isinstance(node, Mapping):
+            node = node.get(part, _MISSING)
+        elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return _MISSING
+        if node is _MISSING:
+            return _MISSING
+    return node
+
+
+def _check(record: object, where: str, fields: FieldMap) -> Problem:
+    if not isinstance(record, Mapping):
+        raise ValueError(f"{where}: a record must be an object with fields {', '.join(PROBLEM_FIELDS)}")
+    values = {}
+    for name in PROBLEM_FIELDS:
+        source = fields.get(name, name)
+        value = _lookup(record, source)
+        if not isinstance(value, (str, int)) or (isinstance(value, str) and not value.strip() and name != "id"):
+            origin = f" (read from {source!r}, data.fields.{name})" if source != name else ""
+            hint = "" if fields or value is not _MISSING else (
+                f"; the record has {', '.join(sorted(record)) or 'no fields'} (map them with data.fields)")
+            shown = "nothing" if value is _MISSING else repr(value)
+            raise ValueError(f"{where}: field {name!r}{origin} must be a non-empty string, got {shown}{hint}")
+        values[name] = str(value)
+    return Problem(**values, source=str(record.get("source", "")))
 
 
 HF_PREFIX = "hf:"
 
 
-def _load_hf_dataset(spec: str) -> list[Problem]:
+def _load_hf_dataset(spec: str, fields: FieldMap) -> list[Problem]:
     """``hf:<name or local dir>[:split]`` through the ``datasets`` library, when installed."""
     try:
         import datasets
@@ -63,13 +104,16 @@ def _load_hf_dataset(spec: str) -> list[Problem]:
                            "export it to .jsonl/.parquet with fields id, problem, answer") from exc
     name, _, split = spec[len(HF_PREFIX):].partition(":")
     rows = datasets.load_dataset(name, split=split or "train")
-    return [_check(dict(row), f"{spec} row {i}") for i, row in enumerate(rows)]
+    return [_check(dict(row), f"{spec} row {i}", fields) for i, row in enumerate(rows)]
 
 
-def load_problems(spec: str, root: str | Path = ".") -> list[Problem]:
-    """Every record of a dataset; a malformed record names its file, line and field."""
+def load_problems(spec: str, root: str | Path = ".", fields: FieldMap | None = None) -> list[Problem]:
+    """Every record of a dataset; a malformed record names its file, line and field. ``fields``
+    maps problem fields to paths in records of another schema (see the module docstring)."""
+    fields = dict(fields or {})
+    check_field_map(fields)
     if spec.startswith(HF_PREFIX):
-        return _load_hf_dataset(spec)
+        return _load_hf_dataset(spec, fields)
     path = resolve(spec, root)
     if path.suffix == ".parquet":
         try:
@@ -77,7 +121,7 @@ def load_problems(spec: str, root: str | Path = ".") -> list[Problem]:
         except ImportError as exc:
             raise RuntimeError(f"reading {path} needs pyarrow (pip install pyarrow)") from exc
         rows = pq.read_table(path).to_pylist()
-        problems = [_check(row, f"{path} row {i}") for i, row in enumerate(rows)]
+        problems = [_check(row, f"{path} row {i}", fields) for i, row in enumerate(rows)]
     else:
         problems = []
         with path.open() as lines:
@@ -88,7 +132,7 @@ def load_problems(spec: str, root: str | Path = ".") -> list[Problem]:
                     record = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"{path}:{number}: not valid JSON ({exc.msg})") from exc
-                problems.append(_check(record, f"{path}:{number}"))
+                problems.append(_check(record, f"{path}:{number}", fields))
     if not problems:
         raise ValueError(f"{path} holds no problems")
     ids = [p.id for p in problems]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from bpo_megatron.data.problems import Problem, load_problems
+from bpo_megatron.data.problems import FieldMap, Problem, load_problems
 from bpo_megatron.data.procedural import generate
 from bpo_megatron.rollout import GenerationRequest, SamplingParams
 
@@ -24,10 +24,10 @@ class PromptStream:
 
     EPOCH = 100_000  # problems per epoch of a procedural task
 
-    def __init__(self, spec: str, root: str, *, seed: int, cursor: int = 0) -> None:
+    def __init__(self, spec: str, root: str, *, seed: int, cursor: int = 0, fields: FieldMap | None = None) -> None:
         self.spec, self.root, self.seed, self.cursor = spec, root, seed, cursor
         self._procedural = spec[len(PROCEDURAL):] if spec.startswith(PROCEDURAL) else None
-        self._fixed = None if self._procedural else load_problems(spec, root)
+        self._fixed = None if self._procedural else load_problems(spec, root, fields)
         self._epoch, self._order = -1, []
 
     def _epoch_problems(self, epoch: int) -> list[Problem]:

@@ -50,7 +50,8 @@ def run(cfg: ExperimentConfig, *, echo=print) -> dict:
             echo(f"resumed from step {state.step} ({checkpoint})")
         else:
             trainer.call("load_hf", hf_dir)
-        prompts = PromptStream(cfg.data.train, cfg.data.root, seed=cfg.data.seed, cursor=state.data_cursor)
+        prompts = PromptStream(cfg.data.train, cfg.data.root, seed=cfg.data.seed, cursor=state.data_cursor,
+                               fields=cfg.data.fields)
         if not state.sft_done and cfg.train.sft_warmup_steps:
             sft_warmup(cfg, trainer, prompts, tokenizer, metrics_out, echo)
         state.sft_done = True
