@@ -70,6 +70,11 @@ def test_resolved_config_round_trips(tmp_path):
         (["rollout.engine=vllm"], "vLLM records routed experts only on GPUs"),
         ([f"model.path={DENSE}", "parallel.ep=1"], "needs a Mixture-of-Experts model"),
         (["rollout.engine=sglang", "train.verify_weight_sync=true"], "only rollout.engine=hf allows"),
+        # the embedded engine's own options are typed
+        (["rollout.hf.dtype=fp16"], r"rollout.hf.dtype='fp16' must be one of 'fp32', 'bf16'"),
+        (["rollout.hf.max_rows=4"], "unknown key rollout.hf.max_rows; valid keys of rollout.hf: dtype, max_batch_rows"),
+        (["rollout.hf.max_batch_rows=0"], "rollout.hf.max_batch_rows must be >= 1"),
+        (["data.fields.question=prompt.0.content"], "data.fields.question is not a problem field"),
         # missing model
         (["model.path=/nonexistent/model"], "model.path='/nonexistent/model'"),
     ],
@@ -91,3 +96,10 @@ def test_a_yaml_that_is_not_a_mapping(tmp_path):
     path.write_text(yaml.safe_dump([1, 2]))
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_experiment(path)
+
+
+def test_weights_are_synced_in_the_embedded_engines_precision():
+    assert load_experiment(DEMO, []).rollout.sync_dtype == "fp32"
+    assert load_experiment(DEMO, ["rollout.hf.dtype=bf16"]).rollout.sync_dtype == "bf16"
+    # other engines receive the trainer's tensors and convert them themselves
+    assert load_experiment(DEMO, ["rollout.engine=sglang", "rollout.hf.dtype=bf16"]).rollout.sync_dtype is None

@@ -43,7 +43,8 @@ def run(cfg: ExperimentConfig, *, echo=print) -> dict:
         trainer, engines = TrainerGroup(cfg), EngineGroup(cfg, hf_dir)
         bucket = cfg.rollout.weight_bucket_mb * 1024 * 1024
         push = lambda only=None: sync_weights(trainer, engines, bucket_bytes=bucket,  # noqa: E731
-                                              verify=cfg.train.verify_weight_sync, only=only)
+                                              verify=cfg.train.verify_weight_sync, only=only,
+                                              dtype=cfg.rollout.sync_dtype)
         engines.on_restart = lambda indices: push(only=indices)
         if checkpoint:
             trainer.call("load", checkpoint)

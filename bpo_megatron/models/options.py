@@ -13,7 +13,7 @@ ParamsDtype = Literal["fp32", "bf16"]
 Recompute = Literal["none", "full"]
 TokenDispatcher = Literal["alltoall", "allgather"]
 
-_TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def default_params_dtype() -> ParamsDtype:
@@ -57,7 +57,7 @@ class ModelOptions:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _TORCH_DTYPES[self.params_dtype]
+        return TORCH_DTYPES[self.params_dtype]
 
 
 def _check_choice(name: str, value: object, choices: object) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 from bpo_megatron.rollout.checksums import compare
 
 
-def sync_weights(trainer, engines, *, bucket_bytes: int, verify: bool = False, only: list[int] | None = None) -> dict:
-    """Push the trainer's weights to the engines (``only``: those indices); returns throughput.
+def sync_weights(trainer, engines, *, bucket_bytes: int, verify: bool = False, only: list[int] | None = None,
+                 dtype: str | None = None) -> dict:
+    """Push the trainer's weights to the engines (``only``: those indices), converted to ``dtype``
+    when given; returns throughput.
 
     With ``verify`` every engine's weights are fingerprinted afterwards and compared with what the
     trainer sent; any difference raises ``WeightMismatch`` naming the tensors.
@@ -14,7 +16,7 @@ def sync_weights(trainer, engines, *, bucket_bytes: int, verify: bool = False, o
     targets = [engines.workers[i] for i in (only if only is not None else range(len(engines.workers)))]
     engines.call("pause")
     try:
-        report = trainer.call("push_weights", targets, bucket_bytes, verify)[0]
+        report = trainer.call("push_weights", targets, bucket_bytes, verify, dtype)[0]
     finally:
         engines.call("resume")
     if verify:

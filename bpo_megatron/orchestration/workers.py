@@ -77,21 +77,23 @@ class TrainWorker:
     def load(self, root: str) -> dict[str, Any]:
         return self.actor.load(root)
 
-    def push_weights(self, engines: list, bucket_bytes: int, verify: bool) -> dict[str, Any]:
+    def push_weights(self, engines: list, bucket_bytes: int, verify: bool, dtype: str | None = None) -> dict[str, Any]:
         """Stream the model as Hugging Face tensors; rank 0 sends them to every engine in buckets.
 
-        Every rank takes part in gathering the shards; only rank 0 talks to the engines. With
-        ``verify``, rank 0 also returns the tensors' fingerprints for the equality check.
+        Every rank takes part in gathering the shards; only rank 0 talks to the engines. ``dtype``
+        (``fp32``/``bf16``) converts the tensors to the engines' precision first. With ``verify``,
+        rank 0 also returns the fingerprints of what it sent for the equality check.
         """
         import ray
 
         from bpo_megatron.convert import iter_hf_weights
+        from bpo_megatron.models.options import TORCH_DTYPES
         from bpo_megatron.rollout.checksums import fingerprint
-        from bpo_megatron.rollout.weight_buckets import buckets, tensor_bytes
+        from bpo_megatron.rollout.weight_buckets import buckets, on_host, tensor_bytes
 
         start, sent, expected = time.perf_counter(), 0, {}
-        stream = iter_hf_weights(self.actor.model, self.hf, dst=0)
-        for bucket in buckets(((n, t.detach().cpu()) for n, t in stream), bucket_bytes):
+        stream = on_host(iter_hf_weights(self.actor.model, self.hf, dst=0), TORCH_DTYPES[dtype] if dtype else None)
+        for bucket in buckets(stream, bucket_bytes):
             if verify:
                 expected.update((name, fingerprint(tensor)) for name, tensor in bucket)
             ref = ray.put(bucket)
@@ -106,28 +108,43 @@ class TrainWorker:
         dist.destroy_process_group()
 
 
+def _hf_engine(cfg, model_dir: str, index: int, capture: bool):
+    from bpo_megatron.models.options import TORCH_DTYPES
+    from bpo_megatron.rollout import engine_class
+
+    options = cfg.rollout.hf
+    return engine_class("hf")(model_dir, capture_routing=capture, threads=cfg.rollout.threads_per_engine,
+                              dtype=TORCH_DTYPES[options.dtype], max_batch_rows=options.max_batch_rows)
+
+
+def _sglang_engine(cfg, model_dir: str, index: int, capture: bool):
+    from bpo_megatron.rollout import engine_class
+    from bpo_megatron.rollout.sglang import SGLangConfig
+
+    hf = cfg.hf_config()
+    options = {"model_path": model_dir, "capture_routed_experts": capture, **cfg.rollout.sglang}
+    options.setdefault("port", 30000 + index)
+    return engine_class("sglang")(SGLangConfig(**options), num_moe_layers=len(hf.moe_layers),
+                                  topk=hf.num_experts_per_tok)
+
+
+def _vllm_engine(cfg, model_dir: str, index: int, capture: bool):
+    from bpo_megatron.rollout import engine_class
+
+    return engine_class("vllm")(model_dir, capture_routing=capture, **cfg.rollout.vllm)
+
+
+# rollout.engine -> how its section of the config becomes an engine
+ENGINE_BUILDERS = {"hf": _hf_engine, "sglang": _sglang_engine, "vllm": _vllm_engine}
+
+
 class EngineWorker:
     """One rollout engine, built from the experiment's ``rollout`` section."""
 
     def __init__(self, cfg, model_dir: str, index: int) -> None:
         _quiet_worker_logs()
-        from bpo_megatron.rollout import engine_class
-
-        hf = cfg.hf_config()
-        capture = cfg.rollout.capture_routed_experts and hf.num_experts > 0
-        name = cfg.rollout.engine
-        if name == "hf":
-            self.engine = engine_class("hf")(model_dir, capture_routing=capture,
-                                             threads=cfg.rollout.threads_per_engine)
-        elif name == "sglang":
-            from bpo_megatron.rollout.sglang import SGLangConfig
-
-            options = {"model_path": model_dir, "capture_routed_experts": capture, **cfg.rollout.sglang}
-            options.setdefault("port", 30000 + index)
-            self.engine = engine_class("sglang")(SGLangConfig(**options), num_moe_layers=len(hf.moe_layers),
-                                                 topk=hf.num_experts_per_tok)
-        else:
-            self.engine = engine_class(name)(model_dir, capture_routing=capture, **cfg.rollout.vllm)
+        capture = cfg.rollout.capture_routed_experts and cfg.hf_config().num_experts > 0
+        self.engine = ENGINE_BUILDERS[cfg.rollout.engine](cfg, model_dir, index, capture)
 
     def captures_routing(self) -> bool:
         return self.engine.capabilities.captures_routing

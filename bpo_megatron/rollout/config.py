@@ -7,6 +7,26 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 EngineName = Literal["hf", "sglang", "vllm"]
+WeightDtype = Literal["fp32", "bf16"]
+
+
+@dataclass(frozen=True)
+class HFEngineOptions:
+    """The embedded engine's own settings (``rollout.hf``). ``dtype`` is the precision it holds
+    the weights and computes in: ``bf16`` against an fp32 trainer reproduces, on a CPU, the
+    numerical gap between GPU inference kernels and the trainer that makes routing differ and
+    that R3 closes. ``max_batch_rows`` bounds the rows decoded together."""
+
+    dtype: WeightDtype = "fp32"
+    max_batch_rows: int = 256
+
+    def __post_init__(self) -> None:
+        from bpo_megatron.models.options import TORCH_DTYPES
+
+        if self.dtype not in TORCH_DTYPES:
+            raise ValueError(f"rollout.hf.dtype={self.dtype!r} is unknown; choose one of {sorted(TORCH_DTYPES)}")
+        if self.max_batch_rows < 1:
+            raise ValueError(f"rollout.hf.max_batch_rows must be >= 1, got {self.max_batch_rows}")
 
 
 @dataclass(frozen=True)
@@ -16,7 +36,8 @@ class RolloutConfig:
     ``capture_routed_experts`` makes the engine record the experts of every processed token;
     R3 (``model.routing_replay``) needs it. ``sglang`` holds the SGLang engine's own settings
     (see ``bpo_megatron.rollout.sglang.SGLangConfig``; ``model_path`` defaults to ``model.path``);
-    ``vllm`` the vLLM engine's keyword arguments (``bpo_megatron.rollout.vllm_engine.VLLMEngine``).
+    ``vllm`` the vLLM engine's keyword arguments (``bpo_megatron.rollout.vllm_engine.VLLMEngine``);
+    ``hf`` the embedded engine's options (:class:`HFEngineOptions`).
     """
 
     engine: EngineName = "hf"
@@ -31,6 +52,7 @@ class RolloutConfig:
     seed: int = 0
     threads_per_engine: int = 1  # torch threads of the embedded engine
     weight_bucket_mb: int = 512
+    hf: HFEngineOptions = field(default_factory=HFEngineOptions)
     sglang: dict[str, Any] = field(default_factory=dict)
     vllm: dict[str, Any] = field(default_factory=dict)  # keyword arguments of VLLMEngine
 
@@ -44,3 +66,9 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"rollout.top_k must be >= 0 (0 disables it), got {self.top_k}")
+
+    @property
+    def sync_dtype(self) -> WeightDtype | None:
+        """The precision weights are sent to the engines in: the embedded engine's own (so what it
+        holds is exactly what was sent); other engines receive the trainer's tensors as they are."""
+        return self.hf.dtype if self.engine == "hf" else None

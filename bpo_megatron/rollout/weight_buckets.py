@@ -13,6 +13,13 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def on_host(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors detached on the CPU, converted to ``dtype`` (the engines' precision) if given."""
+    for name, tensor in named_tensors:
+        yield name, tensor.detach().to("cpu", dtype)
+
+
 def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int = DEFAULT_BUCKET_BYTES
             ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive groups of at most ``max_bytes`` (a single larger tensor is a bucket of its own),
