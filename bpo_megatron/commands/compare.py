@@ -4,7 +4,7 @@ Runs BPO and the four baselines (or a sweep of one setting, e.g. ``--sweep loss.
 with otherwise identical settings over several seeds, then writes ``results.md`` (a table like the
 paper's Table 1: peak mean accuracy at the best checkpoint, final accuracy) and ``curves.png``.
 
-    bpo-megatron compare configs/tiny_moe_cpu.yaml --seeds 1,2 --out runs/compare
+    bpo-megatron compare configs/tiny_moe_cpu.yaml --seeds 1,2,3 --out runs/compare
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--losses", default=",".join(PAPER_LOSSES))
     parser.add_argument("--sweep", default=None, help="one setting's values instead of --losses")
-    parser.add_argument("--seeds", default="1,2")
+    parser.add_argument("--seeds", default="1,2,3", help="comma-separated; the table shows mean ± std over them")
     parser.add_argument("--out", default="runs/compare")
     parser.add_argument("--summarise-only", action="store_true", help="only rebuild the table and the plot")
     args = parser.parse_args(argv)
