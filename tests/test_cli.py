@@ -28,3 +28,28 @@ def test_plot_of_a_directory_without_metrics(tmp_path, capsys):
 def test_compare_refuses_a_bad_sweep(capsys):
     assert main(["compare", DEMO, "--sweep", "loss.bpo_eps"]) == 2
     assert "must look like section.key=v1,v2" in capsys.readouterr().err
+
+
+def test_compare_summarises_runs_into_the_papers_table(tmp_path, capsys):
+    """Peak (the best evaluation, the paper's checkpoint rule) and final accuracy, mean ± sample
+    standard deviation over seeds, the best peak in bold, and the overlaid curves."""
+    from bpo_megatron.observability.metrics import MetricsWriter
+
+    curves = {  # (loss, seed) -> evaluation accuracy every 10 steps
+        ("bpo", 1): [0.30, 0.50, 0.40], ("bpo", 2): [0.30, 0.60, 0.60], ("bpo", 3): [0.30, 0.40, 0.20],
+        ("grpo", 1): [0.30, 0.40, 0.40], ("grpo", 2): [0.30, 0.30, 0.30], ("grpo", 3): [0.30, 0.50, 0.50],
+    }
+    for (loss, seed), accuracy in curves.items():
+        writer = MetricsWriter(tmp_path / f"{loss}-s{seed}", tensorboard=False)
+        for index, value in enumerate(accuracy):
+            writer.write(10 * index, {"reward_mean": value, "eval/mean_avg@4": value})
+        writer.close()
+    assert main(["compare", DEMO, "--losses", "bpo,grpo", "--seeds", "1,2,3", "--out", str(tmp_path),
+                 "--summarise-only"]) == 0
+    table = (tmp_path / "results.md").read_text()
+    # BPO peaks 0.5, 0.6, 0.4 -> 50.0 ± 10.0; finals 0.4, 0.6, 0.2 -> 40.0 ± 20.0
+    assert "| BPO | **50.0 ± 10.0** | 40.0 ± 20.0 |" in table
+    assert "| GRPO-ClipHigher | 40.0 ± 10.0 | 40.0 ± 10.0 |" in table  # peaks 0.4, 0.3, 0.5
+    assert "over seeds 1, 2, 3" in table
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    assert table.strip() in capsys.readouterr().out
