@@ -129,6 +129,20 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
         raise ConfigError(str(exc)) from exc
     if cfg.model.routing_replay and not hf.num_experts:
         raise ConfigError("model.routing_replay=true needs a Mixture-of-Experts model; model.path is dense")
+    _check_context_budget(cfg, hf)
+
+
+def _check_context_budget(cfg: ExperimentConfig, hf: HFModelConfig) -> None:
+    """A prompt and its response must fit the model's positions (training and evaluation)."""
+    budgets = {"rollout.max_new_tokens": cfg.rollout.max_new_tokens}
+    if cfg.eval.every and cfg.eval.max_new_tokens:
+        budgets["eval.max_new_tokens"] = cfg.eval.max_new_tokens
+    for setting, new_tokens in budgets.items():
+        if cfg.data.max_prompt_tokens + new_tokens > hf.max_position_embeddings:
+            raise ConfigError(
+                f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + {setting}={new_tokens} = "
+                f"{cfg.data.max_prompt_tokens + new_tokens} tokens exceed the model's max_position_embeddings="
+                f"{hf.max_position_embeddings} (model.path={cfg.model.path}); lower them")
 
 
 def save_resolved(cfg: ExperimentConfig, run_dir: str | Path) -> Path:

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import tiny_gpt as tg
+import train_helpers as th
 
 from bpo_megatron.convert import (
     ConfigMismatchError,
@@ -40,7 +41,7 @@ from bpo_megatron.convert.safetensors_io import parse_size
 from bpo_megatron.convert.world import world_size_for
 from bpo_megatron.models import HFModelConfig
 from bpo_megatron.parallel import ParallelConfig
-from bpo_megatron.testing import run_gloo_world
+from bpo_megatron.parallel.local_world import run_gloo_world
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -163,25 +164,17 @@ def _actor_logprobs(checkpoint_root: str, raw: dict, layout: dict,
                     resave_to: str) -> list[torch.Tensor] | None:
     """``TrainActor.load`` of the converted checkpoint; log π of the batch's next tokens. Saves
     the actor again (at its layout) to ``resave_to``."""
-    from bpo_megatron.convert.world import tear_down
-    from bpo_megatron.losses import PolicyLossConfig
-    from bpo_megatron.models import ModelOptions
-    from bpo_megatron.trainer.actor import TrainActor
-    from bpo_megatron.trainer.config import TrainerConfig
-    from bpo_megatron.trainer.optimizer import OptimizerSettings
     from bpo_megatron.trainer.samples import TrainSample
 
     hf = HFModelConfig.load(raw)
-    actor = TrainActor(hf, parallel=ParallelConfig(**layout), model=ModelOptions(),
-                       loss=PolicyLossConfig(name="bpo"), optimizer=OptimizerSettings(lr=1e-6),
-                       trainer=TrainerConfig(micro_batch_size=BATCH))
+    actor = th.build_actor(hf, lr=1e-6, micro_batch_size=BATCH, **layout)
     meta = actor.load(checkpoint_root)
     assert meta["actor_step"] == 0 and meta["hf_config"] == raw
     samples = [TrainSample(tokens=row, response_start=1, rollout_logprobs=-torch.ones(SEQ - 1),
                            advantage=1.0) for row in _batch(hf.vocab_size)]
     scored = actor.compute_logprobs(samples)
     actor.save(resave_to)
-    tear_down()
+    actor.close()
     return None if scored is None else scored.logprobs
 
 

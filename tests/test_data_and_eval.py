@@ -14,11 +14,13 @@ from bpo_megatron.data.procedural import generate
 from bpo_megatron.data.rewards import MathVerifier, reward_fn
 from bpo_megatron.data.tokenizer import CharTokenizer
 from bpo_megatron.eval.avg_at_k import BestCheckpoint, EvalResult, avg_at_k
-from bpo_megatron.loop.prompts import PromptStream
+from bpo_megatron.tasks.prompts import PromptFormat
+from bpo_megatron.tasks.stream import PromptStream
 from bpo_megatron.observability.metrics import MetricsWriter, read_metrics, summary_line
 from bpo_megatron.observability.plot import plot_runs
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+PLAIN = PromptFormat(CharTokenizer(), "plain", max_prompt_tokens=64)
 
 
 @pytest.mark.skipif(not SHARED.is_dir(), reason="the shared data directory is not next to the checkout")
@@ -40,7 +42,7 @@ def test_any_path_in_the_same_format(tmp_path):
     [
         (['{"id": "a", "problem": "x"}'], r"mine.jsonl:1: field 'answer' must be a non-empty string"),
         (['{"id": "a", "problem": "x", "answer": "1"}', "{oops"], r"mine.jsonl:2: not valid JSON"),
-        (['{"id": "a", "problem": "x", "answer": "1"}'] * 2, "duplicate ids"),
+        (['{"id": "a", "problem": "x", "answer": "1"}'] * 2, r"mine.jsonl:2: duplicate id 'a'"),
         (['{"id": "a", "problem": "", "answer": "1"}'], "field 'problem' must be a non-empty string"),
     ],
 )
@@ -102,8 +104,8 @@ def test_field_map_reaches_the_prompt_stream_from_the_config(tmp_path):
     path = tmp_path / "dapo.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in _dapo_rows()))
     data = DataConfig(train=str(path), fields=DAPO_FIELDS)
-    stream = PromptStream(data.train, data.root, seed=1, fields=data.fields)
-    assert sorted(p.answer for p in stream.take(3)) == ["0", "2", "4"]
+    stream = PromptStream(data.train, data.root, PLAIN, seed=1, fields=data.fields)
+    assert sorted(e.problem.answer for e in stream.take(3)) == ["0", "2", "4"]
     with pytest.raises(ValueError, match="data.fields.question is not a problem field"):
         DataConfig(fields={"question": "prompt.0.content"})
 
@@ -144,18 +146,20 @@ def test_rewards():
 
 
 def test_prompt_stream_resumes_exactly():
-    stream = PromptStream("procedural:add", ".", seed=9)
+    stream = PromptStream("procedural:add", ".", PLAIN, seed=9)
     first = stream.take(5) + stream.take(7)
-    resumed = PromptStream("procedural:add", ".", seed=9, cursor=5)
+    resumed = PromptStream("procedural:add", ".", PLAIN, seed=9, cursor=5)
     assert resumed.take(7) == first[5:]
+    assert first[0].prompt_tokens == tuple(CharTokenizer().encode(first[0].problem.problem + "="))
 
 
 def test_prompt_stream_epochs_reshuffle_a_fixed_dataset(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps({"id": str(i), "problem": "p", "answer": "a"}) for i in range(4)))
-    stream = PromptStream(str(path), ".", seed=1)
+    stream = PromptStream(str(path), ".", PLAIN, seed=1)
     epoch1, epoch2 = stream.take(4), stream.take(4)
-    assert sorted(p.id for p in epoch1) == sorted(p.id for p in epoch2) == ["0", "1", "2", "3"]
+    assert sorted(e.problem.id for e in epoch1) == sorted(e.problem.id for e in epoch2) == ["0", "1", "2", "3"]
+    assert [e.problem.id for e in epoch1] != [e.problem.id for e in epoch2]
 
 
 def test_avg_at_k_and_the_checkpoint_rule():

@@ -1,6 +1,7 @@
-"""Faults of Ray rollout-engine groups: an engine killed or crashed mid-generate, or hung.
+"""Faults of Ray rollout-engine groups: an engine killed or crashed mid-generate, hung, or dead
+between rollouts.
 
-One embedded Ray for the module (it takes ~20 s to start here) and one group of two embedded
+The session's embedded Ray (``ray_session``) and one group of two embedded
 (``hf``) engines built from an experiment config. Before each fault the engines get new weights
 (another random checkpoint), so a replacement engine, which starts from ``model.path``, only
 produces the expected samples if ``on_restart`` pushed the weights into it again. The expected
@@ -30,21 +31,6 @@ TOLERANCE = 1e-5  # log μ of the same row decoded in another batch (fp32 summat
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    from bpo_megatron.orchestration.cluster import start_ray, stop_ray
-    from bpo_megatron.orchestration.config import ClusterConfig
-
-    with pytest.MonkeyPatch.context() as env:
-        env.delenv("RAY_ADDRESS", raising=False)  # never join a cluster this machine may know of
-        env.setenv("RAY_AUTH_MODE", "disabled")
-        start_ray(ClusterConfig(object_store_mb=256), cpus_needed=3)
-        try:
-            yield
-        finally:
-            stop_ray()
-
-
-@pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> tuple[str, str]:
     """The engines' starting weights and the weights pushed to them."""
     root = tmp_path_factory.mktemp("engines")
@@ -66,8 +52,9 @@ def group(ray_session, checkpoints):
 
     start_dir = checkpoints[0]
     cfg = load_experiment(None, [f"model.path={start_dir}", "model.tokenizer=char", "rollout.engine=hf",
-                                 "rollout.num_engines=2"], check_model=True)
-    engines = EngineGroup(cfg, start_dir, max_restarts=2)
+                                 "rollout.num_engines=2", "rollout.max_restarts=3", "data.max_prompt_tokens=16",
+                                 "rollout.max_new_tokens=240"], check_model=True)
+    engines = EngineGroup(cfg, start_dir)
     yield engines
     engines.shutdown()
 
@@ -168,3 +155,46 @@ def test_a_timeout_must_be_positive():
 
     with pytest.raises(ValueError, match="generate_timeout_s"):
         EngineGroup(None, "unused", generate_timeout_s=0)
+    from bpo_megatron.rollout.config import RolloutConfig
+
+    with pytest.raises(ValueError, match=r"rollout.generate_timeout_s must be > 0 \(or null: no limit\)"):
+        RolloutConfig(generate_timeout_s=-1.0)
+
+
+def test_the_restart_budget_and_timeout_come_from_the_config(group):
+    assert group.max_restarts == 3 and group.generate_timeout_s is None
+
+
+class _WeightPusher:
+    """The trainer's side of a sync as ``TrainWorker.push_weights`` does it (an engine that dies
+    is reported in ``failed``), sending fixed Hugging Face weights."""
+
+    def __init__(self, weights) -> None:
+        from bpo_megatron.rollout.checksums import fingerprint
+
+        self.weights = weights
+        self.fingerprints = {name: fingerprint(tensor) for name, tensor in weights}
+
+    def call(self, method, engines, bucket_bytes, verify, dtype):
+        assert method == "push_weights"
+        failed = []
+        for index, engine in enumerate(engines):
+            try:
+                ray.get(engine.update_weights.remote(self.weights))
+            except ray.exceptions.RayActorError:
+                failed.append(index)
+        return [{"bytes": 1, "seconds": 1.0, "fingerprints": self.fingerprints, "failed": failed}]
+
+
+def test_an_engine_that_died_between_rollouts_is_replaced_by_the_next_sync(group, pushed_weights, expected):
+    """Killed while the trainer trains: the sync replaces it and gives it the new weights."""
+    from bpo_megatron.orchestration.weight_sync import sync_weights
+
+    restarted = _arm(group, pushed_weights)
+    restarts_before = group.restarts
+    victim = group.workers[0]
+    ray.kill(victim)
+    sync_weights(_WeightPusher(pushed_weights), group, bucket_bytes=1 << 20, verify=True)
+    assert group.workers[0] is not victim and group.restarts == restarts_before + 1
+    assert restarted == [], "the sync itself loads the new engine; no separate reload"
+    _check_samples(group.generate(SMALL), SMALL, expected["small"])

@@ -170,12 +170,14 @@ def test_local_dryrun_is_the_train_command():
 
 
 def test_local_launcher_runs_the_cpu_demo(tmp_path):
-    """The CPU demo for 2 SFT + 2 RL steps through NeMo-Run's local executor (Ray starts inside)."""
+    """The CPU demo for 2 small SFT + 2 small RL steps through NeMo-Run's local executor (Ray starts
+    inside)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(NEMORUN_HOME=str(tmp_path / "nemo_run"), RAY_AUTH_MODE="disabled")
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "bpo_megatron.cli", "launch", "local", str(ROOT / "configs" / "tiny_moe_cpu.yaml"),
-           "train.steps=2", "train.sft_warmup_steps=2", "eval.every=0", "checkpoint.every=0",
+           "train.steps=2", "train.sft_warmup_steps=2", "train.sft_batch_size=8", "train.prompts_per_step=4",
+           "rollout.group_size=4", "train.micro_batch_size=4", "eval.every=0", "checkpoint.every=0",
            f"logging.run_dir={run_dir}", "logging.progress=false", "--home", str(tmp_path / "nemo_run")]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

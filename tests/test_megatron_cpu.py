@@ -16,7 +16,7 @@ import torch
 import tiny_gpt as tg
 from bpo_megatron import platform
 from bpo_megatron.megatron import compat
-from bpo_megatron.testing.gloo_world import run_gloo_world
+from bpo_megatron.parallel.local_world import run_gloo_world
 
 REL_TOL = 1e-5
 WORLD_TIMEOUT_S = 120.0
@@ -47,7 +47,6 @@ def assert_rng_streams_seeded(out: dict[str, Any]) -> None:
 def _train_step_rank(layout: tg.Layout, checkpoint: str, save: bool) -> dict[str, Any]:
     """One forward/backward on batch 0; with ``save``, first write the checkpoint instead of
     loading it, and also report the batch-1 loss (the second pipeline microbatch)."""
-    tg.quiet_megatron()  # before the first megatron import, which warns about apex and TE
     from megatron.core import parallel_state
 
     tg.init_parallel(layout)
@@ -83,7 +82,6 @@ def _train_step_rank(layout: tg.Layout, checkpoint: str, save: bool) -> dict[str
 
 def _pipeline_rank(checkpoint: str) -> list[float]:
     """PP=2 through Megatron's schedule with two microbatches; returns last-stage losses."""
-    tg.quiet_megatron()
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -112,7 +110,6 @@ def _pipeline_rank(checkpoint: str) -> list[float]:
 
 def _router_replay_rank() -> dict[str, float]:
     """RECORD, then REPLAY_FORWARD of the recorded and of different expert indices."""
-    tg.quiet_megatron()
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
@@ -178,7 +175,6 @@ def _patch_targets() -> dict[str, Any]:
 
 
 def _idempotency_rank() -> dict[str, Any]:
-    tg.quiet_megatron()
     before = _patch_targets()
     first = compat.ensure_megatron_cpu_compat()
     after_first = _patch_targets()
@@ -196,7 +192,6 @@ def _idempotency_rank() -> dict[str, Any]:
 
 
 def _cuda_present_rank() -> dict[str, Any]:
-    tg.quiet_megatron()
     torch.cuda.is_available = lambda: True  # this process pretends to own a GPU
     before = _patch_targets()
     applied = compat.ensure_megatron_cpu_compat()

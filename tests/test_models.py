@@ -28,7 +28,7 @@ from bpo_megatron.models import (
     transformer_config,
 )
 from bpo_megatron.parallel import ParallelConfig
-from bpo_megatron.testing.gloo_world import run_gloo_world
+from bpo_megatron.parallel.local_world import run_gloo_world
 
 FIXTURES = Path(__file__).parent / "fixtures"
 WORLD_TIMEOUT_S = 60.0
@@ -170,7 +170,6 @@ def test_padded_vocab_size_follows_megatron() -> None:
 
 
 def test_transformer_config_maps_qwen3_moe() -> None:
-    tg.quiet_megatron()
     hf = tiny_moe(mlp_only_layers=[0])
     config = transformer_config(hf, ParallelConfig(tp=2, ep=2), ModelOptions(routing_replay=True))
     assert config.normalization == "RMSNorm" and config.layernorm_epsilon == 1e-6
@@ -198,7 +197,6 @@ def test_transformer_config_maps_qwen3_moe() -> None:
 
 
 def test_transformer_config_options() -> None:
-    tg.quiet_megatron()
     options = ModelOptions(params_dtype="bf16", recompute="full", moe_aux_loss_coeff=1e-3,
                            moe_token_dispatcher="allgather")
     config = transformer_config(tiny_moe(norm_topk_prob=False), ParallelConfig(pp=2), options)
@@ -215,7 +213,6 @@ def test_transformer_config_options() -> None:
 
 
 def test_transformer_config_refusals() -> None:
-    tg.quiet_megatron()
     dense = HFModelConfig.load(FIXTURES / "tiny_qwen3")
     with pytest.raises(ValueError, match=r"model\.routing_replay=True needs a Mixture-of-Experts"):
         transformer_config(dense, ParallelConfig(), ModelOptions(routing_replay=True))
@@ -258,7 +255,6 @@ def _summary(model: torch.nn.Module) -> dict[str, Any]:
 
 
 def _build_summaries_rank(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    tg.quiet_megatron()
     from megatron.core import parallel_state
 
     _init_parallel(ParallelConfig())
@@ -285,7 +281,6 @@ def _forward_rank(raw: dict[str, Any], layout: dict[str, int], checkpoint: str,
                   save: bool) -> dict[str, Any]:
     """Build the model for ``layout``, save (world size 1) or load the shared checkpoint, and run
     one forward; returns this rank's logits shard (None off the last pipeline stage)."""
-    tg.quiet_megatron()
     from megatron.core import parallel_state
 
     parallel = ParallelConfig(**layout)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import tiny_gpt as tg
-from bpo_megatron.testing.gloo_world import run_gloo_world
+from bpo_megatron.parallel.local_world import run_gloo_world
 from bpo_megatron.trainer.optimizer import OptimizerSettings
 
 WORLD_TIMEOUT_S = 120.0
@@ -73,7 +73,6 @@ def named_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _torch_reference_rank() -> dict[str, Any]:
     """Two steps (micro-batches 0, then 1) through DDP + Megatron's optimizer and through plain
     PyTorch; the second step uses Adam's moments and zero_grad()."""
-    tg.quiet_megatron()
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
 
@@ -149,7 +148,6 @@ def _layout_step_rank(
 ) -> dict[str, Any]:
     """One optimizer step on the global batch through Megatron's schedule: this rank runs its
     data-parallel share of the micro-batches. Writes the stepped model to ``final_checkpoint``."""
-    tg.quiet_megatron()
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -196,7 +194,6 @@ def _layout_step_rank(
 
 def _load_params_rank(checkpoint: str) -> dict[str, torch.Tensor]:
     """The parameters of a checkpoint, loaded into the world-size-1 model."""
-    tg.quiet_megatron()
     from megatron.core import parallel_state
 
     layout = tg.Layout()
@@ -210,7 +207,6 @@ def _load_params_rank(checkpoint: str) -> dict[str, torch.Tensor]:
 
 def _gpu_path_configs_rank() -> dict[str, Any]:
     """The Megatron configs chosen when a GPU is present (this process pretends to own one)."""
-    tg.quiet_megatron()
     import dataclasses
 
     from bpo_megatron import platform
@@ -230,7 +226,6 @@ def _gpu_path_configs_rank() -> dict[str, Any]:
 
 
 def _cpu_refuses_bf16_rank() -> str:
-    tg.quiet_megatron()
     import dataclasses
 
     from bpo_megatron.trainer.optimizer import optimizer_config
@@ -256,7 +251,6 @@ def _optimizer_patch_targets() -> dict[str, Any]:
 
 
 def _compat_calls_rank(pretend_cuda: bool) -> dict[str, list[str]]:
-    tg.quiet_megatron()
     from bpo_megatron.megatron import ensure_megatron_cpu_compat
 
     if pretend_cuda:

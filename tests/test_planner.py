@@ -17,7 +17,7 @@ from bpo_megatron.parallel import ParallelConfig
 from bpo_megatron.planner import Allocation, Precision, make_plan, rank_parameters, static_memory, sweep
 from bpo_megatron.planner.activations import stage_activation_bytes
 from bpo_megatron.planner.rollout import kv_bytes_per_token
-from bpo_megatron.testing import run_gloo_world
+from bpo_megatron.parallel.local_world import run_gloo_world
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE_30B = ROOT / "configs" / "qwen3_30b_a3b_bpo.yaml"
@@ -43,7 +43,7 @@ def _built_rank(tp: int, ep: int) -> dict:
     out = {"rank": dist.get_rank(), "params": params, "grad_bytes": grad_bytes, "state_bytes": state_bytes,
            "params_with_state": with_state, "param_tensors": len(list(actor.model.parameters())),
            "dp": actor.ranks.dp_size}
-    th.close_down()
+    actor.close()
     return out
 
 

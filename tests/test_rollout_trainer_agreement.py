@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import train_helpers as th
+from bpo_megatron.parallel.local_world import run_gloo_world
 from bpo_megatron.testing.models import random_checkpoint
-from bpo_megatron.testing import run_gloo_world
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tiny_qwen3_moe"
 TIMEOUT = 120
@@ -46,7 +47,7 @@ def _generate_on_rank0(engine, temperature: float, seed: int):
 
 def _train_samples(samples):
     """Rewards that vary within each prompt's group, so every response has an advantage."""
-    from bpo_megatron.loop.scoring import training_samples
+    from bpo_megatron.loop.samples import training_samples
 
     rewards = torch.tensor([float((s.response_tokens < 100).float().mean()) for s in samples])
     train, _ = training_samples(samples, rewards, group_size=4, keep_routing=True)
@@ -55,27 +56,8 @@ def _train_samples(samples):
 
 def _actor(model_dir: str, layout: dict, temperature: float, lr: float = 1e-3):
     """A trainer whose temperature is the sampling temperature, loaded from the engine's checkpoint."""
-    from bpo_megatron.convert import load_hf_weights
-    from bpo_megatron.losses import PolicyLossConfig
-    from bpo_megatron.models import HFModelConfig, ModelOptions
-    from bpo_megatron.parallel import ParallelConfig
-    from bpo_megatron.trainer.actor import TrainActor
-    from bpo_megatron.trainer.config import TrainerConfig
-    from bpo_megatron.trainer.optimizer import OptimizerSettings
-
-    hf = HFModelConfig.load(model_dir)
-    actor = TrainActor(hf, parallel=ParallelConfig(**layout), model=ModelOptions(routing_replay=True),
-                       loss=PolicyLossConfig(name="bpo"), optimizer=OptimizerSettings(lr=lr),
-                       trainer=TrainerConfig(micro_batch_size=4, temperature=temperature))
-    load_hf_weights(actor.model, hf, model_dir)
-    actor.reload_optimizer_params()
-    return actor
-
-
-def _close_down() -> None:
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
+    return th.build_actor(model_dir, replay=True, micro_batch_size=4, temperature=temperature, lr=lr,
+                          weights=model_dir, **layout)
 
 
 def _logprob_gaps(scored: list[torch.Tensor], samples) -> torch.Tensor:
@@ -174,7 +156,7 @@ def _agreement(model_dir: str, layout: dict, temperature: float, engine_dtype: s
     # ... and scoring at another temperature than the engine sampled at disagrees
     actor.trainer_cfg = dataclasses.replace(actor.trainer_cfg, temperature=temperature + 0.5)
     result["wrong_temperature_mean"] = float(_logprob_gaps(actor.compute_logprobs(train).logprobs, samples).mean())
-    _close_down()
+    actor.close()
     return result
 
 
@@ -298,7 +280,7 @@ def _train_and_sync(model_dir: str, layout: dict, engine_dtype: str) -> dict | N
             result["mismatch"] = None
         except WeightMismatch as exc:
             result["mismatch"] = str(exc)
-    _close_down()
+    actor.close()
     return result if rank0 else None
 
 

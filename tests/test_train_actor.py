@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import train_helpers as th
-from bpo_megatron.testing import run_gloo_world
+from bpo_megatron.parallel.local_world import run_gloo_world
 
 TIMEOUT = 180
 LAYOUTS = {  # name -> (world size, actor layout and options)
@@ -35,7 +35,7 @@ def _score_and_step(checkpoint: str, save: bool, layout: dict) -> dict | None:
     scored = actor.compute_logprobs(samples)
     metrics = actor.train_step(samples)
     after = actor.compute_logprobs(samples)
-    th.close_down()
+    actor.close()
     if scored is None:
         return None
     return {"logprobs": scored.logprobs, "entropies": scored.entropies, "metrics": metrics,
@@ -54,7 +54,7 @@ def _replay_roundtrip(checkpoint: str, layout: dict) -> dict | None:
                for s, r in zip(samples, routing)]
     other = actor.compute_logprobs(shifted)
     metrics = actor.train_step(replayed)  # backward with REPLAY_BACKWARD under recomputation
-    th.close_down()
+    actor.close()
     if free is None:
         return None
     return {"free": free.logprobs, "same": same.logprobs, "other": other.logprobs,
@@ -86,7 +86,7 @@ def _bad_routing_errors() -> dict[str, str]:
             except ValueError as exc:
                 errors[f"{name}/{method.__name__}"] = str(exc)
     unchanged = all(torch.equal(before[k], v) for k, v in th.flat_params(actor).items())
-    th.close_down()
+    actor.close()
     return {"errors": errors, "unchanged": unchanged, "step": actor.step}
 
 
@@ -217,7 +217,7 @@ def _bpo_step_vs_plain_pytorch() -> dict:
         "start": start, "before": before, "after": after,
         "advantages": advantages, "masks": [torch.ones(s.num_response_tokens, dtype=torch.bool) for s in samples],
     }
-    th.close_down()
+    actor.close()
     return result
 
 
@@ -247,7 +247,7 @@ def _resume(root: str, plan: str) -> dict:
     if plan == "first":
         actor.save(root, trainer_state={"data_cursor": 1})
     result = {"params": th.flat_params(actor), "step": actor.step, "meta": meta, "losses": losses}
-    th.close_down()
+    actor.close()
     return result
 
 
@@ -294,7 +294,7 @@ def _killed_mid_save(root: str) -> dict:
     restored = all(torch.equal(saved[n], p) for n, p in th.flat_params(actor).items())
     actor.save(root)  # the next save (step 1 again, after loading) clears the partial directory
     final_listing = sorted(p.name for p in Path(root).iterdir())
-    th.close_down()
+    actor.close()
     return {"listing": listing, "marker": marker, "step": meta["step"], "restored": restored,
             "final_listing": final_listing}
 
@@ -309,9 +309,10 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
 def test_loading_nothing_is_a_clear_error(tmp_path):
     from bpo_megatron.trainer import checkpoint
 
-    with pytest.raises(FileNotFoundError, match="expected a 'latest' marker"):
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*: expected step directories holding "
+                                                r"trainer_state.json"):
         checkpoint.resolve(tmp_path)
-    (tmp_path / "latest").write_text("step-00000009")
-    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+    (tmp_path / "latest").write_text("step-00000009")  # a marker names a checkpoint; it is not one
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         checkpoint.resolve(tmp_path)
     assert checkpoint.latest_step(tmp_path / "nowhere") is None

@@ -1,14 +1,12 @@
 """A tiny Megatron-Core MoE GPT for CPU tests: config, build, batch, loss and checkpoint helpers.
 
-Every function here runs inside a gloo rank (see ``bpo_megatron.testing.gloo_world``). The model is
+Every function here runs inside a gloo rank (see ``bpo_megatron.parallel.local_world``). The model is
 small enough that one forward/backward takes milliseconds, yet it exercises attention with RoPE,
 MoE routing and dispatch, vocab-parallel embedding/output and every parallel layout we test.
 """
 
 from __future__ import annotations
 
-import logging
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,14 +43,6 @@ class Layout:
     def sequence_parallel(self) -> bool:
         # Megatron-Core requires sequence parallelism for MoE with TP > 1.
         return self.tp > 1
-
-
-def quiet_megatron() -> None:
-    """Silence the warnings and logs Megatron-Core emits on every CPU run (apex and TE missing,
-    changed defaults). Only warnings raised from megatron modules and sub-ERROR log records are
-    dropped; exceptions propagate as usual."""
-    warnings.filterwarnings("ignore", module=r"megatron\.")
-    logging.getLogger("megatron").setLevel(logging.ERROR)
 
 
 def init_parallel(layout: Layout) -> None:

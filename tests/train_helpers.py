@@ -1,9 +1,8 @@
-"""Shared pieces of the train-actor tests: the tiny Qwen3-MoE, samples, actor construction."""
+"""What tests run inside gloo ranks share: the tiny Qwen3-MoE, samples, and the one way tests
+build a train actor (pytest fixtures live in ``conftest.py``; rank functions cannot use them)."""
 
 from __future__ import annotations
 
-import logging
-import warnings
 from pathlib import Path
 
 import torch
@@ -12,11 +11,6 @@ from bpo_megatron.trainer.samples import TrainSample
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 TINY_MOE = FIXTURES / "tiny_qwen3_moe" / "config.json"
-
-
-def quiet() -> None:
-    warnings.filterwarnings("ignore", module=r"megatron\.")
-    logging.getLogger("megatron").setLevel(logging.ERROR)
 
 
 def tiny_moe():
@@ -50,31 +44,33 @@ def make_samples(count: int, *, seed: int, routing: bool = False) -> list[TrainS
     return samples
 
 
-def build_actor(*, tp=1, pp=1, ep=1, replay=False, recompute="none", lr=1e-3, loss="bpo",
-                micro_batch_size=2, grad_clip=1.0):
+def build_actor(hf=None, *, tp=1, pp=1, ep=1, etp=None, replay=False, recompute="none", lr=1e-3, loss="bpo",
+                micro_batch_size=2, grad_clip=1.0, temperature=1.0, weights: str | None = None):
+    """A train actor of ``hf`` (an ``HFModelConfig``, a config dict or path; the tiny MoE by
+    default) in the current gloo world; ``weights``: a Hugging Face directory to load. Release
+    it with ``actor.close()``."""
+    from bpo_megatron.convert import load_hf_weights
     from bpo_megatron.losses import PolicyLossConfig
-    from bpo_megatron.models import ModelOptions
+    from bpo_megatron.models import HFModelConfig, ModelOptions
     from bpo_megatron.parallel import ParallelConfig
     from bpo_megatron.trainer.actor import TrainActor
     from bpo_megatron.trainer.config import TrainerConfig
     from bpo_megatron.trainer.optimizer import OptimizerSettings
 
-    quiet()
-    return TrainActor(
-        tiny_moe(),
-        parallel=ParallelConfig(tp=tp, pp=pp, ep=ep),
+    hf = tiny_moe() if hf is None else hf if isinstance(hf, HFModelConfig) else HFModelConfig.load(hf)
+    actor = TrainActor(
+        hf,
+        parallel=ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp),
         model=ModelOptions(routing_replay=replay, recompute=recompute),
         loss=PolicyLossConfig(name=loss),
         optimizer=OptimizerSettings(lr=lr, grad_clip=grad_clip),
-        trainer=TrainerConfig(micro_batch_size=micro_batch_size),
+        trainer=TrainerConfig(micro_batch_size=micro_batch_size, temperature=temperature),
     )
+    if weights is not None:
+        load_hf_weights(actor.model, hf, weights)
+        actor.reload_optimizer_params()
+    return actor
 
 
 def flat_params(actor) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in actor.model.named_parameters()}
-
-
-def close_down() -> None:
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from bpo_megatron.bench.memory import PeakMemory, use_exact_allocation_tracking
-from bpo_megatron.testing import run_gloo_world
+from bpo_megatron.parallel.local_world import run_gloo_world
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MiB = 2**20

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bpo_megatron.testing import run_gloo_world
+from bpo_megatron.parallel.local_world import run_gloo_world
 from bpo_megatron.testing.models import random_checkpoint
 
 MiB = 2**20

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
+
+REFUSED = 2  # exit status of a refused config, data set or run directory (nothing was started)
+FAILED = 1  # exit status of a run that started and stopped on an error
 
 
 def load_or_exit(prog: str, config: str, overrides: list[str]):
@@ -15,3 +19,18 @@ def load_or_exit(prog: str, config: str, overrides: list[str]):
     except (ConfigError, FileNotFoundError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return None
+
+
+def override_list(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def report_failure(prog: str, exc: Exception, resume_command: list[str]) -> int:
+    """A run that stopped on a failed rank or engine: the rank's traceback if it raised, then
+    one line saying what failed and how to resume."""
+    details = getattr(exc, "details", "")
+    if details:
+        print(details.rstrip(), file=sys.stderr)
+    print(f"{prog}: {exc}\nthe run stopped; resume it from its newest checkpoint with: "
+          f"{shlex.join(resume_command)}", file=sys.stderr)
+    return FAILED

@@ -80,6 +80,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seeds", default="1,2,3", help="comma-separated; the table shows mean ± std over them")
     parser.add_argument("--out", default="runs/compare")
     parser.add_argument("--summarise-only", action="store_true", help="only rebuild the table and the plot")
+    parser.add_argument("--check", action="store_true", help="check every run's config, data and directory, then exit")
     args = parser.parse_args(argv)
 
     from bpo_megatron.config import ConfigError
@@ -101,11 +102,28 @@ def main(argv: list[str]) -> int:
         print(f"bpo-megatron compare: {exc}", file=sys.stderr)
         return 2
     if not args.summarise_only:
-        from bpo_megatron.loop.rl_loop import run
+        from bpo_megatron.loop.preflight import prepare, summary
+        from bpo_megatron.loop.rl_loop import execute
+        from bpo_megatron.orchestration.groups import EnginesFailed, TrainerFailed
 
-        for (variant, seed), cfg in configs.items():
-            print(f"=== {variant.label}, seed {seed} -> {cfg.run_dir}", flush=True)
-            run(cfg, echo=lambda line: print(f"  {line}", flush=True))
+        plans = {}
+        try:  # every run is checked before the first one starts
+            for key, cfg in configs.items():
+                plans[key] = prepare(cfg)
+        except ConfigError as exc:
+            print(f"bpo-megatron compare: {exc}", file=sys.stderr)
+            return 2
+        if args.check:
+            print("\n".join(summary(plan) for plan in plans.values()))
+            return 0
+        for (variant, seed), plan in plans.items():
+            print(f"=== {variant.label}, seed {seed} -> {plan.cfg.run_dir}", flush=True)
+            try:
+                execute(plan, echo=lambda line: print(f"  {line}", flush=True))
+            except (TrainerFailed, EnginesFailed) as exc:
+                from bpo_megatron.commands.common import report_failure
+
+                return report_failure("bpo-megatron compare", exc, ["bpo-megatron", "compare", *argv])
     rows, curves = [], {}
     for variant in plan:
         dirs = [configs[(variant, seed)].run_dir for seed in seeds]

@@ -2,13 +2,17 @@
 
 Evaluates on the config's ``eval.datasets`` with the embedded engine, in this process. The
 policy is a trainer checkpoint (exported to Hugging Face format on the fly), a Hugging Face
-directory, or by default the run's newest checkpoint (else ``model.path``).
+directory, or by default the run's newest checkpoint (a pretrained ``model.path`` when the run
+has none). The evaluation sets and the checkpoint are checked before the model loads;
+``--check`` stops there.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
+from pathlib import Path
 
 
 def main(argv: list[str]) -> int:
@@ -19,43 +23,83 @@ def main(argv: list[str]) -> int:
     source.add_argument("--checkpoint", help="a trainer checkpoint (root with 'latest' or a step directory)")
     source.add_argument("--hf-dir", help="a Hugging Face model directory")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--check", action="store_true", help="check the config, data and policy, then exit")
     args = parser.parse_args(argv)
+    prog = "bpo-megatron eval"
 
-    from bpo_megatron.commands.common import load_or_exit
+    from bpo_megatron.commands.common import REFUSED, load_or_exit
 
-    cfg = load_or_exit("bpo-megatron eval", args.config, args.overrides)
+    cfg = load_or_exit(prog, args.config, args.overrides)
     if cfg is None:
-        return 2
+        return REFUSED
+    from bpo_megatron.config import ConfigError
+
+    try:
+        sets, tokenizer, policy = _prepare(cfg, args)
+    except ConfigError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return REFUSED
+    kind, location = policy
+    if args.check:
+        print(f"config ok: would evaluate {kind} {location} on "
+              + ", ".join(f"{s.name} ({len(s.prompts)} questions)" for s in sets))
+        return 0
+
     from bpo_megatron.data.rewards import reward_fn
-    from bpo_megatron.data.tokenizer import load_tokenizer
     from bpo_megatron.eval.avg_at_k import evaluate
-    from bpo_megatron.loop.run import checkpoint_root
     from bpo_megatron.rollout.hf_engine import HFEngine
-    from bpo_megatron.trainer import checkpoint
 
     with tempfile.TemporaryDirectory(prefix="bpo-eval-") as scratch:
-        ckpt = args.checkpoint or (None if args.hf_dir else _newest(checkpoint_root(cfg), checkpoint))
-        if ckpt:
+        hf_dir = location
+        if kind == "checkpoint":
             from bpo_megatron.convert import convert_mcore_to_hf
 
             hf_dir = f"{scratch}/hf"
-            convert_mcore_to_hf(ckpt, hf_dir)
-            label = str(checkpoint.resolve(ckpt))
-        else:
-            hf_dir = args.hf_dir or cfg.model.path
-            label = hf_dir
+            convert_mcore_to_hf(location, hf_dir)
         engine = HFEngine(hf_dir, capture_routing=False, threads=args.threads)
         try:
-            result = evaluate(engine.generate, load_tokenizer(cfg.model.tokenizer or cfg.model.path),
-                              reward_fn(cfg.data.reward), cfg, step=0)
+            result = evaluate(engine.generate, sets, tokenizer, reward_fn(cfg.data.reward), cfg, step=0)
         finally:
             engine.shutdown()
-    print(f"policy: {label}")
+    print(f"policy: {location}")
     for name, value in result.scores.items():
         print(f"  {name:<24} Avg@{cfg.eval.k} = {100 * value:.1f}%")
     print(f"  {'mean':<24} Avg@{cfg.eval.k} = {100 * result.mean:.1f}%")
     return 0
 
 
-def _newest(root, checkpoint) -> str | None:
-    return str(root) if checkpoint.latest_step(root) is not None else None
+def _prepare(cfg, args):
+    """The screened evaluation sets, the tokenizer and the policy (kind, location) to evaluate,
+    or RunRefused: evaluation sets, tokenizer and checkpoint checked before any model loads."""
+    from bpo_megatron.eval.avg_at_k import load_eval_sets
+    from bpo_megatron.loop.preflight import load_run_tokenizer, prompt_format
+    from bpo_megatron.loop.run_dir import RunRefused, checkpoint_root
+    from bpo_megatron.trainer import checkpoint
+
+    if not cfg.eval.datasets:
+        raise RunRefused("eval.datasets is empty: name the evaluation sets (e.g. eval.datasets=[aime24])")
+    hf = cfg.hf_config()
+    tokenizer = load_run_tokenizer(cfg, hf)
+    try:
+        sets = load_eval_sets(cfg.eval, cfg.data.root, prompt_format(cfg, tokenizer),
+                              skip_bad=cfg.data.on_bad_record == "skip")
+    except (OSError, ValueError) as exc:
+        raise RunRefused(str(exc)) from exc
+    if args.hf_dir:
+        if not (Path(args.hf_dir) / "config.json").is_file():
+            raise RunRefused(f"--hf-dir {args.hf_dir} is not a Hugging Face model directory (no config.json)")
+        return sets, tokenizer, ("Hugging Face model", args.hf_dir)
+    root = Path(args.checkpoint) if args.checkpoint else checkpoint_root(cfg)
+    try:
+        chosen = checkpoint.select(root)
+    except checkpoint.DamagedCheckpoint as exc:
+        raise RunRefused(str(exc)) from exc
+    if chosen.path is not None:
+        return sets, tokenizer, ("checkpoint", str(chosen.path))
+    if args.checkpoint:
+        raise RunRefused(f"--checkpoint {args.checkpoint}: no checkpoint there (a step directory with "
+                         f"{checkpoint.STATE_FILE}, or a root holding them)")
+    if cfg.model.init == "random":
+        raise RunRefused(f"the run has no checkpoint yet ({root}) and model.init=random has no trained weights to "
+                         "evaluate: train first, or pass --checkpoint or --hf-dir")
+    return sets, tokenizer, ("pretrained model.path", cfg.model.path)

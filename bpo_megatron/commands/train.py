@@ -1,25 +1,54 @@
-"""``bpo-megatron train CONFIG [section.key=value ...]``: run an RL experiment."""
+"""``bpo-megatron train CONFIG [section.key=value ...]``: run an RL experiment.
+
+Everything the run will read (config, data, evaluation sets, run directory, checkpoint) is
+checked before anything starts; ``--check`` stops there and says what the run would do.
+Exit status: 0 done, 2 refused before starting, 1 stopped by a failure (resumable).
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="bpo-megatron train", description=__doc__)
+    parser = argparse.ArgumentParser(prog="bpo-megatron train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="experiment YAML (e.g. configs/tiny_moe_cpu.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. loss.name=grpo parallel.tp=2")
+    parser.add_argument("--check", action="store_true", help="check everything the run would read, then exit")
+    parser.add_argument("--override-resume", default="", metavar="SETTINGS",
+                        help="comma-separated settings (e.g. optimizer.lr,loss.bpo_eps) allowed to differ from "
+                             "the config recorded in the run directory when resuming it")
     args = parser.parse_args(argv)
+    prog = "bpo-megatron train"
 
-    from bpo_megatron.commands.common import load_or_exit
+    from bpo_megatron.commands.common import REFUSED, load_or_exit, override_list, report_failure
 
-    cfg = load_or_exit("bpo-megatron train", args.config, args.overrides)
+    cfg = load_or_exit(prog, args.config, args.overrides)
     if cfg is None:
-        return 2
-    from bpo_megatron.loop.rl_loop import run
+        return REFUSED
+    from bpo_megatron.config import ConfigError
+    from bpo_megatron.loop.preflight import prepare, summary
+    from bpo_megatron.loop.rl_loop import execute
+    from bpo_megatron.orchestration.groups import EnginesFailed, TrainerFailed
 
+    try:
+        plan = prepare(cfg, override_resume=override_list(args.override_resume))
+    except ConfigError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return REFUSED
+    if args.check:
+        print(summary(plan))
+        return 0
     print(f"run directory: {cfg.run_dir}", flush=True)
-    result = run(cfg, echo=lambda line: print(line, flush=True))
+    try:
+        result = execute(plan, echo=lambda line: print(line, flush=True))
+    except ConfigError as exc:  # the run directory was taken between the check and the start
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return REFUSED
+    except (TrainerFailed, EnginesFailed) as exc:
+        return report_failure(prog, exc, ["bpo-megatron", "train", *argv])
     best = result["best_step"]
     print(f"done: {result['step']} steps; best eval mean {result['best_mean']:.3f} at step {best}"
           if best is not None else f"done: {result['step']} steps", flush=True)

@@ -56,7 +56,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, prog: str = "convert_checkpoint.py") -> int:
     from bpo_megatron.parallel import ParallelConfig
-    from bpo_megatron.testing import GlooWorldError
+    from bpo_megatron.parallel.local_world import GlooWorldError
 
     args = _parser(prog).parse_args(sys.argv[1:] if argv is None else argv)
     try:

@@ -59,7 +59,7 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, *,
     Raises FileNotFoundError / ValueError (naming the file, field or tensor) before any work when
     the input is incomplete or does not fit; nothing is written on any error.
     """
-    from bpo_megatron.testing import run_gloo_world
+    from bpo_megatron.parallel.local_world import run_gloo_world
 
     hf = read_hf_config(hf_dir)
     parallel.validate_model(num_layers=hf.num_hidden_layers,

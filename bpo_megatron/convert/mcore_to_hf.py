@@ -68,7 +68,7 @@ def convert_mcore_to_hf(ckpt: str | Path, out: str | Path, *, hf_config: str | P
     Tokenizer files come from ``tokenizer_dir``, or from ``hf_config`` when that is a directory.
     Weights are written in the config's dtype (``dtype``/``torch_dtype``; float32 if unset).
     """
-    from bpo_megatron.testing import run_gloo_world
+    from bpo_megatron.parallel.local_world import run_gloo_world
 
     directory, hf = checkpoint_hf_config(ckpt, hf_config)
     if hf.weights_dtype not in _EXPORT_DTYPES:

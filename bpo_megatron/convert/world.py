@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 import math
-import warnings
 from typing import TYPE_CHECKING
 
 from bpo_megatron.models import HFModelConfig, ModelOptions, build_gpt_model
+from bpo_megatron.observability.library_logs import quiet_library_logs
 from bpo_megatron.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
 if TYPE_CHECKING:
@@ -27,10 +26,7 @@ def world_size_for(parallel: ParallelConfig) -> int:
 def build_model(hf: HFModelConfig, parallel: ParallelConfig, options: ModelOptions) -> GPTModel:
     """Set up Megatron's process groups for ``parallel`` and build this rank's model chunk
     (inside an initialised ``torch.distributed`` world). Undo with :func:`tear_down`."""
-    warnings.filterwarnings("ignore", module=r"megatron\.")
-    # torch's checkpoint planner warns about ShardedTensor on every load; nothing to act on
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint")
-    logging.getLogger("megatron").setLevel(logging.ERROR)
+    quiet_library_logs()
     # The initial values are overwritten; seeding only makes runs reproducible.
     initialize_parallel(parallel, seed=0)
     return build_gpt_model(hf, parallel, options)

@@ -3,6 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+PROCEDURAL = "procedural:"
+
+
+def check_procedural(spec: str, setting: str) -> None:
+    """``procedural:<task>`` must name a registered task."""
+    if spec.startswith(PROCEDURAL):
+        from bpo_megatron.data.procedural import TASKS
+
+        task = spec[len(PROCEDURAL):]
+        if task not in TASKS:
+            raise ValueError(f"{setting}={spec!r}: procedural task {task!r} is unknown; choose one of "
+                             f"{', '.join(PROCEDURAL + t for t in sorted(TASKS))}")
 
 
 @dataclass(frozen=True)
@@ -10,7 +24,12 @@ class DataConfig:
     """``train`` is a dataset name (under ``root``), a ``.jsonl``/``.parquet`` path, ``hf:<name>``,
     or ``procedural:<task>`` (an endless generated task, see ``bpo_megatron.data.procedural``).
     ``fields`` reads ``train`` records of another schema: problem field -> dotted path, e.g.
-    ``{problem: prompt.0.content, answer: reward_model.ground_truth, id: extra_info.index}``."""
+    ``{problem: prompt.0.content, answer: reward_model.ground_truth, id: extra_info.index}``.
+
+    ``on_bad_record`` says what happens to a record the run cannot use (malformed, a field
+    missing, a prompt longer than ``max_prompt_tokens`` or not encodable by the tokenizer):
+    ``error`` refuses the run before it starts, naming the record; ``skip`` leaves it out of
+    training and evaluation and reports how many were left out."""
 
     train: str = "gsm8k_train"
     root: str = "../shared/data"
@@ -19,6 +38,7 @@ class DataConfig:
     max_prompt_tokens: int = 2048
     seed: int = 1234
     fields: dict[str, str] = field(default_factory=dict)
+    on_bad_record: Literal["error", "skip"] = "error"
 
     def __post_init__(self) -> None:
         from bpo_megatron.data.problems import check_field_map
@@ -32,3 +52,4 @@ class DataConfig:
         if self.max_prompt_tokens < 1:
             raise ValueError("data.max_prompt_tokens must be >= 1")
         check_field_map(self.fields)
+        check_procedural(self.train, "data.train")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -19,6 +19,7 @@ class Problem:
     problem: str
     answer: str
     source: str = ""
+    origin: str = field(default="", compare=False)  # "file:line" of the record, for messages
 
 
 # Names resolved under ``data.root`` (the files the project ships with in ../shared/data).
@@ -75,7 +76,7 @@ def _lookup(record: object, path: str) -> object:
     return node
 
 
-def _check(record: object, where: str, fields: FieldMap) -> Problem:
+def _check(record: object, where: str, fields: FieldMap, origin: str = "") -> Problem:
     if not isinstance(record, Mapping):
         raise ValueError(f"{where}: a record must be an object with fields {', '.join(PROBLEM_FIELDS)}")
     values = {}
@@ -89,7 +90,7 @@ def _check(record: object, where: str, fields: FieldMap) -> Problem:
             shown = "nothing" if value is _MISSING else repr(value)
             raise ValueError(f"{where}: field {name!r}{origin} must be a non-empty string, got {shown}{hint}")
         values[name] = str(value)
-    return Problem(**values, source=str(record.get("source", "")))
+    return Problem(**values, source=str(record.get("source", "")), origin=origin)
 
 
 HF_PREFIX = "hf:"
@@ -107,35 +108,79 @@ def _load_hf_dataset(spec: str, fields: FieldMap) -> list[Problem]:
     return [_check(dict(row), f"{spec} row {i}", fields) for i, row in enumerate(rows)]
 
 
-def load_problems(spec: str, root: str | Path = ".", fields: FieldMap | None = None) -> list[Problem]:
-    """Every record of a dataset; a malformed record names its file, line and field. ``fields``
-    maps problem fields to paths in records of another schema (see the module docstring)."""
+@dataclass(frozen=True)
+class Rejected:
+    """A record that cannot be used, where it is (``file:line`` or ``file row N``) and why."""
+
+    where: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.reason}"
+
+
+def read_problems(spec: str, root: str | Path = ".", fields: FieldMap | None = None
+                  ) -> tuple[list[Problem], list[Rejected]]:
+    """Every usable record of a dataset and every rejected one (malformed JSON, a field missing or
+    empty, a repeated id), in file order. A file that is missing, unreadable or without a single
+    record raises: there is nothing to skip to."""
     fields = dict(fields or {})
     check_field_map(fields)
     if spec.startswith(HF_PREFIX):
-        return _load_hf_dataset(spec, fields)
+        return _load_hf_dataset(spec, fields), []
     path = resolve(spec, root)
+    problems: list[Problem] = []
+    rejected: list[Rejected] = []
+
+    def keep(record: object, where: str) -> None:
+        try:
+            problems.append(_check(record, where, fields, origin=where))
+        except ValueError as exc:
+            rejected.append(Rejected(where, str(exc).removeprefix(f"{where}: ")))
+
     if path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError as exc:
             raise RuntimeError(f"reading {path} needs pyarrow (pip install pyarrow)") from exc
-        rows = pq.read_table(path).to_pylist()
-        problems = [_check(row, f"{path} row {i}", fields) for i, row in enumerate(rows)]
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+            raise ValueError(f"{path} is not a readable Parquet file ({exc})") from exc
+        for i, row in enumerate(rows):
+            keep(row, f"{path} row {i}")
     else:
-        problems = []
-        with path.open() as lines:
-            for number, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{number}: not valid JSON ({exc.msg})") from exc
-                problems.append(_check(record, f"{path}:{number}", fields))
-    if not problems:
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path} is not UTF-8 text (byte {exc.start}); is it a JSONL file?") from exc
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                rejected.append(Rejected(f"{path}:{number}", f"not valid JSON ({exc.msg})"))
+                continue
+            keep(record, f"{path}:{number}")
+    if not problems and not rejected:
         raise ValueError(f"{path} holds no problems")
-    ids = [p.id for p in problems]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"{path}: duplicate ids (e.g. {next(i for i in ids if ids.count(i) > 1)!r})")
+    seen: set[str] = set()
+    unique = []
+    for p in problems:
+        if p.id in seen:
+            rejected.append(Rejected(p.origin, f"duplicate id {p.id!r}"))
+        else:
+            seen.add(p.id)
+            unique.append(p)
+    return unique, rejected
+
+
+def load_problems(spec: str, root: str | Path = ".", fields: FieldMap | None = None) -> list[Problem]:
+    """Every record of a dataset; a malformed record raises naming its file, line and field.
+    ``fields`` maps problem fields to paths in records of another schema (see the module
+    docstring)."""
+    problems, rejected = read_problems(spec, root, fields)
+    if rejected:
+        raise ValueError(str(rejected[0]))
     return problems

@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bpo_megatron.loop.prompts import encode, load_eval_set, requests
-from bpo_megatron.loop.scoring import score
+from bpo_megatron.data.problems import Rejected
+from bpo_megatron.tasks.prompts import Encoded, PromptFormat, load_eval_set, requests, stop_tokens
+from bpo_megatron.tasks.scoring import score
+from bpo_megatron.tasks.stream import usable
 
 
 @dataclass
@@ -34,25 +36,43 @@ def avg_at_k(correct: torch.Tensor, k: int) -> float:
     return float(correct.view(-1, k).mean(dim=1).mean())
 
 
-def evaluate(generate, tokenizer, reward_fn, cfg, step: int) -> EvalResult:
+@dataclass(frozen=True)
+class EvalSet:
+    """One evaluation dataset, screened: the questions asked and those left out."""
+
+    name: str
+    prompts: list[Encoded]
+    rejected: list[Rejected]
+
+
+def load_eval_sets(ev, root: str, fmt: PromptFormat, *, skip_bad: bool) -> list[EvalSet]:
+    """``eval.datasets`` (the first ``eval.limit`` questions of each), screened like training
+    prompts: a question that cannot be asked raises unless ``skip_bad``."""
+    sets = []
+    for index, spec in enumerate(ev.datasets):
+        try:
+            problems = load_eval_set(spec, root, count=ev.procedural_count, seed=10_000 + index)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"eval.datasets[{index}]={spec!r}: {exc}") from exc
+        problems = problems[: ev.limit] if ev.limit else problems
+        prompts, rejected = usable(problems, [], fmt, setting=f"eval.datasets[{index}]={spec}", skip_bad=skip_bad)
+        sets.append(EvalSet(spec, prompts, rejected))
+    return sets
+
+
+def evaluate(generate, sets: list[EvalSet], tokenizer, reward_fn, cfg, step: int) -> EvalResult:
     """``generate(requests) -> samples``: any engine or engine group."""
     ev = cfg.eval
     scores = {}
-    for index, spec in enumerate(ev.datasets):
-        problems = load_eval_set(spec, cfg.data.root, count=ev.procedural_count, seed=10_000 + index)
-        problems = problems[: ev.limit] if ev.limit else problems
-        encoded = encode(problems, tokenizer, cfg.data.template, cfg.data.max_prompt_tokens)
-        batch = requests(encoded, tag=f"eval{step}-{spec}", n=ev.k, temperature=ev.temperature, top_p=ev.top_p,
-                         top_k=0, max_new_tokens=ev.max_new_tokens or cfg.rollout.max_new_tokens,
-                         stop_token_ids=stop_tokens(cfg, tokenizer), seed=cfg.train.seed + 7 * step + index)
+    for index, eval_set in enumerate(sets):
+        batch = requests(eval_set.prompts, tag=f"eval{step}-{eval_set.name}", n=ev.k, temperature=ev.temperature,
+                         top_p=ev.top_p, top_k=0, max_new_tokens=ev.max_new_tokens or cfg.rollout.max_new_tokens,
+                         stop_token_ids=stop_tokens(tokenizer, cfg.rollout.stop_token_ids),
+                         seed=cfg.train.seed + 7 * step + index)
         samples = generate(batch)
-        answers = [p.answer for p in problems for _ in range(ev.k)]
-        scores[spec] = avg_at_k(score(samples, answers, tokenizer, reward_fn), ev.k)
+        answers = [e.problem.answer for e in eval_set.prompts for _ in range(ev.k)]
+        scores[eval_set.name] = avg_at_k(score(samples, answers, tokenizer, reward_fn), ev.k)
     return EvalResult(step, scores)
-
-
-def stop_tokens(cfg, tokenizer) -> tuple[int, ...]:
-    return tuple(sorted(set(tokenizer.eos_token_ids) | set(cfg.rollout.stop_token_ids)))
 
 
 @dataclass

@@ -22,3 +22,7 @@ class EvalConfig:
             raise ValueError("eval.every must be >= 0 and eval.k >= 1")
         if not self.datasets and self.every:
             raise ValueError("eval.datasets is empty while eval.every > 0")
+        from bpo_megatron.data.config import check_procedural
+
+        for index, spec in enumerate(self.datasets):
+            check_procedural(spec, f"eval.datasets[{index}]")

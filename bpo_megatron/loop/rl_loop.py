@@ -4,7 +4,8 @@ Every step: ``prompts_per_step`` prompts × G responses from the rollout engines
 scores each response; advantages are normalised within each prompt's group; the responses are
 shuffled into ``minibatches_per_step`` equal minibatches with one optimizer step each; the new
 weights go to the engines. Evaluation and checkpoints every few steps; a killed run resumes from
-its newest checkpoint exactly (same data, same seeds).
+its newest checkpoint exactly (same data, same seeds), and its metrics record each step once.
+Everything the run reads is checked first (:mod:`bpo_megatron.loop.preflight`).
 """
 
 from __future__ import annotations
@@ -13,95 +14,106 @@ import random
 import time
 
 from bpo_megatron.data.rewards import reward_fn
-from bpo_megatron.data.tokenizer import load_tokenizer
-from bpo_megatron.eval.avg_at_k import BestCheckpoint, evaluate, stop_tokens
-from bpo_megatron.experiment import ExperimentConfig
+from bpo_megatron.eval.avg_at_k import BestCheckpoint, evaluate
 from bpo_megatron.loop import diagnostics
-from bpo_megatron.loop.prompts import PromptStream, encode, requests
-from bpo_megatron.loop.run import checkpoint_root, initial_hf_dir, prepare_run_dir, resume_state
-from bpo_megatron.loop.scoring import score, training_samples
+from bpo_megatron.loop.preflight import RunPlan, prepare
+from bpo_megatron.loop.run_dir import RunLock, checkpoint_root, initial_hf_dir, record_config
+from bpo_megatron.loop.samples import training_samples
 from bpo_megatron.loop.sft import sft_warmup
 from bpo_megatron.observability.metrics import MetricsWriter, summary_line
 from bpo_megatron.observability.plot import plot_runs
 from bpo_megatron.orchestration.cluster import start_ray, stop_ray
 from bpo_megatron.orchestration.groups import EngineGroup, TrainerGroup
 from bpo_megatron.orchestration.weight_sync import sync_weights
+from bpo_megatron.tasks.prompts import requests, stop_tokens
+from bpo_megatron.tasks.scoring import score
 from bpo_megatron.trainer.samples import split
 
 
-def run(cfg: ExperimentConfig, *, echo=print) -> dict:
-    run_dir = prepare_run_dir(cfg)
-    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
-    verify = reward_fn(cfg.data.reward)
-    state, checkpoint = resume_state(cfg)
-    hf_dir = initial_hf_dir(cfg)
-    metrics_out = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard)
-    best = BestCheckpoint(state.best_step, state.best_mean, list(state.eval_history))
-    trainer = engines = None
-    try:
-        start_ray(cfg.cluster, cpus_needed=cfg.cluster.trainer_ranks + cfg.rollout.num_engines)
-        trainer, engines = TrainerGroup(cfg), EngineGroup(cfg, hf_dir)
-        bucket = cfg.rollout.weight_bucket_mb * 1024 * 1024
-        push = lambda only=None: sync_weights(trainer, engines, bucket_bytes=bucket,  # noqa: E731
-                                              verify=cfg.train.verify_weight_sync, only=only,
-                                              dtype=cfg.rollout.sync_dtype)
-        engines.on_restart = lambda indices: push(only=indices)
-        if checkpoint:
-            trainer.call("load", checkpoint)
-            echo(f"resumed from step {state.step} ({checkpoint})")
-        else:
-            trainer.call("load_hf", hf_dir)
-        prompts = PromptStream(cfg.data.train, cfg.data.root, seed=cfg.data.seed, cursor=state.data_cursor,
-                               fields=cfg.data.fields)
-        if not state.sft_done and cfg.train.sft_warmup_steps:
-            sft_warmup(cfg, trainer, prompts, tokenizer, metrics_out, echo)
-        state.sft_done = True
-        push()
-        if state.step == 0 and cfg.eval.every and cfg.eval.at_start:
-            _evaluate(cfg, engines, tokenizer, verify, 0, best, metrics_out, echo)
-
-        for step in range(state.step + 1, cfg.train.steps + 1):
-            timer = time.perf_counter()
-            problems = prompts.take(cfg.train.prompts_per_step)
-            batch = encode(problems, tokenizer, cfg.data.template, cfg.data.max_prompt_tokens)
-            samples = engines.generate(requests(
-                batch, tag=f"s{step}", n=cfg.rollout.group_size, temperature=cfg.rollout.temperature,
-                top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
-                stop_token_ids=stop_tokens(cfg, tokenizer), seed=cfg.rollout.seed + step))
-            t_rollout = time.perf_counter()
-            rewards = score(samples, [p.answer for p in problems for _ in range(cfg.rollout.group_size)],
-                            tokenizer, verify)
-            train_samples, metrics = training_samples(samples, rewards, cfg.rollout.group_size,
-                                                      keep_routing=cfg.model.routing_replay)
-            metrics.update(diagnostics.routing_agreement(trainer, train_samples, cfg))
-            random.Random(cfg.train.seed + step).shuffle(train_samples)
-            updates = [trainer.on_last_stage("train_step", mb)
-                       for mb in split(train_samples, cfg.train.minibatches_per_step)]
-            t_train = time.perf_counter()
-            metrics.update(diagnostics.mean_over_minibatches(updates))
-            metrics.update(push())
-            metrics.update({"time/rollout_s": t_rollout - timer, "time/train_s": t_train - t_rollout,
-                            "time/sync_s": time.perf_counter() - t_train, "time/step_s": time.perf_counter() - timer})
-            state.step, state.data_cursor = step, prompts.cursor
-            if cfg.eval.every and step % cfg.eval.every == 0:
-                metrics.update(_evaluate(cfg, engines, tokenizer, verify, step, best, metrics_out, echo))
-            metrics_out.write(step, metrics)
-            echo(summary_line(step, cfg.train.steps, metrics, bar=cfg.logging.progress))
-            if step == cfg.train.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                state.best_step, state.best_mean, state.eval_history = best.step, best.mean, best.history
-                trainer.call("save", str(checkpoint_root(cfg)), step, state.to_dict(), cfg.checkpoint.keep_last)
-                plot_runs([run_dir], run_dir / "curves.png", labels=[cfg.name])
-        return {"step": state.step, "best_step": best.step, "best_mean": best.mean, "run_dir": str(run_dir)}
-    finally:
-        metrics_out.close()
-        for group in (engines, trainer):
-            if group is not None:
-                group.shutdown()
-        stop_ray()
+def run(cfg, *, echo=print, override_resume: tuple[str, ...] = ()) -> dict:
+    """Check everything the run reads, then run it (see :func:`execute`)."""
+    return execute(prepare(cfg, override_resume=override_resume), echo=echo)
 
 
-def _evaluate(cfg, engines, tokenizer, verify, step, best, metrics_out, echo) -> dict:
-    result = evaluate(engines.generate, tokenizer, verify, cfg, step)
+def execute(plan: RunPlan, *, echo=print) -> dict:
+    cfg, tokenizer, prompts, state = plan.cfg, plan.tokenizer, plan.prompts, plan.state
+    run_dir = cfg.run_dir
+    with RunLock(run_dir):
+        for note in plan.notes:
+            echo(f"note: {note}")
+        record_config(cfg, run_dir, changed_at_step=state.step if plan.changes else None)
+        verify = reward_fn(cfg.data.reward)
+        hf_dir = initial_hf_dir(cfg)
+        metrics_out = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard,
+                                    resume_after=state.step if plan.checkpoint else None)
+        best = BestCheckpoint(state.best_step, state.best_mean, list(state.eval_history))
+        stops = stop_tokens(tokenizer, cfg.rollout.stop_token_ids)
+        trainer = engines = None
+        started_ray = False
+        try:
+            started_ray = start_ray(cfg.cluster, cpus_needed=cfg.cluster.trainer_ranks + cfg.rollout.num_engines)
+            trainer, engines = TrainerGroup(cfg), EngineGroup(cfg, hf_dir)
+            bucket = cfg.rollout.weight_bucket_mb * 1024 * 1024
+            push = lambda only=None: sync_weights(trainer, engines, bucket_bytes=bucket,  # noqa: E731
+                                                  verify=cfg.train.verify_weight_sync, only=only,
+                                                  dtype=cfg.rollout.sync_dtype)
+            engines.on_restart = lambda indices: push(only=indices)
+            if plan.checkpoint:
+                trainer.call("load", plan.checkpoint, False)  # verified by the preflight moments ago
+                echo(f"resumed from step {state.step} ({plan.checkpoint})")
+            else:
+                trainer.call("load_hf", hf_dir)
+            if not state.sft_done and cfg.train.sft_warmup_steps:
+                sft_warmup(cfg, trainer, prompts, tokenizer, metrics_out, echo)
+            state.sft_done = True
+            push()
+            if state.step == 0 and cfg.eval.every and cfg.eval.at_start:
+                _evaluate(plan, engines, verify, 0, best, metrics_out, echo)
+
+            for step in range(state.step + 1, cfg.train.steps + 1):
+                timer = time.perf_counter()
+                batch = prompts.take(cfg.train.prompts_per_step)
+                samples = engines.generate(requests(
+                    batch, tag=f"s{step}", n=cfg.rollout.group_size, temperature=cfg.rollout.temperature,
+                    top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
+                    stop_token_ids=stops, seed=cfg.rollout.seed + step))
+                t_rollout = time.perf_counter()
+                rewards = score(samples, [e.problem.answer for e in batch for _ in range(cfg.rollout.group_size)],
+                                tokenizer, verify)
+                train_samples, metrics = training_samples(samples, rewards, cfg.rollout.group_size,
+                                                          keep_routing=cfg.model.routing_replay)
+                metrics.update(diagnostics.routing_agreement(trainer, train_samples, cfg))
+                random.Random(cfg.train.seed + step).shuffle(train_samples)
+                updates = [trainer.on_last_stage("train_step", mb)
+                           for mb in split(train_samples, cfg.train.minibatches_per_step)]
+                t_train = time.perf_counter()
+                metrics.update(diagnostics.mean_over_minibatches(updates))
+                metrics.update(push())
+                metrics.update({"time/rollout_s": t_rollout - timer, "time/train_s": t_train - t_rollout,
+                                "time/sync_s": time.perf_counter() - t_train,
+                                "time/step_s": time.perf_counter() - timer})
+                state.step, state.data_cursor = step, prompts.cursor
+                if cfg.eval.every and step % cfg.eval.every == 0:
+                    metrics.update(_evaluate(plan, engines, verify, step, best, metrics_out, echo))
+                metrics_out.write(step, metrics)
+                echo(summary_line(step, cfg.train.steps, metrics, bar=cfg.logging.progress))
+                if step == cfg.train.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                    state.best_step, state.best_mean, state.eval_history = best.step, best.mean, best.history
+                    trainer.call("save", str(checkpoint_root(cfg)), step, state.to_dict(), cfg.checkpoint.keep_last)
+                    plot_runs([run_dir], run_dir / "curves.png", labels=[cfg.name])
+            return {"step": state.step, "best_step": best.step, "best_mean": best.mean, "run_dir": str(run_dir)}
+        finally:
+            metrics_out.close()
+            for group in (engines, trainer):
+                if group is not None:
+                    group.shutdown()
+            if started_ray:
+                stop_ray()
+
+
+def _evaluate(plan: RunPlan, engines, verify, step, best, metrics_out, echo) -> dict:
+    cfg = plan.cfg
+    result = evaluate(engines.generate, plan.eval_sets, plan.tokenizer, verify, cfg, step)
     improved = best.update(result)
     metrics = result.metrics(cfg.eval.k)
     if step == 0:

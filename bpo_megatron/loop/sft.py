@@ -19,11 +19,10 @@ def sft_warmup(cfg, trainer, prompts, tokenizer, metrics_out, echo) -> None:
     if cfg.train.sft_lr is not None:
         trainer.call("set_learning_rate", cfg.train.sft_lr)
     for step in range(1, cfg.train.sft_warmup_steps + 1):
-        problems = prompts.take(cfg.train.sft_batch_size)
         samples = []
-        for p in problems:
-            prompt = tokenizer.encode(tokenizer.render_prompt(p.problem, cfg.data.template))
-            answer = tokenizer.encode(p.answer) + [eos]
+        for encoded in prompts.take(cfg.train.sft_batch_size):
+            prompt = list(encoded.prompt_tokens)
+            answer = tokenizer.encode(encoded.problem.answer) + [eos]
             samples.append(TrainSample(tokens=torch.tensor(prompt + answer), response_start=len(prompt),
                                        rollout_logprobs=torch.zeros(len(answer)), advantage=1.0))
         # With R3 the trainer replays routing; here it replays its own, recorded in this forward.

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bpo_megatron.losses.aggregation import AGGREGATIONS
+from bpo_megatron.losses.registry import POLICY_LOSSES
+
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
@@ -34,10 +37,6 @@ class PolicyLossConfig:
     max_log_ratio: float = 20.0
 
     def __post_init__(self) -> None:
-        # Imported here: the registries import this module.
-        from bpo_megatron.losses.aggregation import AGGREGATIONS
-        from bpo_megatron.losses.registry import POLICY_LOSSES
-
         if self.name not in POLICY_LOSSES:
             raise ValueError(
                 f"PolicyLossConfig.name={self.name!r} is unknown; choose one of {sorted(POLICY_LOSSES)}"
@@ -46,11 +45,17 @@ class PolicyLossConfig:
             raise ValueError(
                 f"PolicyLossConfig.agg={self.agg!r} is unknown; choose one of {sorted(AGGREGATIONS)}"
             )
-        positive = ("bpo_eps", "bpo_cap", "cispo_cap", "dppo_delta", "dppo_ratio_cap", "max_log_ratio")
-        for field in positive:
+        for field in ("bpo_eps", "dppo_delta", "max_log_ratio"):
             value = getattr(self, field)
             if not value > 0:
                 raise ValueError(f"PolicyLossConfig.{field} must be > 0, got {value}")
+        # A cap below 1 would also shrink the on-policy weight (w = 1 when π = μ): every update
+        # would be scaled down instead of only the off-policy ones bounded.
+        for field in ("bpo_cap", "cispo_cap", "dppo_ratio_cap"):
+            value = getattr(self, field)
+            if not value >= 1:
+                raise ValueError(f"PolicyLossConfig.{field} must be >= 1 (it caps the importance weight, "
+                                 f"which is 1 on-policy), got {value}")
         for field in ("eps_low", "gspo_eps_low"):
             value = getattr(self, field)
             if not 0 <= value < 1:

@@ -8,15 +8,16 @@ the current and rollout log-probabilities. Adding a loss is one decorated functi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:  # the config validates names against this registry
+    import torch
 
-from bpo_megatron.losses.config import PolicyLossConfig
-from bpo_megatron.losses.terms import TokenTerms
+    from bpo_megatron.losses.config import PolicyLossConfig
+    from bpo_megatron.losses.terms import TokenTerms
 
 # (terms, cfg) -> (weight w, keep mask M), both [B, T]; computed without gradient.
-WeightAndMask = Callable[[TokenTerms, PolicyLossConfig], "tuple[torch.Tensor, torch.Tensor]"]
+WeightAndMask = Callable[["TokenTerms", "PolicyLossConfig"], "tuple[torch.Tensor, torch.Tensor]"]
 
 
 @dataclass(frozen=True)

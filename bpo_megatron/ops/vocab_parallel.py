@@ -35,16 +35,12 @@ def _default_chunk_rows(vocab_shard: int) -> int:
 
 
 def _valid_columns(vocab_size: int | None, rank: int, vocab_shard: int) -> int:
-    """How many leading columns of this rank's shard are real tokens."""
+    """How many leading columns of this rank's shard are real tokens. Padding can leave a rank
+    none at all (128 tokens padded to 128·TP at TP=2): that rank then contributes nothing to the
+    softmax, but still joins every collective."""
     if vocab_size is None:
         return vocab_shard
-    valid = min(vocab_shard, vocab_size - rank * vocab_shard)
-    if valid < 1:
-        raise ValueError(
-            f"vocab_size={vocab_size} leaves TP rank {rank} (columns from {rank * vocab_shard}) "
-            "without a single real token; use less tensor parallelism or less vocabulary padding"
-        )
-    return valid
+    return max(0, min(vocab_shard, vocab_size - rank * vocab_shard))
 
 
 def _group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -80,7 +76,11 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         scratch_shape = (min(chunk_rows, rows), valid)
         z_scratch = None if store_exp else torch.empty(scratch_shape, **f32)
         exp_scratch = torch.empty(scratch_shape, **f32) if with_entropy else None
-        for start in range(0, rows, chunk_rows):
+        if valid == 0:  # a shard of padding only: no mass, and a max no other rank is below
+            local_max.fill_(-math.inf)
+            sum_exp.zero_()
+            target_logit.zero_()
+        for start in range(0, rows if valid else 0, chunk_rows):
             stop = min(start + chunk_rows, rows)
             chunk = flat[start:stop, :valid]
             if store_exp:
@@ -119,7 +119,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         scale = torch.exp(local_max - global_max)
         parts = [sum_exp * scale, torch.where(owned, target_logit, 0.0)]
         if with_entropy:
-            parts.append(scale * (exp_dot + (local_max - global_max) * sum_exp))
+            shift = torch.where(sum_exp > 0, local_max - global_max, 0.0)  # 0, not −inf · 0, for no mass
+            parts.append(scale * (exp_dot + shift * sum_exp))
         reduced = torch.stack(parts)
         if world > 1:
             dist.all_reduce(reduced, group=group)
@@ -153,7 +154,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         scratch_shape = (min(chunk_rows, rows), valid)
         scratch = None if fp32_grad else torch.empty(scratch_shape, dtype=torch.float32, device=grad.device)
         target_grad = torch.where(owned, g, 0.0).unsqueeze(-1)
-        for start in range(0, rows, chunk_rows):
+        for start in range(0, rows if valid else 0, chunk_rows):
             stop = min(start + chunk_rows, rows)
             g_rows = g[start:stop].unsqueeze(-1)
             if store_exp:

@@ -12,16 +12,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_ray(cluster, *, cpus_needed: int) -> None:
+def start_ray(cluster, *, cpus_needed: int) -> bool:
     """``cluster.ray_address`` None: a private Ray on this machine, bound to loopback, with a
-    bounded object store (a stray ``RAY_ADDRESS`` in the environment is not followed)."""
+    bounded object store (a stray ``RAY_ADDRESS`` in the environment is not followed). Returns
+    whether this call connected (False: Ray was already up, and whoever started it stops it)."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     if cluster.ray_address:
         ray.init(address=cluster.ray_address, log_to_driver=True)
-        return
+        return True
     ray.init(
         address="local",
         num_cpus=max(os.cpu_count() or 1, cpus_needed),
@@ -32,6 +33,7 @@ def start_ray(cluster, *, cpus_needed: int) -> None:
         configure_logging=True,
         logging_level="ERROR",
     )
+    return True
 
 
 def stop_ray() -> None:

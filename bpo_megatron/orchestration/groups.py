@@ -1,8 +1,11 @@
 """Groups of Ray actors: the trainer world and the rollout engines.
 
 The trainer ranks sit in one placement group and form their own ``torch.distributed`` world
-(gloo on CPU, NCCL on GPU). The engines are independent actors; a dead (or, with a timeout,
-hung) engine is replaced and its unfinished requests are sent again.
+(gloo on CPU, NCCL on GPU). Their calls are collective, so one rank that fails leaves the others
+waiting in a collective: the group then kills every rank at once and raises that rank's error
+(:class:`TrainerFailed`), instead of waiting for the collective's timeout. The engines are
+independent actors; a dead (or, with a timeout, hung) engine is replaced and its unfinished
+requests are sent again, and one found dead between rollouts is replaced before the next.
 """
 
 from __future__ import annotations
@@ -14,6 +17,56 @@ from typing import Any, Callable
 from bpo_megatron.orchestration.workers import EngineWorker, TrainWorker
 
 log = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 30.0
+PLACEMENT_TIMEOUT_S = 300.0
+FAILURE_GRACE_S = 2.0  # after a rank fails, how long the others get to report why they did  # Ray scales a cluster up within minutes; longer means it cannot  # an engine that cannot say whether it is healthy in this time is not
+
+
+class TrainerFailed(RuntimeError):
+    """A trainer rank raised or died; every rank has been stopped. ``str()`` is one line naming
+    the rank and what happened; ``details`` holds the rank's traceback, when it raised."""
+
+    def __init__(self, summary: str, details: str = "") -> None:
+        super().__init__(summary)
+        self.details = details
+
+
+def _failure(ref) -> Exception | None:
+    """The error a finished call ended with, or None."""
+    import ray
+
+    try:
+        ray.get(ref)
+    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+        return exc
+    return None
+
+
+def _trainer_failed(failures: list[tuple[int, Exception]], what: str) -> TrainerFailed:
+    """One error for the first cause: a rank that died before one that raised (its peers' errors
+    follow from it), otherwise the lowest rank that raised; the others are listed in the details."""
+    import ray
+
+    died = [(rank, exc) for rank, exc in failures if not isinstance(exc, ray.exceptions.RayTaskError)]
+    rank, exc = (died or failures)[0]
+    others = "".join(f"\n(trainer rank {r} also failed: {type(_cause(e)).__name__}: {_cause(e)})"
+                     for r, e in failures if r != rank)
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        cause = _cause(exc)
+        # str() of Ray's error is the rank's own traceback
+        return TrainerFailed(f"trainer rank {rank} failed in {what}: {type(cause).__name__}: {cause}",
+                             str(exc) + others)
+    return TrainerFailed(f"trainer rank {rank} died during {what} (its process was killed or crashed); every rank "
+                         "was stopped", others.strip())
+
+
+def _cause(exc: Exception) -> Exception:
+    return getattr(exc, "cause", None) or exc
+
+
+class EnginesFailed(RuntimeError):
+    """Rollout engines kept dying or hanging beyond their restart budget."""
 
 
 def _address_and_port() -> tuple[str, int]:
@@ -34,8 +87,17 @@ class TrainerGroup:
         bundle = {"CPU": cfg.cluster.cpus_per_actor}
         if cfg.cluster.gpus_per_trainer_rank:
             bundle["GPU"] = cfg.cluster.gpus_per_trainer_rank
+        self.workers: list = []
         self.placement = placement_group([dict(bundle) for _ in range(ranks)], strategy="PACK")
-        ray.get(self.placement.ready())
+        try:
+            ray.get(self.placement.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            self.abort()
+            raise TrainerFailed(
+                f"Ray could not place {ranks} trainer ranks of {bundle} within {PLACEMENT_TIMEOUT_S:.0f} s: the "
+                f"cluster lacks the resources (cluster.trainer_ranks={ranks}, cluster.cpus_per_actor="
+                f"{cfg.cluster.cpus_per_actor}, cluster.gpus_per_trainer_rank={cfg.cluster.gpus_per_trainer_rank}; "
+                f"available: {ray.available_resources()})") from None
 
         def on_bundle(index: int):
             return PlacementGroupSchedulingStrategy(placement_group=self.placement,
@@ -51,28 +113,60 @@ class TrainerGroup:
                                                                        threads_per_rank)
             for rank in range(ranks)
         ]
-        ray.get([w.ready.remote() for w in self.workers])
+        self._collect([w.ready.remote() for w in self.workers], "start-up")
 
     def call(self, method: str, *args: Any) -> list[Any]:
-        """Every rank runs ``method`` (the trainer's methods are collective)."""
-        import ray
-
-        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+        """Every rank runs ``method`` (the trainer's methods are collective); results by rank."""
+        return self._collect([getattr(w, method).remote(*args) for w in self.workers], method)
 
     def on_last_stage(self, method: str, *args: Any) -> Any:
         """Collective call whose result lives on the last pipeline stage (the last rank)."""
         return self.call(method, *args)[-1]
 
-    def shutdown(self) -> None:
+    def on_every_rank(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """``fn(worker, *args)`` on every rank's :class:`TrainWorker`, collectively."""
+        return self._collect([w.__ray_call__.remote(fn, *args) for w in self.workers], fn.__name__)
+
+    def _collect(self, futures: list, what: str) -> list[Any]:
+        """The results by rank, or, as soon as one rank fails, :class:`TrainerFailed` with every
+        rank stopped (the others may be blocked in a collective the failed rank never joins)."""
+        import ray
+
+        pending = list(futures)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            if _failure(done[0]) is not None:
+                # A rank that dies takes its peers' collectives down with it within moments; the
+                # grace period lets the death itself, not a peer's broken connection, be reported.
+                more, _ = ray.wait(pending, num_returns=len(pending), timeout=FAILURE_GRACE_S)
+                failures = [(rank, f) for rank, ref in enumerate(futures)
+                            if ref in [done[0], *more] and (f := _failure(ref)) is not None]
+                self.abort()
+                raise _trainer_failed(failures, what)
+        return ray.get(futures)
+
+    def abort(self) -> None:
+        """Kill every rank now (no clean-up call: ranks may be blocked in a collective)."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        try:
-            self.call("shutdown")
-        finally:
-            for w in self.workers:
-                ray.kill(w)
+        workers, self.workers = self.workers, []
+        for w in workers:
+            ray.kill(w, no_restart=True)
+        if self.placement is not None:
             remove_placement_group(self.placement)
+            self.placement = None
+
+    def shutdown(self) -> None:
+        """Release the trainer world cleanly (bounded: a rank that does not answer is killed)."""
+        import ray
+
+        if self.workers:
+            try:
+                ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+                pass
+        self.abort()
 
 
 class EngineGroup:
@@ -86,15 +180,15 @@ class EngineGroup:
     average, bounds the replacements over the group's life.
     """
 
-    def __init__(self, cfg, model_dir: str, *, max_restarts: int = 2,
+    def __init__(self, cfg, model_dir: str, *, max_restarts: int | None = None,
                  generate_timeout_s: float | None = None) -> None:
         import ray
 
         if generate_timeout_s is not None and not generate_timeout_s > 0:
             raise ValueError(f"generate_timeout_s must be > 0 (or None: wait forever), got {generate_timeout_s}")
         self.cfg, self.model_dir = cfg, model_dir
-        self.max_restarts = max_restarts
-        self.generate_timeout_s = generate_timeout_s
+        self.max_restarts = cfg.rollout.max_restarts if max_restarts is None else max_restarts
+        self.generate_timeout_s = cfg.rollout.generate_timeout_s if generate_timeout_s is None else generate_timeout_s
         self.restarts = 0
         self.on_restart: Callable[[list[int]], None] | None = None  # reload weights into new engines
         self._actor = ray.remote(EngineWorker)
@@ -125,7 +219,7 @@ class EngineGroup:
             futures = {i: self.workers[i].generate.remote(shares[i]) for i in pending}
             failed = self._collect(futures, results)
             if failed:
-                self._replace(failed)
+                self.replace(failed)
             pending = failed
         return [sample for part in results for sample in part]
 
@@ -150,20 +244,46 @@ class EngineGroup:
                 failed.append(i)
         return failed
 
-    def _replace(self, indices: list[int]) -> None:
+    def replace(self, indices: list[int], *, load_weights: bool = True) -> None:
+        """New engines for ``indices``; ``load_weights``: give them the current weights
+        (``on_restart``) at once; otherwise the caller is about to sync them anyway."""
+        import ray
+
         if self.restarts + len(indices) > self.max_restarts * max(1, len(self.workers)):
-            raise RuntimeError(f"rollout engines {indices} died or timed out again after {self.restarts} "
-                               f"restarts (at most {self.max_restarts} per engine)")
+            raise EnginesFailed(f"rollout engines {indices} died or timed out again after {self.restarts} "
+                                f"restarts (at most rollout.max_restarts={self.max_restarts} per engine)")
+        for i in indices:
+            ray.kill(self.workers[i], no_restart=True)  # a hung or unhealthy one must not linger
         for i, worker in zip(indices, self._start(indices)):
             self.workers[i] = worker
         self.restarts += len(indices)
-        if self.on_restart is not None:
+        if load_weights and self.on_restart is not None:
             self.on_restart(indices)
 
-    def call(self, method: str, *args: Any) -> list[Any]:
+    def replace_unhealthy(self) -> list[int]:
+        """Replace the engines that died, or report themselves unhealthy (or do not answer
+        within ``HEALTH_TIMEOUT_S``), since the last call; returns their indices. The new
+        engines hold the initial weights: call this right before a weight sync."""
         import ray
 
-        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+        checks = [w.healthy.remote() for w in self.workers]
+        unhealthy = []
+        for i, check in enumerate(checks):
+            try:
+                if not ray.get(check, timeout=HEALTH_TIMEOUT_S):
+                    unhealthy.append(i)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                unhealthy.append(i)
+        if unhealthy:
+            log.warning("rollout engines %s died or are unhealthy; replacing them", unhealthy)
+            self.replace(unhealthy, load_weights=False)
+        return unhealthy
+
+    def call(self, method: str, *args: Any, only: list[int] | None = None) -> list[Any]:
+        import ray
+
+        indices = range(len(self.workers)) if only is None else only
+        return ray.get([getattr(self.workers[i], method).remote(*args) for i in indices])
 
     def shutdown(self) -> None:
         import ray

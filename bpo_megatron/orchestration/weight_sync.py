@@ -10,20 +10,30 @@ def sync_weights(trainer, engines, *, bucket_bytes: int, verify: bool = False, o
     """Push the trainer's weights to the engines (``only``: those indices), converted to ``dtype``
     when given; returns throughput.
 
-    With ``verify`` every engine's weights are fingerprinted afterwards and compared with what the
-    trainer sent; any difference raises ``WeightMismatch`` naming the tensors.
+    A full sync first replaces the engines that died since the last one; an engine that dies
+    during the sync is replaced and synced again (within the engines' restart budget), so every
+    engine holds the new weights when this returns. With ``verify`` every engine's weights are
+    fingerprinted afterwards and compared with what the trainer sent; any difference raises
+    ``WeightMismatch`` naming the tensors.
     """
-    targets = [engines.workers[i] for i in (only if only is not None else range(len(engines.workers)))]
-    engines.call("pause")
-    try:
-        report = trainer.call("push_weights", targets, bucket_bytes, verify, dtype)[0]
-    finally:
-        engines.call("resume")
-    if verify:
-        import ray
+    if only is None:
+        engines.replace_unhealthy()
+    targets = list(range(len(engines.workers))) if only is None else list(only)
+    sent = seconds = 0.0
+    while targets:
+        engines.call("pause", only=targets)
+        report = trainer.call("push_weights", [engines.workers[i] for i in targets], bucket_bytes, verify, dtype)[0]
+        lost = [targets[j] for j in report["failed"]]
+        engines.call("resume", only=[i for i in targets if i not in lost])
+        sent, seconds = sent + report["bytes"], seconds + report["seconds"]
+        if verify:
+            import ray
 
-        for index, fingerprints in zip(only or range(len(targets)), ray.get([w.fingerprints.remote() for w in targets])):
-            compare(report["fingerprints"], fingerprints, engine=f"rollout engine {index}")
-    seconds = max(report["seconds"], 1e-9)
-    return {"sync_bytes": float(report["bytes"]), "sync_seconds": seconds,
-            "sync_bytes_per_s": report["bytes"] / seconds}
+            synced = [i for i in targets if i not in lost]
+            for index, fingerprints in zip(synced, ray.get([engines.workers[i].fingerprints.remote() for i in synced])):
+                compare(report["fingerprints"], fingerprints, engine=f"rollout engine {index}")
+        if lost:
+            engines.replace(lost, load_weights=False)
+        targets = lost
+    seconds = max(seconds, 1e-9)
+    return {"sync_bytes": float(sent), "sync_seconds": seconds, "sync_bytes_per_s": sent / seconds}

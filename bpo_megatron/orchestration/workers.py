@@ -14,30 +14,14 @@ import torch
 import torch.distributed as dist
 
 from bpo_megatron import platform
-
-
-def _quiet_worker_logs() -> None:
-    """Megatron-Core warns at import that apex/TE are absent and torch about deprecated
-    collectives it calls; both repeat once per actor and say nothing about the run."""
-    import warnings
-
-    warnings.filterwarnings("ignore", module=r"megatron\.")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except ImportError:
-        pass
+from bpo_megatron.observability.library_logs import quiet_library_logs
 
 
 class TrainWorker:
     """One rank of the trainer world: a :class:`~bpo_megatron.trainer.actor.TrainActor`."""
 
     def __init__(self, cfg, rank: int, world_size: int, master: str, threads: int = 1) -> None:
-        _quiet_worker_logs()
+        quiet_library_logs()
         from bpo_megatron.trainer.actor import TrainActor
         from bpo_megatron.trainer.config import TrainerConfig
 
@@ -74,15 +58,17 @@ class TrainWorker:
     def save(self, root: str, step: int, trainer_state: dict[str, Any], keep_last: int | None) -> str:
         return self.actor.save(root, trainer_state=trainer_state, keep_last=keep_last, step=step)
 
-    def load(self, root: str) -> dict[str, Any]:
-        return self.actor.load(root)
+    def load(self, root: str, verify: bool = True) -> dict[str, Any]:
+        return self.actor.load(root, verify=verify)
 
     def push_weights(self, engines: list, bucket_bytes: int, verify: bool, dtype: str | None = None) -> dict[str, Any]:
         """Stream the model as Hugging Face tensors; rank 0 sends them to every engine in buckets.
 
         Every rank takes part in gathering the shards; only rank 0 talks to the engines. ``dtype``
-        (``fp32``/``bf16``) converts the tensors to the engines' precision first. With ``verify``,
-        rank 0 also returns the fingerprints of what it sent for the equality check.
+        (``fp32``/``bf16``) converts the tensors to the engines' precision first. An engine that
+        dies meanwhile is left out of the rest and reported in ``failed`` (its position in
+        ``engines``): the driver replaces it, while the trainer goes on. With ``verify``, rank 0
+        also returns the fingerprints of what it sent for the equality check.
         """
         import ray
 
@@ -92,19 +78,24 @@ class TrainWorker:
         from bpo_megatron.rollout.weight_buckets import buckets, on_host, tensor_bytes
 
         start, sent, expected = time.perf_counter(), 0, {}
+        alive, failed = list(range(len(engines))), []
         stream = on_host(iter_hf_weights(self.actor.model, self.hf, dst=0), TORCH_DTYPES[dtype] if dtype else None)
         for bucket in buckets(stream, bucket_bytes):
             if verify:
                 expected.update((name, fingerprint(tensor)) for name, tensor in bucket)
             ref = ray.put(bucket)
-            ray.get([engine.update_weights.remote(ref) for engine in engines])
+            replies = [(i, engines[i].update_weights.remote(ref)) for i in alive]
+            for i, reply in replies:
+                try:
+                    ray.get(reply)
+                except ray.exceptions.RayActorError:
+                    alive.remove(i)
+                    failed.append(i)
             sent += sum(tensor_bytes(t) for _, t in bucket)
-        return {"bytes": sent, "seconds": time.perf_counter() - start, "fingerprints": expected}
+        return {"bytes": sent, "seconds": time.perf_counter() - start, "fingerprints": expected, "failed": failed}
 
     def shutdown(self) -> None:
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
+        self.actor.close()
         dist.destroy_process_group()
 
 
@@ -142,7 +133,7 @@ class EngineWorker:
     """One rollout engine, built from the experiment's ``rollout`` section."""
 
     def __init__(self, cfg, model_dir: str, index: int) -> None:
-        _quiet_worker_logs()
+        quiet_library_logs()
         capture = cfg.rollout.capture_routed_experts and cfg.hf_config().num_experts > 0
         self.engine = ENGINE_BUILDERS[cfg.rollout.engine](cfg, model_dir, index, capture)
 

@@ -52,6 +52,11 @@ class RolloutConfig:
     seed: int = 0
     threads_per_engine: int = 1  # torch threads of the embedded engine
     weight_bucket_mb: int = 512
+    # An engine that dies, or does not answer a generate call within generate_timeout_s (None:
+    # no limit), is replaced and its requests sent again; max_restarts per engine (on average)
+    # bounds the replacements of a run.
+    generate_timeout_s: float | None = None
+    max_restarts: int = 2
     hf: HFEngineOptions = field(default_factory=HFEngineOptions)
     sglang: dict[str, Any] = field(default_factory=dict)
     vllm: dict[str, Any] = field(default_factory=dict)  # keyword arguments of VLLMEngine
@@ -66,6 +71,10 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"rollout.top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.generate_timeout_s is not None and not self.generate_timeout_s > 0:
+            raise ValueError(f"rollout.generate_timeout_s must be > 0 (or null: no limit), got {self.generate_timeout_s}")
+        if self.max_restarts < 0:
+            raise ValueError(f"rollout.max_restarts must be >= 0, got {self.max_restarts}")
 
     @property
     def sync_dtype(self) -> WeightDtype | None:

@@ -20,7 +20,6 @@ from bpo_megatron.rollout.types import EngineHealth, GenerationRequest, Sample
 @dataclass(frozen=True)
 class EngineCapabilities:
     captures_routing: bool  # can return routed experts per processed token (R3)
-    updates_weights_in_place: bool
 
 
 class RolloutEngine(abc.ABC):

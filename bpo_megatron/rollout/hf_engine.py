@@ -81,8 +81,7 @@ class HFEngine(RolloutEngine):
                                         num_experts=model.config.num_experts)
                          if capture_routing and routers else None)
         self.num_moe_layers = len(routers)
-        self.capabilities = EngineCapabilities(captures_routing=self._capture is not None,
-                                               updates_weights_in_place=True)
+        self.capabilities = EngineCapabilities(captures_routing=self._capture is not None)
         self._paused = False
         self._lock = threading.Lock()  # generate and update_weights never interleave
 

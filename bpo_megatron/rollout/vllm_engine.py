@@ -216,7 +216,7 @@ class VLLMEngine(RolloutEngine):
         self.cfg = cfg
         self.num_moe_layers = len(hf.moe_layers) if capture else None
         self.topk = hf.num_experts_per_tok if capture else None
-        self.capabilities = EngineCapabilities(captures_routing=capture, updates_weights_in_place=True)
+        self.capabilities = EngineCapabilities(captures_routing=capture)
         self._vllm = _import_vllm()
         self._llm = self._vllm.LLM(**cfg.llm_kwargs())
         self._paused = False

@@ -186,10 +186,11 @@ class TrainActor:
         return str(checkpoint.save(root, self.step if step is None else step, self.model, self.optimizer,
                                    state, layout=self._layout(), keep_last=keep_last))
 
-    def load(self, path: str, *, load_optimizer: bool = True) -> dict[str, Any]:
-        """Load a checkpoint saved under any layout; returns its trainer state."""
+    def load(self, path: str, *, load_optimizer: bool = True, verify: bool = True) -> dict[str, Any]:
+        """Load a checkpoint saved under any layout; returns its trainer state. ``verify``
+        checks its files against the checksums written at save (split over the ranks) first."""
         meta = checkpoint.load(path, self.model, self.optimizer if load_optimizer else None,
-                               layout=self._layout())
+                               layout=self._layout(), verify=verify)
         self.step = int(meta.get("actor_step", meta["step"]))
         return meta
 
@@ -206,6 +207,14 @@ class TrainActor:
         reload = getattr(self.optimizer, "reload_model_params", None)
         if reload is not None:
             reload()
+
+    def close(self) -> None:
+        """Release Megatron's process groups (the ``torch.distributed`` world stays: its owner
+        created it). The actor is unusable afterwards; another may be built in this world."""
+        from megatron.core import parallel_state
+
+        self.replay = None
+        parallel_state.destroy_model_parallel()
 
     # ------------------------------------------------------------------------------ internals
     def _layout(self) -> dict[str, int]:

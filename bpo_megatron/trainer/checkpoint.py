@@ -6,12 +6,15 @@ Layout under a checkpoint root::
     root/step-00000012/          Megatron dist_checkpointing of {"model", "optimizer"}
         trainer_state.json       step, data cursor and anything else the caller passes
         rng/rank-00003.pt        this rank's RNG states (restored only under the same layout)
+        checksums.json           size and SHA-256 of every other file
     root/.partial-step-00000013  a save in progress; never read
 
 A save writes into the ``.partial-`` directory, renames it into place and only then moves the
 ``latest`` marker (write to a temporary file, fsync, ``os.replace``), so a process killed at any
-point leaves the previous checkpoint loadable. Model and optimizer tensors are saved with their
-global shapes, so a checkpoint loads under a different TP/EP/PP layout.
+point leaves the previous checkpoint loadable. The newest step directory is the checkpoint of a
+root, whatever ``latest`` says; a damaged one (checksums, torn state) is refused by name, never
+skipped. Model and optimizer tensors are saved with their global shapes, so a checkpoint loads
+under a different TP/EP/PP layout.
 """
 
 from __future__ import annotations
@@ -20,12 +23,16 @@ import json
 import os
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from bpo_megatron.trainer import integrity, optimizer_state
+from bpo_megatron.trainer.optimizer_state import OptimizerState
 
 LATEST = "latest"
 PARTIAL_PREFIX = ".partial-"
@@ -54,20 +61,88 @@ def _write_atomically(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
-def resolve(path: str | Path) -> Path:
-    """A checkpoint directory from a root (follows ``latest``) or from a step directory itself."""
+class DamagedCheckpoint(ValueError):
+    """The newest checkpoint is damaged; the message names what and the intact one before it."""
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The checkpoint a root resolves to (None: there is none yet) and what the user should
+    know about how it was found."""
+
+    path: Path | None
+    notes: tuple[str, ...] = ()
+
+
+def step_of(directory: Path) -> int | None:
+    name = directory.name
+    if not name.startswith("step-") or not name[5:].isdigit():
+        return None
+    return int(name[5:])
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """The step directories under ``root`` (saves in progress excluded), oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and step_of(p) is not None), key=step_of)
+
+
+def damage(directory: Path, *, verify: bool = True) -> list[str]:
+    """What makes a step directory unusable: its trainer state missing or torn, and (``verify``)
+    files that do not match the checksums written at save."""
+    state = directory / STATE_FILE
+    if not state.is_file():
+        return [f"{state} is missing"]
+    try:
+        json.loads(state.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return [f"{state} is damaged ({exc})"]
+    return integrity.problems(directory) if verify else []
+
+
+def select(path: str | Path, *, verify: bool = True) -> Selection:
+    """The checkpoint to load from ``path``: a step directory itself, or under a root the newest
+    step directory. ``latest`` only names it; when ``latest`` is missing or names something else
+    (a driver killed between the rename and the marker), the newest step directory is used and
+    a note says so. A damaged newest checkpoint raises :class:`DamagedCheckpoint` naming the
+    damage and the newest intact checkpoint before it — never a silent fallback or fresh start.
+    """
     path = Path(path)
-    if (path / LATEST).is_file():
-        name = (path / LATEST).read_text().strip()
-        target = path / name
-        if not (target / STATE_FILE).is_file():
-            raise FileNotFoundError(f"{path / LATEST} names {name!r}, which is not a complete checkpoint")
-        return target
-    if (path / STATE_FILE).is_file():
-        return path
-    raise FileNotFoundError(
-        f"no checkpoint at {path}: expected a '{LATEST}' marker or a step directory with {STATE_FILE}"
-    )
+    if step_of(path) is not None or (path / STATE_FILE).is_file():
+        problems = damage(path, verify=verify)
+        if problems:
+            raise DamagedCheckpoint(f"checkpoint {path} is damaged:\n  " + "\n  ".join(problems))
+        return Selection(path)
+    candidates = step_dirs(path)
+    if not candidates:
+        return Selection(None)
+    newest = candidates[-1]
+    notes = []
+    marker = path / LATEST
+    named = marker.read_text().strip() if marker.is_file() else None
+    if named is None:
+        notes.append(f"{marker} is missing; the newest checkpoint, {newest.name}, is used")
+    elif named != newest.name:
+        notes.append(f"{marker} names {named!r} but the newest checkpoint is {newest.name}, which is used")
+    problems = damage(newest, verify=verify)
+    if problems:
+        intact = next((c for c in reversed(candidates[:-1]) if not damage(c, verify=verify)), None)
+        way_out = (f"the checkpoint before it, {intact.name}, is intact: move {newest.name} aside "
+                   f"(mv {newest} {path / ('damaged-' + newest.name)}) to resume from {intact.name}"
+                   if intact else "no earlier checkpoint is intact: restore it from a copy, or start a new run")
+        raise DamagedCheckpoint(f"checkpoint {newest} is damaged:\n  " + "\n  ".join(problems) + f"\n{way_out}")
+    return Selection(newest, tuple(notes))
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint directory from a root (its newest checkpoint) or from a step directory
+    itself (structure only; :func:`select` also verifies the checksums)."""
+    chosen = select(path, verify=False).path
+    if chosen is None:
+        raise FileNotFoundError(f"no checkpoint at {path}: expected step directories holding {STATE_FILE}, "
+                                f"or such a step directory itself")
+    return chosen
 
 
 def latest_step(root: str | Path) -> int | None:
@@ -98,18 +173,19 @@ def _restore_rng(state: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _has_state(optimizer) -> bool:
-    """Whether the optimizer has taken a step (a fresh one has no Adam moments to save)."""
-    inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    return any(len(opt.optimizer.state) for opt in inner)
-
-
-def _sharded_state(model: torch.nn.Module, optimizer, *, is_loading: bool) -> dict[str, Any]:
+def _sharded_state(model: torch.nn.Module, optimizer, *, is_loading: bool
+                   ) -> tuple[dict[str, Any], OptimizerState | None]:
     model_state = model.sharded_state_dict(prefix="")
-    state = {"model": model_state}
+    state: dict[str, Any] = {"model": model_state}
+    optimizer_part = None
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading)
-    return state
+        optimizer_part = OptimizerState(optimizer, model_state, is_loading=is_loading)
+        state["optimizer"] = optimizer_part.sharded
+    return state, optimizer_part
+
+
+def _optimizer_format(optimizer) -> str:
+    return "per-parameter" if optimizer_state.per_parameter(optimizer) else "megatron"
 
 
 def save(root: str | Path, step: int, model: torch.nn.Module, optimizer, trainer_state: dict[str, Any],
@@ -118,7 +194,7 @@ def save(root: str | Path, step: int, model: torch.nn.Module, optimizer, trainer
     from megatron.core import dist_checkpointing
 
     root = Path(root)
-    if optimizer is not None and not _has_state(optimizer):
+    if optimizer is not None and not optimizer_state.has_state(optimizer):
         optimizer = None  # before the first step there is nothing but the model to save
     final = root / step_dir_name(step)
     partial = root / f"{PARTIAL_PREFIX}{final.name}"
@@ -129,13 +205,18 @@ def save(root: str | Path, step: int, model: torch.nn.Module, optimizer, trainer
             shutil.rmtree(stale, ignore_errors=True)
         partial.mkdir()
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(partial))
+    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False)[0], str(partial))
     (partial / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), partial / "rng" / f"rank-{rank:05d}.pt")
     if rank == 0:
         meta = {"step": step, "layout": layout, "world_size": dist.get_world_size(),
                 "optimizer_state": optimizer is not None, **trainer_state}
+        if optimizer is not None:
+            meta["optimizer_format"] = _optimizer_format(optimizer)
+            meta["optimizer_parts"] = len(optimizer_state.inner_optimizers(optimizer))
         _write_atomically(partial / STATE_FILE, json.dumps(meta, indent=2, sort_keys=True))
+    dist.barrier()
+    _write_checksums(partial, rank, dist.get_world_size())
     dist.barrier()
     if rank == 0:
         if final.exists():  # re-saving a step: the old copy goes only once the new one is whole
@@ -149,14 +230,54 @@ def save(root: str | Path, step: int, model: torch.nn.Module, optimizer, trainer
     return final
 
 
+def _write_checksums(directory: Path, rank: int, world_size: int) -> None:
+    """Every rank hashes its share of the files; rank 0 writes the manifest (before the rename,
+    so a checkpoint in place always has one)."""
+    names = integrity.files_of(directory)
+    share = integrity.digests(directory, names[rank::world_size])
+    shares: list = [None] * world_size
+    dist.all_gather_object(shares, share)
+    if rank == 0:
+        integrity.write_manifest(directory, {k: v for part in shares for k, v in part.items()})
+
+
 def _prune(root: Path, keep_last: int) -> None:
-    steps = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file())
-    for old in steps[:-keep_last]:
+    """Keep the ``keep_last`` newest complete checkpoints, by step number."""
+    complete = [p for p in step_dirs(root) if (p / STATE_FILE).is_file()]
+    for old in complete[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load(path: str | Path, model: torch.nn.Module, optimizer, *, layout: dict[str, int]) -> dict[str, Any]:
+def _verify_collectively(directory: Path) -> None:
+    """Each rank checks its share of the files against the checksums; any damage anywhere
+    raises :class:`DamagedCheckpoint` on every rank (none starts loading a damaged checkpoint)."""
+    found = integrity.problems(directory, share=(dist.get_rank(), dist.get_world_size()))
+    everything: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, found)
+    problems = [p for part in everything for p in part]
+    if problems:
+        raise DamagedCheckpoint(f"checkpoint {directory} is damaged:\n  " + "\n  ".join(problems))
+
+
+def _check_optimizer_format(directory: Path, meta: dict[str, Any], optimizer) -> None:
+    """A checkpoint's optimizer state must be one this optimizer reads (see
+    :mod:`bpo_megatron.trainer.optimizer_state`)."""
+    saved, current = meta.get("optimizer_format", "megatron"), _optimizer_format(optimizer)
+    if saved != current:
+        raise ValueError(f"{directory} holds {saved} optimizer state, which this {current} optimizer does not "
+                         "read (a checkpoint of the CPU path loads on the CPU path, one of the GPU path on GPUs); "
+                         "load it without the optimizer state (load_optimizer=False) to continue from its weights")
+    parts = len(optimizer_state.inner_optimizers(optimizer))
+    if saved == "megatron" and meta.get("optimizer_parts", parts) != parts:
+        raise ValueError(f"{directory} was saved by an optimizer of {meta['optimizer_parts']} parts (dense and expert "
+                         f"parameters apart or together: expert parallelism on or off) and this one has {parts}; "
+                         "resume with expert parallelism as it was saved (parallel.ep = 1, or > 1)")
+
+
+def load(path: str | Path, model: torch.nn.Module, optimizer, *, layout: dict[str, int],
+         verify: bool = True) -> dict[str, Any]:
     """Collectively load a checkpoint (resharding to this layout); returns the trainer state.
+    ``verify``: check the files against the checksums written at save first.
 
     RNG states are restored only when the layout is the one that saved them (otherwise each rank
     keeps the RNG it was seeded with; training uses no dropout, so results do not depend on it).
@@ -164,13 +285,18 @@ def load(path: str | Path, model: torch.nn.Module, optimizer, *, layout: dict[st
     from megatron.core import dist_checkpointing
 
     directory = resolve(path)
+    if verify:
+        _verify_collectively(directory)
     meta = json.loads((directory / STATE_FILE).read_text())
     if not meta.get("optimizer_state", False):
         optimizer = None  # saved before the first step: a fresh optimizer is the right state
-    state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(directory))
-    model.load_state_dict(state["model"], strict=True)
     if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        _check_optimizer_format(directory, meta, optimizer)
+    sharded, optimizer_part = _sharded_state(model, optimizer, is_loading=True)
+    state = dist_checkpointing.load(sharded, str(directory))
+    model.load_state_dict(state["model"], strict=True)
+    if optimizer_part is not None:
+        optimizer_part.restore(state["optimizer"])
     same_layout = meta.get("layout") == layout and meta.get("world_size") == dist.get_world_size()
     rng_file = directory / "rng" / f"rank-{dist.get_rank():05d}.pt"
     if same_layout and rng_file.is_file():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
@@ -29,8 +28,7 @@ class SGLangEngine(RolloutEngine):
             raise ValueError("capturing routed experts needs the model's number of MoE layers and top-k")
         self.cfg = cfg
         self.num_moe_layers, self.topk = num_moe_layers, topk
-        self.capabilities = EngineCapabilities(captures_routing=cfg.capture_routed_experts,
-                                               updates_weights_in_place=True)
+        self.capabilities = EngineCapabilities(captures_routing=cfg.capture_routed_experts)
         self.server = None if cfg.url else ServerProcess(cfg)
         self.weight_sender: DistributedWeightSender | None = None
         self._paused = False
@@ -114,7 +112,7 @@ class SGLangEngine(RolloutEngine):
         reply.result()
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        start, sent = time.perf_counter(), 0
+        sent = 0
         for bucket in buckets(named_tensors, self.cfg.weight_bucket_bytes):
             if self.cfg.weight_sync == "tensor":
                 self._post("update_weights_from_tensor", tensor_update_body(bucket, self.cfg.tp_size))
@@ -127,7 +125,6 @@ class SGLangEngine(RolloutEngine):
                 reply.result()
             sent += sum(tensor_bytes(t) for _, t in bucket)
         self._post("flush_cache", {})  # no KV computed with the old weights may be reused
-        self.last_sync_seconds = time.perf_counter() - start
         return sent
 
     # ------------------------------------------------------------------------------- control

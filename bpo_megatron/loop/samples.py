@@ -1,4 +1,4 @@
-"""From generated samples to training samples: decode, reward, group-normalise."""
+"""From scored samples to training samples: group-normalised advantages and response statistics."""
 
 from __future__ import annotations
 
@@ -7,16 +7,6 @@ import torch
 from bpo_megatron.algo import group_advantages
 from bpo_megatron.rollout import Sample
 from bpo_megatron.trainer.samples import TrainSample
-
-
-def response_texts(samples: list[Sample], tokenizer) -> list[str]:
-    eos = set(tokenizer.eos_token_ids)
-    return [tokenizer.decode([t for t in s.response_tokens.tolist() if t not in eos]) for s in samples]
-
-
-def score(samples: list[Sample], answers: list[str], tokenizer, reward_fn) -> torch.Tensor:
-    """Rewards in sample order (``answers`` holds one answer per sample)."""
-    return torch.tensor(reward_fn(response_texts(samples, tokenizer), answers), dtype=torch.float32)
 
 
 def training_samples(samples: list[Sample], rewards: torch.Tensor, group_size: int, *,

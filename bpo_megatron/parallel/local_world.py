@@ -1,6 +1,7 @@
 """Run a function on N local processes that form one gloo ``torch.distributed`` world.
 
-Used by the test suite and the benchmarks. Each rank is a fresh process (forkserver with torch
+Used by checkpoint conversion (a Megatron layout on one machine), the benchmarks and the test
+suite. Each rank is a fresh process (forkserver with torch
 preloaded, so a rank starts in well under a second), uses one torch thread, rendezvouses on
 127.0.0.1, and is torn down even when another rank fails or the world times out.
 """
@@ -20,7 +21,7 @@ from typing import Any, Callable
 # Imported once by the fork server, so each rank starts with them loaded (megatron-core alone takes
 # several seconds to import). A module that fails to import is skipped by the server.
 _PRELOAD = [
-    "bpo_megatron.testing._quiet_imports",
+    "bpo_megatron.parallel._quiet_imports",
     "torch",
     "torch.distributed",
     "megatron.core.models.gpt",

@@ -1,0 +1,153 @@
+"""Everything a run will read, checked before anything starts (no Ray, no model, nothing written).
+
+:func:`prepare` resolves a validated experiment into a :class:`RunPlan`: the tokenizer, the
+screened training prompts and evaluation sets, the checkpoint to resume from (intact, with an
+unchanged model) and what the run directory allows. Refused input raises
+:class:`~bpo_megatron.loop.run_dir.RunRefused` naming the file, line or setting and the fix;
+``bpo-megatron train|eval|compare --check`` runs it alone.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bpo_megatron.data.problems import Rejected
+from bpo_megatron.data.tokenizer import load_tokenizer
+from bpo_megatron.eval.avg_at_k import EvalSet, load_eval_sets
+from bpo_megatron.loop.run_dir import (RunRefused, RunState, check_config_unchanged, check_model_unchanged,
+                                       check_unlocked, checkpoint_root, holds_a_run)
+from bpo_megatron.tasks.prompts import PromptFormat
+from bpo_megatron.tasks.stream import PromptStream
+from bpo_megatron.trainer import checkpoint
+
+
+@dataclass
+class RunPlan:
+    cfg: Any
+    tokenizer: Any
+    prompts: PromptStream
+    eval_sets: list[EvalSet]
+    state: RunState
+    checkpoint: str | None  # the checkpoint root to resume from; None starts fresh
+    changes: dict[str, tuple[Any, Any]]  # settings changed on resume (named by --override-resume)
+    notes: list[str] = field(default_factory=list)  # what the user should know before it runs
+
+    @property
+    def skipped(self) -> list[Rejected]:
+        return self.prompts.rejected + [r for s in self.eval_sets for r in s.rejected]
+
+
+def _refuse(exc: Exception) -> RunRefused:
+    return exc if isinstance(exc, RunRefused) else RunRefused(str(exc))
+
+
+def prompt_format(cfg, tokenizer) -> PromptFormat:
+    return PromptFormat(tokenizer, cfg.data.template, cfg.data.max_prompt_tokens,
+                        with_answers=cfg.train.sft_warmup_steps > 0)
+
+
+def load_run_tokenizer(cfg, hf):
+    """The run's tokenizer, whose every id must be a row of the model's embedding."""
+    spec = cfg.model.tokenizer or cfg.model.path
+    try:
+        tokenizer = load_tokenizer(spec)
+    except (OSError, ValueError) as exc:
+        raise RunRefused(f"model.tokenizer={spec!r} cannot be loaded: {exc}") from exc
+    if tokenizer.vocab_size > hf.vocab_size:
+        raise RunRefused(f"the tokenizer ({spec}) has {tokenizer.vocab_size} tokens but the model's vocabulary "
+                         f"(vocab_size in {cfg.model.path}) has {hf.vocab_size}: token ids past it have no "
+                         "embedding; use the model's own tokenizer (model.tokenizer)")
+    return tokenizer
+
+
+def load_data(cfg, tokenizer, *, cursor: int = 0) -> tuple[PromptStream, list[EvalSet]]:
+    fmt = prompt_format(cfg, tokenizer)
+    skip_bad = cfg.data.on_bad_record == "skip"
+    try:
+        prompts = PromptStream(cfg.data.train, cfg.data.root, fmt, seed=cfg.data.seed, cursor=cursor,
+                               fields=cfg.data.fields, skip_bad=skip_bad)
+        prompts.check_first_epoch()
+    except (OSError, ValueError, RuntimeError) as exc:
+        message = str(exc)
+        raise RunRefused(message if message.startswith("data.") else f"data.train={cfg.data.train!r}: {message}") from exc
+    eval_sets = []
+    if cfg.eval.every:
+        try:
+            eval_sets = load_eval_sets(cfg.eval, cfg.data.root, fmt, skip_bad=skip_bad)
+        except (OSError, ValueError) as exc:
+            raise _refuse(exc) from exc
+    return prompts, eval_sets
+
+
+def resume_point(cfg, hf) -> tuple[RunState, str | None, list[str]]:
+    """The state and checkpoint a resumed run starts from (intact, same model), with notes."""
+    root = checkpoint_root(cfg)
+    try:
+        chosen = checkpoint.select(root)
+    except checkpoint.DamagedCheckpoint as exc:
+        raise RunRefused(str(exc)) from exc
+    if chosen.path is None:
+        return RunState(), None, chosen.notes
+    meta = json.loads((chosen.path / checkpoint.STATE_FILE).read_text())
+    if "hf_config" in meta:
+        from bpo_megatron.models import HFModelConfig
+
+        check_model_unchanged(hf, HFModelConfig.load(meta["hf_config"]), what=f"the one {chosen.path} was trained with",
+                              model_path=cfg.model.path)
+    return RunState.from_checkpoint(meta), str(root), chosen.notes
+
+
+def check_initial_weights(cfg, hf) -> None:
+    """A ``model.init: random`` run's engines start from ``initial_hf``: it must be this model."""
+    initial = cfg.run_dir / "initial_hf" / "config.json"
+    if cfg.model.init == "random" and initial.is_file():
+        from bpo_megatron.models import HFModelConfig
+
+        check_model_unchanged(hf, HFModelConfig.load(initial), what=f"the run's initial weights ({initial.parent})",
+                              model_path=cfg.model.path)
+
+
+def prepare(cfg, *, override_resume: tuple[str, ...] = ()) -> RunPlan:
+    """Check everything the run will read; refuse with :class:`RunRefused` (nothing written)."""
+    run_dir = Path(cfg.run_dir)
+    hf = cfg.hf_config()
+    check_unlocked(run_dir)
+    occupied = holds_a_run(run_dir)
+    if occupied and not cfg.checkpoint.resume:
+        raise RunRefused(
+            f"{run_dir} already holds a run and checkpoint.resume=false would mix a new run into it; choose "
+            "another name (name=... or logging.run_dir=...), delete the directory, or resume it")
+    changes = check_config_unchanged(cfg, run_dir, tuple(override_resume)) if occupied else {}
+    if occupied:
+        check_initial_weights(cfg, hf)
+    state, resume_from, notes = resume_point(cfg, hf) if occupied else (RunState(), None, [])
+    tokenizer = load_run_tokenizer(cfg, hf)
+    prompts, eval_sets = load_data(cfg, tokenizer, cursor=state.data_cursor)
+    if prompts.rejected:
+        notes.append(f"data.on_bad_record=skip: {len(prompts.rejected)} training records left out "
+                     f"(first: {prompts.rejected[0]})")
+    for eval_set in eval_sets:
+        if eval_set.rejected:
+            notes.append(f"data.on_bad_record=skip: {len(eval_set.rejected)} questions of {eval_set.name} left out "
+                         f"(first: {eval_set.rejected[0]})")
+    return RunPlan(cfg, tokenizer, prompts, eval_sets, state, resume_from, changes, notes)
+
+
+def summary(plan: RunPlan) -> str:
+    """What ``--check`` prints: what the run would do."""
+    cfg = plan.cfg
+    lines = [f"config ok: {cfg.name} -> {cfg.run_dir}"]
+    if plan.checkpoint:
+        lines.append(f"resumes from step {plan.state.step} ({plan.checkpoint})")
+    else:
+        lines.append("starts a new run")
+    lines.append(f"training prompts: {plan.prompts.describe()}")
+    for eval_set in plan.eval_sets:
+        lines.append(f"eval set {eval_set.name}: {len(eval_set.prompts)} questions")
+    for key, (old, new) in plan.changes.items():
+        lines.append(f"changed on resume: {key}: {old!r} -> {new!r}")
+    lines.extend(f"note: {note}" for note in plan.notes)
+    return "\n".join(lines)

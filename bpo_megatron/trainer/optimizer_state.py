@@ -1,0 +1,92 @@
+"""The optimizer's state in a checkpoint: per parameter, whatever the layout.
+
+Megatron-Core's ``ChainedOptimizer`` holds one inner optimizer per parameter kind, and the kinds
+depend on the layout: with expert parallelism the expert weights get their own optimizer (and
+grad-norm group), without it they share the dense one. Its own sharded state dict is keyed by
+inner optimizer and by position within it (``chained_1.…`` and parameter indices), so a
+checkpoint written at EP=2 has no entry an EP=1 optimizer asks for (a ``KeyError`` on load).
+
+For the fp32 optimizer (the CPU path) this module instead names every moment after the
+parameter it belongs to (``optimizer.state.exp_avg.<the parameter's checkpoint key>``), with the
+parameter's own sharding, and keeps one step count. Any layout then loads it: each rank asks for
+the slices of the parameters it holds. Hyper-parameters are not part of the state: they come from
+the run's config (a resumed run with ``--override-resume optimizer.lr`` gets the new rate).
+
+The mixed-precision and distributed optimizers of the GPU path keep Megatron's own format; it
+reshards across TP, PP and DP, and across EP as long as expert parallelism stays on or stays
+off (the number of inner optimizers is recorded and a change is refused by name).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def inner_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def has_state(optimizer) -> bool:
+    """Whether the optimizer has taken a step (a fresh one has no Adam moments to save)."""
+    return any(len(inner.optimizer.state) for inner in inner_optimizers(optimizer))
+
+
+def per_parameter(optimizer) -> bool:
+    """Whether the state can be stored per parameter: fp32 optimizers whose state is keyed by
+    the model's own parameters (not by sharded fp32 master copies)."""
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+
+    return all(isinstance(inner, FP32Optimizer) for inner in inner_optimizers(optimizer))
+
+
+class OptimizerState:
+    """The sharded state dict of ``optimizer`` against ``model_state`` (the model's sharded
+    state dict), for saving, or for loading followed by :meth:`restore`."""
+
+    def __init__(self, optimizer, model_state: dict, *, is_loading: bool) -> None:
+        from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
+                                                                make_sharded_optimizer_tensor)
+
+        self.optimizer = optimizer
+        self.per_parameter = per_parameter(optimizer)
+        self._targets: dict[str, torch.Tensor] = {}
+        self._params: list[dict] = []
+        if not self.per_parameter:
+            self.sharded = optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+            return
+        tensors = {}
+        step: Any = 0
+        for inner in inner_optimizers(optimizer):
+            if is_loading:
+                inner.init_state_fn(inner.optimizer, inner.config)  # zero moments to load into
+            params = list(inner.get_parameters())
+            sharded_params = get_param_id_to_sharded_param_map(model_state, params)
+            for index, param in enumerate(params):
+                state = inner.optimizer.state[param]
+                self._params.append(state)
+                step = state.get("step", step)
+                for moment in MOMENTS:
+                    # The checkpoint key (and the slice of it) is the parameter's; the entry's name
+                    # here is only local: a rank holding several experts has several slices of
+                    # one expert key.
+                    entry = str(len(tensors))
+                    tensors[entry] = make_sharded_optimizer_tensor(sharded_params[index], state[moment],
+                                                                   prefix=f"optimizer.state.{moment}")
+                    self._targets[entry] = state[moment]
+        # Adam's step is the same for every parameter (one update moves them all)
+        self.sharded = {"moments": tensors, "step": step}
+
+    def restore(self, loaded: dict) -> None:
+        """Put what ``dist_checkpointing.load`` returned for :attr:`sharded` into the optimizer."""
+        if not self.per_parameter:
+            self.optimizer.load_state_dict(loaded)
+            return
+        for key, target in self._targets.items():
+            target.copy_(loaded["moments"][key])
+        step = loaded["step"]
+        for state in self._params:
+            state["step"] = step.clone() if isinstance(step, torch.Tensor) else torch.tensor(float(step))

@@ -1,0 +1,61 @@
+"""Fixtures shared by the test suite.
+
+* ``ray_session``: one embedded Ray for the whole session (starting one takes ~20 s here),
+  bound to loopback, never joining a cluster this machine may know of. A loop run inside it
+  leaves it running (``run`` stops only a Ray it started itself).
+* ``small_run``: the CPU demo experiment cut to a few small steps, in a given run directory.
+* Megatron-Core's import-time warnings (apex and transformer-engine absent on CPU) are
+  silenced once here; gloo ranks silence them in their fork server
+  (``bpo_megatron.parallel.local_world``).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "configs" / "tiny_moe_cpu.yaml"
+
+# The demo at the smallest size that still runs every phase: warm start, rollout, R3 training,
+# weight sync with verification, evaluation and a checkpoint at every step.
+SMALL_RUN = ("train.prompts_per_step=4", "rollout.group_size=4", "train.minibatches_per_step=2",
+             "train.micro_batch_size=4", "train.sft_warmup_steps=2", "train.sft_batch_size=8", "eval.every=1",
+             "eval.limit=8", "eval.k=2", "checkpoint.every=1", "checkpoint.keep_last=2",
+             "train.verify_weight_sync=true", "logging.tensorboard=false")
+
+logging.getLogger("megatron").setLevel(logging.ERROR)
+
+
+def pytest_configure(config) -> None:
+    # pytest resets warning filters around every test; these are applied to each
+    config.addinivalue_line("filterwarnings", r"ignore::UserWarning:megatron\.")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    pytest.importorskip("ray")
+    from bpo_megatron.orchestration.cluster import start_ray, stop_ray
+    from bpo_megatron.orchestration.config import ClusterConfig
+
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("RAY_ADDRESS", raising=False)
+        env.setenv("RAY_AUTH_MODE", "disabled")
+        start_ray(ClusterConfig(object_store_mb=384), cpus_needed=4)
+        try:
+            yield
+        finally:
+            stop_ray()
+
+
+@pytest.fixture
+def small_run():
+    """``small_run(run_dir, *overrides)``: the few-step demo experiment writing into ``run_dir``."""
+    from bpo_megatron.experiment import load_experiment
+
+    def config(run_dir: Path, *overrides: str):
+        return load_experiment(DEMO, [*SMALL_RUN, f"logging.run_dir={run_dir}", *overrides])
+
+    return config
