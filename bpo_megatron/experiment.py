@@ -62,25 +62,16 @@ class ExperimentConfig:
         return HFModelConfig.load(self.model.path)
 
 
+# Settings given relative to the config file that sets them (e.g. ``model.path: models/tiny``).
+RELATIVE_PATHS = ("model.path", "model.tokenizer")
+
+
 def load_experiment(path: str | Path | None, overrides: list[str] = (), *, check_model: bool = True) -> ExperimentConfig:
     """Read a YAML experiment (or only defaults with ``path=None``), apply overrides, validate."""
-    data = load_yaml(path) if path is not None else {}
-    if path is not None:
-        _resolve_relative_paths(data, Path(path).parent)
+    data = load_yaml(path, relative_paths=RELATIVE_PATHS) if path is not None else {}
     cfg = build(ExperimentConfig, apply_overrides(data, list(overrides)))
     validate(cfg, check_model=check_model)
     return cfg
-
-
-def _resolve_relative_paths(data: dict, base: Path) -> None:
-    """``model.path`` given relative to the config file (e.g. ``models/tiny``) works from anywhere."""
-    model = data.get("model") or {}
-    for key in ("path", "tokenizer"):
-        value = model.get(key)
-        if isinstance(value, str) and value and value != "char" and not Path(value).is_absolute():
-            candidate = base / value
-            if candidate.exists():
-                model[key] = str(candidate)
 
 
 def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
@@ -143,13 +134,3 @@ def _check_context_budget(cfg: ExperimentConfig, hf: HFModelConfig) -> None:
                 f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + {setting}={new_tokens} = "
                 f"{cfg.data.max_prompt_tokens + new_tokens} tokens exceed the model's max_position_embeddings="
                 f"{hf.max_position_embeddings} (model.path={cfg.model.path}); lower them")
-
-
-def save_resolved(cfg: ExperimentConfig, run_dir: str | Path) -> Path:
-    """Write the fully resolved config next to the run's outputs."""
-    import yaml
-
-    path = Path(run_dir) / "config.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    return path

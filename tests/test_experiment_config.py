@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from bpo_megatron.config import ConfigError
-from bpo_megatron.experiment import load_experiment, save_resolved
+from bpo_megatron.experiment import load_experiment
+from bpo_megatron.loop.run_dir import record_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "tiny_moe_cpu.yaml"
@@ -33,10 +34,17 @@ def test_overrides_are_typed():
 
 
 def test_resolved_config_round_trips(tmp_path):
+    """The recorded config loads back as the same experiment; its paths are recorded absolute, so
+    it also works from another working directory."""
+    import dataclasses
+
     cfg = load_experiment(DEMO, ["loss.name=cispo"])
-    path = save_resolved(cfg, tmp_path)
+    path = record_config(cfg, tmp_path)
     again = load_experiment(path)
-    assert again == cfg
+    absolute = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, path=str(Path(cfg.model.path).resolve())),
+        data=dataclasses.replace(cfg.data, root=str(Path(cfg.data.root).resolve())))
+    assert again == absolute
 
 
 @pytest.mark.parametrize(
@@ -89,6 +97,19 @@ def test_malformed_override_and_file():
         load_experiment(DEMO, ["loss.name"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_experiment("/nowhere.yaml")
+
+
+def test_yaml_syntax_errors_name_the_file_line_or_override(tmp_path, capsys):
+    from bpo_megatron.cli import main
+
+    path = tmp_path / "broken.yaml"
+    path.write_text("name: x\ntrain:\n  steps: [1\n  seed: 2\n")
+    with pytest.raises(ConfigError, match=rf"{path}:4:7: not valid YAML: expected ',' or '\]', but got ':'"):
+        load_experiment(path)
+    with pytest.raises(ConfigError, match=r"override 'train.steps=\[1': not valid YAML: expected ',' or '\]'"):
+        load_experiment(DEMO, ["train.steps=[1"])
+    assert main(["train", str(path)]) == 2
+    assert capsys.readouterr().err.startswith(f"bpo-megatron train: {path}:4:7: not valid YAML")
 
 
 def test_a_yaml_that_is_not_a_mapping(tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bpo_megatron.config import to_dict
+from bpo_megatron.config import ConfigError, to_dict
 from bpo_megatron.experiment import load_experiment
 from bpo_megatron.launch import plan_batch
 from bpo_megatron.launch.settings import ExecutorSettings
@@ -96,5 +96,62 @@ def test_shipped_model_configs():
 def test_recipes_are_plain_yaml_without_unknown_keys():
     for path in RECIPES:
         data = yaml.safe_load(path.read_text())
-        assert set(data) <= {"name", "model", "parallel", "rollout", "loss", "optimizer", "train", "data", "eval",
-                             "checkpoint", "logging", "cluster"}
+        assert set(data) <= {"extends", "name", "model", "parallel", "rollout", "loss", "optimizer", "train", "data",
+                             "eval", "checkpoint", "logging", "cluster"}
+
+
+@pytest.mark.parametrize("baseline", BASELINES)
+def test_baseline_recipes_are_the_bpo_recipe_plus_their_loss(baseline):
+    data = yaml.safe_load((CONFIGS / f"qwen3_30b_a3b_{baseline}.yaml").read_text())
+    assert data == {"extends": MAIN.name, "name": f"qwen3_30b_a3b_{baseline}",
+                    "loss": {**BASELINES[baseline], "agg": "seq-mean-token-mean"}}
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_extends_chains_and_the_child_wins(tmp_path):
+    model = CONFIGS / "models" / "tiny_qwen3_moe"
+    _write(tmp_path / "base" / "models" / "m" / "config.json", (model / "config.json").read_text())
+    _write(tmp_path / "base" / "base.yaml", "name: base\nmodel: {path: models/m, init: random, tokenizer: char}\n"
+           "parallel: {tp: 1, ep: 2}\ncluster: {trainer_ranks: 2}\ntrain: {steps: 7, seed: 3}\n"
+           "eval: {every: 5, datasets: [procedural:add, procedural:max]}\n"
+           "rollout: {max_new_tokens: 4, group_size: 8}\ndata: {max_prompt_tokens: 16, train: procedural:add}\n")
+    _write(tmp_path / "mid.yaml", "extends: base/base.yaml\nname: mid\ntrain: {steps: 9}\n"
+           "eval: {datasets: [procedural:reverse]}\n")
+    child = _write(tmp_path / "deep" / "child.yaml", "extends: ../mid.yaml\nname: child\nloss: {name: cispo}\n")
+    cfg = load_experiment(child, ["train.seed=5"])
+    assert cfg.name == "child" and cfg.loss.name == "cispo"
+    assert (cfg.train.steps, cfg.train.seed) == (9, 5)  # mid's steps, the override's seed
+    assert cfg.eval.datasets == ("procedural:reverse",) and cfg.eval.every == 5  # a list replaces, a mapping merges
+    assert Path(cfg.model.path).resolve() == tmp_path / "base" / "models" / "m"  # relative to the file that set it
+    assert cfg.parallel.ep == 2 and cfg.hf_config().num_experts == 4
+
+
+def test_extends_errors_name_the_files(tmp_path):
+    missing = _write(tmp_path / "a.yaml", "extends: nowhere.yaml\nname: a\n")
+    with pytest.raises(ConfigError, match=r"config file .*nowhere.yaml does not exist \(extended by .*a.yaml\)"):
+        load_experiment(missing)
+    _write(tmp_path / "b.yaml", "extends: c.yaml\n")
+    _write(tmp_path / "c.yaml", "extends: b.yaml\n")
+    with pytest.raises(ConfigError, match=r"b.yaml: 'extends' makes a cycle: .*b.yaml -> .*c.yaml -> .*b.yaml"):
+        load_experiment(tmp_path / "b.yaml")
+    with pytest.raises(ConfigError, match=r"'extends' must name one YAML file, got \['x'\]"):
+        load_experiment(_write(tmp_path / "d.yaml", "extends: [x]\n"))
+
+
+def test_plan_and_launchers_see_the_parents_settings(tmp_path, capsys):
+    from bpo_megatron.cli import main
+
+    grpo = CONFIGS / "qwen3_30b_a3b_grpo.yaml"
+    assert main(["plan", str(grpo)]) == 0
+    report = capsys.readouterr().out
+    assert main(["plan", str(MAIN)]) == 0
+    main_report = capsys.readouterr().out
+    assert report.splitlines()[0] == "plan: qwen3_30b_a3b_grpo on 4 node(s) × 8 GPUs × 80 GB"
+    assert report.splitlines()[1:] == main_report.splitlines()[1:]  # the loss does not change the memory plan
+    batch = plan_batch(str(grpo), ["loss.eps_high=0.3,0.35"], ExecutorSettings())
+    assert [r.name for r in batch.runs] == ["qwen3_30b_a3b_grpo-eps_high-0.3", "qwen3_30b_a3b_grpo-eps_high-0.35"]

@@ -23,14 +23,64 @@ class ConfigError(ValueError):
     """A config key or value is wrong; the message names the dotted key and the fix."""
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
+def _parse(text: str, where: str) -> Any:
+    """YAML, or a ConfigError naming ``where`` (and the line:column of a file) and the problem."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None and not where.startswith("override") else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        context = getattr(exc, "context", None)
+        raise ConfigError(f"{where}{at}: not valid YAML: {problem}" + (f" ({context})" if context else "")) from None
+
+
+EXTENDS = "extends"
+
+
+def load_yaml(path: str | Path, *, relative_paths: tuple[str, ...] = (), _chain: tuple[Path, ...] = ()
+              ) -> dict[str, Any]:
+    """A YAML mapping of sections. ``extends: other.yaml`` (relative to this file) starts from that
+    file's mapping, then this file's keys win: mappings merge key by key, anything else (values,
+    lists, null) replaces. ``relative_paths``: dotted keys whose values, when they name an existing
+    path relative to the file that sets them, become paths that work from anywhere."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+        raise ConfigError(f"config file {path} does not exist" + (f" (extended by {_chain[-1]})" if _chain else ""))
+    if path.resolve() in _chain:
+        cycle = " -> ".join(str(p) for p in (*_chain, path.resolve()))
+        raise ConfigError(f"{path}: '{EXTENDS}' makes a cycle: {cycle}")
+    data = _parse(path.read_text(), str(path)) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
-    return data
+    _resolve_relative(data, path.parent, relative_paths)
+    parent = data.pop(EXTENDS, None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str) or not parent:
+        raise ConfigError(f"{path}: '{EXTENDS}' must name one YAML file, got {parent!r}")
+    base = load_yaml(path.parent / parent, relative_paths=relative_paths, _chain=(*_chain, path.resolve()))
+    return _merged(base, data)
+
+
+def _merged(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in child.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _resolve_relative(data: dict[str, Any], base: Path, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        *sections, name = key.split(".")
+        node: Any = data
+        for section in sections:
+            node = node.get(section) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            continue
+        value = node.get(name)
+        if isinstance(value, str) and value and not Path(value).is_absolute() and (base / value).exists():
+            node[name] = str(base / value)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -46,7 +96,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(child, dict):
                 raise ConfigError(f"override {override!r}: {part!r} is a value, not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        node[parts[-1]] = _parse(raw, f"override {override!r}") if raw.strip() else ""
     return data
 
 
