@@ -281,6 +281,9 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_offered(run_dir, cap
     assert code == 2
     assert f"{shard} does not match its checksum" in output
     assert "the checkpoint before it, step-00000002, is intact: move step-00000003 aside" in output
+    # so does an export to Hugging Face format, before any process starts
+    assert main(["convert", "mcore-to-hf", "--ckpt", str(run_dir / "checkpoints"), "--out", str(run_dir / "hf")]) == 2
+    assert f"{shard} does not match its checksum" in capsys.readouterr().err and not (run_dir / "hf").exists()
     # the trainer refuses it too, whoever loads it
     with pytest.raises(Exception, match=r"does not match its checksum"):
         run_gloo_world(_load_checkpoint, 1, str(run_dir / "checkpoints"), timeout=120)
@@ -302,3 +305,35 @@ def test_checksums_cover_every_file_of_a_checkpoint(saved_checkpoints):
     assert all(len(entry["sha256"]) == 64 and entry["bytes"] > 0 for entry in manifest.values())
     assert checkpoint.select(saved_checkpoints).path.name == "step-00000003"
 
+
+
+def test_a_truncated_safetensors_shard_is_named(tmp_path, capsys):
+    from bpo_megatron.testing.models import random_checkpoint
+
+    hf_dir = random_checkpoint(DEMO_MODEL, tmp_path / "hf", seed=0)
+    shard = hf_dir / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a copy cut short
+    assert main(["convert", "hf-to-mcore", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "ckpt")]) == 2
+    assert f"{shard} is not a complete safetensors file" in capsys.readouterr().err
+    code, output = _train(capsys, f"model.path={hf_dir}", "model.init=pretrained", f"logging.run_dir={tmp_path / 'run'}")
+    assert code == 2 and f"model.path={hf_dir}: {shard} is not a complete safetensors file" in output
+    assert not (tmp_path / "run").exists()
+
+
+def test_check_of_eval_and_compare_writes_nothing(tmp_path, capsys):
+    from bpo_megatron.testing.models import random_checkpoint
+
+    hf_dir = random_checkpoint(DEMO_MODEL, tmp_path / "hf", seed=0)
+    assert main(["eval", DEMO, "--hf-dir", str(hf_dir), "--check"]) == 0
+    assert capsys.readouterr().out.strip() == (f"config ok: would evaluate Hugging Face model {hf_dir} on "
+                                               "procedural:add (64 questions)")
+    out = tmp_path / "compare"
+    assert main(["compare", DEMO, "--losses", "bpo,grpo", "--seeds", "1", "--out", str(out), "--check"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if line.startswith("config ok")] == [
+        f"config ok: bpo-s1 -> {out / 'bpo-s1'}", f"config ok: grpo-s1 -> {out / 'grpo-s1'}"]
+    assert not out.exists()
+    # one bad variant refuses the whole comparison before its first run
+    assert main(["compare", DEMO, "--losses", "bpo", "--sweep", "loss.bpo_cap=0.5,2", "--seeds", "1",
+                 "--out", str(out)]) == 2
+    assert "bpo_cap must be >= 1" in capsys.readouterr().err and not out.exists()

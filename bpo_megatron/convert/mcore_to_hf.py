@@ -39,7 +39,10 @@ def checkpoint_hf_config(ckpt: str | Path,
     config itself. Raises ConfigMismatchError listing every field that differs."""
     from bpo_megatron.trainer import checkpoint
 
-    directory = checkpoint.resolve(ckpt)
+    directory = checkpoint.select(ckpt).path  # verified against its checksums: damage is named here
+    if directory is None:
+        raise FileNotFoundError(f"no checkpoint at {ckpt}: expected step directories holding {checkpoint.STATE_FILE}, "
+                                "or such a step directory itself")
     stored = json.loads((directory / checkpoint.STATE_FILE).read_text()).get("hf_config")
     given = None
     if hf_config is not None:
@@ -95,7 +98,8 @@ def _export_rank(directory: str, staging: str, parallel: ParallelConfig, raw: di
     hf = HFModelConfig.load(raw)
     # Any padding works: Megatron loads embedding rows padded for another TP size as well.
     model = build_model(hf, parallel, ModelOptions())
-    checkpoint.load(directory, model, None, layout=layout_record(parallel, dist.get_world_size()))
+    checkpoint.load(directory, model, None, layout=layout_record(parallel, dist.get_world_size()),
+                    verify=False)  # verified before the world started
     model.eval()
     writing = dist.get_rank() == 0
     writer = ShardedSafetensorsWriter(staging, max_shard_bytes) if writing else None

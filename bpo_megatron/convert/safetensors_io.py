@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -76,8 +76,13 @@ class HFWeightsReader:
 
     def _handle(self, file: str) -> Any:
         if file not in self._open:
-            self._open[file] = self._files.enter_context(
-                safe_open(str(self.directory / file), framework="pt"))
+            path = self.directory / file
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except SafetensorError as exc:
+                raise ValueError(f"{path} is not a complete safetensors file ({exc}); it is damaged or was cut "
+                                 "short while copied: copy it again") from exc
+            self._open[file] = self._files.enter_context(handle)
         return self._open[file]
 
     def file_of(self, name: str) -> str:
@@ -103,7 +108,10 @@ class HFWeightsReader:
         return self._handle(self.file_of(name)).get_slice(name)
 
     def check(self, expected: Mapping[str, tuple[int, ...]]) -> None:
-        """Raise one ValueError listing every missing tensor and every wrong shape."""
+        """Raise one ValueError listing every missing tensor and every wrong shape (a file that
+        cannot be read at all raises first, naming it)."""
+        for file in sorted(set(self.weight_map.values())):
+            self._handle(file)
         problems = []
         for name, shape in expected.items():
             try:

@@ -110,6 +110,19 @@ def check_initial_weights(cfg, hf) -> None:
                               model_path=cfg.model.path)
 
 
+def check_pretrained_weights(cfg, hf) -> None:
+    """A run that starts from ``model.path``'s weights: every file readable (not cut short) and
+    every tensor there with the shape its config.json implies."""
+    from bpo_megatron.convert.names import hf_tensor_shapes
+    from bpo_megatron.convert.safetensors_io import HFWeightsReader
+
+    try:
+        with HFWeightsReader(cfg.model.path) as reader:
+            reader.check(hf_tensor_shapes(hf))
+    except (OSError, ValueError) as exc:
+        raise RunRefused(f"model.path={cfg.model.path}: {exc}") from exc
+
+
 def prepare(cfg, *, override_resume: tuple[str, ...] = ()) -> RunPlan:
     """Check everything the run will read; refuse with :class:`RunRefused` (nothing written)."""
     run_dir = Path(cfg.run_dir)
@@ -124,6 +137,8 @@ def prepare(cfg, *, override_resume: tuple[str, ...] = ()) -> RunPlan:
     if occupied:
         check_initial_weights(cfg, hf)
     state, resume_from, notes = resume_point(cfg, hf) if occupied else (RunState(), None, [])
+    if resume_from is None and cfg.model.init == "pretrained":
+        check_pretrained_weights(cfg, hf)
     tokenizer = load_run_tokenizer(cfg, hf)
     prompts, eval_sets = load_data(cfg, tokenizer, cursor=state.data_cursor)
     if prompts.rejected:
