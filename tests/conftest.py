@@ -1,4 +1,11 @@
-"""Fixtures shared by the test suite.
+"""Fixtures shared by the test suite, and where the rest of the test kit lives.
+
+* The tests' one tiny MoE is ``tests/fixtures/tiny_qwen3_moe`` (head_dim ≠ hidden/heads and a
+  vocabulary that gives both TP=2 shards real tokens); ``tiny_gpt.py`` builds the same sizes as a
+  plain Megatron GPT. End-to-end tests run the CPU demo's own model instead.
+* Code that runs inside gloo ranks cannot use fixtures: ``train_helpers.py`` holds the one train
+  actor builder (``build_actor``) and sample maker; ``bpo_megatron.parallel.local_world`` starts
+  the ranks (one torch thread each, 127.0.0.1, a timeout, every process reaped).
 
 * ``ray_session``: one embedded Ray for the whole session (starting one takes ~20 s here),
   bound to loopback, never joining a cluster this machine may know of. A loop run inside it

@@ -7,6 +7,7 @@ MoE routing and dispatch, vocab-parallel embedding/output and every parallel lay
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,14 +20,17 @@ if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
-VOCAB_SIZE = 128
+# The sizes are the tests' one tiny MoE (tests/fixtures/tiny_qwen3_moe), built here as a plain
+# Megatron GPT (local spec, Megatron's own defaults) to test the CPU compat layer on its own.
+_TINY = json.loads((Path(__file__).resolve().parent / "fixtures" / "tiny_qwen3_moe" / "config.json").read_text())
+VOCAB_SIZE = _TINY["vocab_size"]
+NUM_LAYERS = _TINY["num_hidden_layers"]
+HIDDEN_SIZE = _TINY["hidden_size"]
+NUM_HEADS = _TINY["num_attention_heads"]
+NUM_EXPERTS = _TINY["num_experts"]
+TOPK = _TINY["num_experts_per_tok"]
 SEQ_LENGTH = 32
 MICRO_BATCH_SIZE = 2
-NUM_LAYERS = 2
-HIDDEN_SIZE = 64
-NUM_HEADS = 4
-NUM_EXPERTS = 4
-TOPK = 2
 SEED = 1234
 
 
@@ -86,10 +90,11 @@ def tiny_config(layout: Layout, *, routing_replay: bool = False) -> TransformerC
         num_layers=NUM_LAYERS,
         hidden_size=HIDDEN_SIZE,
         num_attention_heads=NUM_HEADS,
-        ffn_hidden_size=2 * HIDDEN_SIZE,
+        ffn_hidden_size=_TINY["intermediate_size"],
+        kv_channels=_TINY["head_dim"],
         num_moe_experts=NUM_EXPERTS,
         moe_router_topk=TOPK,
-        moe_ffn_hidden_size=HIDDEN_SIZE,
+        moe_ffn_hidden_size=_TINY["moe_intermediate_size"],
         moe_token_dispatcher_type=layout.dispatcher,
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=0.01,
