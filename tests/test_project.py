@@ -22,3 +22,108 @@ def test_ci_runs_the_readme_test_command_verbatim():
     test_command = _quick_start_commands()[1]
     ci_lines = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith("#")]
     assert ci_lines[-1] == test_command
+
+
+# ------------------------------------------------------------------------------ import graph
+PACKAGE = ROOT / "bpo_megatron"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """Project modules ``path`` imports anywhere (functions included), except under
+    ``if TYPE_CHECKING:``, which only type checkers run."""
+    import ast
+
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    class Visitor(ast.NodeVisitor):
+        def visit_If(self, node: ast.If) -> None:
+            if "TYPE_CHECKING" in ast.unparse(node.test):
+                for child in node.orelse:
+                    self.visit(child)
+                return
+            self.generic_visit(node)
+
+        def visit_Import(self, node: ast.Import) -> None:
+            found.update(alias.name for alias in node.names)
+
+        def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+
+    Visitor().visit(ast.parse(path.read_text()))
+    return {m for m in found if m in modules and m != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: _imports(path, set(files)) for name, path in files.items()}
+
+
+def _top(module: str) -> str:
+    parts = module.split(".")
+    return parts[1].removesuffix(".py") if len(parts) > 1 else "bpo_megatron"
+
+
+def _package_map() -> dict[str, set[str]]:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Package map", 1)[1].split("\n## ", 1)[0]
+    allowed = {}
+    for row in re.findall(r"^\| `(\w+)` \|[^|]*\| ([^|]*) \|$", section, flags=re.M):
+        allowed[row[0]] = set(re.findall(r"`(\w+)`", row[1]))
+    return allowed
+
+
+def test_packages_import_only_what_the_readme_map_allows():
+    allowed = _package_map()
+    packages = {_top(m) for m in _graph()} - {"bpo_megatron"}
+    assert packages == set(allowed), "the README's package map lists exactly the packages"
+    for module, imported in _graph().items():
+        for target in imported:
+            source, dest = _top(module), _top(target)
+            if "bpo_megatron" in (source, dest) or source == dest:
+                continue
+            assert dest in allowed[source], f"{module} imports {target}: not in the README's map for {source}"
+
+
+def test_evaluation_and_everything_below_never_import_the_loop():
+    allowed = _package_map()
+    below_eval = {"eval"}
+    while True:  # every package eval reaches
+        grown = below_eval | {d for p in below_eval for d in allowed[p]}
+        if grown == below_eval:
+            break
+        below_eval = grown
+    assert "loop" not in below_eval and "tasks" in below_eval
+    for module, imported in _graph().items():
+        if _top(module) in below_eval:
+            assert not any(_top(t) == "loop" for t in imported), module
+
+
+def test_no_import_cycle_between_modules():
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                cycle = path[path.index(target):] + [target] if target in path else [module, target]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
