@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bpo_megatron import platform
-from bpo_megatron.config import ConfigError, apply_overrides, build, load_yaml, to_dict
+from bpo_megatron.config import ConfigError, apply_overrides, build, load_yaml
 from bpo_megatron.data.config import DataConfig
 from bpo_megatron.eval.config import EvalConfig
 from bpo_megatron.losses import PolicyLossConfig

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bpo_megatron.data.problems import Rejected
 from bpo_megatron.data.tokenizer import load_tokenizer
 from bpo_megatron.eval.avg_at_k import EvalSet, load_eval_sets
 from bpo_megatron.loop.run_dir import (RunRefused, RunState, check_config_unchanged, check_model_unchanged,
@@ -34,14 +33,6 @@ class RunPlan:
     checkpoint: str | None  # the checkpoint root to resume from; None starts fresh
     changes: dict[str, tuple[Any, Any]]  # settings changed on resume (named by --override-resume)
     notes: list[str] = field(default_factory=list)  # what the user should know before it runs
-
-    @property
-    def skipped(self) -> list[Rejected]:
-        return self.prompts.rejected + [r for s in self.eval_sets for r in s.rejected]
-
-
-def _refuse(exc: Exception) -> RunRefused:
-    return exc if isinstance(exc, RunRefused) else RunRefused(str(exc))
 
 
 def prompt_format(cfg, tokenizer) -> PromptFormat:
@@ -78,7 +69,7 @@ def load_data(cfg, tokenizer, *, cursor: int = 0) -> tuple[PromptStream, list[Ev
         try:
             eval_sets = load_eval_sets(cfg.eval, cfg.data.root, fmt, skip_bad=skip_bad)
         except (OSError, ValueError) as exc:
-            raise _refuse(exc) from exc
+            raise RunRefused(str(exc)) from exc
     return prompts, eval_sets
 
 
@@ -90,14 +81,14 @@ def resume_point(cfg, hf) -> tuple[RunState, str | None, list[str]]:
     except checkpoint.DamagedCheckpoint as exc:
         raise RunRefused(str(exc)) from exc
     if chosen.path is None:
-        return RunState(), None, chosen.notes
+        return RunState(), None, list(chosen.notes)
     meta = json.loads((chosen.path / checkpoint.STATE_FILE).read_text())
     if "hf_config" in meta:
         from bpo_megatron.models import HFModelConfig
 
         check_model_unchanged(hf, HFModelConfig.load(meta["hf_config"]), what=f"the one {chosen.path} was trained with",
                               model_path=cfg.model.path)
-    return RunState.from_checkpoint(meta), str(root), chosen.notes
+    return RunState.from_checkpoint(meta), str(root), list(chosen.notes)
 
 
 def check_initial_weights(cfg, hf) -> None:
