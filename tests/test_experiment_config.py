@@ -34,17 +34,19 @@ def test_overrides_are_typed():
 
 
 def test_resolved_config_round_trips(tmp_path):
-    """The recorded config loads back as the same experiment; its paths are recorded absolute, so
-    it also works from another working directory."""
+    """The recorded config loads back as the same experiment; its paths (those that exist here)
+    are recorded absolute, so it also works from another working directory."""
     import dataclasses
+
+    def absolute(value: str) -> str:
+        return str(Path(value).resolve()) if Path(value).exists() else value
 
     cfg = load_experiment(DEMO, ["loss.name=cispo"])
     path = record_config(cfg, tmp_path)
     again = load_experiment(path)
-    absolute = dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, path=str(Path(cfg.model.path).resolve())),
-        data=dataclasses.replace(cfg.data, root=str(Path(cfg.data.root).resolve())))
-    assert again == absolute
+    assert Path(again.model.path).is_absolute()
+    assert again == dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=absolute(cfg.model.path)),
+                                        data=dataclasses.replace(cfg.data, root=absolute(cfg.data.root)))
 
 
 @pytest.mark.parametrize(
