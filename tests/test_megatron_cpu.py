@@ -196,10 +196,15 @@ def _cuda_present_rank() -> dict[str, Any]:
     before = _patch_targets()
     applied = compat.ensure_megatron_cpu_compat()
     after = _patch_targets()
+    fixed = compat.ensure_megatron_fixes()  # what initialize_parallel applies on every platform
+    after_fixes = _patch_targets()
     return {
         "needs_cpu_compat": compat.needs_cpu_compat(),
         "applied": applied,
         "changed": [name for name in before if before[name] is not after[name]],
+        "fixed": fixed,
+        "changed_by_fixes": [name for name in after if after[name] is not after_fixes[name]],
+        "te_general_gemm": after_fixes["moe_utils.te_general_gemm"],
     }
 
 
@@ -246,6 +251,9 @@ def test_compat_is_a_no_op_with_cuda() -> None:
     assert out["needs_cpu_compat"] is False
     assert out["applied"] == ()
     assert out["changed"] == []
+    # without transformer-engine the 0.16 router bug shows on GPUs too: only that is mended
+    assert out["fixed"] == ("define_te_general_gemm_without_te",)
+    assert out["changed_by_fixes"] == ["moe_utils.te_general_gemm"] and out["te_general_gemm"] is None
 
 
 def test_tensor_parallel_with_sequence_parallel_matches_single_rank(reference) -> None:

@@ -1,8 +1,9 @@
 """Run megatron-core 0.16.x on CPU over gloo.
 
 Megatron-Core's model code assumes CUDA in a handful of places (device queries, a side stream, the
-CUDA RNG, a few ``device="cuda"`` allocations) and has one bug that only shows without
-transformer-engine. On a machine without a GPU, :func:`ensure_megatron_cpu_compat` replaces exactly
+CUDA RNG, a few ``device="cuda"`` allocations) and has one bug that shows without
+transformer-engine on any platform (:func:`ensure_megatron_fixes` mends it, on GPUs too). On a
+machine without a GPU, :func:`ensure_megatron_cpu_compat` replaces exactly
 those spots with CPU equivalents by setting module attributes at runtime. Nothing on disk is
 modified and no environment variable is read or written; with CUDA present it does nothing.
 
@@ -90,6 +91,7 @@ def ensure_megatron_cpu_compat() -> tuple[str, ...]:
     if _done or not needs_cpu_compat():
         return applied_patches()
     _check_supported_version()
+    ensure_megatron_fixes()
     for patch in _PATCHES:
         if patch.name in _applied:  # applied by an earlier call that failed further on
             continue
@@ -97,6 +99,47 @@ def ensure_megatron_cpu_compat() -> tuple[str, ...]:
         _applied.append(patch.name)
     _done = True
     return applied_patches()
+
+
+_FIXES: list[CompatPatch] = []
+_fixed: list[str] = []
+
+
+def _fix(fn: Callable[[], None]) -> Callable[[], None]:
+    """Register ``fn`` as a fix of a megatron-core bug that shows on every platform."""
+    _FIXES.append(CompatPatch(name=fn.__name__.lstrip("_"), apply=fn))
+    return fn
+
+
+def applied_fixes() -> tuple[str, ...]:
+    """Names of the platform-independent fixes applied in this process."""
+    return tuple(_fixed)
+
+
+def ensure_megatron_fixes() -> tuple[str, ...]:
+    """Fix the megatron-core bugs that show on GPUs as well (e.g. without transformer-engine).
+
+    Idempotent; :func:`ensure_megatron_cpu_compat` applies them too. Returns :func:`applied_fixes`.
+    """
+    _check_supported_version()
+    for fix in _FIXES:
+        if fix.name not in _fixed:
+            fix.apply()
+            _fixed.append(fix.name)
+    return applied_fixes()
+
+
+@_fix
+def _define_te_general_gemm_without_te() -> None:
+    # megatron-core 0.16.1 bug (fixed in 0.17): moe_utils binds te_general_gemm only inside its
+    # transformer-engine import block, but RouterGatingLinearFunction tests
+    # `te_general_gemm is not None` unconditionally, so every MoE router forward raises
+    # NameError without TE, on a GPU as on a CPU (seen on an H100 by the GPU smoke run). None
+    # selects the plain torch.mm path the code intends.
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,18 +262,6 @@ def _default_causal_mask_on_cpu() -> None:
 
     transformer_utils.get_default_causal_mask = get_default_causal_mask
     fused_softmax.get_default_causal_mask = get_default_causal_mask
-
-
-@_patch
-def _define_te_general_gemm_without_te() -> None:
-    # megatron-core 0.16.1 bug: moe_utils binds te_general_gemm only inside its
-    # transformer-engine import block, but RouterGatingLinearFunction tests
-    # `te_general_gemm is not None` unconditionally, so every MoE router forward raises
-    # NameError without TE. None selects the plain torch.mm path the code intends.
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
 
 
 @_patch

@@ -207,7 +207,7 @@ def build_gpt_model(
 
     _check_process_groups(parallel)
     config = transformer_config(hf, parallel, options)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(hf, config),
         vocab_size=model_vocab_size(hf, parallel, options),
@@ -220,3 +220,12 @@ def build_gpt_model(
         rotary_percent=1.0,
         rotary_base=hf.rope_theta,
     )
+    # The local spec's torch norms are created in fp32 whatever params_dtype says (TE's follow
+    # it). Megatron's own training casts every parameter when it wraps a bf16 model in
+    # Float16Module; without that cast the norms run in mixed precision (unfused) and hand fp32
+    # activations on. Parameters are cast here rather than by the wrapper, whose fp32 copy of the
+    # logits the in-place log-prob op avoids; buffers (e.g. router token counts) keep their dtype.
+    for param in model.parameters():
+        if param.dtype != options.torch_dtype:
+            param.data = param.data.to(options.torch_dtype)
+    return model

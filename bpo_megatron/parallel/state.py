@@ -13,8 +13,9 @@ def initialize_parallel(parallel: ParallelConfig, *, seed: int) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from bpo_megatron.megatron import ensure_megatron_cpu_compat
+    from bpo_megatron.megatron import ensure_megatron_cpu_compat, ensure_megatron_fixes
 
+    ensure_megatron_fixes()
     ensure_megatron_cpu_compat()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp,

@@ -71,5 +71,6 @@ def stage_activation_bytes(hf: HFModelConfig, parallel: ParallelConfig, layers: 
 
 def logits_bytes(vocab_rows: int, tokens: int, act_bytes: int) -> float:
     """The output layer's logits ``[tokens, V/tp]`` in the model dtype (the log-prob op works in
-    place and writes the gradient into the same buffer) plus its fp32 row-chunk scratch."""
-    return tokens * vocab_rows * act_bytes + _CHUNK_BYTES
+    place and writes the gradient into the same buffer) plus its fp32 row-chunk scratch on a GPU
+    (two chunks while the entropy is computed too)."""
+    return tokens * vocab_rows * act_bytes + 2 * _CHUNK_BYTES["cuda"]

@@ -21,6 +21,7 @@ from bpo_megatron.ops import vocab_parallel_logprobs
 from bpo_megatron.parallel import ParallelConfig, initialize_parallel, layout_record
 from bpo_megatron.trainer import checkpoint
 from bpo_megatron.trainer.config import TrainerConfig
+from bpo_megatron.trainer.offload import MemoryOffload, trainer_tensors
 from bpo_megatron.trainer.optimizer import OptimizerSettings, build_optimizer, wrap_ddp, zero_grad
 from bpo_megatron.trainer.replay import RoutingReplay, check_routed_experts
 from bpo_megatron.trainer.samples import MicroBatch, TrainSample, check_samples, chunk, collate, split
@@ -84,6 +85,7 @@ class TrainActor:
             if model.routing_replay else None
         )
         self.step = 0
+        self._offload = MemoryOffload(lambda: trainer_tensors(self.ddp, self.optimizer))
         self._tp_group = ps.get_tensor_model_parallel_group()
         self._dp_group = ps.get_data_parallel_group()
         self._pp_group = ps.get_pipeline_model_parallel_group()
@@ -131,8 +133,9 @@ class TrainActor:
             micro = out["micro"]
             for row, n in enumerate(micro.lengths.tolist()):
                 start = int(micro.loss_mask[row].nonzero()[0])
-                logps.append(out["logp"][row, start:n].clone())
-                entropies.append(out["entropy"][row, start:n].clone())
+                # results leave the trainer as host tensors: a driver may have no GPU at all
+                logps.append(out["logp"][row, start:n].to("cpu", copy=True))
+                entropies.append(out["entropy"][row, start:n].to("cpu", copy=True))
         return ScoredSamples(
             logprobs=self._gather_over_dp(logps),
             entropies=self._gather_over_dp(entropies),
@@ -208,6 +211,19 @@ class TrainActor:
         if reload is not None:
             reload()
 
+    @property
+    def offloaded(self) -> bool:
+        return self._offload.offloaded
+
+    def offload(self) -> int:
+        """Move parameters, gradients and optimizer state to host memory and free the device
+        memory they held (colocated engines use it meanwhile); returns the bytes moved."""
+        return self._offload.offload()
+
+    def onload(self) -> int:
+        """Bring back what :meth:`offload` moved, bit for bit; returns the bytes moved."""
+        return self._offload.onload()
+
     def close(self) -> None:
         """Release Megatron's process groups (the ``torch.distributed`` world stays: its owner
         created it). The actor is unusable afterwards; another may be built in this world."""
@@ -221,6 +237,8 @@ class TrainActor:
         return layout_record(self.parallel, dist.get_world_size())
 
     def _check(self, samples: list[TrainSample], *, replaying: bool = True) -> None:
+        if self._offload.offloaded:
+            raise RuntimeError("the trainer's memory is offloaded (engines hold the device): call onload() first")
         check_samples(samples, vocab_size=self.hf.vocab_size)
         if self.replay is not None and replaying:
             check_routed_experts(samples, num_moe_layers=len(self.hf.moe_layers),
@@ -310,7 +328,7 @@ class TrainActor:
         per_sample = []
         for micro, routing in zip(micro_batches, recorded):
             for row, n in enumerate(micro.lengths.tolist()):
-                per_sample.append(routing[:n, row].clone())
+                per_sample.append(routing[:n, row].to("cpu", copy=True))
         return per_sample
 
     def _gather_over_dp(self, local: list[torch.Tensor]) -> list[torch.Tensor]:

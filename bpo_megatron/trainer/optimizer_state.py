@@ -56,7 +56,12 @@ class OptimizerState:
         self._targets: dict[str, torch.Tensor] = {}
         self._params: list[dict] = []
         if not self.per_parameter:
-            self.sharded = optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+            # Megatron 0.16's default format for the distributed optimizer
+            # (fully_sharded_model_space) is deprecated and refused by its own checkpoint mapping
+            # ("ShardedTensor.flattened_range is not supported", seen on an H100); the canonical
+            # per-parameter format reshards across TP, PP and DP.
+            self.sharded = optimizer.sharded_state_dict(
+                model_state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
             return
         tensors = {}
         step: Any = 0
@@ -83,10 +88,38 @@ class OptimizerState:
     def restore(self, loaded: dict) -> None:
         """Put what ``dist_checkpointing.load`` returned for :attr:`sharded` into the optimizer."""
         if not self.per_parameter:
-            self.optimizer.load_state_dict(loaded)
+            _restore_megatron_format(self.optimizer, loaded)
             return
         for key, target in self._targets.items():
             target.copy_(loaded["moments"][key])
         step = loaded["step"]
         for state in self._params:
             state["step"] = step.clone() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
+
+
+def _restore_megatron_format(optimizer, loaded: dict) -> None:
+    """``optimizer.load_state_dict(loaded)``, except that the parameter state of the distributed
+    optimizer is loaded with torch's per-parameter Adam ``step`` set aside.
+
+    Without transformer-engine or apex, Megatron 0.16 falls back to ``torch.optim.AdamW``, whose
+    state holds a ``step`` per parameter. ``load_state_dict`` sets it from the saved param groups,
+    then the fully reshardable loader copies every state key of the destination from the
+    checkpoint, which has no ``step`` (it skips it on purpose): ``KeyError: 'step'`` (seen on an
+    H100). Loading the parameter state while ``step`` is set aside, then putting it back, is the
+    same load without the error.
+    """
+    parts = inner_optimizers(optimizer)
+    states = [loaded] if len(parts) == 1 else [state for _, state in sorted(loaded.items())]
+    for part, state in zip(parts, states):
+        param_state = None
+        if state.get("param_state_sharding_type") == "fully_reshardable":
+            param_state = state.pop("param_state")
+        part.load_state_dict(state)
+        if param_state is None:
+            continue
+        steps = {param: entry.pop("step") for param, entry in part.optimizer.state.items() if "step" in entry}
+        try:
+            part.load_parameter_state_from_fully_reshardable(param_state)
+        finally:
+            for param, step in steps.items():
+                part.optimizer.state[param]["step"] = step

@@ -1,0 +1,24 @@
+"""The checks of the smoke run, by name; each is ``run(profile, workdir) -> Outcome`` in a module
+of this package, imported only in the process that runs it."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+# name -> module; run in this order (cheap correctness first, the long throughput run last)
+CHECKS: dict[str, str] = {
+    "trainer_step": "bpo_megatron.gpu_smoke.checks.trainer_step",
+    "logprobs_kernel": "bpo_megatron.gpu_smoke.checks.logprobs_kernel",
+    "engine_replay": "bpo_megatron.gpu_smoke.checks.engine_replay",
+    "ipc_weights": "bpo_megatron.gpu_smoke.checks.ipc_weights",
+    "trainer_offload": "bpo_megatron.gpu_smoke.checks.trainer_offload",
+    "driver_payloads": "bpo_megatron.gpu_smoke.checks.driver_payloads",
+    "rl_throughput": "bpo_megatron.gpu_smoke.checks.rl_throughput",
+}
+
+
+def check_function(name: str) -> Callable:
+    if name not in CHECKS:
+        raise ValueError(f"unknown check {name!r}; choose from {', '.join(CHECKS)}")
+    return importlib.import_module(CHECKS[name]).run

@@ -1,0 +1,134 @@
+"""One RL step of a ~1B-parameter MoE (random weights) on one device: rollout with routing capture
+(embedded engine), log-prob recompute and a training step with R3 replay (Megatron, one optimizer
+step over all samples), the weight sync into the engine, and the trainer's offload/onload.
+
+Throughput is tokens per second; model FLOPs utilisation counts the matrix products a token
+needs (2 FLOPs per active weight, the output layer included, the input embedding excluded) plus
+causal attention, ×3 for forward + backward, against the device's data-sheet bf16 peak.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from bpo_megatron import platform
+from bpo_megatron.gpu_smoke.common import (
+    build_actor,
+    device_name,
+    random_tokens,
+    single_rank_world,
+    timed,
+    train_samples,
+    write_config,
+)
+from bpo_megatron.gpu_smoke.profiles import Profile, bf16_peak_flops, finite
+from bpo_megatron.gpu_smoke.report import Outcome
+
+
+def forward_flops(hf, input_positions: list[int], active_params: int) -> float:
+    """Forward FLOPs of sequences with these numbers of input positions (causal attention)."""
+    matmul_params = active_params - hf.vocab_size * hf.hidden_size  # the input embedding is a lookup
+    attention_width = hf.num_attention_heads * hf.head_dim
+    total = 0.0
+    for n in input_positions:
+        # QKᵀ and AV: 2·2·width FLOPs per (query, key) pair, n(n+1)/2 pairs under the causal mask
+        total += 2.0 * matmul_params * n + 4.0 * attention_width * hf.num_hidden_layers * n * (n + 1) / 2
+    return total
+
+
+def _engine(profile: Profile, model_dir: Path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bpo_megatron.models.options import TORCH_DTYPES
+    from bpo_megatron.rollout.hf_engine import HFEngine
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    torch.manual_seed(0)
+    with torch.device(platform.device()):  # random weights initialised where they live
+        model = AutoModelForCausalLM.from_config(config, dtype=TORCH_DTYPES[profile.dtype])
+    model.requires_grad_(False)
+    return HFEngine(model, capture_routing=True, max_batch_rows=profile.rl_prompts * profile.rl_n)
+
+
+def run(profile: Profile, workdir: Path) -> Outcome:
+    from bpo_megatron.convert import iter_hf_weights
+    from bpo_megatron.models import HFModelConfig
+    from bpo_megatron.models.hf_config import parameter_counts
+    from bpo_megatron.rollout import GenerationRequest, SamplingParams
+
+    out = Outcome("rl_throughput")
+    config = profile.large_model
+    hf = HFModelConfig.load(config)
+    total_params, active_params = parameter_counts(hf)
+    peak = bf16_peak_flops(device_name()) if platform.has_cuda() else None
+    times: dict[str, float] = {}
+
+    engine = _engine(profile, write_config(config, workdir / "large_moe"))
+    warm = [GenerationRequest("warm", (1, 2, 3), SamplingParams(max_new_tokens=4))]
+    engine.generate(warm)
+    requests = [GenerationRequest(f"p{i}", p, SamplingParams(temperature=1.0, n=profile.rl_n,
+                                                              max_new_tokens=profile.rl_new_tokens, seed=i))
+                for i, p in enumerate(random_tokens(profile.rl_prompts, profile.rl_prompt_tokens, hf.vocab_size, seed=7))]
+    with timed(times, "rollout_s"):
+        samples = engine.generate(requests)
+    generated = sum(s.response_tokens.numel() for s in samples)
+    prompt_tokens = sum(s.prompt_tokens.numel() for s in samples)
+    # prefill: every prompt once per response (the engine does not share prefixes); decode: per token
+    rollout_flops = sum(forward_flops(hf, [s.prompt_tokens.numel() + s.response_tokens.numel() - 1], active_params)
+                        for s in samples)
+    train = train_samples(samples, torch.randn(len(samples), generator=torch.Generator().manual_seed(0)))
+    positions = [s.tokens.numel() - 1 for s in train]
+
+    with single_rank_world():
+        actor = build_actor(profile, config, replay=True, micro_batch_size=profile.rl_micro_batch, lr=1e-6)
+        actor.train_step(train[: profile.rl_micro_batch])  # warm-up: kernels, allocator, optimizer state
+        with timed(times, "logprobs_s"):
+            actor.compute_logprobs(train)
+        if platform.has_cuda():
+            torch.cuda.reset_peak_memory_stats()
+        with timed(times, "train_s"):
+            metrics = actor.train_step(train)
+        peak_train = torch.cuda.max_memory_allocated() if platform.has_cuda() else 0
+        with timed(times, "sync_s"):
+            synced = engine.update_weights(iter_hf_weights(actor.model, hf, dst=0))
+        with timed(times, "offload_s"):
+            offloaded = actor.offload()
+        with timed(times, "onload_s"):
+            actor.onload()
+        with timed(times, "second_offload_s"):  # pinned host buffers reused
+            actor.offload()
+        with timed(times, "second_onload_s"):
+            actor.onload()
+        actor.close()
+    engine.shutdown()
+
+    train_flops = 3.0 * forward_flops(hf, positions, active_params)
+    logprob_flops = forward_flops(hf, positions, active_params)
+    mfu = (lambda flops, seconds: flops / seconds / peak) if peak else (lambda flops, seconds: float("nan"))
+    out.numbers.update(
+        model=f"{hf.num_hidden_layers} layers, hidden {hf.hidden_size}, {hf.num_experts} experts top-{hf.num_experts_per_tok}, "
+              f"vocab {hf.vocab_size}",
+        total_params_b=total_params / 1e9, active_params_b=active_params / 1e9,
+        samples=len(samples), prompt_tokens=prompt_tokens, response_tokens=generated,
+        rollout_s=times["rollout_s"], rollout_tokens_per_s=generated / times["rollout_s"],
+        rollout_mfu=mfu(rollout_flops, times["rollout_s"]),
+        logprobs_s=times["logprobs_s"], logprobs_tokens_per_s=sum(positions) / times["logprobs_s"],
+        logprobs_mfu=mfu(logprob_flops, times["logprobs_s"]),
+        train_s=times["train_s"], train_tokens_per_s=sum(positions) / times["train_s"],
+        train_mfu=mfu(train_flops, times["train_s"]), train_peak_allocated_gib=peak_train / 2**30,
+        micro_batches=metrics["num_micro_batches"], loss=metrics["loss"], grad_norm=metrics["grad_norm"],
+        weight_sync_s=times["sync_s"], weight_sync_gb_per_s=synced / times["sync_s"] / 1e9,
+        offload_gb=offloaded / 1e9, offload_s=times["offload_s"], onload_s=times["onload_s"],
+        second_offload_s=times["second_offload_s"], second_onload_s=times["second_onload_s"],
+        bf16_peak_tflops=(peak or float("nan")) / 1e12,
+    )
+    out.require(generated == len(samples) * profile.rl_new_tokens,
+                f"every response ran to {profile.rl_new_tokens} tokens ({generated} generated)")
+    out.require(finite(metrics["loss"], metrics["grad_norm"]), "the training step is finite")
+    out.require(synced > 0, f"the engine took the trainer's weights ({synced / 1e9:.2f} GB)")
+    out.notes.append("Rollout: the embedded transformers engine (eager, batch of all responses), not SGLang; "
+                     "training: Megatron's local spec (no transformer-engine on this machine), experts "
+                     "computed one after another. These are floors, not what a tuned cluster reaches.")
+    return out

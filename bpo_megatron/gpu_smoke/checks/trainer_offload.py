@@ -1,0 +1,98 @@
+"""The trainer hands its device memory back for a colocated rollout and takes it again: the memory
+allocated on the device before, while offloaded and after, and parameters, gradients and the
+optimizer's state compared bit for bit after the round trip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from bpo_megatron import platform
+from bpo_megatron.gpu_smoke.common import build_actor, random_model_dir, random_tokens, single_rank_world, timed
+from bpo_megatron.gpu_smoke.profiles import Profile, finite
+from bpo_megatron.gpu_smoke.report import Outcome
+
+GiB = 2**30
+
+
+def snapshot(actor) -> dict[str, torch.Tensor]:
+    """Host copies of everything offloading touches: parameters, main grads, optimizer tensors."""
+    from bpo_megatron.trainer.offload import torch_optimizers
+
+    state = {}
+    for name, param in actor.model.named_parameters():
+        state[f"param:{name}"] = param.detach().to("cpu", copy=True)
+        if getattr(param, "main_grad", None) is not None:
+            state[f"grad:{name}"] = param.main_grad.to("cpu", copy=True)
+    for k, inner in enumerate(torch_optimizers(actor.optimizer)):
+        for g, group in enumerate(inner.param_groups):
+            for p, param in enumerate(group["params"]):
+                state[f"opt{k}.{g}.{p}:param"] = param.detach().to("cpu", copy=True)
+                for key, value in inner.state.get(param, {}).items():
+                    if torch.is_tensor(value):
+                        state[f"opt{k}.{g}.{p}:{key}"] = value.to("cpu", copy=True)
+    return state
+
+
+def _allocated() -> int:
+    return torch.cuda.memory_allocated() if platform.has_cuda() else 0
+
+
+def _train_samples(hf, count: int, seed: int):
+    from bpo_megatron.trainer.samples import TrainSample
+
+    return [TrainSample(tokens=torch.tensor(tokens), response_start=16, rollout_logprobs=torch.full((48,), -9.0),
+                        advantage=1.0 if i % 2 else -1.0)
+            for i, tokens in enumerate(random_tokens(count, 64, hf.vocab_size, seed=seed))]
+
+
+def run(profile: Profile, workdir: Path) -> Outcome:
+    from bpo_megatron.models import HFModelConfig
+
+    out = Outcome("trainer_offload")
+    config = profile.small_model
+    hf = HFModelConfig.load(config)
+    model_dir = random_model_dir(config, workdir / "small_moe", seed=0)
+    times: dict[str, float] = {}
+    with single_rank_world():
+        actor = build_actor(profile, config, replay=False, micro_batch_size=4, weights=model_dir)
+        actor.train_step(_train_samples(hf, 8, seed=1))  # gradients and Adam moments exist from here on
+        before = snapshot(actor)
+        allocated_before = _allocated()
+        with timed(times, "offload_s"):
+            moved = actor.offload()
+        allocated_offloaded = _allocated()
+        storages_left = sum(p.untyped_storage().nbytes() for p in actor.model.parameters())
+        with timed(times, "onload_s"):
+            back = actor.onload()
+        allocated_after = _allocated()
+        after = snapshot(actor)
+        metrics = actor.train_step(_train_samples(hf, 8, seed=2))
+        with timed(times, "second_offload_s"):  # host buffers are reused from here on
+            actor.offload()
+        with timed(times, "second_onload_s"):
+            actor.onload()
+        actor.close()
+
+    differ = sorted(k for k in before if not torch.equal(before[k], after[k]))
+    freed = allocated_before - allocated_offloaded
+    out.numbers.update(
+        bytes_moved=moved, tensors_compared=len(before), allocated_before_gib=allocated_before / GiB,
+        allocated_offloaded_gib=allocated_offloaded / GiB, allocated_after_onload_gib=allocated_after / GiB,
+        offload_s=times["offload_s"], onload_s=times["onload_s"],
+        offload_gb_per_s=moved / times["offload_s"] / 1e9, onload_gb_per_s=back / times["onload_s"] / 1e9,
+        second_offload_gb_per_s=moved / times["second_offload_s"] / 1e9,
+        second_onload_gb_per_s=moved / times["second_onload_s"] / 1e9,
+        parameter_storage_bytes_while_offloaded=storages_left, loss_after_onload=metrics["loss"],
+    )
+    out.require(storages_left == 0, f"every parameter's storage is empty while offloaded ({storages_left} bytes left)")
+    if platform.has_cuda():
+        out.require(freed >= 0.99 * moved,
+                    f"torch.cuda.memory_allocated drops by what was moved ({freed / GiB:.3f} of {moved / GiB:.3f} GiB)")
+        out.require(allocated_after == allocated_before,
+                    f"onload restores the allocation exactly ({allocated_after} vs {allocated_before} bytes)")
+    out.require(not differ, f"parameters, main grads and optimizer state bit-identical after onload "
+                            f"({len(differ)} of {len(before)} differ{': ' + ', '.join(differ[:3]) if differ else ''})")
+    out.require(finite(metrics["loss"], metrics["grad_norm"]), "a train step after onload is finite")
+    return out

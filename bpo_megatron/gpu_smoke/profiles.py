@@ -1,0 +1,97 @@
+"""How big each check runs: one profile for a GPU, one tiny profile for a CPU (CI)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# Dense bf16 tensor-core peaks (no sparsity) from NVIDIA's data sheets; MFU is measured against them.
+BF16_PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989.4e12, "H200": 989.4e12,
+                   "A100": 312e12}
+
+
+def bf16_peak_flops(device_name: str) -> float | None:
+    """The data-sheet bf16 peak of a GPU named like ``NVIDIA H100 80GB HBM3`` (None if unknown)."""
+    for key in sorted(BF16_PEAK_FLOPS, key=len, reverse=True):  # "H100 PCIe" before "H100"
+        if all(part in device_name for part in key.split()):
+            return BF16_PEAK_FLOPS[key]
+    return None
+
+
+def _qwen3_moe(**sizes: Any) -> dict[str, Any]:
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+        "decoder_sparse_step": 1, "hidden_act": "silu", "mlp_only_layers": [], "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6, "rope_scaling": None, "rope_theta": 1_000_000.0, "router_aux_loss_coef": 0.001,
+        "tie_word_embeddings": False, "torch_dtype": "float32", "use_sliding_window": False,
+    }
+    config.update(sizes)
+    return config
+
+
+@dataclass(frozen=True)
+class Profile:
+    device: str  # "cuda" or "cpu"
+    dtype: str  # the trainer's and engines' precision: "bf16" on a GPU, "fp32" on a CPU
+    small_model: dict[str, Any]  # correctness checks
+    large_model: dict[str, Any]  # throughput (~1B parameters on a GPU)
+    kernel_tokens: tuple[int, ...]
+    kernel_vocab: int
+    kernel_repeats: int
+    engine_prompts: int
+    engine_n: int
+    engine_new_tokens: int
+    rl_prompts: int
+    rl_n: int
+    rl_prompt_tokens: int
+    rl_new_tokens: int
+    rl_micro_batch: int
+    ipc_bytes: int  # size of the raw buffer the IPC bandwidth is measured with
+    # Stated tolerances (see docs/gpu-validation.md for why these values)
+    loss_rel_tol: float  # step-0 loss vs the fp32 CPU reference, relative
+    logp_mean_tol: float  # mean |log π − reference| over response tokens, nats
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+GPU = Profile(
+    device="cuda", dtype="bf16",
+    small_model=_qwen3_moe(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+                           num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                           num_hidden_layers=4, num_experts=16, num_experts_per_tok=4,
+                           vocab_size=16384, max_position_embeddings=4096),
+    large_model=_qwen3_moe(hidden_size=1024, intermediate_size=3072, moe_intermediate_size=512,
+                           num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                           num_hidden_layers=16, num_experts=32, num_experts_per_tok=4,
+                           vocab_size=151936, max_position_embeddings=4096),
+    kernel_tokens=(4096, 16384), kernel_vocab=151936, kernel_repeats=5,
+    engine_prompts=8, engine_n=4, engine_new_tokens=128,
+    rl_prompts=16, rl_n=4, rl_prompt_tokens=64, rl_new_tokens=1024, rl_micro_batch=4,
+    ipc_bytes=2 * 2**30,
+    # bf16 keeps 8 significant bits (relative rounding 2^-9 ≈ 2e-3 per operation); through a few
+    # layers and a 16k-way softmax that accumulates to ~1e-2 in log-probs.
+    loss_rel_tol=2e-2, logp_mean_tol=0.1,
+)
+
+CPU = Profile(
+    device="cpu", dtype="fp32",
+    small_model=_qwen3_moe(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                           num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                           vocab_size=512, max_position_embeddings=256),
+    large_model=_qwen3_moe(hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                           num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
+                           vocab_size=1024, max_position_embeddings=256),
+    kernel_tokens=(256,), kernel_vocab=8192, kernel_repeats=2,
+    engine_prompts=4, engine_n=2, engine_new_tokens=12,
+    rl_prompts=4, rl_n=2, rl_prompt_tokens=8, rl_new_tokens=24, rl_micro_batch=4,
+    ipc_bytes=16 * 2**20,
+    loss_rel_tol=1e-5, logp_mean_tol=1e-4,  # fp32 against fp32: summation order only
+)
+
+PROFILES = {"cuda": GPU, "cpu": CPU}
+
+
+def finite(*values: float) -> bool:
+    return all(math.isfinite(float(v)) for v in values)
