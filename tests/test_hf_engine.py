@@ -85,8 +85,8 @@ def test_rollout_logprobs_and_routing_equal_a_teacher_forced_recompute(kind, moe
         assert int(ranks.max()) < 40
         assert sample.finish_reason == ("stop" if sample.response_tokens[-1].item() in (7, 11) else "length")
         if kind == "moe":
-            assert sample.routed_experts.dtype == torch.int32
-            assert torch.equal(sample.routed_experts, routing.to(torch.int32)), sample.request_id
+            assert sample.routed_experts.dtype == torch.uint8  # 4 experts: ids travel as bytes
+            assert torch.equal(sample.routed_experts, routing.to(torch.uint8)), sample.request_id
             routed_tokens += routing.shape[0]
         else:
             assert sample.routed_experts is None

@@ -9,7 +9,6 @@ world-size-1 checkpoint and must reproduce its logits.
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from typing import Any

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from bpo_megatron.models.routing import RoutingLayout
 from bpo_megatron.rollout import GenerationRequest, SamplingParams
 from bpo_megatron.rollout.sglang import RolloutFailed, SGLangConfig, SGLangEngine
 from bpo_megatron.rollout.sglang.http import request_json
@@ -26,6 +27,8 @@ from bpo_megatron.rollout.types import response_slots as expand
 from bpo_megatron.rollout.sglang.weights import pickle_serializer, tensor_update_body
 
 FAKE_SERVER = str(Path(__file__).resolve().parent / "fake_sglang_server.py")
+# the stand-in's model: 2 layers, both MoE, top-2 of 4 experts (its --layers/--topk/--experts)
+LAYOUT = RoutingLayout(num_hidden_layers=2, moe_layers=(0, 1), topk=2, num_experts=4)
 
 
 def free_port() -> int:
@@ -53,7 +56,7 @@ def engine(tmp_path):
     made = []
 
     def make(*extra: str, **overrides) -> SGLangEngine:
-        made.append(SGLangEngine(config(tmp_path, *extra, **overrides), num_moe_layers=2, topk=2))
+        made.append(SGLangEngine(config(tmp_path, *extra, **overrides), routing=LAYOUT))
         return made[-1]
 
     yield make
@@ -88,15 +91,35 @@ def test_generate_body_uses_sglang_field_names():
 
 def test_decode_a_response_with_sglang_encodings():
     item = expand([GenerationRequest("r", (1, 2, 3))])[0]
-    experts = np.arange(4 * 2 * 2, dtype=np.int32).reshape(4, 2, 2) % 8  # 3 prompt + 2 output − 1 rows
+    experts = np.arange(4 * 2 * 2, dtype=np.int32).reshape(4, 2, 2) % 4  # 3 prompt + 2 output − 1 rows
     response = {"output_ids": [9, 4], "meta_info": {
         "id": "r#0", "finish_reason": {"type": "stop", "matched": 4},
         "output_token_logprobs": [[-0.5, 9, None], [-1.25, 4, None]],
         "routed_experts": base64.b64encode(experts.tobytes()).decode()}}
-    sample = decode_sample(item, response, capture_routing=True, num_moe_layers=2, topk=2)
+    sample = decode_sample(item, response, routing=LAYOUT)
     assert sample.response_tokens.tolist() == [9, 4] and sample.finish_reason == "stop"
     assert sample.rollout_logprobs.tolist() == [-0.5, -1.25]
-    assert torch.equal(sample.routed_experts, torch.from_numpy(experts))
+    assert sample.routed_experts.dtype == torch.uint8  # 4 experts: ids travel as bytes
+    assert torch.equal(sample.routed_experts, torch.from_numpy(experts).to(torch.uint8))
+
+
+def test_routing_over_every_layer_keeps_the_moe_layers_rows():
+    """SGLang returns a row for each of the model's layers, dense ones included; the MoE layers'
+    rows are selected (here layer 0 is dense: its row holds what the server put there)."""
+    item = expand([GenerationRequest("r", (1, 2, 3))])[0]
+    layout = RoutingLayout(num_hidden_layers=3, moe_layers=(1, 2), topk=2, num_experts=200)
+    experts = np.arange(4 * 3 * 2, dtype=np.int32).reshape(4, 3, 2) * 7 % 200
+    experts[:, 0] = -1  # what a dense layer's row may hold: never read
+    response = {"output_ids": [9, 4], "meta_info": {
+        "id": "r#0", "finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.5, 9, None], [-1.0, 4, None]],
+        "routed_experts": base64.b64encode(experts.tobytes()).decode()}}
+    sample = decode_sample(item, response, routing=layout)
+    assert sample.routed_experts.shape == (4, 2, 2) and sample.routed_experts.dtype == torch.uint8
+    assert torch.equal(sample.routed_experts.long(), torch.from_numpy(experts[:, 1:]).long())
+    # decoded as MoE layers only, the same bytes would have been misread: refused by size
+    with pytest.raises(ProtocolError, match="not a multiple of 4 x 3 layers"):
+        decode_sample(item, {**response, "meta_info": {**response["meta_info"], "routed_experts":
+                      base64.b64encode(experts[:, 1:].copy().tobytes()[:-8]).decode()}}, routing=layout)
 
 
 @pytest.mark.parametrize(
@@ -117,7 +140,7 @@ def test_malformed_responses_are_refused(mutate, match):
         "routed_experts": base64.b64encode(experts.tobytes()).decode()}}
     mutate(response)
     with pytest.raises(ProtocolError, match=match):
-        decode_sample(item, response, capture_routing=True, num_moe_layers=2, topk=2)
+        decode_sample(item, response, routing=LAYOUT)
 
 
 def test_tensor_update_body_carries_one_payload_per_tp_rank():
@@ -167,7 +190,7 @@ def test_a_request_that_keeps_timing_out_fails_the_step_clearly(engine):
 
 def test_an_attached_server_that_dies_is_not_restarted(engine, tmp_path):
     owner = engine("--die-after", "1")
-    attached = SGLangEngine(config(tmp_path, url=owner.cfg.base_url), num_moe_layers=2, topk=2)
+    attached = SGLangEngine(config(tmp_path, url=owner.cfg.base_url), routing=LAYOUT)
     with pytest.raises(RolloutFailed, match="attached with rollout.sglang.url"):
         attached.generate(requests(count=1))
 
@@ -216,5 +239,5 @@ def test_config_errors_name_the_field():
         SGLangConfig()
     with pytest.raises(ValueError, match="rollout.sglang.weight_sync"):
         SGLangConfig(model_path="m", weight_sync="ipc")
-    with pytest.raises(ValueError, match="number of MoE layers"):
+    with pytest.raises(ValueError, match="routing layout"):
         SGLangEngine(SGLangConfig(model_path="m", url="http://127.0.0.1:1"))

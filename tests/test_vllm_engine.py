@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from bpo_megatron.models.routing import RoutingLayout
 from bpo_megatron.rollout import GenerationRequest, SamplingParams, engine_class
 from bpo_megatron.rollout.vllm_engine import (
     LOAD_WEIGHTS_RPC,
@@ -147,7 +148,7 @@ def test_engine_arguments():
 
 # ------------------------------------------------------------------------------------ decoding
 def _decode(row, output, capture=True):
-    return decode_output(row, output, capture_routing=capture, num_moe_layers=2, topk=2)
+    return decode_output(row, output, routing=RoutingLayout(2, (0, 1), 2, 4) if capture else None)
 
 
 def test_decoding_a_completion():
@@ -156,7 +157,7 @@ def test_decoding_a_completion():
     assert (sample.request_id, sample.index, sample.finish_reason) == ("q", 1, "length")
     assert sample.tokens.tolist() == [5, 6, 7, 4, 8, 1, 2]
     assert torch.equal(sample.rollout_logprobs, torch.tensor([-0.25, -0.5, -0.75, -1.0]))
-    assert sample.routed_experts.dtype == torch.int32 and sample.routed_experts.shape == (6, 2, 2)
+    assert sample.routed_experts.dtype == torch.uint8 and sample.routed_experts.shape == (6, 2, 2)
     sample.check(num_moe_layers=2, topk=2)
 
 
@@ -177,7 +178,7 @@ def test_a_routing_row_for_the_last_token_is_dropped():
 @pytest.mark.parametrize("case, message", [
     ("no routing", "enable_return_routed_experts"),
     ("short routing", r"routed_experts has shape \(3, 2, 2\)"),
-    ("other top-k", r"routed_experts has shape \(4, 2, 3\)"),
+    ("other top-k", r"routed_experts: shape \(4, 2, 3\)"),
     ("missing logprob", "no log-prob for the sampled token 8"),
     ("no logprobs", "0 log-prob positions for 2 tokens"),
     ("two completions", "2 completions"),

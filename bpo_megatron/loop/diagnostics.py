@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 
 
 def mean_over_minibatches(updates: list[dict[str, float]]) -> dict[str, float]:

@@ -109,14 +109,13 @@ def _hf_engine(cfg, model_dir: str, index: int, capture: bool):
 
 
 def _sglang_engine(cfg, model_dir: str, index: int, capture: bool):
+    from bpo_megatron.models.routing import RoutingLayout
     from bpo_megatron.rollout import engine_class
     from bpo_megatron.rollout.sglang import SGLangConfig
 
-    hf = cfg.hf_config()
     options = {"model_path": model_dir, "capture_routed_experts": capture, **cfg.rollout.sglang}
     options.setdefault("port", 30000 + index)
-    return engine_class("sglang")(SGLangConfig(**options), num_moe_layers=len(hf.moe_layers),
-                                  topk=hf.num_experts_per_tok)
+    return engine_class("sglang")(SGLangConfig(**options), routing=RoutingLayout.of(cfg.hf_config()))
 
 
 def _vllm_engine(cfg, model_dir: str, index: int, capture: bool):

@@ -14,6 +14,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from bpo_megatron.models.routing import expert_id_dtype
+
 
 def moe_routers(model: nn.Module) -> list[nn.Module]:
     """The router of every MoE layer, in layer order (dense layers have no ``mlp.gate``)."""
@@ -29,7 +31,7 @@ class RoutingCapture:
             raise ValueError("routing capture needs a Mixture-of-Experts model; this one has no MoE layers")
         self.num_layers = len(routers)
         self.topk = topk
-        self._dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
+        self._dtype = expert_id_dtype(num_experts)
         self._buffer: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None  # None: every row of the buffer, in order
         self._columns = slice(0, 0)

@@ -221,7 +221,7 @@ class HFEngine(RolloutEngine):
         if batch.routing is not None:
             # real positions only: after the row's left padding, up to the last token fed back
             first = batch.width - prompt.numel()
-            routed = batch.routing[i, first:batch.width + length - 1].to(torch.int32).cpu()
+            routed = batch.routing[i, first:batch.width + length - 1].to("cpu", copy=True)
         return Sample(
             request_id=row.request.request_id,
             index=row.index,

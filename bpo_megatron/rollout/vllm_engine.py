@@ -31,10 +31,22 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from bpo_megatron.models.routing import RoutingError, RoutingLayout
 from bpo_megatron.rollout.engine import EngineCapabilities, RolloutEngine
-from bpo_megatron.rollout.types import (EngineHealth, FinishReason, GenerationRequest, ResponseSlot, Sample,
-                                        SamplingParams, response_slots)
-from bpo_megatron.rollout.weight_buckets import DEFAULT_BUCKET_BYTES, buckets, tensor_bytes
+from bpo_megatron.rollout.types import (
+    EngineHealth,
+    FinishReason,
+    GenerationRequest,
+    ResponseSlot,
+    Sample,
+    SamplingParams,
+    response_slots,
+)
+from bpo_megatron.rollout.weight_buckets import (
+    DEFAULT_BUCKET_BYTES,
+    buckets,
+    tensor_bytes,
+)
 
 LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
 LOAD_WEIGHTS_RPC = "bpo_load_weights"  # method WeightLoadingExtension adds to vLLM's workers
@@ -133,21 +145,23 @@ def _sampled_logprob(position: Any, token: int, where: str) -> float:
     return float(entry.logprob)
 
 
-def decode_routed_experts(array: Any, *, positions: int, num_layers: int, topk: int, where: str) -> torch.Tensor:
-    """``[positions, layers, top-k]`` int32 from vLLM's numpy routing of one response.
+def decode_routed_experts(array: Any, *, positions: int, routing: RoutingLayout, where: str) -> torch.Tensor:
+    """``[positions, MoE layers, top-k]`` from vLLM's numpy routing of one response (in the
+    layout's expert-id dtype).
 
     A row for the last sampled token (never fed back, so never routed) is dropped if present.
     """
     routed = np.asarray(array)
-    if routed.ndim != 3 or tuple(routed.shape[1:]) != (num_layers, topk) or \
-            routed.shape[0] not in (positions, positions + 1):
+    if routed.ndim != 3 or routed.shape[0] not in (positions, positions + 1):
         raise ProtocolError(f"{where}: routed_experts has shape {tuple(routed.shape)}, expected "
-                            f"({positions}, {num_layers}, {topk}) = [prompt + response − 1, MoE layers, top-k]")
-    return torch.from_numpy(routed[:positions].astype(np.int32, copy=True))
+                            f"{positions} (or {positions + 1}) rows = prompt + response − 1")
+    try:
+        return routing.select(routed[:positions], where=f"{where}: routed_experts")
+    except RoutingError as exc:
+        raise ProtocolError(str(exc)) from exc
 
 
-def decode_output(row: ResponseSlot, output: Any, *, capture_routing: bool, num_moe_layers: int | None,
-                  topk: int | None) -> Sample:
+def decode_output(row: ResponseSlot, output: Any, *, routing: RoutingLayout | None) -> Sample:
     """A ``Sample`` from one ``vllm.RequestOutput`` (its single ``CompletionOutput``)."""
     where = f"request {row.request.request_id}/{row.index}"
     if len(output.outputs) != 1:
@@ -172,13 +186,13 @@ def decode_output(row: ResponseSlot, output: Any, *, capture_routing: bool, num_
         rollout_logprobs=torch.tensor(logprobs, dtype=torch.float32),
         finish_reason=finish,
     )
-    if capture_routing:
+    if routing is not None:
         if completion.routed_experts is None:
             raise ProtocolError(f"{where}: no routed experts; vLLM must be built with enable_return_routed_experts "
                                 "(rollout.capture_routed_experts=true) and run its GPU model runner")
         sample.routed_experts = decode_routed_experts(
             completion.routed_experts, positions=len(row.request.prompt_tokens) + len(tokens) - 1,
-            num_layers=num_moe_layers, topk=topk, where=where)
+            routing=routing, where=where)
     return sample
 
 
@@ -214,8 +228,7 @@ class VLLMEngine(RolloutEngine):
         if capture != cfg.capture_routed_experts:
             cfg = replace(cfg, capture_routed_experts=capture)
         self.cfg = cfg
-        self.num_moe_layers = len(hf.moe_layers) if capture else None
-        self.topk = hf.num_experts_per_tok if capture else None
+        self.routing = RoutingLayout.of(hf) if capture else None
         self.capabilities = EngineCapabilities(captures_routing=capture)
         self._vllm = _import_vllm()
         self._llm = self._vllm.LLM(**cfg.llm_kwargs())
@@ -237,9 +250,7 @@ class VLLMEngine(RolloutEngine):
         outputs = llm.generate(prompts, params, use_tqdm=False)  # in prompt order
         if len(outputs) != len(rows):
             raise ProtocolError(f"vLLM answered {len(outputs)} of {len(rows)} requests")
-        return [decode_output(row, out, capture_routing=self.capabilities.captures_routing,
-                              num_moe_layers=self.num_moe_layers, topk=self.topk)
-                for row, out in zip(rows, outputs)]
+        return [decode_output(row, out, routing=self.routing) for row, out in zip(rows, outputs)]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         llm = self._live()

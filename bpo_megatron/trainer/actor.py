@@ -17,14 +17,27 @@ import torch.distributed as dist
 from bpo_megatron import platform
 from bpo_megatron.losses import BatchTotals, PolicyLossConfig, policy_loss
 from bpo_megatron.models import HFModelConfig, ModelOptions, build_gpt_model
+from bpo_megatron.models.routing import expert_id_dtype
 from bpo_megatron.ops import vocab_parallel_logprobs
 from bpo_megatron.parallel import ParallelConfig, initialize_parallel, layout_record
 from bpo_megatron.trainer import checkpoint
 from bpo_megatron.trainer.config import TrainerConfig
 from bpo_megatron.trainer.offload import MemoryOffload, trainer_tensors
-from bpo_megatron.trainer.optimizer import OptimizerSettings, build_optimizer, wrap_ddp, zero_grad
+from bpo_megatron.trainer.optimizer import (
+    OptimizerSettings,
+    build_optimizer,
+    wrap_ddp,
+    zero_grad,
+)
 from bpo_megatron.trainer.replay import RoutingReplay, check_routed_experts
-from bpo_megatron.trainer.samples import MicroBatch, TrainSample, check_samples, chunk, collate, split
+from bpo_megatron.trainer.samples import (
+    MicroBatch,
+    TrainSample,
+    check_samples,
+    chunk,
+    collate,
+    split,
+)
 
 
 @dataclass
@@ -328,7 +341,7 @@ class TrainActor:
         per_sample = []
         for micro, routing in zip(micro_batches, recorded):
             for row, n in enumerate(micro.lengths.tolist()):
-                per_sample.append(routing[:n, row].to("cpu", copy=True))
+                per_sample.append(routing[:n, row].to("cpu", expert_id_dtype(self.hf.num_experts), copy=True))
         return per_sample
 
     def _gather_over_dp(self, local: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -95,7 +95,7 @@ class RoutingReplay:
         if self._sp:
             shard = per_layer.shape[0] // self._tp_size
             per_layer = per_layer[self._tp_rank * shard : (self._tp_rank + 1) * shard]
-        return per_layer.reshape(-1, per_layer.shape[-1]).contiguous()
+        return per_layer.reshape(-1, per_layer.shape[-1]).long()  # routers index with int64
 
     def load(self, micro: MicroBatch) -> None:
         """Hand ``micro``'s routing to every router (call right before its forward)."""

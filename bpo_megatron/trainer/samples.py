@@ -93,7 +93,8 @@ def collate(samples: list[TrainSample], *, pad_to_multiple: int = 1, with_routin
     if with_routing:
         layers, topk = samples[0].routed_experts.shape[1:]
         # Padding routes to experts 0..k-1: a valid, duplicate-free choice whose output is unused.
-        routed = torch.arange(topk).expand(b, seq, layers, topk).clone()
+        # Ids keep the samples' (small) integer type until the trainer's device.
+        routed = torch.arange(topk, dtype=samples[0].routed_experts.dtype).expand(b, seq, layers, topk).clone()
     for row, (s, n) in enumerate(zip(samples, lengths)):
         tokens = s.tokens.long()
         input_ids[row, :n] = tokens[:-1]
@@ -102,7 +103,7 @@ def collate(samples: list[TrainSample], *, pad_to_multiple: int = 1, with_routin
         loss_mask[row, first:n] = True
         rollout_logprobs[row, first:n] = s.rollout_logprobs.float()
         if routed is not None:
-            routed[row, :n] = s.routed_experts.long()
+            routed[row, :n] = s.routed_experts
     return MicroBatch(
         input_ids=input_ids,
         position_ids=torch.arange(seq).expand(b, seq).clone(),

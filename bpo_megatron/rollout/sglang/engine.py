@@ -8,13 +8,28 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import torch
 
+from bpo_megatron.models.routing import RoutingLayout
 from bpo_megatron.rollout.engine import EngineCapabilities, RolloutEngine
 from bpo_megatron.rollout.sglang.config import SGLangConfig
-from bpo_megatron.rollout.sglang.http import RequestTimeout, ServerError, ServerUnavailable, request_json
+from bpo_megatron.rollout.sglang.http import (
+    RequestTimeout,
+    ServerError,
+    ServerUnavailable,
+    request_json,
+)
 from bpo_megatron.rollout.sglang.protocol import decode_sample, generate_body
 from bpo_megatron.rollout.sglang.server import ServerProcess
-from bpo_megatron.rollout.sglang.weights import DistributedWeightSender, tensor_update_body
-from bpo_megatron.rollout.types import EngineHealth, GenerationRequest, ResponseSlot, Sample, response_slots
+from bpo_megatron.rollout.sglang.weights import (
+    DistributedWeightSender,
+    tensor_update_body,
+)
+from bpo_megatron.rollout.types import (
+    EngineHealth,
+    GenerationRequest,
+    ResponseSlot,
+    Sample,
+    response_slots,
+)
 from bpo_megatron.rollout.weight_buckets import buckets, tensor_bytes
 
 
@@ -23,11 +38,11 @@ class RolloutFailed(RuntimeError):
 
 
 class SGLangEngine(RolloutEngine):
-    def __init__(self, cfg: SGLangConfig, *, num_moe_layers: int | None = None, topk: int | None = None) -> None:
-        if cfg.capture_routed_experts and (num_moe_layers is None or topk is None):
-            raise ValueError("capturing routed experts needs the model's number of MoE layers and top-k")
+    def __init__(self, cfg: SGLangConfig, *, routing: RoutingLayout | None = None) -> None:
+        if cfg.capture_routed_experts and routing is None:
+            raise ValueError("capturing routed experts needs the model's routing layout (its layers, MoE layers, top-k)")
         self.cfg = cfg
-        self.num_moe_layers, self.topk = num_moe_layers, topk
+        self.routing = routing if cfg.capture_routed_experts else None
         self.capabilities = EngineCapabilities(captures_routing=cfg.capture_routed_experts)
         self.server = None if cfg.url else ServerProcess(cfg)
         self.weight_sender: DistributedWeightSender | None = None
@@ -82,9 +97,7 @@ class SGLangEngine(RolloutEngine):
         if not isinstance(response, list) or len(response) != len(chunk):
             raise ServerError(f"/generate returned {type(response).__name__} for {len(chunk)} requests",
                               retryable=True)
-        return [decode_sample(item, answer, capture_routing=self.cfg.capture_routed_experts,
-                              num_moe_layers=self.num_moe_layers, topk=self.topk)
-                for item, answer in zip(chunk, response)]
+        return [decode_sample(item, answer, routing=self.routing) for item, answer in zip(chunk, response)]
 
     def _recover(self, restarts_left: int) -> int:
         """Restart a server we own that died; unfinished requests are then sent again."""

@@ -3,16 +3,17 @@
 Field names and encodings are SGLang's (``/generate`` with ``input_ids``, ``sampling_params``,
 ``return_logprob``, ``return_routed_experts``; ``meta_info.output_token_logprobs`` as
 ``[logprob, token_id, text]`` triples, ``meta_info.routed_experts`` as base64 of raw int32 laid
-out ``[prompt + response − 1, layers, top-k]``, ``meta_info.finish_reason.type``).
+out ``[prompt + response − 1, num_hidden_layers, top-k]`` — every layer of the model, dense ones
+included — and ``meta_info.finish_reason.type``).
 """
 
 from __future__ import annotations
 
 import base64
 
-import numpy as np
 import torch
 
+from bpo_megatron.models.routing import RoutingError, RoutingLayout
 from bpo_megatron.rollout.types import ResponseSlot, Sample, SamplingParams
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -52,17 +53,9 @@ class ProtocolError(ValueError):
     """A response that does not match what was asked (never trained on)."""
 
 
-def decode_routed_experts(encoded: str, *, num_layers: int, topk: int) -> torch.Tensor:
-    raw = base64.b64decode(encoded)
-    if len(raw) % (4 * num_layers * topk):
-        raise ProtocolError(f"routed_experts has {len(raw)} bytes, not a multiple of 4 x {num_layers} layers x top-{topk}")
-    array = np.frombuffer(raw, dtype=np.int32).reshape(-1, num_layers, topk)
-    return torch.from_numpy(array.copy())
-
-
-def decode_sample(item: ResponseSlot, response: dict, *, capture_routing: bool,
-                  num_moe_layers: int | None, topk: int | None) -> Sample:
-    """A ``Sample`` from one element of SGLang's ``/generate`` response."""
+def decode_sample(item: ResponseSlot, response: dict, *, routing: RoutingLayout | None) -> Sample:
+    """A ``Sample`` from one element of SGLang's ``/generate`` response (with routed experts,
+    as ``routing`` lays them out, when it is given)."""
     meta = response.get("meta_info") or {}
     if meta.get("id") not in (None, item.rid):
         raise ProtocolError(f"response for {meta.get('id')!r} where {item.rid!r} was expected")
@@ -83,16 +76,19 @@ def decode_sample(item: ResponseSlot, response: dict, *, capture_routing: bool,
         rollout_logprobs=torch.tensor([float(t[0]) for t in triples], dtype=torch.float32),
         finish_reason=_FINISH.get(finish, "abort"),
     )
-    if capture_routing:
+    if routing is not None:
         encoded = meta.get("routed_experts")
         if encoded is None:
             raise ProtocolError(
                 f"{item.rid}: no routed experts in the response; start the server with "
                 "--enable-return-routed-experts (rollout.capture_routed_experts=true)"
             )
-        sample.routed_experts = decode_routed_experts(encoded, num_layers=num_moe_layers, topk=topk)
+        try:
+            sample.routed_experts = routing.decode_int32(base64.b64decode(encoded), where=f"{item.rid}: routed_experts")
+        except RoutingError as exc:
+            raise ProtocolError(str(exc)) from exc
     try:
-        sample.check(num_moe_layers=num_moe_layers, topk=topk)
+        sample.check(num_moe_layers=routing and routing.num_moe_layers, topk=routing and routing.topk)
     except ValueError as exc:
         raise ProtocolError(str(exc)) from exc
     return sample
