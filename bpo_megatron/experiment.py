@@ -91,21 +91,17 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
     if cfg.model.routing_replay and not cfg.rollout.capture_routed_experts:
         raise ConfigError("model.routing_replay=true (R3) needs rollout.capture_routed_experts=true: the trainer "
                           "replays the experts the engine records")
-    if cfg.model.routing_replay and cfg.rollout.engine == "vllm" and not platform.has_cuda():
-        raise ConfigError("model.routing_replay=true with rollout.engine=vllm: vLLM records routed experts only "
+    spec = cfg.rollout.spec
+    if cfg.model.routing_replay and not spec.captures_routing_without_gpu and not platform.has_cuda():
+        raise ConfigError(f"model.routing_replay=true with rollout.engine={spec.name}: it records routed experts only "
                           "on GPUs; use rollout.engine=hf on CPU")
-    if cfg.train.verify_weight_sync and cfg.rollout.engine != "hf":
-        raise ConfigError(f"train.verify_weight_sync=true reads the engine's weights back, which only "
-                          f"rollout.engine=hf allows (not {cfg.rollout.engine})")
-    if cfg.rollout.engine == "sglang":
-        from bpo_megatron.rollout.sglang import SGLangConfig
-
-        try:
-            SGLangConfig(**{"model_path": cfg.model.path, **cfg.rollout.sglang})
-        except TypeError as exc:
-            raise ConfigError(f"rollout.sglang: {exc}") from exc
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
+    if cfg.train.verify_weight_sync and not spec.exposes_weights:
+        raise ConfigError(f"train.verify_weight_sync=true reads the engine's weights back, which rollout.engine="
+                          f"{spec.name} does not allow (rollout.engine=hf does)")
+    try:
+        spec.check(cfg.rollout.options)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     if not check_model:
         return
     try:

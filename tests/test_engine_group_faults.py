@@ -73,7 +73,7 @@ SMALL = _requests(4, 8)
 
 @pytest.fixture(scope="module")
 def expected(checkpoints) -> dict[str, list]:
-    from bpo_megatron.rollout.hf_engine import HFEngine
+    from bpo_megatron.rollout.hf.engine import HFEngine
 
     engine = HFEngine(checkpoints[1], capture_routing=True)
     return {"big": engine.generate(BIG), "small": engine.generate(SMALL)}

@@ -77,9 +77,9 @@ def test_resolved_config_round_trips(tmp_path):
          "minibatches of 3 responses cannot be split over 2 data-parallel ranks"),
         # R3 with an engine that cannot capture
         (["rollout.capture_routed_experts=false"], "model.routing_replay=true .* needs rollout.capture_routed_experts=true"),
-        (["rollout.engine=vllm"], "vLLM records routed experts only on GPUs"),
+        (["rollout.engine=vllm"], "rollout.engine=vllm: it records routed experts only on GPUs"),
         ([f"model.path={DENSE}", "parallel.ep=1"], "needs a Mixture-of-Experts model"),
-        (["rollout.engine=sglang", "train.verify_weight_sync=true"], "only rollout.engine=hf allows"),
+        (["rollout.engine=sglang", "train.verify_weight_sync=true"], "which rollout.engine=sglang does not allow"),
         # the embedded engine's own options are typed
         (["rollout.hf.dtype=fp16"], r"rollout.hf.dtype='fp16' must be one of 'fp32', 'bf16'"),
         (["rollout.hf.max_rows=4"], "unknown key rollout.hf.max_rows; valid keys of rollout.hf: dtype, max_batch_rows"),

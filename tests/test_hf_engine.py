@@ -12,9 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bpo_megatron.models.hf_config import HFModelConfig
-from bpo_megatron.rollout import GenerationRequest, SamplingParams, engine_class
-from bpo_megatron.rollout.hf_engine import HFEngine
+from bpo_megatron.models import HFModelConfig
+from bpo_megatron.models.routing import RoutingLayout
+from bpo_megatron.rollout import EngineContext, GenerationRequest, SamplingParams, engine_spec
+from bpo_megatron.rollout.hf.options import HFEngineOptions
+from bpo_megatron.rollout.hf.engine import HFEngine
 from bpo_megatron.testing.models import random_checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -213,7 +215,9 @@ def test_update_weights_refuses_unknown_names_and_wrong_shapes(moe_dir):
 
 
 def test_pause_resume_and_shutdown(moe_dir):
-    engine = engine_class("hf")(moe_dir, capture_routing=True)
+    hf = HFModelConfig.load(moe_dir)  # built as the engine workers build it: from its spec
+    engine = engine_spec("hf").build(HFEngineOptions(), EngineContext(moe_dir, 0, RoutingLayout.of(hf)))
+    assert isinstance(engine, HFEngine) and engine.capabilities.captures_routing
     request = [GenerationRequest("x", (1, 2, 3), SamplingParams(max_new_tokens=2, seed=0))]
     engine.pause()
     assert engine.health().detail == "paused"

@@ -121,7 +121,7 @@ class DispatchRecorder:
 # ---------------------------------------------------------------------------- A: agreement
 def _agreement(model_dir: str, layout: dict, temperature: float, engine_dtype: str = "fp32") -> dict:
     from bpo_megatron.models.options import TORCH_DTYPES
-    from bpo_megatron.rollout.hf_engine import HFEngine
+    from bpo_megatron.rollout.hf.engine import HFEngine
 
     rank0 = dist.get_rank() == 0
     engine = HFEngine(model_dir, capture_routing=True, dtype=TORCH_DTYPES[engine_dtype]) if rank0 else None
@@ -246,7 +246,7 @@ def _push(actor, engine, *, corrupt: str | None = None, dtype: torch.dtype | Non
 def _train_and_sync(model_dir: str, layout: dict, engine_dtype: str) -> dict | None:
     from bpo_megatron.models.options import TORCH_DTYPES
     from bpo_megatron.rollout.checksums import WeightMismatch, compare, fingerprints
-    from bpo_megatron.rollout.hf_engine import HFEngine
+    from bpo_megatron.rollout.hf.engine import HFEngine
 
     temperature, dtype = 1.0, TORCH_DTYPES[engine_dtype]
     rank0 = dist.get_rank() == 0

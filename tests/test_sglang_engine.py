@@ -235,7 +235,7 @@ def test_tensor_weight_update_path(engine, monkeypatch):
 
 
 def test_config_errors_name_the_field():
-    with pytest.raises(ValueError, match="rollout.sglang.model_path is required"):
+    with pytest.raises(ValueError, match=r"needs model_path \(model.path\) unless rollout.sglang.url"):
         SGLangConfig()
     with pytest.raises(ValueError, match="rollout.sglang.weight_sync"):
         SGLangConfig(model_path="m", weight_sync="ipc")

@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from bpo_megatron.models.routing import RoutingLayout
-from bpo_megatron.rollout import GenerationRequest, SamplingParams, engine_class
-from bpo_megatron.rollout.vllm_engine import (
+from bpo_megatron.models import HFModelConfig
+from bpo_megatron.rollout import EngineContext, GenerationRequest, SamplingParams, engine_spec
+from bpo_megatron.rollout.vllm.options import VLLMOptions
+from bpo_megatron.rollout.vllm.engine import (
     LOAD_WEIGHTS_RPC,
     ProtocolError,
     VLLMConfig,
@@ -139,7 +141,7 @@ def test_engine_arguments():
     kwargs = cfg.llm_kwargs()
     assert kwargs["enable_return_routed_experts"] is True and kwargs["logprobs_mode"] == "processed_logprobs"
     assert kwargs["skip_tokenizer_init"] is True and kwargs["max_model_len"] == 4096
-    assert kwargs["worker_extension_cls"] == "bpo_megatron.rollout.vllm_engine.WeightLoadingExtension"
+    assert kwargs["worker_extension_cls"] == "bpo_megatron.rollout.vllm.engine.WeightLoadingExtension"
     assert kwargs["enforce_eager"] is True and kwargs["kv_cache_dtype"] == "fp8"  # engine_args win
     assert "enable_return_routed_experts" not in VLLMConfig(model_path="/m", capture_routed_experts=False).llm_kwargs()
     with pytest.raises(ValueError, match="logprobs_mode"):
@@ -214,7 +216,9 @@ def test_without_capture_routing_is_not_read():
 
 # ------------------------------------------------------------------- the engine over a stand-in
 def test_engine_generates_through_vllm_llm(fake_vllm):
-    engine = engine_class("vllm")(str(MOE_DIR), capture_routing=True)  # as EngineWorker builds it
+    # built as the engine workers build it: from its spec, with the model's routing layout
+    context = EngineContext(str(MOE_DIR), 0, RoutingLayout.of(HFModelConfig.load(MOE_DIR)))
+    engine = engine_spec("vllm").build(VLLMOptions(), context)
     assert isinstance(engine, VLLMEngine) and engine.capabilities.captures_routing
     llm = FakeLLM.instances[-1]
     assert llm.kwargs["model"] == str(MOE_DIR) and llm.kwargs["enable_return_routed_experts"] is True

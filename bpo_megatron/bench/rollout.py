@@ -1,7 +1,7 @@
 """Benchmark: the embedded rollout engine and trainer → engine weight sync, each against a plain
 PyTorch reference measured in the same run.
 
-(a) Generation: :class:`~bpo_megatron.rollout.hf_engine.HFEngine` (log μ of every token, with and
+(a) Generation: :class:`~bpo_megatron.rollout.hf.engine.HFEngine` (log μ of every token, with and
     without routed-expert capture) against transformers' own ``model.generate`` sampling the same
     model, batch and settings (temperature, no top-k/top-p, a fixed number of new tokens). Tokens/s
     (median and best of the repeats) and the ratio to ``generate``.
@@ -104,7 +104,7 @@ def _generate_with_engine(engine, prompts: list[list[int]], cfg: BenchConfig, se
 
 
 def _generation_rank(cfg: BenchConfig, model_dir: str) -> dict[str, dict]:
-    from bpo_megatron.rollout.hf_engine import HFEngine
+    from bpo_megatron.rollout.hf.engine import HFEngine
 
     plain = HFEngine(model_dir, capture_routing=False)
     captured = HFEngine(model_dir, capture_routing=True)
@@ -150,7 +150,7 @@ def _sync_rank(cfg: BenchConfig, model_dir: str) -> dict:
     from bpo_megatron.models import HFModelConfig, ModelOptions
     from bpo_megatron.parallel import ParallelConfig
     from bpo_megatron.rollout.checksums import fingerprints
-    from bpo_megatron.rollout.hf_engine import HFEngine
+    from bpo_megatron.rollout.hf.engine import HFEngine
     from bpo_megatron.rollout.weight_buckets import buckets, tensor_bytes
     from bpo_megatron.trainer.actor import TrainActor
     from bpo_megatron.trainer.config import TrainerConfig

@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
 
     from bpo_megatron.data.rewards import reward_fn
     from bpo_megatron.eval.avg_at_k import evaluate
-    from bpo_megatron.rollout.hf_engine import HFEngine
+    from bpo_megatron.rollout.hf.engine import HFEngine
 
     with tempfile.TemporaryDirectory(prefix="bpo-eval-") as scratch:
         hf_dir = location

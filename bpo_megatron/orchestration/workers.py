@@ -99,42 +99,19 @@ class TrainWorker:
         dist.destroy_process_group()
 
 
-def _hf_engine(cfg, model_dir: str, index: int, capture: bool):
-    from bpo_megatron.models.options import TORCH_DTYPES
-    from bpo_megatron.rollout import engine_class
-
-    options = cfg.rollout.hf
-    return engine_class("hf")(model_dir, capture_routing=capture, threads=cfg.rollout.threads_per_engine,
-                              dtype=TORCH_DTYPES[options.dtype], max_batch_rows=options.max_batch_rows)
-
-
-def _sglang_engine(cfg, model_dir: str, index: int, capture: bool):
-    from bpo_megatron.models.routing import RoutingLayout
-    from bpo_megatron.rollout import engine_class
-    from bpo_megatron.rollout.sglang import SGLangConfig
-
-    options = {"model_path": model_dir, "capture_routed_experts": capture, **cfg.rollout.sglang}
-    options.setdefault("port", 30000 + index)
-    return engine_class("sglang")(SGLangConfig(**options), routing=RoutingLayout.of(cfg.hf_config()))
-
-
-def _vllm_engine(cfg, model_dir: str, index: int, capture: bool):
-    from bpo_megatron.rollout import engine_class
-
-    return engine_class("vllm")(model_dir, capture_routing=capture, **cfg.rollout.vllm)
-
-
-# rollout.engine -> how its section of the config becomes an engine
-ENGINE_BUILDERS = {"hf": _hf_engine, "sglang": _sglang_engine, "vllm": _vllm_engine}
-
-
 class EngineWorker:
     """One rollout engine, built from the experiment's ``rollout`` section."""
 
     def __init__(self, cfg, model_dir: str, index: int) -> None:
         quiet_library_logs()
-        capture = cfg.rollout.capture_routed_experts and cfg.hf_config().num_experts > 0
-        self.engine = ENGINE_BUILDERS[cfg.rollout.engine](cfg, model_dir, index, capture)
+        from bpo_megatron.models.routing import RoutingLayout
+        from bpo_megatron.rollout import EngineContext
+
+        hf = cfg.hf_config()
+        capture = cfg.rollout.capture_routed_experts and hf.num_experts > 0
+        context = EngineContext(model_dir=model_dir, index=index, routing=RoutingLayout.of(hf) if capture else None,
+                                threads=cfg.rollout.threads_per_engine)
+        self.engine = cfg.rollout.spec.build(cfg.rollout.options, context)
 
     def captures_routing(self) -> bool:
         return self.engine.capabilities.captures_routing

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from bpo_megatron.models.hf_config import HFModelConfig
-from bpo_megatron.planner.rollout import ENGINE_PROFILES
+from bpo_megatron.planner.rollout import engine_profile
 
 if TYPE_CHECKING:
     from bpo_megatron.experiment import ExperimentConfig
@@ -126,7 +126,7 @@ def _tp_in_node(cfg: ExperimentConfig, hf: HFModelConfig, alloc: Allocation) -> 
 def _engine_gpus(cfg: ExperimentConfig, hf: HFModelConfig, alloc: Allocation) -> Check | None:
     if not alloc.gpus_per_node:
         return None
-    tp, gpus = ENGINE_PROFILES[cfg.rollout.engine](cfg).tp, cfg.cluster.gpus_per_engine
+    tp, gpus = engine_profile(cfg).tp, cfg.cluster.gpus_per_engine
     if gpus < tp or tp > alloc.gpus_per_node:
         return Check(False, f"a {cfg.rollout.engine} engine of tp {tp} needs {tp} GPUs of one node; "
                             f"cluster.gpus_per_engine={gpus:g}")

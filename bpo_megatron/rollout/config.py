@@ -6,27 +6,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from bpo_megatron.rollout.engine import EngineSpec, engine_spec
+from bpo_megatron.rollout.hf.options import HFEngineOptions
+from bpo_megatron.rollout.sglang.options import SGLangOptions
+from bpo_megatron.rollout.vllm.options import VLLMOptions
+
 EngineName = Literal["hf", "sglang", "vllm"]
-WeightDtype = Literal["fp32", "bf16"]
-
-
-@dataclass(frozen=True)
-class HFEngineOptions:
-    """The embedded engine's own settings (``rollout.hf``). ``dtype`` is the precision it holds
-    the weights and computes in: ``bf16`` against an fp32 trainer reproduces, on a CPU, the
-    numerical gap between GPU inference kernels and the trainer that makes routing differ and
-    that R3 closes. ``max_batch_rows`` bounds the rows decoded together."""
-
-    dtype: WeightDtype = "fp32"
-    max_batch_rows: int = 256
-
-    def __post_init__(self) -> None:
-        from bpo_megatron.models.options import TORCH_DTYPES
-
-        if self.dtype not in TORCH_DTYPES:
-            raise ValueError(f"rollout.hf.dtype={self.dtype!r} is unknown; choose one of {sorted(TORCH_DTYPES)}")
-        if self.max_batch_rows < 1:
-            raise ValueError(f"rollout.hf.max_batch_rows must be >= 1, got {self.max_batch_rows}")
 
 
 @dataclass(frozen=True)
@@ -34,10 +19,9 @@ class RolloutConfig:
     """Sampling for training (the paper: G=16 at T=1.0, top-p 1.0, no top-k, 16k tokens).
 
     ``capture_routed_experts`` makes the engine record the experts of every processed token;
-    R3 (``model.routing_replay``) needs it. ``sglang`` holds the SGLang engine's own settings
-    (see ``bpo_megatron.rollout.sglang.SGLangConfig``; ``model_path`` defaults to ``model.path``);
-    ``vllm`` the vLLM engine's keyword arguments (``bpo_megatron.rollout.vllm_engine.VLLMEngine``);
-    ``hf`` the embedded engine's options (:class:`HFEngineOptions`).
+    R3 (``model.routing_replay``) needs it. ``hf``, ``sglang`` and ``vllm`` are each engine's own
+    typed options (``rollout/<engine>/options.py``); only the section of the chosen engine is
+    used, by that engine alone.
     """
 
     engine: EngineName = "hf"
@@ -58,8 +42,8 @@ class RolloutConfig:
     generate_timeout_s: float | None = None
     max_restarts: int = 2
     hf: HFEngineOptions = field(default_factory=HFEngineOptions)
-    sglang: dict[str, Any] = field(default_factory=dict)
-    vllm: dict[str, Any] = field(default_factory=dict)  # keyword arguments of VLLMEngine
+    sglang: SGLangOptions = field(default_factory=SGLangOptions)
+    vllm: VLLMOptions = field(default_factory=VLLMOptions)
 
     def __post_init__(self) -> None:
         for name in ("num_engines", "group_size", "max_new_tokens", "threads_per_engine", "weight_bucket_mb"):
@@ -77,7 +61,18 @@ class RolloutConfig:
             raise ValueError(f"rollout.max_restarts must be >= 0, got {self.max_restarts}")
 
     @property
-    def sync_dtype(self) -> WeightDtype | None:
-        """The precision weights are sent to the engines in: the embedded engine's own (so what it
-        holds is exactly what was sent); other engines receive the trainer's tensors as they are."""
-        return self.hf.dtype if self.engine == "hf" else None
+    def spec(self) -> EngineSpec:
+        """The chosen engine's spec."""
+        return engine_spec(self.engine)
+
+    @property
+    def options(self) -> Any:
+        """The chosen engine's own section (``rollout.<engine>``)."""
+        return getattr(self, self.engine)
+
+    @property
+    def sync_dtype(self) -> str | None:
+        """The precision weights are sent to the engines in (the engine's spec decides: the
+        embedded engine takes its own precision, so what it holds is exactly what was sent;
+        other engines receive the trainer's tensors as they are)."""
+        return self.spec.weight_dtype(self.options)

@@ -1,19 +1,24 @@
-"""The rollout-engine interface and its registry.
+"""The rollout-engine interface, the spec each engine describes itself with, and their registry.
 
-The RL loop only talks to :class:`RolloutEngine`; which engine runs behind it (embedded
-transformers on CPU, SGLang or vLLM on GPUs) is a config choice resolved through
-:data:`ENGINES`, so the loop never imports an engine's heavy dependencies.
+The RL loop only talks to :class:`RolloutEngine`. Each engine (embedded transformers on CPU,
+SGLang or vLLM on GPUs) is one folder under ``bpo_megatron/rollout/`` whose ``spec.SPEC`` says,
+once, everything the rest of the system needs: its typed options (the ``rollout.<name>``
+section), how it is built from them, its memory profile for the planner, its config checks, the
+weight transports it accepts. :data:`ENGINES` names the specs; :func:`engine_spec` imports one
+only when it is used, so nothing imports an engine's heavy dependencies it does not run.
 """
 
 from __future__ import annotations
 
 import abc
 import importlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from bpo_megatron.models.routing import RoutingLayout
 from bpo_megatron.rollout.types import EngineHealth, GenerationRequest, Sample
 
 
@@ -50,16 +55,66 @@ class RolloutEngine(abc.ABC):
     def shutdown(self) -> None: ...
 
 
-# engine name -> "module:Class"; imported only when the engine is used
+@dataclass(frozen=True)
+class EngineContext:
+    """What an engine is built with besides its own options."""
+
+    model_dir: str  # the Hugging Face checkpoint it starts from
+    index: int  # which of the run's engines (ports, seeds)
+    routing: RoutingLayout | None  # capture routed experts laid out so (R3); None: no capture
+    threads: int = 1  # torch threads of an in-process engine
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """What one engine occupies, for the planner."""
+
+    tp: int  # GPUs one engine spans
+    sequences: int  # sequences resident at once
+    # share of a GPU the engine reserves for weights and KV cache (SGLang's mem_fraction_static);
+    # None: the whole GPU less the reserved allowance
+    pool_fraction: float | None = None
+
+
+def _no_check(_options: Any) -> None:
+    return None
+
+
+def _engine_dtype(_options: Any) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything the system knows of one engine.
+
+    ``build(options, context)`` makes the engine. ``profile(options, requests, gpus_per_engine)``
+    is its memory profile when it serves ``requests`` sequences of a step. ``check(options)``
+    raises ``ValueError`` naming ``rollout.<name>.<field>`` for options it cannot run with.
+    ``weight_dtype(options)``: the precision weights must be sent in (None: the trainer's).
+    """
+
+    name: str
+    options: type  # the dataclass of the rollout.<name> section
+    build: Callable[[Any, EngineContext], RolloutEngine]
+    profile: Callable[[Any, int, float], EngineProfile]
+    transports: tuple[str, ...]  # weight transports it can receive (see orchestration.weight_sync)
+    check: Callable[[Any], None] = _no_check
+    weight_dtype: Callable[[Any], str | None] = _engine_dtype
+    captures_routing_without_gpu: bool = True  # R3 capture works on a CPU-only machine
+    exposes_weights: bool = False  # can report what it holds (train.verify_weight_sync)
+
+
+# engine name -> "module:SPEC"; a spec module is imported only when its engine is named
 ENGINES: dict[str, str] = {
-    "hf": "bpo_megatron.rollout.hf_engine:HFEngine",
-    "sglang": "bpo_megatron.rollout.sglang:SGLangEngine",
-    "vllm": "bpo_megatron.rollout.vllm_engine:VLLMEngine",
+    "hf": "bpo_megatron.rollout.hf.spec:SPEC",
+    "sglang": "bpo_megatron.rollout.sglang.spec:SPEC",
+    "vllm": "bpo_megatron.rollout.vllm.spec:SPEC",
 }
 
 
-def engine_class(name: str) -> type[RolloutEngine]:
+def engine_spec(name: str) -> EngineSpec:
     if name not in ENGINES:
         raise ValueError(f"rollout.engine={name!r} is unknown; choose one of {sorted(ENGINES)}")
-    module, _, cls = ENGINES[name].partition(":")
-    return getattr(importlib.import_module(module), cls)
+    module, _, attribute = ENGINES[name].partition(":")
+    return getattr(importlib.import_module(module), attribute)

@@ -30,7 +30,7 @@ def run(profile: Profile, workdir: Path) -> Outcome:
     from bpo_megatron.models import HFModelConfig
     from bpo_megatron.models.options import TORCH_DTYPES
     from bpo_megatron.rollout import GenerationRequest, SamplingParams
-    from bpo_megatron.rollout.hf_engine import HFEngine
+    from bpo_megatron.rollout.hf.engine import HFEngine
 
     out = Outcome("engine_replay")
     config = profile.small_model

@@ -79,7 +79,7 @@ def engine_process(model_dir: str, dtype: str, device: str, inbox, outbox) -> No
     try:
         from bpo_megatron.models.options import TORCH_DTYPES
         from bpo_megatron.rollout.checksums import fingerprints
-        from bpo_megatron.rollout.hf_engine import HFEngine
+        from bpo_megatron.rollout.hf.engine import HFEngine
 
         if device == "cpu":
             torch.set_num_threads(1)

@@ -42,7 +42,7 @@ def _engine(profile: Profile, model_dir: Path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from bpo_megatron.models.options import TORCH_DTYPES
-    from bpo_megatron.rollout.hf_engine import HFEngine
+    from bpo_megatron.rollout.hf.engine import HFEngine
 
     config = AutoConfig.from_pretrained(str(model_dir))
     torch.manual_seed(0)

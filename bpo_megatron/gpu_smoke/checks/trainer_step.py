@@ -20,7 +20,7 @@ def _reference_model(actor, hf, model_dir: Path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from bpo_megatron.convert import iter_hf_weights
-    from bpo_megatron.rollout.hf_weights import HFWeights
+    from bpo_megatron.rollout.hf.weights import HFWeights
 
     config = AutoConfig.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

@@ -10,7 +10,7 @@ import torch
 
 from bpo_megatron.models.routing import RoutingLayout
 from bpo_megatron.rollout.engine import EngineCapabilities, RolloutEngine
-from bpo_megatron.rollout.sglang.config import SGLangConfig
+from bpo_megatron.rollout.sglang.options import SGLangConfig
 from bpo_megatron.rollout.sglang.http import (
     RequestTimeout,
     ServerError,

@@ -9,7 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bpo_megatron.rollout.sglang.config import SGLangConfig
+from bpo_megatron.rollout.sglang.options import SGLangConfig
 from bpo_megatron.rollout.sglang.http import RequestTimeout, ServerError, ServerUnavailable, request_json
 
 

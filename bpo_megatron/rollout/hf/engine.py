@@ -23,9 +23,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from bpo_megatron.rollout.engine import EngineCapabilities, RolloutEngine
-from bpo_megatron.rollout.hf_capture import RoutingCapture, moe_routers
-from bpo_megatron.rollout.hf_sampling import BatchSampler, row_seeds
-from bpo_megatron.rollout.hf_weights import HFWeights
+from bpo_megatron.rollout.hf.capture import RoutingCapture, moe_routers
+from bpo_megatron.rollout.hf.sampling import BatchSampler, row_seeds
+from bpo_megatron.rollout.hf.weights import HFWeights
 from bpo_megatron.rollout.types import EngineHealth, GenerationRequest, Sample
 
 

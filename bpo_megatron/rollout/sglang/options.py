@@ -1,31 +1,32 @@
-"""Settings of the SGLang rollout engine (owned by this engine)."""
+"""Settings of the SGLang rollout engine: the ``rollout.sglang`` section (:class:`SGLangOptions`)
+and one engine's full configuration (:class:`SGLangConfig`: the options plus its checkpoint,
+port and whether it captures routing, which the run decides)."""
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 WeightSync = Literal["tensor", "distributed"]
 
 
 @dataclass(frozen=True)
-class SGLangConfig:
-    """How to start (or reach) one SGLang server and talk to it.
+class SGLangOptions:
+    """How to start (or reach) the SGLang servers and talk to them (``rollout.sglang``).
 
     ``url`` attaches to a running server instead of starting one (then nothing is restarted by
-    us). ``weight_sync``: ``"tensor"`` when the engine shares GPUs with the trainer (CUDA IPC
-    handles through ``/update_weights_from_tensor``), ``"distributed"`` when it does not (an NCCL
-    group between trainer rank 0 and the engine, ``/update_weights_from_distributed``).
+    us). ``port``: engine ``i`` listens on ``port + i``. ``weight_sync``: ``"tensor"`` when the
+    engine shares GPUs with the trainer (CUDA IPC handles through ``/update_weights_from_tensor``),
+    ``"distributed"`` when it does not (an NCCL group between trainer rank 0 and the engine,
+    ``/update_weights_from_distributed``).
     """
 
-    model_path: str = ""
     url: str | None = None
     host: str = "127.0.0.1"
     port: int = 30000
     tp_size: int = 1
     mem_fraction_static: float | None = None
-    capture_routed_experts: bool = True
     weight_sync: WeightSync = "distributed"
     extra_args: tuple[str, ...] = ()  # passed to sglang.launch_server verbatim
     launcher: tuple[str, ...] = field(default_factory=lambda: (sys.executable, "-m", "sglang.launch_server"))
@@ -38,8 +39,6 @@ class SGLangConfig:
     concurrent_posts: int = 8
 
     def __post_init__(self) -> None:
-        if not self.url and not self.model_path:
-            raise ValueError("rollout.sglang.model_path is required unless rollout.sglang.url attaches to a server")
         if self.weight_sync not in ("tensor", "distributed"):
             raise ValueError(f"rollout.sglang.weight_sync={self.weight_sync!r}: choose 'tensor' or 'distributed'")
         for name in ("tp_size", "requests_per_post", "concurrent_posts", "weight_bucket_bytes"):
@@ -47,6 +46,22 @@ class SGLangConfig:
                 raise ValueError(f"rollout.sglang.{name} must be >= 1")
         if self.max_retries < 0 or self.max_restarts < 0:
             raise ValueError("rollout.sglang.max_retries and max_restarts must be >= 0")
+
+
+@dataclass(frozen=True)
+class SGLangConfig(SGLangOptions):
+    """One engine: the options, the checkpoint it serves and whether it captures routed experts."""
+
+    model_path: str = ""
+    capture_routed_experts: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.url and not self.model_path:
+            raise ValueError("an SGLang engine needs model_path (model.path) unless rollout.sglang.url attaches to a server")
+
+    def with_port(self, port: int) -> SGLangConfig:
+        return replace(self, port=port)
 
     @property
     def base_url(self) -> str:

@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import torch
 
 from bpo_megatron.models.routing import RoutingError, RoutingLayout
 from bpo_megatron.rollout.engine import EngineCapabilities, RolloutEngine
+from bpo_megatron.rollout.vllm.options import LogprobsMode, VLLMConfig
 from bpo_megatron.rollout.types import (
     EngineHealth,
     FinishReason,
@@ -42,63 +43,14 @@ from bpo_megatron.rollout.types import (
     SamplingParams,
     response_slots,
 )
-from bpo_megatron.rollout.weight_buckets import (
-    DEFAULT_BUCKET_BYTES,
-    buckets,
-    tensor_bytes,
-)
+from bpo_megatron.rollout.weight_buckets import buckets, tensor_bytes
 
-LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
 LOAD_WEIGHTS_RPC = "bpo_load_weights"  # method WeightLoadingExtension adds to vLLM's workers
 _FINISH: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 class ProtocolError(ValueError):
     """vLLM returned something other than what was asked for (never trained on)."""
-
-
-@dataclass(frozen=True)
-class VLLMConfig:
-    """How to build the ``vllm.LLM``. ``engine_args`` go to it verbatim, over the ones derived here."""
-
-    model_path: str
-    capture_routed_experts: bool = True
-    tensor_parallel_size: int = 1
-    dtype: str = "auto"
-    gpu_memory_utilization: float = 0.85
-    max_model_len: int | None = None
-    enforce_eager: bool = False
-    logprobs_mode: LogprobsMode = "processed_logprobs"
-    seed: int = 0
-    weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    engine_args: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not self.model_path:
-            raise ValueError("the vLLM engine needs model_path (a Hugging Face checkpoint directory)")
-        if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
-            raise ValueError(f"logprobs_mode={self.logprobs_mode!r}: choose 'processed_logprobs' or 'raw_logprobs' "
-                             "(the modes vLLM's GPU model runner supports)")
-        if self.tensor_parallel_size < 1 or self.weight_bucket_bytes < 1:
-            raise ValueError("tensor_parallel_size and weight_bucket_bytes must be >= 1")
-
-    def llm_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {
-            "model": self.model_path,
-            "skip_tokenizer_init": True,  # token ids in and out; the loop owns the tokenizer
-            "tensor_parallel_size": self.tensor_parallel_size,
-            "dtype": self.dtype,
-            "gpu_memory_utilization": self.gpu_memory_utilization,
-            "enforce_eager": self.enforce_eager,
-            "seed": self.seed,
-            "logprobs_mode": self.logprobs_mode,
-            "worker_extension_cls": f"{__name__}.WeightLoadingExtension",
-        }
-        if self.max_model_len is not None:
-            kwargs["max_model_len"] = self.max_model_len
-        if self.capture_routed_experts:
-            kwargs["enable_return_routed_experts"] = True
-        return {**kwargs, **self.engine_args}
 
 
 # ---------------------------------------------------------------------------- translation

@@ -1,0 +1,31 @@
+"""The embedded engine as the rest of the system sees it (registered in ``rollout.engine.ENGINES``)."""
+
+from __future__ import annotations
+
+from bpo_megatron.rollout.engine import EngineContext, EngineProfile, EngineSpec, RolloutEngine
+from bpo_megatron.rollout.hf.options import HFEngineOptions
+
+
+def _build(options: HFEngineOptions, context: EngineContext) -> RolloutEngine:
+    from bpo_megatron.models.options import TORCH_DTYPES
+    from bpo_megatron.rollout.hf.engine import HFEngine
+
+    return HFEngine(context.model_dir, capture_routing=context.routing is not None, threads=context.threads,
+                    dtype=TORCH_DTYPES[options.dtype], max_batch_rows=options.max_batch_rows)
+
+
+def _profile(options: HFEngineOptions, requests: int, gpus_per_engine: float) -> EngineProfile:
+    # one device; rows decode together up to max_batch_rows (their KV cache lives at once)
+    return EngineProfile(tp=1, sequences=min(requests, options.max_batch_rows))
+
+
+SPEC = EngineSpec(
+    name="hf",
+    options=HFEngineOptions,
+    build=_build,
+    profile=_profile,
+    transports=("object_store",),
+    # weights are sent in the engine's own precision, so what it holds is exactly what was sent
+    weight_dtype=lambda options: options.dtype,
+    exposes_weights=True,
+)

@@ -1,0 +1,33 @@
+"""The SGLang engine as the rest of the system sees it (registered in ``rollout.engine.ENGINES``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from bpo_megatron.rollout.engine import EngineContext, EngineProfile, EngineSpec, RolloutEngine
+from bpo_megatron.rollout.sglang.options import SGLangConfig, SGLangOptions
+
+
+def _build(options: SGLangOptions, context: EngineContext) -> RolloutEngine:
+    from bpo_megatron.rollout.sglang.engine import SGLangEngine
+
+    config = SGLangConfig(**asdict(options), model_path=context.model_dir,
+                          capture_routed_experts=context.routing is not None)
+    return SGLangEngine(config.with_port(options.port + context.index), routing=context.routing)
+
+
+def _profile(options: SGLangOptions, requests: int, gpus_per_engine: float) -> EngineProfile:
+    # at most requests_per_post × concurrent_posts sequences are in flight (the client's concurrency)
+    return EngineProfile(tp=options.tp_size,
+                         sequences=min(options.requests_per_post * options.concurrent_posts, requests),
+                         pool_fraction=options.mem_fraction_static)
+
+
+SPEC = EngineSpec(
+    name="sglang",
+    options=SGLangOptions,
+    build=_build,
+    profile=_profile,
+    transports=("distributed", "tensor"),
+    # the server captures routing wherever it runs (it may be attached by url from a CPU driver)
+)

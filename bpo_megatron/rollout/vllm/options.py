@@ -1,0 +1,68 @@
+"""Settings of the vLLM rollout engine: the ``rollout.vllm`` section (:class:`VLLMOptions`) and one
+engine's full configuration (:class:`VLLMConfig`: the options plus its checkpoint and whether it
+captures routing, which the run decides)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from bpo_megatron.rollout.weight_buckets import DEFAULT_BUCKET_BYTES
+
+LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
+# the class vLLM mixes into its workers so that they load tensors by Hugging Face name
+WORKER_EXTENSION = "bpo_megatron.rollout.vllm.engine.WeightLoadingExtension"
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    """How to build each ``vllm.LLM`` (``rollout.vllm``). ``engine_args`` go to it verbatim, over
+    the ones derived here."""
+
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.85
+    max_model_len: int | None = None
+    enforce_eager: bool = False
+    logprobs_mode: LogprobsMode = "processed_logprobs"
+    seed: int = 0
+    weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
+            raise ValueError(f"logprobs_mode={self.logprobs_mode!r}: choose 'processed_logprobs' or 'raw_logprobs' "
+                             "(the modes vLLM's GPU model runner supports)")
+        if self.tensor_parallel_size < 1 or self.weight_bucket_bytes < 1:
+            raise ValueError("rollout.vllm.tensor_parallel_size and weight_bucket_bytes must be >= 1")
+
+
+@dataclass(frozen=True)
+class VLLMConfig(VLLMOptions):
+    """One engine: the options, the checkpoint it serves and whether it captures routed experts."""
+
+    model_path: str = ""
+    capture_routed_experts: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.model_path:
+            raise ValueError("the vLLM engine needs model_path (a Hugging Face checkpoint directory)")
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "model": self.model_path,
+            "skip_tokenizer_init": True,  # token ids in and out; the loop owns the tokenizer
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "dtype": self.dtype,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "enforce_eager": self.enforce_eager,
+            "seed": self.seed,
+            "logprobs_mode": self.logprobs_mode,
+            "worker_extension_cls": WORKER_EXTENSION,
+        }
+        if self.max_model_len is not None:
+            kwargs["max_model_len"] = self.max_model_len
+        if self.capture_routed_experts:
+            kwargs["enable_return_routed_experts"] = True
+        return {**kwargs, **self.engine_args}

@@ -1,0 +1,30 @@
+"""The vLLM engine as the rest of the system sees it (registered in ``rollout.engine.ENGINES``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from bpo_megatron.rollout.engine import EngineContext, EngineProfile, EngineSpec, RolloutEngine
+from bpo_megatron.rollout.vllm.options import VLLMConfig, VLLMOptions
+
+
+def _build(options: VLLMOptions, context: EngineContext) -> RolloutEngine:
+    from bpo_megatron.rollout.vllm.engine import VLLMEngine
+
+    config = VLLMConfig(**asdict(options), model_path=context.model_dir,
+                        capture_routed_experts=context.routing is not None)
+    return VLLMEngine(context.model_dir, capture_routing=config.capture_routed_experts, config=config)
+
+
+def _profile(options: VLLMOptions, requests: int, gpus_per_engine: float) -> EngineProfile:
+    return EngineProfile(tp=options.tensor_parallel_size, sequences=requests)
+
+
+SPEC = EngineSpec(
+    name="vllm",
+    options=VLLMOptions,
+    build=_build,
+    profile=_profile,
+    transports=("object_store",),
+    captures_routing_without_gpu=False,  # routed-expert capture needs vLLM's GPU model runner
+)
