@@ -61,6 +61,27 @@ def test_interrupted_then_resumed_at_another_layout(tmp_path, ray_session, small
     assert any(line.startswith("[####################] step 4/4 | reward") for line in lines)
 
 
+@pytest.mark.timeout(420)
+def test_colocated_phases_offload_the_trainer_and_change_no_number(tmp_path, ray_session, small_run):
+    """cluster.colocate: the trainer hands its memory to the engines for every rollout phase
+    (parameters, gradient buffers and Adam moments to host memory, storages freed) and takes it
+    back to train; the run is metric for metric the run on separate devices."""
+    _run(small_run(tmp_path / "apart", "train.steps=2", "cluster.colocate=false"))
+    _run(small_run(tmp_path / "shared", "train.steps=2", "cluster.colocate=true"))
+    apart = {r["step"]: r for r in read_metrics(tmp_path / "apart")}
+    shared = {r["step"]: r for r in read_metrics(tmp_path / "shared")}
+    assert sorted(apart) == sorted(shared) and 2 in apart
+    for step, record in apart.items():
+        for key, value in record.items():
+            if "time" in key or key in ("sync_seconds", "sync_bytes_per_s", "offload_bytes"):  # clocks
+                continue
+            assert shared[step][key] == value, (step, key)
+    assert all(apart[step]["offload_bytes"] == 0 for step in (1, 2))
+    # every rollout phase moved the trainer's parameters, gradients and two Adam moments at least
+    params = 4 * 1_000  # the demo model has far more than 1k fp32 parameters
+    assert all(shared[step]["offload_bytes"] > 4 * params for step in (1, 2))
+
+
 @pytest.mark.slow
 def test_a_resumed_run_matches_an_uninterrupted_one(tmp_path, ray_session, small_run):
     _run(small_run(tmp_path / "a", "train.steps=2"))

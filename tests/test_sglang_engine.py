@@ -76,6 +76,21 @@ def test_launch_command_from_config():
     assert "--enable-return-routed-experts" not in SGLangConfig(model_path="m", capture_routed_experts=False).launch_command()
 
 
+def test_engine_i_of_a_run_gets_its_port_the_checkpoint_and_the_memory_saver_when_colocated():
+    from bpo_megatron.rollout import EngineContext
+    from bpo_megatron.rollout.sglang.options import SGLangOptions
+    from bpo_megatron.rollout.sglang.spec import engine_config
+
+    options = SGLangOptions(port=31000, tp_size=2)
+    shared = engine_config(options, EngineContext("/ckpt", 3, LAYOUT, colocated=True))
+    assert (shared.model_path, shared.port, shared.capture_routed_experts) == ("/ckpt", 31003, True)
+    assert "--enable-memory-saver" in shared.launch_command()
+    apart = engine_config(options, EngineContext("/ckpt", 0, None))
+    assert apart.port == 31000 and not apart.capture_routed_experts
+    assert "--enable-memory-saver" not in apart.launch_command()
+    assert "--enable-return-routed-experts" not in apart.launch_command()
+
+
 def test_generate_body_uses_sglang_field_names():
     items = expand([GenerationRequest("a", (5, 6), SamplingParams(temperature=0.5, top_k=0, max_new_tokens=9,
                                                                 stop_token_ids=(2,), seed=3, n=2))])

@@ -24,6 +24,7 @@ from bpo_megatron.observability.metrics import MetricsWriter, summary_line
 from bpo_megatron.observability.plot import plot_runs
 from bpo_megatron.orchestration.cluster import start_ray, stop_ray
 from bpo_megatron.orchestration.groups import EngineGroup, TrainerGroup
+from bpo_megatron.orchestration.phases import DevicePhases
 from bpo_megatron.orchestration.weight_sync import sync_weights
 from bpo_megatron.tasks.prompts import requests, stop_tokens
 from bpo_megatron.tasks.scoring import score
@@ -54,10 +55,12 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
             started_ray = start_ray(cfg.cluster, cpus_needed=cfg.cluster.trainer_ranks + cfg.rollout.num_engines)
             trainer, engines = TrainerGroup(cfg), EngineGroup(cfg, hf_dir)
             bucket = cfg.rollout.weight_bucket_mb * 1024 * 1024
-            push = lambda only=None: sync_weights(trainer, engines, bucket_bytes=bucket,  # noqa: E731
-                                                  verify=cfg.train.verify_weight_sync, only=only,
-                                                  dtype=cfg.rollout.sync_dtype)
-            engines.on_restart = lambda indices: push(only=indices)
+            push = lambda only: sync_weights(trainer, engines, bucket_bytes=bucket,  # noqa: E731
+                                             verify=cfg.train.verify_weight_sync, only=only,
+                                             dtype=cfg.rollout.sync_dtype)
+            phases = DevicePhases(trainer, engines, push, shared=cfg.cluster.colocate)
+            phases.engines_started()
+            engines.on_restart = phases.resync
             if plan.checkpoint:
                 trainer.call("load", plan.checkpoint, False)  # verified by the preflight moments ago
                 echo(f"resumed from step {state.step} ({plan.checkpoint})")
@@ -66,18 +69,22 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
             if not state.sft_done and cfg.train.sft_warmup_steps:
                 sft_warmup(cfg, trainer, prompts, tokenizer, metrics_out, echo)
             state.sft_done = True
-            push()
+            phases.weights_changed()
             if state.step == 0 and cfg.eval.every and cfg.eval.at_start:
+                phases.rollout()
                 _evaluate(plan, engines, verify, 0, best, metrics_out, echo)
 
             for step in range(state.step + 1, cfg.train.steps + 1):
                 timer = time.perf_counter()
+                sync = phases.rollout()  # the engines get the weights of the last update
+                t_sync = time.perf_counter()
                 batch = prompts.take(cfg.train.prompts_per_step)
                 samples = engines.generate(requests(
                     batch, tag=f"s{step}", n=cfg.rollout.group_size, temperature=cfg.rollout.temperature,
                     top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
                     stop_token_ids=stops, seed=cfg.rollout.seed + step))
                 t_rollout = time.perf_counter()
+                phases.train()
                 rewards = score(samples, [e.problem.answer for e in batch for _ in range(cfg.rollout.group_size)],
                                 tokenizer, verify)
                 train_samples, metrics = training_samples(samples, rewards, cfg.rollout.group_size,
@@ -86,18 +93,20 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                 random.Random(cfg.train.seed + step).shuffle(train_samples)
                 updates = [trainer.on_last_stage("train_step", mb)
                            for mb in split(train_samples, cfg.train.minibatches_per_step)]
+                phases.weights_changed()
                 t_train = time.perf_counter()
                 metrics.update(diagnostics.mean_over_minibatches(updates))
-                metrics.update(push())
-                metrics.update({"time/rollout_s": t_rollout - timer, "time/train_s": t_train - t_rollout,
-                                "time/sync_s": time.perf_counter() - t_train,
-                                "time/step_s": time.perf_counter() - timer})
+                metrics.update({"time/rollout_s": t_rollout - t_sync, "time/train_s": t_train - t_rollout,
+                                "time/sync_s": t_sync - timer, "time/step_s": time.perf_counter() - timer})
                 state.step, state.data_cursor = step, prompts.cursor
                 if cfg.eval.every and step % cfg.eval.every == 0:
+                    sync = diagnostics.add_sync(sync, phases.rollout())
                     metrics.update(_evaluate(plan, engines, verify, step, best, metrics_out, echo))
+                metrics.update(diagnostics.add_sync(sync, {}))
                 metrics_out.write(step, metrics)
                 echo(summary_line(step, cfg.train.steps, metrics, bar=cfg.logging.progress))
                 if step == cfg.train.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                    phases.train()  # the trainer's state is saved from where it computes
                     state.best_step, state.best_mean, state.eval_history = best.step, best.mean, best.history
                     trainer.call("save", str(checkpoint_root(cfg)), step, state.to_dict(), cfg.checkpoint.keep_last)
                     plot_runs([run_dir], run_dir / "curves.png", labels=[cfg.name])

@@ -55,6 +55,12 @@ class TrainWorker:
     def train_step(self, minibatch) -> dict[str, float]:
         return self.actor.train_step(minibatch)
 
+    def offload(self) -> int:
+        return self.actor.offload()
+
+    def onload(self) -> int:
+        return self.actor.onload()
+
     def save(self, root: str, step: int, trainer_state: dict[str, Any], keep_last: int | None) -> str:
         return self.actor.save(root, trainer_state=trainer_state, keep_last=keep_last, step=step)
 
@@ -110,7 +116,7 @@ class EngineWorker:
         hf = cfg.hf_config()
         capture = cfg.rollout.capture_routed_experts and hf.num_experts > 0
         context = EngineContext(model_dir=model_dir, index=index, routing=RoutingLayout.of(hf) if capture else None,
-                                threads=cfg.rollout.threads_per_engine)
+                                threads=cfg.rollout.threads_per_engine, colocated=cfg.cluster.colocate)
         self.engine = cfg.rollout.spec.build(cfg.rollout.options, context)
 
     def captures_routing(self) -> bool:
@@ -126,6 +132,12 @@ class EngineWorker:
         from bpo_megatron.rollout.checksums import fingerprints
 
         return fingerprints(self.engine.named_hf_weights())
+
+    def release_memory(self) -> None:
+        self.engine.release_memory()
+
+    def resume_memory(self, tags: tuple[str, ...]) -> None:
+        self.engine.resume_memory(tags)
 
     def pause(self) -> None:
         self.engine.pause()

@@ -48,6 +48,13 @@ class RolloutEngine(abc.ABC):
     def resume(self) -> None:
         """Admit work again (after a weight update; caches of old weights are gone)."""
 
+    def release_memory(self) -> None:
+        """Hand the device memory it holds (weights, caches) back to a trainer sharing its
+        devices; nothing to do for an engine that holds none between calls."""
+
+    def resume_memory(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        """Take back what :meth:`release_memory` handed back (``tags``: which parts)."""
+
     @abc.abstractmethod
     def health(self) -> EngineHealth: ...
 
@@ -63,6 +70,7 @@ class EngineContext:
     index: int  # which of the run's engines (ports, seeds)
     routing: RoutingLayout | None  # capture routed experts laid out so (R3); None: no capture
     threads: int = 1  # torch threads of an in-process engine
+    colocated: bool = False  # shares the trainer's devices: must be able to hand its memory back
 
 
 @dataclass(frozen=True)

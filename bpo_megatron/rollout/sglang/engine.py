@@ -149,6 +149,13 @@ class SGLangEngine(RolloutEngine):
         self._post("continue_generation", {})
         self._paused = False
 
+    def release_memory(self) -> None:
+        """The server hands its weights' and KV cache's GPU memory back (``--enable-memory-saver``)."""
+        self._post("release_memory_occupation", {})
+
+    def resume_memory(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        self._post("resume_memory_occupation", {"tags": list(tags)})
+
     def health(self) -> EngineHealth:
         if self.server is not None and not self.server.alive():
             return EngineHealth(False, f"process exited ({self.server.process and self.server.process.returncode})")

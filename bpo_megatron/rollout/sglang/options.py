@@ -54,6 +54,7 @@ class SGLangConfig(SGLangOptions):
 
     model_path: str = ""
     capture_routed_experts: bool = True
+    memory_saver: bool = False  # colocated: the server can release and resume its GPU memory
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -73,6 +74,8 @@ class SGLangConfig(SGLangOptions):
                "--port", str(self.port), "--tp-size", str(self.tp_size), "--skip-tokenizer-init"]
         if self.capture_routed_experts:
             cmd.append("--enable-return-routed-experts")
+        if self.memory_saver:
+            cmd.append("--enable-memory-saver")
         if self.mem_fraction_static is not None:
             cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
         return cmd + list(self.extra_args)

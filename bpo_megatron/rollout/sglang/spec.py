@@ -8,12 +8,18 @@ from bpo_megatron.rollout.engine import EngineContext, EngineProfile, EngineSpec
 from bpo_megatron.rollout.sglang.options import SGLangConfig, SGLangOptions
 
 
+def engine_config(options: SGLangOptions, context: EngineContext) -> SGLangConfig:
+    """Engine ``i`` of a run: its checkpoint, port ``port + i``, capture and memory saver as the
+    run decides."""
+    return SGLangConfig(**asdict(options), model_path=context.model_dir,
+                        capture_routed_experts=context.routing is not None,
+                        memory_saver=context.colocated).with_port(options.port + context.index)
+
+
 def _build(options: SGLangOptions, context: EngineContext) -> RolloutEngine:
     from bpo_megatron.rollout.sglang.engine import SGLangEngine
 
-    config = SGLangConfig(**asdict(options), model_path=context.model_dir,
-                          capture_routed_experts=context.routing is not None)
-    return SGLangEngine(config.with_port(options.port + context.index), routing=context.routing)
+    return SGLangEngine(engine_config(options, context), routing=context.routing)
 
 
 def _profile(options: SGLangOptions, requests: int, gpus_per_engine: float) -> EngineProfile:
