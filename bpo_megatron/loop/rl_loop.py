@@ -23,7 +23,7 @@ from bpo_megatron.loop.sft import sft_warmup
 from bpo_megatron.observability.metrics import MetricsWriter, summary_line
 from bpo_megatron.observability.plot import plot_runs
 from bpo_megatron.orchestration.cluster import start_ray, stop_ray
-from bpo_megatron.orchestration.groups import EngineGroup, TrainerGroup
+from bpo_megatron.orchestration.groups import EngineGroup, TrainerGroup, run_placement
 from bpo_megatron.orchestration.phases import DevicePhases
 from bpo_megatron.orchestration.weight_sync import sync_weights
 from bpo_megatron.tasks.prompts import requests, stop_tokens
@@ -49,17 +49,19 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                                     resume_after=state.step if plan.checkpoint else None)
         best = BestCheckpoint(state.best_step, state.best_mean, list(state.eval_history))
         stops = stop_tokens(tokenizer, cfg.rollout.stop_token_ids)
-        trainer = engines = None
+        trainer = engines = placement = None
         started_ray = False
         try:
             started_ray = start_ray(cfg.cluster, cpus_needed=cfg.cluster.trainer_ranks + cfg.rollout.num_engines)
-            trainer, engines = TrainerGroup(cfg), EngineGroup(cfg, hf_dir)
+            placement = run_placement(cfg)  # engines on the trainer's devices, or apart
+            engines = EngineGroup(cfg, hf_dir, placement=placement)
             bucket = cfg.rollout.weight_bucket_mb * 1024 * 1024
             push = lambda only: sync_weights(trainer, engines, bucket_bytes=bucket,  # noqa: E731
                                              verify=cfg.train.verify_weight_sync, only=only,
                                              dtype=cfg.rollout.sync_dtype)
-            phases = DevicePhases(trainer, engines, push, shared=cfg.cluster.colocate)
-            phases.engines_started()
+            phases = DevicePhases(engines, push, shared=cfg.cluster.colocate)
+            trainer = TrainerGroup(cfg, placement=placement)
+            phases.attach_trainer(trainer)
             engines.on_restart = phases.resync
             if plan.checkpoint:
                 trainer.call("load", plan.checkpoint, False)  # verified by the preflight moments ago
@@ -116,6 +118,8 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
             for group in (engines, trainer):
                 if group is not None:
                     group.shutdown()
+            if placement is not None:
+                placement.remove()
             if started_ray:
                 stop_ray()
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 class ClusterConfig:
     """``ray_address`` None starts an embedded Ray on this machine (loopback only). The trainer
     world has ``trainer_ranks`` processes = tp × pp × dp. ``colocate`` puts engines on the
-    trainer's devices (phases alternate; weights and KV caches are offloaded on GPU).
+    trainer's devices (phases alternate; weights and KV caches are offloaded on GPU); see
+    :mod:`bpo_megatron.orchestration.placement` for where each actor runs.
 
     ``nodes``, ``gpus_per_node`` and ``gpu_memory_gb`` describe the allocation the experiment is
     meant for: the launchers take them as their defaults and ``bpo-megatron plan`` checks the
@@ -22,6 +23,7 @@ class ClusterConfig:
     gpus_per_engine: float = 0.0
     cpus_per_actor: float = 1.0
     colocate: bool = True
+    placement_timeout_s: float = 300.0  # how long Ray may take to place the actors (autoscaling included)
     object_store_mb: int = 512
     nodes: int = 1
     gpus_per_node: int = 0
@@ -35,5 +37,7 @@ class ClusterConfig:
         if self.nodes < 1 or self.gpus_per_node < 0:
             raise ValueError(f"cluster.nodes must be >= 1 and cluster.gpus_per_node >= 0, got "
                              f"{self.nodes} and {self.gpus_per_node}")
+        if not self.placement_timeout_s > 0:
+            raise ValueError(f"cluster.placement_timeout_s must be > 0, got {self.placement_timeout_s}")
         if not self.gpu_memory_gb > 0:
             raise ValueError(f"cluster.gpu_memory_gb must be > 0, got {self.gpu_memory_gb}")

@@ -14,13 +14,19 @@ import logging
 import time
 from typing import Any, Callable
 
+from bpo_megatron.orchestration.placement import Placement, plan_layout
 from bpo_megatron.orchestration.workers import EngineWorker, TrainWorker
 
 log = logging.getLogger(__name__)
 
-HEALTH_TIMEOUT_S = 30.0
-PLACEMENT_TIMEOUT_S = 300.0
-FAILURE_GRACE_S = 2.0  # after a rank fails, how long the others get to report why they did  # Ray scales a cluster up within minutes; longer means it cannot  # an engine that cannot say whether it is healthy in this time is not
+HEALTH_TIMEOUT_S = 30.0  # an engine that cannot say whether it is healthy in this time is not
+FAILURE_GRACE_S = 2.0  # after a rank fails, how long the others get to report why they did
+
+
+def run_placement(cfg) -> Placement:
+    """The placement of a run's trainer and engines (``cluster`` and ``rollout.num_engines``)."""
+    return Placement(plan_layout(cfg.cluster, num_engines=cfg.rollout.num_engines),
+                     timeout_s=cfg.cluster.placement_timeout_s)
 
 
 class TrainerFailed(RuntimeError):
@@ -78,39 +84,24 @@ def _address_and_port() -> tuple[str, int]:
 
 
 class TrainerGroup:
-    def __init__(self, cfg, *, threads_per_rank: int = 1) -> None:
+    """The trainer ranks, on their slots of ``placement`` (by default a placement of their own)."""
+
+    def __init__(self, cfg, *, threads_per_rank: int = 1, placement: Placement | None = None) -> None:
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         ranks = cfg.cluster.trainer_ranks
-        bundle = {"CPU": cfg.cluster.cpus_per_actor}
-        if cfg.cluster.gpus_per_trainer_rank:
-            bundle["GPU"] = cfg.cluster.gpus_per_trainer_rank
         self.workers: list = []
-        self.placement = placement_group([dict(bundle) for _ in range(ranks)], strategy="PACK")
-        try:
-            ray.get(self.placement.ready(), timeout=PLACEMENT_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            self.abort()
-            raise TrainerFailed(
-                f"Ray could not place {ranks} trainer ranks of {bundle} within {PLACEMENT_TIMEOUT_S:.0f} s: the "
-                f"cluster lacks the resources (cluster.trainer_ranks={ranks}, cluster.cpus_per_actor="
-                f"{cfg.cluster.cpus_per_actor}, cluster.gpus_per_trainer_rank={cfg.cluster.gpus_per_trainer_rank}; "
-                f"available: {ray.available_resources()})") from None
-
-        def on_bundle(index: int):
-            return PlacementGroupSchedulingStrategy(placement_group=self.placement,
-                                                    placement_group_bundle_index=index)
-
-        # The rendezvous address is rank 0's node, found by running a task in its bundle.
-        probe = ray.remote(num_cpus=0)(_address_and_port).options(scheduling_strategy=on_bundle(0))
+        self._owns_placement = placement is None
+        self.placement = placement or Placement(plan_layout(cfg.cluster, num_engines=0),
+                                                timeout_s=cfg.cluster.placement_timeout_s)
+        # The rendezvous address is rank 0's node, found by running a task on its slot.
+        options = self.placement.trainer_options(0)
+        probe = ray.remote(_address_and_port).options(num_cpus=0, scheduling_strategy=options["scheduling_strategy"])
         address, port = ray.get(probe.remote())
         actor = ray.remote(TrainWorker)
         self.workers = [
-            actor.options(num_cpus=cfg.cluster.cpus_per_actor, num_gpus=cfg.cluster.gpus_per_trainer_rank,
-                          scheduling_strategy=on_bundle(rank)).remote(cfg, rank, ranks, f"{address}:{port}",
-                                                                       threads_per_rank)
+            actor.options(**self.placement.trainer_options(rank)).remote(cfg, rank, ranks, f"{address}:{port}",
+                                                                         threads_per_rank)
             for rank in range(ranks)
         ]
         self._collect([w.ready.remote() for w in self.workers], "start-up")
@@ -148,13 +139,12 @@ class TrainerGroup:
     def abort(self) -> None:
         """Kill every rank now (no clean-up call: ranks may be blocked in a collective)."""
         import ray
-        from ray.util.placement_group import remove_placement_group
 
         workers, self.workers = self.workers, []
         for w in workers:
             ray.kill(w, no_restart=True)
-        if self.placement is not None:
-            remove_placement_group(self.placement)
+        if self._owns_placement and self.placement is not None:
+            self.placement.remove()
             self.placement = None
 
     def shutdown(self) -> None:
@@ -181,12 +171,12 @@ class EngineGroup:
     """
 
     def __init__(self, cfg, model_dir: str, *, max_restarts: int | None = None,
-                 generate_timeout_s: float | None = None) -> None:
+                 generate_timeout_s: float | None = None, placement: Placement | None = None) -> None:
         import ray
 
         if generate_timeout_s is not None and not generate_timeout_s > 0:
             raise ValueError(f"generate_timeout_s must be > 0 (or None: wait forever), got {generate_timeout_s}")
-        self.cfg, self.model_dir = cfg, model_dir
+        self.cfg, self.model_dir, self.placement = cfg, model_dir, placement
         self.max_restarts = cfg.rollout.max_restarts if max_restarts is None else max_restarts
         self.generate_timeout_s = cfg.rollout.generate_timeout_s if generate_timeout_s is None else generate_timeout_s
         self.restarts = 0
@@ -199,11 +189,18 @@ class EngineGroup:
         libraries and loading the model, mostly waiting on the disk."""
         import ray
 
-        workers = [self._actor.options(num_cpus=self.cfg.cluster.cpus_per_actor,
-                                       num_gpus=self.cfg.cluster.gpus_per_engine).remote(self.cfg, self.model_dir, i)
+        workers = [self._actor.options(**self._options(i)).remote(self.cfg, self.model_dir, i, self._devices(i))
                    for i in indices]
         ray.get([w.captures_routing.remote() for w in workers])  # raise here if an engine cannot start
         return workers
+
+    def _options(self, index: int) -> dict[str, Any]:
+        if self.placement is not None:  # on its slots of the run's placement (shared or its own)
+            return self.placement.engine_options(index)
+        return {"num_cpus": self.cfg.cluster.cpus_per_actor, "num_gpus": self.cfg.cluster.gpus_per_engine}
+
+    def _devices(self, index: int) -> tuple[int, ...]:
+        return self.placement.engine_gpus(index) if self.placement is not None else ()
 
     def captures_routing(self) -> bool:
         import ray

@@ -24,18 +24,21 @@ WEIGHTS, KV_CACHE = "weights", "kv_cache"
 
 
 class DevicePhases:
-    def __init__(self, trainer: Any, engines: Any, push: Callable[[list[int] | None], dict[str, float]], *,
-                 shared: bool) -> None:
-        self._trainer, self._engines, self._push = trainer, engines, push
+    """Create it right after the engines started (holding their initial weights and caches): on
+    shared devices they hand that memory back at once, so the trainer can be built; then
+    :meth:`attach_trainer`."""
+
+    def __init__(self, engines: Any, push: Callable[[list[int] | None], dict[str, float]], *, shared: bool) -> None:
+        self._trainer: Any = None
+        self._engines, self._push = engines, push
         self.shared = shared
         self._owner = "train"  # who holds the devices: the trainer ("train") or the engines ("rollout")
         self._stale = True  # the engines do not hold the trainer's current weights
+        if shared:
+            engines.call("release_memory")
 
-    def engines_started(self) -> None:
-        """Right after the engines started (with their initial weights and caches in memory):
-        on shared devices they hand the memory back until the first rollout phase."""
-        if self.shared:
-            self._engines.call("release_memory")
+    def attach_trainer(self, trainer: Any) -> None:
+        self._trainer = trainer
 
     def weights_changed(self) -> None:
         self._stale = True

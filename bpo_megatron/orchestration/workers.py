@@ -108,7 +108,7 @@ class TrainWorker:
 class EngineWorker:
     """One rollout engine, built from the experiment's ``rollout`` section."""
 
-    def __init__(self, cfg, model_dir: str, index: int) -> None:
+    def __init__(self, cfg, model_dir: str, index: int, devices: tuple[int, ...] = ()) -> None:
         quiet_library_logs()
         from bpo_megatron.models.routing import RoutingLayout
         from bpo_megatron.rollout import EngineContext
@@ -116,7 +116,8 @@ class EngineWorker:
         hf = cfg.hf_config()
         capture = cfg.rollout.capture_routed_experts and hf.num_experts > 0
         context = EngineContext(model_dir=model_dir, index=index, routing=RoutingLayout.of(hf) if capture else None,
-                                threads=cfg.rollout.threads_per_engine, colocated=cfg.cluster.colocate)
+                                threads=cfg.rollout.threads_per_engine, colocated=cfg.cluster.colocate,
+                                devices=devices)
         self.engine = cfg.rollout.spec.build(cfg.rollout.options, context)
 
     def captures_routing(self) -> bool:

@@ -71,6 +71,7 @@ class EngineContext:
     routing: RoutingLayout | None  # capture routed experts laid out so (R3); None: no capture
     threads: int = 1  # torch threads of an in-process engine
     colocated: bool = False  # shares the trainer's devices: must be able to hand its memory back
+    devices: tuple[int, ...] = ()  # GPU ids (on its node) a server process uses; () : as placed
 
 
 @dataclass(frozen=True)

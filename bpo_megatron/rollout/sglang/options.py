@@ -55,6 +55,7 @@ class SGLangConfig(SGLangOptions):
     model_path: str = ""
     capture_routed_experts: bool = True
     memory_saver: bool = False  # colocated: the server can release and resume its GPU memory
+    visible_devices: tuple[int, ...] = ()  # the GPUs of its placement slots (the server's CUDA_VISIBLE_DEVICES)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -25,9 +25,14 @@ class ServerProcess:
         self.starts = 0
 
     def start(self) -> None:
+        env = dict(os.environ)
+        if self.cfg.visible_devices:
+            # Ray shows the engine's actor only the GPU share it was given; the server runs on every
+            # GPU of the engine's slots, as TP ranks 0..t-1 (its base GPU id is then 0)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.cfg.visible_devices))
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.cfg.launch_command(), stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)  # its own group: stop() kills workers too
+                                            env=env, start_new_session=True)  # its own group: stop() kills workers too
         self.starts += 1
         self.wait_healthy()
 

@@ -13,7 +13,8 @@ def engine_config(options: SGLangOptions, context: EngineContext) -> SGLangConfi
     run decides."""
     return SGLangConfig(**asdict(options), model_path=context.model_dir,
                         capture_routed_experts=context.routing is not None,
-                        memory_saver=context.colocated).with_port(options.port + context.index)
+                        memory_saver=context.colocated,
+                        visible_devices=context.devices).with_port(options.port + context.index)
 
 
 def _build(options: SGLangOptions, context: EngineContext) -> RolloutEngine:
