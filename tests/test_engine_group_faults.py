@@ -194,7 +194,7 @@ def test_an_engine_that_died_between_rollouts_is_replaced_by_the_next_sync(group
     restarts_before = group.restarts
     victim = group.workers[0]
     ray.kill(victim)
-    sync_weights(_WeightPusher(pushed_weights), group, bucket_bytes=1 << 20, verify=True)
+    sync_weights(_WeightPusher(pushed_weights), group, version=1, bucket_bytes=1 << 20, verify=True)
     assert group.workers[0] is not victim and group.restarts == restarts_before + 1
     assert restarted == [], "the sync itself loads the new engine; no separate reload"
     _check_samples(group.generate(SMALL), SMALL, expected["small"])

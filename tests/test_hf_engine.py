@@ -214,27 +214,29 @@ def test_update_weights_refuses_unknown_names_and_wrong_shapes(moe_dir):
     assert all(torch.equal(t, snapshot[name]) for name, t in engine.named_hf_weights())
 
 
-def test_pause_resume_and_shutdown(moe_dir):
+def test_weight_update_session_version_and_shutdown(moe_dir):
     hf = HFModelConfig.load(moe_dir)  # built as the engine workers build it: from its spec
     engine = engine_spec("hf").build(HFEngineOptions(), EngineContext(moe_dir, 0, RoutingLayout.of(hf)))
     assert isinstance(engine, HFEngine) and engine.capabilities.captures_routing
     request = [GenerationRequest("x", (1, 2, 3), SamplingParams(max_new_tokens=2, seed=0))]
-    engine.pause()
+    assert engine.generate(request)[0].weight_version == 0  # the checkpoint it started from
+    engine.begin_weight_update(7)
     assert engine.health().detail == "paused"
-    with pytest.raises(RuntimeError, match="paused"):
+    with pytest.raises(RuntimeError, match="weight update"):
         engine.generate(request)
     name, tensor = next(engine.named_hf_weights())
-    assert engine.update_weights([(name, tensor.clone())]) == tensor.numel() * 4  # allowed while paused
-    engine.resume()
+    assert engine.update_weights([(name, tensor.clone())]) == tensor.numel() * 4  # allowed in the update
+    engine.end_weight_update()
     assert engine.health().healthy and engine.health().detail == "ready"
-    assert len(engine.generate(request)) == 1
+    [sample] = engine.generate(request)
+    assert engine.weight_version == 7 and sample.weight_version == 7
 
     model = weakref.ref(engine.model)
     engine.shutdown()
     gc.collect()
     assert model() is None, "shutdown must free the model"
     assert not engine.health().healthy
-    for call in (lambda: engine.generate(request), engine.pause, engine.resume,
+    for call in (lambda: engine.generate(request), lambda: engine.begin_weight_update(1), engine.end_weight_update,
                  lambda: engine.update_weights([]), lambda: next(engine.named_hf_weights())):
         with pytest.raises(RuntimeError, match="shut down"):
             call()

@@ -73,7 +73,8 @@ def test_colocated_phases_offload_the_trainer_and_change_no_number(tmp_path, ray
     assert sorted(apart) == sorted(shared) and 2 in apart
     for step, record in apart.items():
         for key, value in record.items():
-            if "time" in key or key in ("sync_seconds", "sync_bytes_per_s", "offload_bytes"):  # clocks
+            # clocks; and syncs, which colocated engines repeat after every release of their memory
+            if "time" in key or key.startswith(("sync_", "offload_")):
                 continue
             assert shared[step][key] == value, (step, key)
     assert all(apart[step]["offload_bytes"] == 0 for step in (1, 2))

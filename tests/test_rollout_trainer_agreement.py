@@ -230,7 +230,7 @@ def _push(actor, engine, *, corrupt: str | None = None, dtype: torch.dtype | Non
         return {}, 0
     sent: dict[str, str] = {}
     count = 0
-    engine.pause()
+    engine.begin_weight_update(1)
     try:
         for bucket in buckets(stream, BUCKET_BYTES):
             sent.update(fingerprints(bucket))
@@ -239,7 +239,7 @@ def _push(actor, engine, *, corrupt: str | None = None, dtype: torch.dtype | Non
             engine.update_weights(bucket)
             count += 1
     finally:
-        engine.resume()
+        engine.end_weight_update()
     return sent, count
 
 

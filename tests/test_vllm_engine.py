@@ -232,8 +232,8 @@ def test_engine_generates_through_vllm_llm(fake_vllm):
     for sample in samples:
         sample.check(num_moe_layers=2, topk=2)
 
-    engine.pause()
-    with pytest.raises(RuntimeError, match="paused"):
+    engine.begin_weight_update(2)
+    with pytest.raises(RuntimeError, match="weight update"):
         engine.generate(requests)
     weights = [(f"w{i}", torch.zeros(256)) for i in range(5)]  # 1 KiB each
     engine.cfg = VLLMConfig(model_path=str(MOE_DIR), weight_bucket_bytes=2048)
@@ -241,9 +241,9 @@ def test_engine_generates_through_vllm_llm(fake_vllm):
     rpcs = [c for c in llm.calls if c[0] == "collective_rpc"]
     assert [c[1] for c in rpcs] == [LOAD_WEIGHTS_RPC] * 3
     assert [[n for n, _ in c[2][0]] for c in rpcs] == [["w0", "w1"], ["w2", "w3"], ["w4"]]
+    engine.end_weight_update()
     assert llm.calls[-1] == ("reset_prefix_cache",), "no KV of the old weights may be reused"
-    engine.resume()
-    assert engine.health().detail == "ready"
+    assert engine.health().detail == "ready" and engine.weight_version == 2
     with pytest.raises(NotImplementedError, match="verify_weight_sync"):
         engine.named_hf_weights()
     engine.shutdown()

@@ -1,26 +1,53 @@
 #!/usr/bin/env bash
 # Create .venv with everything the CPU path needs (idempotent: a second run only re-checks).
 # Usage: bash tools/setup.sh            -> .venv with the package (editable) and test tools
+#        bash tools/setup.sh --sglang   -> .venv-sglang: SGLang 0.5.23's own code for the contract
+#                                          tests (tests/sglang_contract; they skip without it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
-VENV=.venv
-STAMP="$VENV/.bpo-setup-stamp"
-want="$(cat pyproject.toml tools/constraints-cpu.txt | sha256sum | cut -d' ' -f1)"
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
-  echo "[setup] .venv is up to date"
+
+# new_venv DIR INPUT_FILES...: exit 0 at once when DIR was built from these exact files;
+# otherwise create DIR afresh (PIP then installs into it; finish_venv stamps it).
+new_venv() {
+  VENV="$1"
+  shift
+  STAMP="$VENV/.bpo-setup-stamp"
+  WANT="$(cat "$@" | sha256sum | cut -d' ' -f1)"
+  if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+    echo "[setup] $VENV is up to date"
+    exit 0
+  fi
+  echo "[setup] creating $VENV with $("$PYTHON" --version)"
+  "$PYTHON" -m venv "$VENV"
+  PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+  "${PIP[@]}" install --upgrade pip
+}
+
+finish_venv() {
+  echo "$WANT" > "$STAMP"
+  echo "[setup] done: $("$VENV/bin/python" -W ignore -c "$1")"
+}
+
+if [ "${1:-}" = "--sglang" ]; then
+  # SGLang pins torch 2.14.1 and transformers 5.19.0, the trainer's environment torch 2.13 and
+  # transformers 5.23: the two live apart. Importing sglang.srt on a CPU needs a torchvision
+  # built for the same torch.
+  new_venv .venv-sglang tools/sglang-contract-requirements.txt tools/constraints-sglang.txt
+  "${PIP[@]}" install -c tools/constraints-sglang.txt torch torchvision
+  "${PIP[@]}" install -c tools/constraints-sglang.txt --no-deps sglang
+  "${PIP[@]}" install -c tools/constraints-sglang.txt -r tools/sglang-contract-requirements.txt
+  finish_venv "import importlib.metadata as m, sglang.srt.entrypoints.http_server, \
+sglang.srt.managers.scheduler_components.weight_updater; print('sglang', m.version('sglang'), 'torch', m.version('torch'))"
   exit 0
 fi
-echo "[setup] creating $VENV with $("$PYTHON" --version)"
-"$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-"${PIP[@]}" install --upgrade pip
+
+new_venv .venv pyproject.toml tools/constraints-cpu.txt
 # torch first and exactly: a range would let pip choose a multi-GB CUDA build.
 echo "[setup] installing torch (CPU) and megatron-core"
 "${PIP[@]}" install -c tools/constraints-cpu.txt torch megatron-core
 echo "[setup] installing bpo-megatron (editable) with test tools"
 "${PIP[@]}" install -c tools/constraints-cpu.txt -e ".[dev]"
 "$VENV/bin/python" -m pip check
-echo "$want" > "$STAMP"
-echo "[setup] done: $("$VENV/bin/python" -W ignore -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)')"
+finish_venv "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__)"

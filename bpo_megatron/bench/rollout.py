@@ -180,10 +180,10 @@ def _sync_rank(cfg: BenchConfig, model_dir: str) -> dict:
             pass
 
     def sync() -> None:
-        engine.pause()
+        engine.begin_weight_update(engine.weight_version + 1)
         for bucket in buckets(stream(), bucket_bytes):
             engine.update_weights(bucket)
-        engine.resume()
+        engine.end_weight_update()
 
     runs = dict(zip(SYNC_METHODS, (copy, gather, sync)))
     seconds: dict[str, list[float]] = {name: [] for name in runs}

@@ -56,9 +56,9 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
             placement = run_placement(cfg)  # engines on the trainer's devices, or apart
             engines = EngineGroup(cfg, hf_dir, placement=placement)
             bucket = cfg.rollout.weight_bucket_mb * 1024 * 1024
-            push = lambda only: sync_weights(trainer, engines, bucket_bytes=bucket,  # noqa: E731
-                                             verify=cfg.train.verify_weight_sync, only=only,
-                                             dtype=cfg.rollout.sync_dtype)
+            push = lambda only, version: sync_weights(  # noqa: E731
+                trainer, engines, version=version, bucket_bytes=bucket, verify=cfg.train.verify_weight_sync,
+                only=only, dtype=cfg.rollout.sync_dtype)
             phases = DevicePhases(engines, push, shared=cfg.cluster.colocate)
             trainer = TrainerGroup(cfg, placement=placement)
             phases.attach_trainer(trainer)
@@ -71,7 +71,7 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
             if not state.sft_done and cfg.train.sft_warmup_steps:
                 sft_warmup(cfg, trainer, prompts, tokenizer, metrics_out, echo)
             state.sft_done = True
-            phases.weights_changed()
+            phases.weights_changed(version=state.step)  # version n: the weights after RL step n
             if state.step == 0 and cfg.eval.every and cfg.eval.at_start:
                 phases.rollout()
                 _evaluate(plan, engines, verify, 0, best, metrics_out, echo)
@@ -95,7 +95,7 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                 random.Random(cfg.train.seed + step).shuffle(train_samples)
                 updates = [trainer.on_last_stage("train_step", mb)
                            for mb in split(train_samples, cfg.train.minibatches_per_step)]
-                phases.weights_changed()
+                phases.weights_changed(version=step)
                 t_train = time.perf_counter()
                 metrics.update(diagnostics.mean_over_minibatches(updates))
                 metrics.update({"time/rollout_s": t_rollout - t_sync, "time/train_s": t_train - t_rollout,

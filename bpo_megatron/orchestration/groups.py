@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable
 
 from bpo_megatron.orchestration.placement import Placement, plan_layout
+from bpo_megatron.rollout.engine import EngineLost
 from bpo_megatron.orchestration.workers import EngineWorker, TrainWorker
 
 log = logging.getLogger(__name__)
@@ -162,8 +163,9 @@ class TrainerGroup:
 class EngineGroup:
     """``rollout.num_engines`` engines; requests are spread over them in contiguous slices.
 
-    An engine whose actor dies (its process killed or crashed) is replaced by a fresh one, and so
-    is, with ``generate_timeout_s``, one that has not answered a ``generate`` within that many
+    An engine whose actor dies (its process killed or crashed), or that lost its server
+    (:class:`~bpo_megatron.rollout.engine.EngineLost`), is replaced by a fresh one, and so is, with
+    ``generate_timeout_s``, one that has not answered a ``generate`` within that many
     seconds (it is killed first: a hung engine is as useless as a dead one). ``on_restart`` is then
     called with the replaced indices (to load the current weights into them) before their shares
     are sent again; the answers of the other engines are kept. ``max_restarts`` per engine, on
@@ -239,6 +241,11 @@ class EngineGroup:
             except ray.exceptions.RayActorError:
                 log.warning("rollout engine %d died; replacing it", i)
                 failed.append(i)
+            except ray.exceptions.RayTaskError as exc:
+                if not isinstance(_cause(exc), EngineLost):
+                    raise
+                log.warning("rollout engine %d lost its server (%s); replacing it", i, str(_cause(exc)).splitlines()[0])
+                failed.append(i)
         return failed
 
     def replace(self, indices: list[int], *, load_weights: bool = True) -> None:
@@ -281,6 +288,20 @@ class EngineGroup:
 
         indices = range(len(self.workers)) if only is None else only
         return ray.get([getattr(self.workers[i], method).remote(*args) for i in indices])
+
+    def call_surviving(self, method: str, *args: Any, only: list[int]) -> tuple[dict[int, Any], list[int]]:
+        """``method`` on the engines ``only``: the answers of those alive, and those found dead
+        (a kill is asynchronous: an engine that looked healthy a moment ago may be gone)."""
+        import ray
+
+        futures = {i: getattr(self.workers[i], method).remote(*args) for i in only}
+        answers, dead = {}, []
+        for i, future in futures.items():
+            try:
+                answers[i] = ray.get(future)
+            except ray.exceptions.RayActorError:
+                dead.append(i)
+        return answers, dead
 
     def shutdown(self) -> None:
         import ray

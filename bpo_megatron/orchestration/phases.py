@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-WEIGHTS, KV_CACHE = "weights", "kv_cache"
+# What an engine resumes before a sync (its weights) and after the trainer left (the rest)
+WEIGHTS, AFTER_SYNC = ("weights",), ("kv_cache", "cuda_graph")
 
 
 class DevicePhases:
@@ -28,8 +29,10 @@ class DevicePhases:
     shared devices they hand that memory back at once, so the trainer can be built; then
     :meth:`attach_trainer`."""
 
-    def __init__(self, engines: Any, push: Callable[[list[int] | None], dict[str, float]], *, shared: bool) -> None:
+    def __init__(self, engines: Any, push: Callable[[list[int] | None, int], dict[str, float]], *,
+                 shared: bool) -> None:
         self._trainer: Any = None
+        self.version = 0  # the trainer's weights: how many updates (RL steps) they have taken
         self._engines, self._push = engines, push
         self.shared = shared
         self._owner = "train"  # who holds the devices: the trainer ("train") or the engines ("rollout")
@@ -40,8 +43,9 @@ class DevicePhases:
     def attach_trainer(self, trainer: Any) -> None:
         self._trainer = trainer
 
-    def weights_changed(self) -> None:
-        self._stale = True
+    def weights_changed(self, version: int) -> None:
+        """The trainer's weights are now the ``version``-th update."""
+        self.version, self._stale = version, True
 
     def rollout(self) -> dict[str, float]:
         """Hand the devices to the engines, syncing the weights first if they changed; returns
@@ -50,41 +54,31 @@ class DevicePhases:
         if self._stale:
             if self.shared:
                 self.train()  # a sync reads the trainer's weights where they live
-                self._engines.call("resume_memory", (WEIGHTS,))
-            metrics = self._push(None)
+                self._engines.call("resume_memory", WEIGHTS)
+            metrics = self._push(None, self.version)
             self._stale = False
         if self.shared and self._owner == "train":
             moved = self._trainer.call("offload")[0]
-            self._engines.call("resume_memory", (KV_CACHE,) if metrics else (WEIGHTS, KV_CACHE))
+            self._engines.call("resume_memory", AFTER_SYNC if "sync_bytes" in metrics else ())
             self._owner = "rollout"
             metrics["offload_bytes"] = float(moved)
         return metrics
 
     def train(self) -> None:
-        """Hand the devices to the trainer."""
+        """Hand the devices to the trainer. Engines that released their weights hold them no more
+        (SGLang keeps no copy): they are synced again at the next rollout phase."""
         if self.shared and self._owner == "rollout":
             self._engines.call("release_memory")
             self._trainer.call("onload")
-            self._owner = "train"
+            self._owner, self._stale = "train", True
 
     def resync(self, indices: list[int]) -> None:
         """Give engines that were just replaced (they hold the initial weights) the current ones,
-        in whatever phase the step is; the devices end up with whoever held them."""
+        in whatever phase the step is, before any of their requests is sent again."""
         if not self.shared:
-            self._push(indices)
-            return
-        in_rollout = self._owner == "rollout"
-        if in_rollout:
-            self.train()  # every engine, the new ones too, hands its memory back
-        else:
-            self._engines.call("release_memory", only=indices)  # the new ones came up holding memory
-        self._engines.call("resume_memory", (WEIGHTS,), only=indices)
-        self._push(indices)
-        if in_rollout:
-            self._trainer.call("offload")
-            others = [i for i in range(len(self._engines.workers)) if i not in indices]
-            self._engines.call("resume_memory", (KV_CACHE,), only=indices)
-            self._engines.call("resume_memory", (WEIGHTS, KV_CACHE), only=others)
-            self._owner = "rollout"
-        else:
+            self._push(indices, self.version)
+        elif self._owner == "rollout":
+            self.train()  # every engine hands its memory back; the next rollout phase syncs them all
+            self.rollout()
+        else:  # the new engines came up holding memory: the trainer holds the devices
             self._engines.call("release_memory", only=indices)

@@ -140,11 +140,14 @@ class EngineWorker:
     def resume_memory(self, tags: tuple[str, ...]) -> None:
         self.engine.resume_memory(tags)
 
-    def pause(self) -> None:
-        self.engine.pause()
+    def begin_weight_update(self, version: int) -> None:
+        self.engine.begin_weight_update(version)
 
-    def resume(self) -> None:
-        self.engine.resume()
+    def end_weight_update(self) -> None:
+        self.engine.end_weight_update()
+
+    def weight_version(self) -> int:
+        return self.engine.weight_version
 
     def healthy(self) -> bool:
         return self.engine.health().healthy

@@ -27,33 +27,46 @@ class EngineCapabilities:
     captures_routing: bool  # can return routed experts per processed token (R3)
 
 
+class EngineLost(RuntimeError):
+    """The engine lost what it held (its server died): replace it, give it the current weights,
+    then send its requests again. Never answered by sampling from the initial weights."""
+
+
 class RolloutEngine(abc.ABC):
-    """Generates samples from the current policy and takes new weights from the trainer."""
+    """Generates samples from the current policy and takes new weights from the trainer.
+
+    Weights arrive in an update session: :meth:`begin_weight_update` with the version they are
+    (the trainer's update count), :meth:`update_weights` per bucket, :meth:`end_weight_update`,
+    which drops caches of the old weights and admits work again. Every sample records
+    :attr:`weight_version`, the version that produced it (0: the weights it started from).
+    """
 
     capabilities: EngineCapabilities
+    weight_version: int = 0
 
     @abc.abstractmethod
     def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
         """All ``n`` samples of every request, in request order then index order."""
 
     @abc.abstractmethod
+    def begin_weight_update(self, version: int) -> None:
+        """Stop admitting work and open an update that brings the weights of ``version``."""
+
+    @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load Hugging Face-named tensors (the on-disk names); returns the bytes received."""
+        """Load Hugging Face-named tensors (the on-disk names) inside an update; returns the bytes
+        received."""
 
     @abc.abstractmethod
-    def pause(self) -> None:
-        """Stop admitting work (before a weight update)."""
-
-    @abc.abstractmethod
-    def resume(self) -> None:
-        """Admit work again (after a weight update; caches of old weights are gone)."""
+    def end_weight_update(self) -> None:
+        """Close the update: caches of the old weights are gone, work is admitted again."""
 
     def release_memory(self) -> None:
         """Hand the device memory it holds (weights, caches) back to a trainer sharing its
         devices; nothing to do for an engine that holds none between calls."""
 
-    def resume_memory(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
-        """Take back what :meth:`release_memory` handed back (``tags``: which parts)."""
+    def resume_memory(self, tags: tuple[str, ...] = ()) -> None:
+        """Take back what :meth:`release_memory` handed back (``tags``: which parts; () all)."""
 
     @abc.abstractmethod
     def health(self) -> EngineHealth: ...

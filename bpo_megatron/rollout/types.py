@@ -62,6 +62,7 @@ class Sample:
     rollout_logprobs: torch.Tensor  # [R] float32, log μ of each response token
     finish_reason: FinishReason
     routed_experts: torch.Tensor | None = None  # [P + R − 1, MoE layers, top-k] when captured
+    weight_version: int = 0  # the engine's weights that produced it (the trainer's update count)
 
     @property
     def tokens(self) -> torch.Tensor:

@@ -93,9 +93,9 @@ def engine_process(model_dir: str, dtype: str, device: str, inbox, outbox) -> No
                 _, flat, entries = message
                 synchronize()
                 start = time.perf_counter()
-                engine.pause()
+                engine.begin_weight_update(1)
                 received = engine.update_weights(unflatten(flat, entries))
-                engine.resume()
+                engine.end_weight_update()
                 synchronize()
                 seconds = time.perf_counter() - start
                 del flat

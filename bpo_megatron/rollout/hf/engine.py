@@ -83,6 +83,7 @@ class HFEngine(RolloutEngine):
         self.num_moe_layers = len(routers)
         self.capabilities = EngineCapabilities(captures_routing=self._capture is not None)
         self._paused = False
+        self.weight_version = self._pending_version = 0
         self._lock = threading.Lock()  # generate and update_weights never interleave
 
     @property
@@ -91,13 +92,13 @@ class HFEngine(RolloutEngine):
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    def pause(self) -> None:
+    def begin_weight_update(self, version: int) -> None:
         self._live_model()
-        self._paused = True
+        self._paused, self._pending_version = True, int(version)
 
-    def resume(self) -> None:
+    def end_weight_update(self) -> None:
         self._live_model()
-        self._paused = False
+        self._paused, self.weight_version = False, self._pending_version
 
     def health(self) -> EngineHealth:
         if self._model is None:
@@ -137,8 +138,8 @@ class HFEngine(RolloutEngine):
     def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
         model = self._live_model()
         if self._paused:
-            raise RuntimeError("the hf rollout engine is paused (a weight update is in progress); "
-                               "call resume() before generate()")
+            raise RuntimeError("the hf rollout engine is in a weight update; call end_weight_update() "
+                               "before generate()")
         self._check_lengths(requests)
         rows = [_Row(request, index, seed) for request in requests
                 for index, seed in enumerate(row_seeds(request.sampling.seed, request.sampling.n))]
@@ -213,8 +214,7 @@ class HFEngine(RolloutEngine):
             routing = capture.close() if capture is not None else None
         return _Batch(tokens, logprobs, lengths, stopped, routing, width)
 
-    @staticmethod
-    def _sample(row: _Row, batch: _Batch, i: int) -> Sample:
+    def _sample(self, row: _Row, batch: _Batch, i: int) -> Sample:
         prompt = torch.tensor(row.request.prompt_tokens, dtype=torch.long)
         length = batch.lengths[i]
         routed = None
@@ -230,6 +230,7 @@ class HFEngine(RolloutEngine):
             rollout_logprobs=batch.logprobs[i, :length].cpu().clone(),
             finish_reason="stop" if batch.stopped[i] else "length",
             routed_experts=routed,
+            weight_version=self.weight_version,
         )
 
 

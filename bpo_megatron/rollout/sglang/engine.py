@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import torch
 
 from bpo_megatron.models.routing import RoutingLayout
-from bpo_megatron.rollout.engine import EngineCapabilities, RolloutEngine
+from bpo_megatron.rollout.engine import EngineCapabilities, EngineLost, RolloutEngine
 from bpo_megatron.rollout.sglang.options import SGLangConfig
 from bpo_megatron.rollout.sglang.http import (
     RequestTimeout,
@@ -37,8 +37,17 @@ class RolloutFailed(RuntimeError):
     """Generation could not be completed (a request kept timing out or the server kept dying)."""
 
 
+class WeightUpdateRefused(RuntimeError):
+    """The server refused a step of a weight update (its message says why)."""
+
+
+PAUSE_MODE = "retract"  # keep in-flight requests (SGLang's default "abort" would drop them)
+
+
 class SGLangEngine(RolloutEngine):
-    def __init__(self, cfg: SGLangConfig, *, routing: RoutingLayout | None = None) -> None:
+    """``serializer`` (tests only) replaces SGLang's tensor serializer on the tensor route."""
+
+    def __init__(self, cfg: SGLangConfig, *, routing: RoutingLayout | None = None, serializer=None) -> None:
         if cfg.capture_routed_experts and routing is None:
             raise ValueError("capturing routed experts needs the model's routing layout (its layers, MoE layers, top-k)")
         self.cfg = cfg
@@ -46,21 +55,25 @@ class SGLangEngine(RolloutEngine):
         self.capabilities = EngineCapabilities(captures_routing=cfg.capture_routed_experts)
         self.server = None if cfg.url else ServerProcess(cfg)
         self.weight_sender: DistributedWeightSender | None = None
+        self._serializer = serializer
         self._paused = False
-        self.restarts = 0
+        self.weight_version = self._pending_version = 0
         if self.server is not None:
             self.server.start()
+
+    @property
+    def base_url(self) -> str:
+        return (self.cfg.url or self.server.base_url).rstrip("/")
 
     # ------------------------------------------------------------------------------ generation
     def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
         if self._paused:
-            raise RuntimeError("the SGLang engine is paused (a weight update is in progress); call resume()")
+            raise RuntimeError("the SGLang engine is in a weight update; call end_weight_update()")
         items = response_slots(requests)
         chunks = [tuple(items[i : i + self.cfg.requests_per_post])
                   for i in range(0, len(items), self.cfg.requests_per_post)]
         results: dict[str, Sample] = {}
         attempts = {chunk: 0 for chunk in chunks}
-        restarts_left = self.cfg.max_restarts
         pending = chunks
         while pending:
             failed, server_down = [], False
@@ -87,30 +100,27 @@ class SGLangEngine(RolloutEngine):
                             ) from exc
                         failed.append(chunk)
             if server_down or (self.server is not None and not self.server.alive()):
-                restarts_left = self._recover(restarts_left)
+                self._lost()
             pending = failed
         return [results[item.rid] for item in items]
 
     def _post_generate(self, chunk: tuple[ResponseSlot, ...]) -> list[Sample]:
         body = generate_body(list(chunk), capture_routing=self.cfg.capture_routed_experts)
-        response = request_json("POST", f"{self.cfg.base_url}/generate", body, timeout=self.cfg.request_timeout_s)
+        response = request_json("POST", f"{self.base_url}/generate", body, timeout=self.cfg.request_timeout_s)
         if not isinstance(response, list) or len(response) != len(chunk):
             raise ServerError(f"/generate returned {type(response).__name__} for {len(chunk)} requests",
                               retryable=True)
         return [decode_sample(item, answer, routing=self.routing) for item, answer in zip(chunk, response)]
 
-    def _recover(self, restarts_left: int) -> int:
-        """Restart a server we own that died; unfinished requests are then sent again."""
+    def _lost(self) -> None:
+        """A server that died took its weights along: a restart would serve the initial ones."""
         if self.server is None:
-            raise RolloutFailed(f"the SGLang server at {self.cfg.base_url} stopped answering (attached with "
+            raise RolloutFailed(f"the SGLang server at {self.cfg.url} stopped answering (attached with "
                                 "rollout.sglang.url, so it is not restarted here)")
-        if restarts_left == 0:
-            raise RolloutFailed(f"the SGLang server died {self.cfg.max_restarts + 1} times in one rollout; "
-                                f"last output:\n{self.server.log_tail()}")
-        self.server.restart()
-        self.restarts += 1
-        self.weight_sender = None  # the server's side of the update group died with it
-        return restarts_left - 1
+        log = self.server.log_tail()
+        self.shutdown()
+        raise EngineLost(f"the SGLang server died (weights of version {self.weight_version} gone with it); "
+                         f"last output:\n{log}")
 
     # ------------------------------------------------------------------------------- weights
     def connect_weight_group(self, master_address: str, master_port: int, *, backend: str = "nccl",
@@ -120,47 +130,55 @@ class SGLangEngine(RolloutEngine):
         body = {"master_address": master_address, "master_port": master_port, "rank_offset": 1,
                 "world_size": world_size, "group_name": group_name, "backend": backend}
         # The server joins the group while answering, so the request runs beside our own join.
-        reply = _Background(lambda: self._post("init_weights_update_group", body))
+        reply = _Background(lambda: self._checked("init_weights_update_group", body))
         self.weight_sender = DistributedWeightSender(master_address, master_port, world_size, backend, group_name)
         reply.result()
 
+    def begin_weight_update(self, version: int) -> None:
+        """Pause (in-flight requests kept) and open SGLang's weight-update session."""
+        self._post("pause_generation", {"mode": PAUSE_MODE})
+        self._paused = True
+        self._checked("begin_weight_update", {})
+        self._pending_version = int(version)
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        if not self._paused:
+            raise RuntimeError("update_weights() outside a weight update: call begin_weight_update() first")
         sent = 0
         for bucket in buckets(named_tensors, self.cfg.weight_bucket_bytes):
             if self.cfg.weight_sync == "tensor":
-                self._post("update_weights_from_tensor", tensor_update_body(bucket, self.cfg.tp_size))
+                body = tensor_update_body(bucket, self.cfg.tp_size, serializer=self._serializer)
+                self._checked("update_weights_from_tensor", {**body, "weight_version": str(self._pending_version)})
             else:
                 if self.weight_sender is None:
                     raise RuntimeError("call connect_weight_group() before update_weights() with weight_sync=distributed")
-                body = self.weight_sender.metadata(bucket)
-                reply = _Background(lambda: self._post("update_weights_from_distributed", body))
+                body = {**self.weight_sender.metadata(bucket), "weight_version": str(self._pending_version)}
+                reply = _Background(lambda: self._checked("update_weights_from_distributed", body))
                 self.weight_sender.broadcast(bucket)
                 reply.result()
             sent += sum(tensor_bytes(t) for _, t in bucket)
-        self._post("flush_cache", {})  # no KV computed with the old weights may be reused
         return sent
 
-    # ------------------------------------------------------------------------------- control
-    def pause(self) -> None:
-        self._post("pause_generation", {})
-        self._paused = True
-
-    def resume(self) -> None:
+    def end_weight_update(self) -> None:
+        """Close the session, drop the cache of the old weights, admit work again."""
+        self._checked("end_weight_update", {})
+        self._post("flush_cache", None)  # no KV computed with the old weights may be reused
         self._post("continue_generation", {})
-        self._paused = False
+        self._paused, self.weight_version = False, self._pending_version
 
+    # ------------------------------------------------------------------------------- control
     def release_memory(self) -> None:
-        """The server hands its weights' and KV cache's GPU memory back (``--enable-memory-saver``)."""
+        """The server hands all of its GPU memory back (``--enable-memory-saver``)."""
         self._post("release_memory_occupation", {})
 
-    def resume_memory(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
-        self._post("resume_memory_occupation", {"tags": list(tags)})
+    def resume_memory(self, tags: tuple[str, ...] = ()) -> None:
+        self._post("resume_memory_occupation", {"tags": list(tags)} if tags else {})
 
     def health(self) -> EngineHealth:
         if self.server is not None and not self.server.alive():
             return EngineHealth(False, f"process exited ({self.server.process and self.server.process.returncode})")
         try:
-            request_json("GET", f"{self.cfg.base_url}/health", timeout=10.0)
+            request_json("GET", f"{self.base_url}/health", timeout=10.0)
             return EngineHealth(True)
         except (ServerUnavailable, RequestTimeout, ServerError) as exc:
             return EngineHealth(False, str(exc))
@@ -172,8 +190,18 @@ class SGLangEngine(RolloutEngine):
         if self.server is not None:
             self.server.stop()
 
-    def _post(self, endpoint: str, body: dict):
-        return request_json("POST", f"{self.cfg.base_url}/{endpoint}", body, timeout=self.cfg.request_timeout_s)
+    def _post(self, endpoint: str, body: dict | None):
+        return request_json("POST", f"{self.base_url}/{endpoint}", body, timeout=self.cfg.request_timeout_s)
+
+    def _checked(self, endpoint: str, body: dict):
+        """A call whose reply says ``success``; a refusal raises naming the endpoint."""
+        try:
+            reply = self._post(endpoint, body)
+        except ServerError as exc:
+            raise WeightUpdateRefused(f"SGLang refused /{endpoint}: {exc}") from exc
+        if isinstance(reply, dict) and reply.get("success") is False:
+            raise WeightUpdateRefused(f"SGLang refused /{endpoint}: {reply.get('message')}")
+        return reply
 
 
 class _Background:

@@ -15,8 +15,8 @@ WeightSync = Literal["tensor", "distributed"]
 class SGLangOptions:
     """How to start (or reach) the SGLang servers and talk to them (``rollout.sglang``).
 
-    ``url`` attaches to a running server instead of starting one (then nothing is restarted by
-    us). ``port``: engine ``i`` listens on ``port + i``. ``weight_sync``: ``"tensor"`` when the
+    ``url`` attaches to a running server instead of starting one. ``port``: engine ``i`` listens on
+    ``port + i``; None (the default): on a port found free each time a server starts. ``weight_sync``: ``"tensor"`` when the
     engine shares GPUs with the trainer (CUDA IPC handles through ``/update_weights_from_tensor``),
     ``"distributed"`` when it does not (an NCCL group between trainer rank 0 and the engine,
     ``/update_weights_from_distributed``).
@@ -24,7 +24,7 @@ class SGLangOptions:
 
     url: str | None = None
     host: str = "127.0.0.1"
-    port: int = 30000
+    port: int | None = None
     tp_size: int = 1
     mem_fraction_static: float | None = None
     weight_sync: WeightSync = "distributed"
@@ -33,7 +33,6 @@ class SGLangOptions:
     startup_timeout_s: float = 900.0
     request_timeout_s: float = 1800.0
     max_retries: int = 2  # per request chunk, after the first attempt
-    max_restarts: int = 3  # per generate call
     weight_bucket_bytes: int = 512 * 1024 * 1024  # tensors sent per weight-update call
     requests_per_post: int = 64  # requests sent in one /generate call
     concurrent_posts: int = 8
@@ -44,8 +43,8 @@ class SGLangOptions:
         for name in ("tp_size", "requests_per_post", "concurrent_posts", "weight_bucket_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.sglang.{name} must be >= 1")
-        if self.max_retries < 0 or self.max_restarts < 0:
-            raise ValueError("rollout.sglang.max_retries and max_restarts must be >= 0")
+        if self.max_retries < 0:
+            raise ValueError("rollout.sglang.max_retries must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -65,14 +64,10 @@ class SGLangConfig(SGLangOptions):
     def with_port(self, port: int) -> SGLangConfig:
         return replace(self, port=port)
 
-    @property
-    def base_url(self) -> str:
-        return (self.url or f"http://{self.host}:{self.port}").rstrip("/")
-
-    def launch_command(self) -> list[str]:
+    def launch_command(self, port: int | None = None) -> list[str]:
         """The server command line: token ids in and out, routed experts when capturing."""
         cmd = [*self.launcher, "--model-path", self.model_path, "--host", self.host,
-               "--port", str(self.port), "--tp-size", str(self.tp_size), "--skip-tokenizer-init"]
+               "--port", str(port or self.port), "--tp-size", str(self.tp_size), "--skip-tokenizer-init"]
         if self.capture_routed_experts:
             cmd.append("--enable-return-routed-experts")
         if self.memory_saver:

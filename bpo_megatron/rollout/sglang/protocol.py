@@ -53,6 +53,17 @@ class ProtocolError(ValueError):
     """A response that does not match what was asked (never trained on)."""
 
 
+def _version(reported) -> int:
+    """SGLang's ``meta_info.weight_version``: the version string our updates send, or
+    ``"default"`` (the server's flag default) for the checkpoint it started from (version 0)."""
+    if reported in (None, "default"):
+        return 0
+    try:
+        return int(reported)
+    except (TypeError, ValueError):
+        raise ProtocolError(f"meta_info.weight_version={reported!r} is not a version this trainer sent") from None
+
+
 def decode_sample(item: ResponseSlot, response: dict, *, routing: RoutingLayout | None) -> Sample:
     """A ``Sample`` from one element of SGLang's ``/generate`` response (with routed experts,
     as ``routing`` lays them out, when it is given)."""
@@ -75,6 +86,7 @@ def decode_sample(item: ResponseSlot, response: dict, *, routing: RoutingLayout 
         response_tokens=torch.tensor(tokens, dtype=torch.long),
         rollout_logprobs=torch.tensor([float(t[0]) for t in triples], dtype=torch.float32),
         finish_reason=_FINISH.get(finish, "abort"),
+        weight_version=_version(meta.get("weight_version")),
     )
     if routing is not None:
         encoded = meta.get("routed_experts")

@@ -9,12 +9,13 @@ from bpo_megatron.rollout.sglang.options import SGLangConfig, SGLangOptions
 
 
 def engine_config(options: SGLangOptions, context: EngineContext) -> SGLangConfig:
-    """Engine ``i`` of a run: its checkpoint, port ``port + i``, capture and memory saver as the
-    run decides."""
+    """Engine ``i`` of a run: its checkpoint, port (``port + i``, or free at each start), capture
+    and memory saver as the run decides."""
     return SGLangConfig(**asdict(options), model_path=context.model_dir,
                         capture_routed_experts=context.routing is not None,
                         memory_saver=context.colocated,
-                        visible_devices=context.devices).with_port(options.port + context.index)
+                        visible_devices=context.devices).with_port(
+                            None if options.port is None else options.port + context.index)
 
 
 def _build(options: SGLangOptions, context: EngineContext) -> RolloutEngine:

@@ -185,6 +185,7 @@ class VLLMEngine(RolloutEngine):
         self._vllm = _import_vllm()
         self._llm = self._vllm.LLM(**cfg.llm_kwargs())
         self._paused = False
+        self.weight_version = self._pending_version = 0
 
     def _live(self):
         if self._llm is None:
@@ -194,7 +195,7 @@ class VLLMEngine(RolloutEngine):
     def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
         llm = self._live()
         if self._paused:
-            raise RuntimeError("the vllm rollout engine is paused (a weight update is in progress); call resume()")
+            raise RuntimeError("the vllm rollout engine is in a weight update; call end_weight_update()")
         rows = response_slots(requests)
         params = [self._vllm.SamplingParams(**sampling_kwargs(r.request.sampling, r.seed, self.cfg.logprobs_mode))
                   for r in rows]  # every row is checked before anything is generated
@@ -202,7 +203,10 @@ class VLLMEngine(RolloutEngine):
         outputs = llm.generate(prompts, params, use_tqdm=False)  # in prompt order
         if len(outputs) != len(rows):
             raise ProtocolError(f"vLLM answered {len(outputs)} of {len(rows)} requests")
-        return [decode_output(row, out, routing=self.routing) for row, out in zip(rows, outputs)]
+        samples = [decode_output(row, out, routing=self.routing) for row, out in zip(rows, outputs)]
+        for sample in samples:
+            sample.weight_version = self.weight_version
+        return samples
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         llm = self._live()
@@ -210,20 +214,20 @@ class VLLMEngine(RolloutEngine):
         for bucket in buckets(((n, t.detach()) for n, t in named_tensors), self.cfg.weight_bucket_bytes):
             llm.collective_rpc(LOAD_WEIGHTS_RPC, args=(bucket,))
             sent += sum(tensor_bytes(t) for _, t in bucket)
-        llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
         return sent
 
     def named_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         raise NotImplementedError("vLLM holds fused (and possibly TP-sharded) weights, not Hugging Face tensors: "
                                   "train.verify_weight_sync needs rollout.engine=hf")
 
-    def pause(self) -> None:
+    def begin_weight_update(self, version: int) -> None:
         self._live()
-        self._paused = True
+        self._paused, self._pending_version = True, int(version)
 
-    def resume(self) -> None:
-        self._live()
-        self._paused = False
+    def end_weight_update(self) -> None:
+        llm = self._live()
+        llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+        self._paused, self.weight_version = False, self._pending_version
 
     def health(self) -> EngineHealth:
         if self._llm is None:

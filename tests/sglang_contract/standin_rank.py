@@ -1,0 +1,122 @@
+"""One tensor-parallel rank of the SGLang stand-in (runs in SGLang's own environment).
+
+What runs here is SGLang 0.5.23's own scheduler-side code: ``SchedulerWeightUpdaterManager``
+(weight-update sessions, cache flush and version bookkeeping, memory release/resume tags),
+``WeightUpdater`` (joining the trainer's update group with ``init_custom_process_group`` as rank
+``rank_offset + tp_rank``, receiving broadcasts, loading tensors), ``TpModelWorker`` (each rank
+deserialises its own entry of ``serialized_named_tensors`` with ``MultiprocessingSerializer``).
+
+What is ours, because it needs a GPU or a real model: the model is a dict of the checkpoint's
+tensors by Hugging Face name whose ``load_weights`` checks names, shapes and dtypes (a real
+model would shard them); the loader's quantisation hooks (restore/postprocess) and the memory
+saver are no-ops, and so is the device synchronisation; the rank's process group has this rank
+alone (real ranks share one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import traceback
+import types
+
+import torch
+import torch.distributed as dist
+
+
+class CheckpointModel(torch.nn.Module):
+    """The served model's weights by on-disk name; ``load_weights`` as SGLang models call it."""
+
+    def __init__(self, model_dir: str) -> None:
+        super().__init__()
+        from safetensors.torch import load_file
+
+        self.weights = load_file(f"{model_dir}/model.safetensors")
+
+    def load_weights(self, named) -> None:
+        for name, tensor in named:
+            if name not in self.weights:
+                raise KeyError(f"{name} is not a weight of the served model")
+            target = self.weights[name]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the model has {tuple(target.shape)}")
+            target.copy_(tensor.to(target.dtype))
+
+    def fingerprints(self) -> dict[str, str]:
+        out = {}
+        for name, tensor in self.weights.items():
+            digest = hashlib.blake2b(digest_size=16)
+            digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+            digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+            out[name] = digest.hexdigest()
+        return out
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def build(tp_rank: int, model_dir: str):
+    """The rank's SGLang weight-update manager around a :class:`CheckpointModel`."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers import tp_worker as tpw
+    from sglang.srt.managers.scheduler_components import weight_updater as swu
+    from sglang.srt.model_executor.model_runner_components import weight_updater as mwu
+    from sglang.srt.utils.torch_memory_saver_adapter import TorchMemorySaverAdapter
+
+    if not torch.cuda.is_available():  # SGLang synchronises its device after a release; there is none here
+        torch.cuda.synchronize = lambda *args, **kwargs: None
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    parallel = types.SimpleNamespace(tp_group=types.SimpleNamespace(cpu_group=dist.group.WORLD), tp_rank=tp_rank)
+    swu.get_parallel = mwu.get_parallel = tpw.get_parallel = lambda: parallel
+    swu.get_model = mwu.get_model = lambda: types.SimpleNamespace(weight_cache_mode="off")  # no IPC weight cache
+    mwu.DefaultModelLoader.restore_weights_before_loading = staticmethod(lambda model, device: None)
+    mwu.DefaultModelLoader.postprocess_weights = staticmethod(lambda model, device: None)
+    mwu.post_load_weights = lambda model: None
+
+    model = CheckpointModel(model_dir)
+    updater = mwu.WeightUpdater(tp_rank=tp_rank, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
+                                get_model=lambda: model, update_model_fields=lambda *a, **k: None,
+                                recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
+    runner = types.SimpleNamespace(weight_updater=updater, model=model)
+    worker = types.SimpleNamespace(weight_update_runners=lambda: [("target", runner)], model_runner=runner)
+    worker.deserialize_own_rank = lambda payload: tpw.TpModelWorker.deserialize_own_rank(worker, payload)
+    worker.init_weights_update_group = lambda req: tpw.TpModelWorker.init_weights_update_group(worker, req)
+    state = {"version": "default"}
+    scheduler = types.SimpleNamespace(_engine_paused=False, disaggregation_mode=DisaggregationMode.NULL,
+                                      record_weight_version_change=lambda new_version: state.update(
+                                          version=new_version if new_version is not None else state["version"]))
+    manager = swu.SchedulerWeightUpdaterManager(
+        tp_worker=worker, draft_worker=None, memory_saver_adapter=TorchMemorySaverAdapter.create(enable=False),
+        flush_cache=lambda empty_cache=True: True, is_fully_idle=lambda **kwargs: True, scheduler=scheduler)
+    return manager, model, state
+
+
+def rank_main(tp_rank: int, model_dir: str, conn) -> None:
+    """Serve the HTTP process's calls until it closes the pipe. An exception in SGLang's code
+    ends this process, as it ends a real scheduler (the server then dies)."""
+    from sglang.srt.utils import kill_itself_when_parent_died
+
+    kill_itself_when_parent_died()  # as SGLang's schedulers do: a rank never outlives its server
+    torch.set_num_threads(1)
+    manager, model, state = build(tp_rank, model_dir)
+    conn.send(("ready", None))
+    while True:
+        try:
+            method, request = conn.recv()
+        except EOFError:
+            return
+        try:
+            if method == "fingerprints":
+                result = model.fingerprints()
+            elif method == "version":
+                result = state["version"]
+            else:
+                out = getattr(manager, method)(request)
+                result = (getattr(out, "success", True), getattr(out, "message", ""))
+        except BaseException:  # noqa: BLE001 - reported to the HTTP process, which dies with it
+            conn.send(("crash", traceback.format_exc()))
+            return
+        conn.send(("ok", result))

@@ -1,0 +1,290 @@
+"""Our SGLang client against SGLang 0.5.23's own code (``standin_server.py``): its HTTP routes and
+request types, its ``ServerArgs`` parser (our launch command), its weight-update session rules, its
+per-TP-rank deserialisation, its ``init_custom_process_group`` receivers and its memory-tag rules,
+with TP = 2, in a separate process tree with its own authkey. They need SGLang's environment
+(``bash tools/setup.sh --sglang``; CI builds it) and skip without it.
+
+What the stand-in cannot show (no GPU here): CUDA IPC handles, NCCL, real generation. The model is
+a random tiny Qwen3-MoE whose first layer is dense, so SGLang's routed experts (every layer) and
+the trainer's (MoE layers only) differ in layout.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bpo_megatron.models import HFModelConfig
+from bpo_megatron.models.routing import RoutingLayout
+from bpo_megatron.rollout import GenerationRequest, SamplingParams
+from bpo_megatron.rollout.checksums import fingerprints
+from bpo_megatron.rollout.engine import EngineLost
+from bpo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
+from bpo_megatron.rollout.sglang.engine import WeightUpdateRefused
+from bpo_megatron.rollout.sglang.http import ServerUnavailable, request_json
+from bpo_megatron.rollout.sglang.protocol import generate_body
+from bpo_megatron.rollout.sglang.weights import inline_serializer, tensor_update_body
+from bpo_megatron.rollout.types import response_slots
+from bpo_megatron.testing.models import random_checkpoint
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
+STANDIN = HERE / "standin_server.py"
+FIXTURE = ROOT / "tests" / "fixtures" / "tiny_qwen3_moe" / "config.json"
+TP = 2
+
+pytestmark = [
+    pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason="SGLang's environment is missing: bash tools/setup.sh --sglang"),
+    pytest.mark.timeout(300),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
+    """The served model (3 layers, the first dense) and other weights of it to push."""
+    config = {**json.loads(FIXTURE.read_text()), "num_hidden_layers": 3, "mlp_only_layers": [0]}
+    root = tmp_path_factory.mktemp("sglang_models")
+    (root / "config.json").write_text(json.dumps(config))
+    return (random_checkpoint(root / "config.json", root / "served", seed=0),
+            random_checkpoint(root / "config.json", root / "pushed", seed=1))
+
+
+@pytest.fixture(scope="module")
+def layout(checkpoints) -> RoutingLayout:
+    return RoutingLayout.of(HFModelConfig.load(checkpoints[0]))
+
+
+@pytest.fixture(scope="module")
+def pushed(checkpoints) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    return sorted(load_file(str(checkpoints[1] / "model.safetensors")).items())
+
+
+def start(model_dir: Path, layout: RoutingLayout, work: Path, *controls: str, **options) -> SGLangEngine:
+    cfg = SGLangConfig(model_path=str(model_dir), launcher=(str(SGLANG_PYTHON), str(STANDIN)), tp_size=TP,
+                       extra_args=("--standin-marker-dir", str(work), *controls), startup_timeout_s=180,
+                       request_timeout_s=60, requests_per_post=3, concurrent_posts=2, weight_bucket_bytes=4096,
+                       **options)
+    return SGLangEngine(cfg, routing=layout, serializer=inline_serializer)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoints, layout, tmp_path_factory):
+    made = start(checkpoints[0], layout, tmp_path_factory.mktemp("standin"), weight_sync="tensor")
+    yield made
+    made.shutdown()
+
+
+def state(engine: SGLangEngine) -> dict:
+    return request_json("GET", f"{engine.base_url}/standin/state", timeout=30)
+
+
+def requests(count: int = 4, n: int = 2) -> list[GenerationRequest]:
+    return [GenerationRequest(f"q{i}", tuple(range(1, 4 + i)), SamplingParams(max_new_tokens=6, n=n, seed=10 * i))
+            for i in range(count)]
+
+
+# ------------------------------------------------------------------------------ generation
+def test_routing_from_every_layer_is_cut_to_the_moe_layers(engine, layout):
+    """SGLang reports routed experts for all 3 layers (the dense one zero); samples carry the
+    2 MoE layers' rows, as bytes, exactly as the server sent them."""
+    samples = engine.generate(requests())
+    assert [(s.request_id, s.index) for s in samples] == [(f"q{i}", j) for i in range(4) for j in range(2)]
+    raw = request_json("POST", f"{engine.base_url}/generate",
+                       generate_body(response_slots(requests()), capture_routing=True), timeout=60)
+    for sample, answer in zip(samples, raw):
+        every_layer = np.frombuffer(base64.b64decode(answer["meta_info"]["routed_experts"]), "<i4").reshape(
+            -1, 3, layout.topk)
+        assert not every_layer[:, 0].any() and every_layer.shape[0] == sample.tokens.numel() - 1
+        assert sample.routed_experts.dtype == torch.uint8
+        assert torch.equal(sample.routed_experts.long(), torch.from_numpy(every_layer[:, [1, 2]].copy()).long())
+        assert sample.weight_version == 0  # SGLang's "default": the checkpoint it started from
+
+
+# --------------------------------------------------------------------------------- weights
+def test_an_update_outside_sglangs_session_is_refused(engine, pushed):
+    """What the client did before: update_weights_from_tensor with no begin_weight_update."""
+    body = tensor_update_body(pushed[:2], TP, serializer=inline_serializer)
+    with pytest.raises(WeightUpdateRefused, match="must run between begin_weight_update"):
+        engine._checked("update_weights_from_tensor", body)
+
+
+def test_tensor_route_updates_every_tp_rank_inside_a_session_with_its_version(engine, pushed):
+    before = state(engine)
+    engine.begin_weight_update(3)
+    sent = engine.update_weights(iter(pushed))
+    engine.end_weight_update()
+    after = state(engine)
+    want = fingerprints(pushed)
+    assert sent == sum(t.numel() * t.element_size() for _, t in pushed)
+    assert len(after["fingerprints"]) == TP and all(ranks == want for ranks in after["fingerprints"])
+    assert before["fingerprints"][0] != want
+    assert after["versions"] == ["3"] * TP
+    calls = after["calls"][len(before["calls"]):]
+    names = [c["call"] for c in calls]
+    assert names[:2] == ["pause_generation", "begin_weight_update"] and calls[0]["mode"] == "retract"
+    assert names[-3:] == ["end_weight_update", "flush_cache", "continue_generation"]
+    updates = [c for c in calls if c["call"] == "update_weights_from_tensor"]
+    assert len(updates) > 1 and all(u["entries"] == TP and u["version"] == "3" for u in updates)
+    assert {s.weight_version for s in engine.generate(requests(count=1))} == {3}
+
+
+def test_host_tensors_never_travel_as_ipc_handles(engine, pushed, checkpoints, layout, tmp_path):
+    """A host tensor pickled by SGLang's serializer is a file descriptor of this process tree:
+    the server (another tree, another authkey) cannot open it and its scheduler dies. The client
+    refuses host tensors on that route instead."""
+    with pytest.raises(ValueError, match="weight_sync=distributed"):
+        tensor_update_body(pushed[:1], TP)
+    from multiprocessing.reduction import ForkingPickler
+
+    victim = start(checkpoints[0], layout, tmp_path, weight_sync="tensor")
+    victim._serializer = lambda named: bytes(ForkingPickler.dumps(named))  # SGLang's serializer's pickling
+    try:
+        victim.begin_weight_update(1)
+        with pytest.raises((WeightUpdateRefused, ServerUnavailable)):
+            victim.update_weights(iter(pushed[:1]))
+        time.sleep(1.0)
+        assert not victim.health().healthy, "the stand-in's TP rank could not open the descriptor and died"
+    finally:
+        victim.shutdown()
+
+
+def test_distributed_route_joins_sglangs_update_group(checkpoints, layout, pushed, tmp_path):
+    """Trainer rank 0 and the server's 2 TP ranks (SGLang's init_custom_process_group, ranks
+    rank_offset + tp_rank) form one gloo group; buckets are broadcast inside a session."""
+    engine = start(checkpoints[0], layout, tmp_path, weight_sync="distributed")
+    try:
+        engine.connect_weight_group("127.0.0.1", free_port(), backend="gloo")
+        engine.begin_weight_update(5)
+        engine.update_weights(iter(pushed))
+        engine.end_weight_update()
+        after = state(engine)
+        assert all(ranks == fingerprints(pushed) for ranks in after["fingerprints"])
+        assert after["versions"] == ["5"] * TP
+        joined = [c for c in after["calls"] if c["call"] == "init_weights_update_group"]
+        assert joined == [{"call": "init_weights_update_group", "rank_offset": 1, "world_size": 1 + TP}]
+    finally:
+        engine.shutdown()
+
+
+# ---------------------------------------------------------------------------------- memory
+def test_memory_is_released_and_resumed_by_sglangs_tags(engine, pushed):
+    """The colocated order: release everything, resume the weights, sync, resume the rest."""
+    from bpo_megatron.orchestration.phases import AFTER_SYNC, WEIGHTS
+
+    before = len(state(engine)["calls"])
+    engine.release_memory()
+    engine.resume_memory(WEIGHTS)
+    engine.begin_weight_update(4)
+    engine.update_weights(iter(pushed))
+    engine.end_weight_update()
+    engine.resume_memory(AFTER_SYNC)
+    assert len(engine.generate(requests(count=1))) == 2
+    memory = [c for c in state(engine)["calls"][before:] if "memory" in c["call"]]
+    assert memory == [{"call": "release_memory_occupation", "tags": None},
+                      {"call": "resume_memory_occupation", "tags": ["weights"]},
+                      {"call": "resume_memory_occupation", "tags": ["kv_cache", "cuda_graph"]}]
+
+
+def test_resuming_memory_that_was_not_released_kills_sglangs_scheduler(checkpoints, layout, tmp_path):
+    """SGLang's own rule, which the colocation phases must never break."""
+    engine = start(checkpoints[0], layout, tmp_path)
+    try:
+        with pytest.raises(Exception):
+            engine.resume_memory(("kv_cache",))
+        time.sleep(1.0)
+        assert not engine.health().healthy
+    finally:
+        engine.shutdown()
+
+
+# ------------------------------------------------------------------------------- lifecycle
+def test_a_server_that_dies_mid_generate_loses_the_engine_instead_of_serving_old_weights(
+        checkpoints, layout, tmp_path):
+    engine = start(checkpoints[0], layout, tmp_path, "--standin-die-after", "2")
+    with pytest.raises(EngineLost, match="weights of version 0 gone"):
+        engine.generate(requests(count=6))
+    assert engine.server.process is None  # stopped, not restarted with the initial weights
+
+
+def _gone(pids: list[int], within_s: float = 15.0) -> bool:
+    import psutil
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.timeout(600)
+def test_a_lost_engine_is_replaced_and_given_the_current_weights_before_its_requests(
+        ray_session, checkpoints, pushed, tmp_path):
+    """The server dies mid-step: its actor is replaced, the new server (a fresh port) gets the
+    current weights (version 7) before the engine's requests are sent again, so no sample comes
+    from the initial weights. Then the actor itself is killed: its server goes with it."""
+    import ray
+
+    from bpo_megatron.experiment import load_experiment
+    from bpo_megatron.orchestration.groups import EngineGroup
+
+    def _use_inline_serializer(worker) -> None:  # defined here: Ray ships it by value to the actor
+        from bpo_megatron.rollout.sglang.weights import inline_serializer
+
+        worker.engine._serializer = inline_serializer  # the test's stand-in for the trainer's transport
+
+    def _server_pids(worker) -> list[int]:
+        import psutil
+
+        supervisor = worker.engine.server.process.pid
+        return [supervisor] + [p.pid for p in psutil.Process(supervisor).children(recursive=True)]
+
+    cfg = load_experiment(None, [
+        f"model.path={checkpoints[0]}", "model.tokenizer=char", "rollout.engine=sglang", "rollout.num_engines=1",
+        "rollout.max_restarts=2", "data.max_prompt_tokens=16", "rollout.max_new_tokens=8",
+        f"rollout.sglang.launcher=[{SGLANG_PYTHON}, {STANDIN}]", f"rollout.sglang.tp_size={TP}",
+        f"rollout.sglang.extra_args=[--standin-marker-dir, {tmp_path}, --standin-die-after, '2']",
+        "rollout.sglang.weight_sync=tensor", "rollout.sglang.startup_timeout_s=180",
+        "rollout.sglang.requests_per_post=3"], check_model=True)
+    group = EngineGroup(cfg, str(checkpoints[0]))
+    given: list[tuple[list[int], int]] = []
+
+    def give_current_weights(indices: list[int]) -> None:
+        for i in indices:
+            ray.get(group.workers[i].__ray_call__.remote(_use_inline_serializer))
+        group.call("begin_weight_update", 7, only=indices)
+        group.call("update_weights", pushed, only=indices)
+        group.call("end_weight_update", only=indices)
+        given.append((indices, group.call("weight_version", only=indices)[0]))
+
+    try:
+        group.on_restart = give_current_weights
+        give_current_weights([0])
+        first_server = ray.get(group.workers[0].__ray_call__.remote(_server_pids))
+        samples = group.generate(requests(count=6))
+        assert given == [([0], 7), ([0], 7)], "the replacement got the current weights"
+        assert len(samples) == 12 and {s.weight_version for s in samples} == {7}
+        assert _gone(first_server), "the dead server's processes are gone"
+
+        second_server = ray.get(group.workers[0].__ray_call__.remote(_server_pids))
+        assert set(second_server).isdisjoint(first_server)
+        ray.kill(group.workers[0], no_restart=True)
+        assert _gone(second_server), "a killed engine actor leaves no server behind"
+    finally:
+        group.shutdown()
