@@ -18,4 +18,4 @@ def test_rollout_benchmark_runs_and_reports_every_method(tmp_path):
     assert result.engine_matches, "after the benchmark's syncs the engine must hold the trainer's weights"
     assert result.sync_tensors == 45  # the tiny MoE: 2 layers x (4 experts x 3 + 9) + embedding, final norm, head
     table = format_table(result, cfg)
-    assert "| hf-engine+capture |" in table and "| sync (gather→buckets→engine) |" in table
+    assert "| hf-engine+capture |" in table and "| sync: object_store → engine actor |" in table

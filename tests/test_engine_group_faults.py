@@ -174,16 +174,16 @@ class _WeightPusher:
 
         self.weights = weights
         self.fingerprints = {name: fingerprint(tensor) for name, tensor in weights}
+        self.transports = {}
 
-    def call(self, method, engines, bucket_bytes, verify, dtype):
+    def call(self, method, transport, targets, version, bucket_bytes, verify, dtype):
+        from bpo_megatron.rollout.weight_buckets import buckets
+        from bpo_megatron.weight_sync import transport_class
+
         assert method == "push_weights"
-        failed = []
-        for index, engine in enumerate(engines):
-            try:
-                ray.get(engine.update_weights.remote(self.weights))
-            except ray.exceptions.RayActorError:
-                failed.append(index)
-        return [{"bytes": 1, "seconds": 1.0, "fingerprints": self.fingerprints, "failed": failed}]
+        sender = self.transports.setdefault(transport, transport_class(transport)())
+        report = sender.send(buckets(self.weights, bucket_bytes), targets, version)
+        return [{**report, "seconds": 1.0, "fingerprints": self.fingerprints}]
 
 
 def test_an_engine_that_died_between_rollouts_is_replaced_by_the_next_sync(group, pushed_weights, expected):
@@ -194,7 +194,52 @@ def test_an_engine_that_died_between_rollouts_is_replaced_by_the_next_sync(group
     restarts_before = group.restarts
     victim = group.workers[0]
     ray.kill(victim)
-    sync_weights(_WeightPusher(pushed_weights), group, version=1, bucket_bytes=1 << 20, verify=True)
+    sync_weights(_WeightPusher(pushed_weights), group, transport="object_store", version=1, bucket_bytes=1 << 20,
+                 verify=True)
     assert group.workers[0] is not victim and group.restarts == restarts_before + 1
     assert restarted == [], "the sync itself loads the new engine; no separate reload"
     _check_samples(group.generate(SMALL), SMALL, expected["small"])
+
+
+def _holders(name: str) -> set[int]:
+    """Processes that map the memory file ``name`` or hold a descriptor of it."""
+    found = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if name in (proc / "maps").read_text() or any(
+                    name in os.readlink(fd) for fd in (proc / "fd").iterdir()):
+                found.add(int(proc.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def test_shared_memory_sync_writes_each_engines_weights_in_place(group, pushed_weights, expected):
+    """The embedded engines keep their weights in a shared memory file the driver (here, as
+    trainer rank 0 on this node) writes into; the file has no name anywhere, so once a killed
+    engine is replaced nothing holds its memory, and the replacement gets a file of its own."""
+    from bpo_megatron.orchestration.weight_sync import sync_weights
+
+    pusher = _WeightPusher(pushed_weights)
+    sync_weights(pusher, group, transport="shared_memory", version=7, bucket_bytes=1 << 16, verify=True)
+    _check_samples(group.generate(SMALL), SMALL, expected["small"])
+    layouts = [layout for _, layout in group.call("weight_segment")]
+    assert all(layout is not None and _holders(layout.name) == {layout.pid, os.getpid()} for layout in layouts)
+    assert set(layouts[0].places) == {name for name, _ in pushed_weights}
+    attached = pusher.transports["shared_memory"]._attached
+    assert set(attached) == {layout.name for layout in layouts}, "each engine's memory mapped once"
+
+    victim = group.workers[0]
+    ray.kill(victim)
+    deadline = time.monotonic() + 20  # a kill is asynchronous; the next sync finds the process gone
+    while Path(f"/proc/{layouts[0].pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    sync_weights(pusher, group, transport="shared_memory", version=8, bucket_bytes=1 << 16, verify=True)
+    assert group.workers[0] is not victim
+    fresh = group.call("weight_segment")[0][1]
+    assert fresh.name != layouts[0].name and set(attached) == {fresh.name, layouts[1].name}
+    assert _holders(layouts[0].name) == set(), "nothing holds a killed engine's weights"
+    _check_samples(group.generate(SMALL), SMALL, expected["small"])
+    assert group.call("weight_version") == [8, 8]

@@ -25,7 +25,8 @@ BASELINES = {  # the paper's hyper-parameters of each baseline (appendix, experi
     "cispo": {"name": "cispo", "cispo_cap": 3.0},
     "dppo": {"name": "dppo_tv", "dppo_delta": 0.1},
 }
-RECIPES = [MAIN, ABLATION, *(CONFIGS / f"qwen3_30b_a3b_{b}.yaml" for b in BASELINES)]
+DISAGGREGATED = CONFIGS / "qwen3_30b_a3b_bpo_disaggregated.yaml"
+RECIPES = [MAIN, DISAGGREGATED, ABLATION, *(CONFIGS / f"qwen3_30b_a3b_{b}.yaml" for b in BASELINES)]
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
@@ -53,6 +54,22 @@ def test_main_setting_is_the_papers():
     assert (cfg.cluster.nodes, cfg.cluster.gpus_per_node, cfg.cluster.gpu_memory_gb) == (4, 8, 80.0)
     total, active = parameter_counts(cfg.hf_config())
     assert round(total / 1e9, 1) == 30.5
+
+
+def test_main_setting_in_both_placements():
+    """Colocated (engines on the trainer's 32 GPUs, CUDA IPC) and disaggregated (3 nodes train, one
+    serves, NCCL broadcast): the same algorithm and batch, only the layout differs."""
+    shared, apart = load_experiment(MAIN), load_experiment(DISAGGREGATED)
+    transports = [cfg.rollout.spec.transport(cfg.rollout.options, cfg.cluster.colocate) for cfg in (shared, apart)]
+    assert transports == ["cuda_ipc", "nccl_broadcast"]
+    assert (apart.cluster.trainer_ranks, apart.rollout.num_engines * apart.cluster.gpus_per_engine) == (24, 8)
+    assert shared.rollout.num_engines * shared.cluster.gpus_per_engine == shared.cluster.trainer_ranks == 32
+    one, other = to_dict(shared), to_dict(apart)
+    for setting in ("name", "cluster.trainer_ranks", "cluster.colocate", "parallel.pp", "rollout.num_engines"):
+        section, _, key = setting.rpartition(".")
+        for cfg in (one, other):
+            (cfg[section] if section else cfg).pop(key)
+    assert one == other
 
 
 @pytest.mark.parametrize("baseline", BASELINES)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import base64
 import pickle
-import socket
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,44 +17,10 @@ from bpo_megatron.rollout import GenerationRequest, SamplingParams
 from bpo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
 from bpo_megatron.rollout.sglang.protocol import ProtocolError, decode_sample, generate_body
 from bpo_megatron.rollout.types import response_slots as expand
-from bpo_megatron.rollout.sglang.weights import inline_serializer, tensor_update_body
+from bpo_megatron.rollout.sglang.weights import ALIGN, flattened_bucket, inline_serializer, ipc_payload, ipc_update_body
 
-FAKE_SERVER = str(Path(__file__).resolve().parent / "fake_sglang_server.py")
-# the stand-in's model: 2 layers, both MoE, top-2 of 4 experts (its --layers/--topk/--experts)
+# a model of 2 layers, both MoE, top-2 of 4 experts
 LAYOUT = RoutingLayout(num_hidden_layers=2, moe_layers=(0, 1), topk=2, num_experts=4)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def config(tmp_path, *extra: str, **overrides) -> SGLangConfig:
-    values = dict(model_path="/models/qwen3-tiny", port=free_port(), launcher=(sys.executable, FAKE_SERVER),
-                  extra_args=("--marker-dir", str(tmp_path), *extra), startup_timeout_s=30,
-                  request_timeout_s=5, requests_per_post=2, concurrent_posts=2)
-    values.update(overrides)
-    return SGLangConfig(**values)
-
-
-def requests(count: int = 5, n: int = 2, seed: int = 7) -> list[GenerationRequest]:
-    return [GenerationRequest(f"q{i}", tuple(range(1, 3 + i)),
-                              SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=6, n=n, seed=seed + 10 * i))
-            for i in range(count)]
-
-
-@pytest.fixture
-def engine(tmp_path):
-    made = []
-
-    def make(*extra: str, **overrides) -> SGLangEngine:
-        made.append(SGLangEngine(config(tmp_path, *extra, **overrides), routing=LAYOUT))
-        return made[-1]
-
-    yield make
-    for e in made:
-        e.shutdown()
 
 
 # ------------------------------------------------------------------------- pure protocol
@@ -153,22 +117,29 @@ def test_malformed_responses_are_refused(mutate, match):
         decode_sample(item, response, routing=LAYOUT)
 
 
-def test_tensor_update_body_carries_one_payload_per_tp_rank():
-    bucket = [("model.norm.weight", torch.ones(3))]
-    body = tensor_update_body(bucket, tp_size=2, serializer=inline_serializer)
-    assert len(body["serialized_named_tensors"]) == 2
+def test_a_flattened_bucket_holds_every_tensor_at_an_aligned_offset_bit_for_bit():
+    """SGLang's flattened_bucket layout: its loader views flat[start_idx:end_idx] as the dtype and
+    reshapes it, which needs each start aligned to the element size (mixed dtypes here)."""
+    bucket = [("a", torch.randn(3, dtype=torch.bfloat16)), ("b", torch.randn(2, 5)),
+              ("c", torch.arange(7, dtype=torch.int64)), ("d", torch.randn(4, 3).t())]
+    flat = flattened_bucket(bucket)
+    assert flat["flattened_tensor"].dtype == torch.uint8
+    for (name, tensor), entry in zip(bucket, flat["metadata"]):
+        assert entry.name == name and entry.start_idx % ALIGN == 0 and entry.numel == entry.end_idx - entry.start_idx
+        view = flat["flattened_tensor"][entry.start_idx:entry.end_idx].view(entry.dtype).reshape(entry.shape)
+        assert torch.equal(view, tensor)
+    body = ipc_update_body([ipc_payload(flat, inline_serializer)] * 2, version=4)
+    assert body["load_format"] == "flattened_bucket" and body["weight_version"] == "4"
     decoded = pickle.loads(base64.b64decode(body["serialized_named_tensors"][1]))
-    assert decoded[0][0] == "model.norm.weight" and torch.equal(decoded[0][1], torch.ones(3))
-    # without a test serializer the route takes device memory only (CUDA IPC): host tensors are refused
+    assert torch.equal(decoded["flattened_tensor"], flat["flattened_tensor"])
+    # without a test serializer only device memory may travel (CUDA IPC): host tensors are refused
     with pytest.raises(ValueError, match="host memory"):
-        tensor_update_body(bucket, tp_size=2)
+        ipc_payload(flat)
 
 
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match=r"needs model_path \(model.path\) unless rollout.sglang.url"):
         SGLangConfig()
-    with pytest.raises(ValueError, match="rollout.sglang.weight_sync"):
-        SGLangConfig(model_path="m", weight_sync="ipc")
     with pytest.raises(ValueError, match="routing layout"):
         SGLangEngine(SGLangConfig(model_path="m", url="http://127.0.0.1:1"))
 

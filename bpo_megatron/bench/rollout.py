@@ -6,9 +6,10 @@ PyTorch reference measured in the same run.
     model, batch and settings (temperature, no top-k/top-p, a fixed number of new tokens). Tokens/s
     (median and best of the repeats) and the ratio to ``generate``.
 (b) Weight sync at world size 1: the trainer's Megatron model streamed as Hugging Face tensors
-    (``iter_hf_weights``) → buckets → ``HFEngine.update_weights``, against the floor for moving the
-    same bytes in one process (``copy_`` of every tensor into a preallocated clone). Seconds,
-    bytes/s and the ratio to the copy.
+    (``iter_hf_weights`` with views, as ``weight_sync.export`` streams it) → buckets → an
+    ``HFEngine`` in the same process, and over the ``shared_memory`` and ``object_store``
+    transports to one in a Ray actor of its own, against the floor for moving the same bytes in one process (``copy_`` of every
+    tensor into a preallocated clone). Seconds, bytes/s and the ratio to the copy.
 
 Every measurement runs in a fresh one-thread process (a gloo world of size 1, which the trainer
 needs anyway).
@@ -141,28 +142,71 @@ def _generation_rows(raw: dict[str, dict]) -> list[GenerationRow]:
 
 
 # ---------------------------------------------------------------------------- (b) weight sync
-SYNC_METHODS = ("copy_ (reference)", "gather (iter_hf_weights)", "sync (gather→buckets→engine)")
+SYNC_METHODS = ("copy_ (reference)", "export (views, no engine)", "sync: engine in this process",
+                "sync: shared_memory → engine actor", "sync: object_store → engine actor")
+
+
+class _EngineHost:
+    """An embedded engine in a Ray actor of its own, as ``EngineWorker`` holds one."""
+
+    def __init__(self, model_dir: str) -> None:
+        from bpo_megatron.rollout.hf.engine import HFEngine
+
+        torch.set_num_threads(1)
+        self.engine = HFEngine(model_dir, capture_routing=False)
+
+    def begin_weight_update(self, version: int) -> None:
+        self.engine.begin_weight_update(version)
+
+    def update_weights_packed(self, packed) -> int:
+        from bpo_megatron.weight_sync.object_store import unpack
+
+        return self.engine.update_weights(unpack(packed))
+
+    def weight_segment(self):
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), self.engine.share_weights()
+
+    def end_weight_update(self) -> None:
+        self.engine.end_weight_update()
+
+    def fingerprints(self) -> dict[str, str]:
+        from bpo_megatron.rollout.checksums import fingerprints
+
+        return fingerprints(self.engine.named_hf_weights())
 
 
 def _sync_rank(cfg: BenchConfig, model_dir: str) -> dict:
+    import ray
+
     from bpo_megatron.convert import ExportPlan, iter_hf_weights, load_hf_weights
     from bpo_megatron.losses import PolicyLossConfig
     from bpo_megatron.models import HFModelConfig, ModelOptions
     from bpo_megatron.parallel import ParallelConfig
     from bpo_megatron.rollout.checksums import fingerprints
     from bpo_megatron.rollout.hf.engine import HFEngine
-    from bpo_megatron.rollout.weight_buckets import buckets, tensor_bytes
+    from bpo_megatron.rollout.weight_buckets import buckets, on_host, tensor_bytes
     from bpo_megatron.trainer.actor import TrainActor
     from bpo_megatron.trainer.config import TrainerConfig
     from bpo_megatron.trainer.optimizer import OptimizerSettings
+    from bpo_megatron.weight_sync.object_store import ObjectStore
+    from bpo_megatron.weight_sync.shared_memory import SharedMemory
 
     hf = HFModelConfig.load(model_dir)
     actor = TrainActor(hf, parallel=ParallelConfig(), model=ModelOptions(params_dtype="fp32"),
                        loss=PolicyLossConfig(), optimizer=OptimizerSettings(), trainer=TrainerConfig())
     load_hf_weights(actor.model, hf, model_dir)
     engine = HFEngine(model_dir, capture_routing=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="error")
+    remote = ray.remote(_EngineHost).options(num_cpus=0).remote(model_dir)
+    shared = ray.remote(_EngineHost).options(num_cpus=0).remote(model_dir)
+    shared_target = [(shared, *ray.get(shared.weight_segment.remote()))]
+    shared_sender = SharedMemory()
     plan = ExportPlan.build(actor.model, hf)  # built once and reused, as a training run does
-    stream = lambda: iter_hf_weights(actor.model, hf, plan=plan)  # noqa: E731
+    # what TrainWorker.push_weights streams (bpo_megatron.weight_sync.export): views of the
+    # parameters where the transport allows them
+    stream = lambda views=True: iter_hf_weights(actor.model, hf, plan=plan, views=views)  # noqa: E731
     bucket_bytes = cfg.bucket_mb * MiB
 
     # The reference moves exactly the bytes a sync sends, between two buffers of one process.
@@ -175,17 +219,24 @@ def _sync_rank(cfg: BenchConfig, model_dir: str) -> dict:
             for (_, source), target in zip(sources, targets):
                 target.copy_(source)
 
-    def gather() -> None:
+    def export() -> None:
         for _ in stream():
             pass
 
-    def sync() -> None:
+    def in_process() -> None:
         engine.begin_weight_update(engine.weight_version + 1)
         for bucket in buckets(stream(), bucket_bytes):
             engine.update_weights(bucket)
         engine.end_weight_update()
 
-    runs = dict(zip(SYNC_METHODS, (copy, gather, sync)))
+    def through(sender, engine, targets) -> None:
+        ray.get(engine.begin_weight_update.remote(1))
+        report = sender.send(buckets(on_host(stream(sender.views)), bucket_bytes), targets, version=1)
+        ray.get(engine.end_weight_update.remote())
+        assert not report["failed"]
+
+    runs = dict(zip(SYNC_METHODS, (copy, export, in_process, lambda: through(shared_sender, shared, shared_target),
+                                   lambda: through(ObjectStore(), remote, [remote]))))
     seconds: dict[str, list[float]] = {name: [] for name in runs}
     for repeat in range(cfg.repeats + 1):
         for name, run_once in runs.items():
@@ -194,12 +245,15 @@ def _sync_rank(cfg: BenchConfig, model_dir: str) -> dict:
             if repeat:
                 seconds[name].append(time.perf_counter() - start)
     sent = fingerprints(sources)
-    held = fingerprints(engine.named_hf_weights())
+    held = [fingerprints(engine.named_hf_weights()), ray.get(remote.fingerprints.remote()),
+            ray.get(shared.fingerprints.remote())]
+    shared_sender.close()
+    ray.shutdown()
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
     return {"seconds": seconds, "bytes": nbytes, "tensors": len(sources),
-            "engine_matches": sent == {name: held[name] for name in sent} and set(sent) == set(held)}
+            "engine_matches": all(sent == {name: h[name] for name in sent} and set(sent) == set(h) for h in held)}
 
 
 @dataclass(frozen=True)
@@ -249,7 +303,7 @@ def format_table(result: BenchResult, cfg: BenchConfig) -> str:
         f"(b) weight sync, world size 1: model '{cfg.sync_model}' ({sizes['num_hidden_layers']} layers, "
         f"{sizes['num_experts']} experts, hidden {sizes['hidden_size']}, vocab {sizes['vocab_size']}), "
         f"{result.sync_tensors} tensors, {copy.bytes / MiB:.1f} MiB fp32, buckets of {cfg.bucket_mb} MiB; "
-        f"engine fingerprints equal the trainer's: {'yes' if result.engine_matches else 'NO'}",
+        f"both engines' fingerprints equal the trainer's: {'yes' if result.engine_matches else 'NO'}",
         "",
         "| method | seconds (median) | seconds (best) | MiB/s (median) | time vs copy_ |",
         "|---|---:|---:|---:|---:|",

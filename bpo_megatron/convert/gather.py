@@ -99,6 +99,7 @@ def iter_hf_weights(
     all_ranks: bool = False,
     dtype: torch.dtype | None = None,
     plan: ExportPlan | None = None,
+    views: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every Hugging Face tensor of the model, each exactly once.
 
@@ -107,6 +108,8 @@ def iter_hf_weights(
     tensor is then broadcast from ``dst``). ``dtype`` casts the yielded tensors (e.g. to the
     checkpoint's); by default they keep the model's dtype and device. Vocabulary padding rows are
     dropped; with tied embeddings there is no ``lm_head.weight``, as in Hugging Face checkpoints.
+    With ``views`` a weight held whole by ``dst`` is yielded as a view of its parameter where its
+    layout allows (no copy): for a consumer that copies each tensor before the model changes.
     """
     plan = plan or ExportPlan.build(model, hf)
     rank = dist.get_rank()
@@ -122,13 +125,14 @@ def iter_hf_weights(
         shards = _collect(planned, mine, rank, dst, device)
         tensors: list[torch.Tensor] = []
         if rank == dst:
-            tensors = LAYOUTS[rule.layout].merge(shards, hf_shapes, ctx)
+            tensors = LAYOUTS[rule.layout].merge(shards, hf_shapes, ctx, copy=not views)
             del shards
             for name, tensor, shape in zip(names, tensors, hf_shapes):
                 if tuple(tensor.shape) != shape:
                     raise RuntimeError(f"{name}: assembled shape {list(tensor.shape)}, "
                                        f"expected {list(shape)}")
         if all_ranks:
+            tensors = [t.contiguous() for t in tensors]  # what a broadcast sends
             if rank != dst:
                 tensors = [torch.empty(shape, dtype=planned.dtype, device=device)
                            for shape in hf_shapes]

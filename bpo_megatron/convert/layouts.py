@@ -57,8 +57,10 @@ class Layout(Protocol):
     splits: bool  # whether tensor parallelism splits this weight (False: every TP rank has it all)
 
     def merge(self, shards: Sequence[torch.Tensor], hf_shapes: Sequence[Shape],
-              ctx: LayoutContext) -> list[torch.Tensor]:
-        """This weight's TP shards, in TP-rank order → its HF tensors, in the rule's order."""
+              ctx: LayoutContext, *, copy: bool = True) -> list[torch.Tensor]:
+        """This weight's TP shards, in TP-rank order → its HF tensors, in the rule's order: new
+        tensors, or with ``copy=False`` views of the shards wherever one shard suffices (valid
+        until the shards change: for a consumer that copies them at once)."""
         ...
 
     def read(self, source: TensorSource, names: Sequence[str], hf_shapes: Sequence[Shape],
@@ -78,11 +80,16 @@ _Names = Sequence[str]
 _Shapes = Sequence[Shape]
 
 
+def _joined(parts: list[torch.Tensor], dim: int, copy: bool) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 and not copy else torch.cat(parts, dim=dim)
+
+
 class Replicated:
     splits = False
 
-    def merge(self, shards: _Shards, hf_shapes: _Shapes, ctx: LayoutContext) -> list[torch.Tensor]:
-        return [shards[0].clone()]  # a copy: the caller may keep it while the model trains on
+    def merge(self, shards: _Shards, hf_shapes: _Shapes, ctx: LayoutContext, *, copy: bool = True
+              ) -> list[torch.Tensor]:
+        return [shards[0].clone() if copy else shards[0]]
 
     def read(self, source: TensorSource, names: _Names, hf_shapes: _Shapes, shard: int,
              num_shards: int, local_shape: Shape, ctx: LayoutContext) -> torch.Tensor:
@@ -92,8 +99,9 @@ class Replicated:
 class RowParallel:
     splits = True
 
-    def merge(self, shards: _Shards, hf_shapes: _Shapes, ctx: LayoutContext) -> list[torch.Tensor]:
-        return [torch.cat(list(shards), dim=1)]
+    def merge(self, shards: _Shards, hf_shapes: _Shapes, ctx: LayoutContext, *, copy: bool = True
+              ) -> list[torch.Tensor]:
+        return [_joined(list(shards), 1, copy)]
 
     def read(self, source: TensorSource, names: _Names, hf_shapes: _Shapes, shard: int,
              num_shards: int, local_shape: Shape, ctx: LayoutContext) -> torch.Tensor:
@@ -112,7 +120,8 @@ class GroupInterleaved:
     def _rows_per_group(self, hf_shapes: _Shapes, groups: int) -> list[int]:
         return [_even_part(shape[0], groups, "rows per group") for shape in hf_shapes]
 
-    def merge(self, shards: _Shards, hf_shapes: _Shapes, ctx: LayoutContext) -> list[torch.Tensor]:
+    def merge(self, shards: _Shards, hf_shapes: _Shapes, ctx: LayoutContext, *, copy: bool = True
+              ) -> list[torch.Tensor]:
         groups = self._groups(ctx, len(shards))
         per_group = self._rows_per_group(hf_shapes, groups)
         per_shard = _even_part(groups, len(shards), "groups per shard")
@@ -121,7 +130,7 @@ class GroupInterleaved:
             blocks = shard.reshape(per_shard, sum(per_group), -1).split(per_group, dim=1)
             for out, block in zip(pieces, blocks):
                 out.append(block.reshape(-1, block.shape[-1]))
-        return [torch.cat(parts, dim=0) for parts in pieces]
+        return [_joined(parts, 0, copy) for parts in pieces]
 
     def read(self, source: TensorSource, names: _Names, hf_shapes: _Shapes, shard: int,
              num_shards: int, local_shape: Shape, ctx: LayoutContext) -> torch.Tensor:
@@ -140,7 +149,10 @@ class GroupInterleaved:
 class VocabRows:
     splits = True
 
-    def merge(self, shards: _Shards, hf_shapes: _Shapes, ctx: LayoutContext) -> list[torch.Tensor]:
+    def merge(self, shards: _Shards, hf_shapes: _Shapes, ctx: LayoutContext, *, copy: bool = True
+              ) -> list[torch.Tensor]:
+        if not copy and len(shards) == 1:
+            return [shards[0][:ctx.vocab_size]]
         # copied straight into the unpadded tensor: no padded full-size intermediate
         out = shards[0].new_empty((ctx.vocab_size, *shards[0].shape[1:]))
         start = 0

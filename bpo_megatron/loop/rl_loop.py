@@ -56,9 +56,10 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
             placement = run_placement(cfg)  # engines on the trainer's devices, or apart
             engines = EngineGroup(cfg, hf_dir, placement=placement)
             bucket = cfg.rollout.weight_bucket_mb * 1024 * 1024
+            transport = cfg.rollout.spec.transport(cfg.rollout.options, cfg.cluster.colocate)
             push = lambda only, version: sync_weights(  # noqa: E731
-                trainer, engines, version=version, bucket_bytes=bucket, verify=cfg.train.verify_weight_sync,
-                only=only, dtype=cfg.rollout.sync_dtype)
+                trainer, engines, transport=transport, version=version, bucket_bytes=bucket,
+                verify=cfg.train.verify_weight_sync, only=only, dtype=cfg.rollout.sync_dtype)
             phases = DevicePhases(engines, push, shared=cfg.cluster.colocate)
             trainer = TrainerGroup(cfg, placement=placement)
             phases.attach_trainer(trainer)

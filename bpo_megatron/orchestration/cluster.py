@@ -12,6 +12,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def address_and_free_port() -> tuple[str, int]:
+    """This node's address (as Ray knows it) and a port free on it: a rendezvous to host here."""
+    import ray
+
+    return ray.util.get_node_ip_address(), free_port()
+
+
 def start_ray(cluster, *, cpus_needed: int) -> bool:
     """``cluster.ray_address`` None: a private Ray on this machine, bound to loopback, with a
     bounded object store (a stray ``RAY_ADDRESS`` in the environment is not followed). Returns

@@ -14,9 +14,10 @@ import logging
 import time
 from typing import Any, Callable
 
+from bpo_megatron.orchestration.cluster import address_and_free_port
 from bpo_megatron.orchestration.placement import Placement, plan_layout
-from bpo_megatron.rollout.engine import EngineLost
 from bpo_megatron.orchestration.workers import EngineWorker, TrainWorker
+from bpo_megatron.rollout.engine import EngineLost
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +77,6 @@ class EnginesFailed(RuntimeError):
     """Rollout engines kept dying or hanging beyond their restart budget."""
 
 
-def _address_and_port() -> tuple[str, int]:
-    import ray
-
-    from bpo_megatron.orchestration.cluster import free_port
-
-    return ray.util.get_node_ip_address(), free_port()
-
-
 class TrainerGroup:
     """The trainer ranks, on their slots of ``placement`` (by default a placement of their own)."""
 
@@ -97,7 +90,7 @@ class TrainerGroup:
                                                 timeout_s=cfg.cluster.placement_timeout_s)
         # The rendezvous address is rank 0's node, found by running a task on its slot.
         options = self.placement.trainer_options(0)
-        probe = ray.remote(_address_and_port).options(num_cpus=0, scheduling_strategy=options["scheduling_strategy"])
+        probe = ray.remote(address_and_free_port).options(num_cpus=0, scheduling_strategy=options["scheduling_strategy"])
         address, port = ray.get(probe.remote())
         actor = ray.remote(TrainWorker)
         self.workers = [
@@ -109,7 +102,14 @@ class TrainerGroup:
 
     def call(self, method: str, *args: Any) -> list[Any]:
         """Every rank runs ``method`` (the trainer's methods are collective); results by rank."""
-        return self._collect([getattr(w, method).remote(*args) for w in self.workers], method)
+        return self.wait(self.submit(method, *args), method)
+
+    def submit(self, method: str, *args: Any) -> list:
+        """Start ``method`` on every rank; :meth:`wait` for it (e.g. after starting its peers)."""
+        return [getattr(w, method).remote(*args) for w in self.workers]
+
+    def wait(self, futures: list, what: str) -> list[Any]:
+        return self._collect(futures, what)
 
     def on_last_stage(self, method: str, *args: Any) -> Any:
         """Collective call whose result lives on the last pipeline stage (the last rank)."""
@@ -183,6 +183,7 @@ class EngineGroup:
         self.generate_timeout_s = cfg.rollout.generate_timeout_s if generate_timeout_s is None else generate_timeout_s
         self.restarts = 0
         self.on_restart: Callable[[list[int]], None] | None = None  # reload weights into new engines
+        self.weight_group: tuple[str, ...] | None = None  # the engines (actor ids) a weight group joined
         self._actor = ray.remote(EngineWorker)
         self.workers = self._start(list(range(cfg.rollout.num_engines)))
 
@@ -203,6 +204,9 @@ class EngineGroup:
 
     def _devices(self, index: int) -> tuple[int, ...]:
         return self.placement.engine_gpus(index) if self.placement is not None else ()
+
+    def actor_ids(self) -> tuple[str, ...]:
+        return tuple(w._actor_id.hex() for w in self.workers)
 
     def captures_routing(self) -> bool:
         import ray

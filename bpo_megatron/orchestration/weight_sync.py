@@ -5,26 +5,37 @@ from __future__ import annotations
 from bpo_megatron.rollout.checksums import compare
 
 
-def sync_weights(trainer, engines, *, version: int, bucket_bytes: int, verify: bool = False,
+def sync_weights(trainer, engines, *, transport: str, version: int, bucket_bytes: int, verify: bool = False,
                  only: list[int] | None = None, dtype: str | None = None) -> dict:
     """Push the trainer's weights, the ``version``-th update, to the engines (``only``: those
-    indices), converted to ``dtype`` when given; returns throughput. Each engine checks
-    afterwards that it holds that version.
+    indices) over ``transport``, converted to ``dtype`` when given; returns throughput.
 
     A full sync first replaces the engines that died since the last one; an engine that dies
     during the sync is replaced and synced again (within the engines' restart budget), so every
-    engine holds the new weights when this returns. With ``verify`` every engine's weights are
-    fingerprinted afterwards and compared with what the trainer sent; any difference raises
-    ``WeightMismatch`` naming the tensors.
+    engine holds the new weights when this returns. A broadcast reaches every member of its group,
+    so a ``whole_group`` transport always syncs all engines (re-forming the group when they
+    changed). Each engine then reports the version it holds. With ``verify`` every engine's
+    weights are fingerprinted afterwards and compared with what the trainer sent; any difference
+    raises ``WeightMismatch`` naming the tensors.
     """
-    if only is None:
+    from bpo_megatron.weight_sync import transport_class
+
+    sender = transport_class(transport)
+    broadcast = sender.whole_group
+    if only is None or broadcast:
         engines.replace_unhealthy()
-    targets = list(range(len(engines.workers))) if only is None else list(only)
+    targets = list(range(len(engines.workers))) if only is None or broadcast else list(only)
     sent = seconds = 0.0
     while targets:
+        if broadcast:
+            _form_weight_group(trainer, engines)
         _, lost = engines.call_surviving("begin_weight_update", version, only=targets)
+        if broadcast and lost:  # a group with a dead member cannot broadcast: replace, re-form, retry
+            engines.replace(lost, load_weights=False)
+            continue
         opened = [i for i in targets if i not in lost]
-        report = trainer.call("push_weights", [engines.workers[i] for i in opened], bucket_bytes, verify, dtype)[0]
+        destinations = sender.destinations(engines, opened)
+        report = trainer.call("push_weights", transport, destinations, version, bucket_bytes, verify, dtype)[0]
         lost += [opened[j] for j in report["failed"]]
         _, died = engines.call_surviving("end_weight_update", only=[i for i in opened if i not in lost])
         lost += died
@@ -46,3 +57,25 @@ def sync_weights(trainer, engines, *, version: int, bucket_bytes: int, verify: b
         targets = lost
     seconds = max(seconds, 1e-9)
     return {"sync_bytes": float(sent), "sync_seconds": seconds, "sync_bytes_per_s": sent / seconds}
+
+
+def _form_weight_group(trainer, engines) -> None:
+    """Trainer rank 0 and every engine TP rank in one group (once, and again when engines were
+    replaced: the survivors leave the old group first)."""
+    import ray
+
+    members = engines.actor_ids()
+    if engines.weight_group == members:
+        return
+    if engines.weight_group is not None:
+        survivors = [i for i, actor in enumerate(members) if actor in engines.weight_group]
+        engines.call_surviving("leave_weight_group", only=survivors)
+        trainer.call("close_weight_group")
+    endpoints = engines.call("endpoint")
+    address, port = trainer.call("weight_group_address")[0]
+    offsets = [1 + sum(tp for _, tp in endpoints[:i]) for i in range(len(endpoints))]
+    world = 1 + sum(tp for _, tp in endpoints)
+    opening = trainer.submit("open_weight_group", address, port, world)  # rank 0 hosts, the engines join
+    ray.get([w.join_weight_group.remote(address, port, offset, world) for w, offset in zip(engines.workers, offsets)])
+    trainer.wait(opening, "open_weight_group")
+    engines.weight_group = members

@@ -30,6 +30,7 @@ class TrainWorker:
                                 rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=30))
         self.cfg, self.rank = cfg, rank
         self.hf = cfg.hf_config()
+        self._transports: dict[str, Any] = {}  # this rank's weight transports (a group stays open)
         self.actor = TrainActor(
             self.hf, parallel=cfg.parallel, model=cfg.model.options(), loss=cfg.loss, optimizer=cfg.optimizer,
             trainer=TrainerConfig(micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature,
@@ -67,38 +68,61 @@ class TrainWorker:
     def load(self, root: str, verify: bool = True) -> dict[str, Any]:
         return self.actor.load(root, verify=verify)
 
-    def push_weights(self, engines: list, bucket_bytes: int, verify: bool, dtype: str | None = None) -> dict[str, Any]:
-        """Stream the model as Hugging Face tensors; rank 0 sends them to every engine in buckets.
+    def weight_group_address(self) -> tuple[str, int]:
+        """Where the weight group's rendezvous will be: this rank's node and a free port."""
+        from bpo_megatron.orchestration.cluster import address_and_free_port
 
-        Every rank takes part in gathering the shards; only rank 0 talks to the engines. ``dtype``
-        (``fp32``/``bf16``) converts the tensors to the engines' precision first. An engine that
-        dies meanwhile is left out of the rest and reported in ``failed`` (its position in
-        ``engines``): the driver replaces it, while the trainer goes on. With ``verify``, rank 0
-        also returns the fingerprints of what it sent for the equality check.
+        return address_and_free_port()
+
+    def open_weight_group(self, master_address: str, master_port: int, world_size: int) -> None:
+        """Rank 0 joins (and hosts) the group shared with the engines' TP ranks; others do nothing."""
+        if self.rank == 0:
+            self._transport("nccl_broadcast").open(master_address, master_port, world_size,
+                                                   platform.distributed_backend())
+
+    def push_weights(self, transport: str, targets: list, version: int, bucket_bytes: int, verify: bool,
+                     dtype: str | None = None) -> dict[str, Any]:
+        """Stream the model as Hugging Face tensors; rank 0 sends the buckets over ``transport``
+        to ``targets`` (engine actors, or servers' URLs: what the transport addresses).
+
+        Every rank takes part in gathering the shards; rank 0 alone talks to the engines, or every
+        rank for a transport that sends from every GPU (``cuda_ipc``). ``dtype``
+        (``fp32``/``bf16``) converts the tensors to the engines' precision first. Engines that
+        died meanwhile are reported in ``failed`` (their positions in ``targets``). With
+        ``verify``, rank 0 also returns the fingerprints of what it sent.
         """
-        import ray
-
-        from bpo_megatron.convert import iter_hf_weights
         from bpo_megatron.models.options import TORCH_DTYPES
         from bpo_megatron.rollout.checksums import fingerprint
-        from bpo_megatron.rollout.weight_buckets import buckets, on_host, tensor_bytes
+        from bpo_megatron.weight_sync.export import export_weights
 
-        start, sent, expected = time.perf_counter(), 0, {}
-        alive, failed = list(range(len(engines))), []
-        stream = on_host(iter_hf_weights(self.actor.model, self.hf, dst=0), TORCH_DTYPES[dtype] if dtype else None)
-        for bucket in buckets(stream, bucket_bytes):
-            if verify:
-                expected.update((name, fingerprint(tensor)) for name, tensor in bucket)
-            ref = ray.put(bucket)
-            replies = [(i, engines[i].update_weights.remote(ref)) for i in alive]
-            for i, reply in replies:
-                try:
-                    ray.get(reply)
-                except ray.exceptions.RayActorError:
-                    alive.remove(i)
-                    failed.append(i)
-            sent += sum(tensor_bytes(t) for _, t in bucket)
-        return {"bytes": sent, "seconds": time.perf_counter() - start, "fingerprints": expected, "failed": failed}
+        start, expected = time.perf_counter(), {}
+        sender = self._transport(transport)
+        stream = export_weights(self.actor, bucket_bytes, dtype=TORCH_DTYPES[dtype] if dtype else None,
+                                host=sender.host_tensors, all_ranks=sender.every_rank, views=sender.views)
+
+        def fingerprinted(buckets):
+            for bucket in buckets:
+                if verify and self.rank == 0:
+                    expected.update((name, fingerprint(tensor)) for name, tensor in bucket)
+                yield bucket
+
+        if self.rank != 0 and not sender.every_rank:
+            for _ in stream:  # this rank's shards go to rank 0 while the stream runs
+                pass
+            return {"bytes": 0, "seconds": 0.0, "fingerprints": {}, "failed": []}
+        report = sender.send(fingerprinted(stream), targets, version)
+        return {**report, "seconds": time.perf_counter() - start, "fingerprints": expected}
+
+    def close_weight_group(self) -> None:
+        if self.rank == 0 and "nccl_broadcast" in self._transports:
+            self._transports.pop("nccl_broadcast").close()
+
+    def _transport(self, name: str):
+        from bpo_megatron.weight_sync import transport_class
+
+        if name not in self._transports:
+            self._transports[name] = transport_class(name)()
+        return self._transports[name]
 
     def shutdown(self) -> None:
         self.actor.close()
@@ -129,10 +153,39 @@ class EngineWorker:
     def update_weights(self, bucket) -> int:
         return self.engine.update_weights(bucket)
 
+    def weight_segment(self) -> tuple[str, object]:
+        """This actor's node and, for an engine that can share its weights in host memory, where
+        they lie (else None): what the ``shared_memory`` transport writes into."""
+        import ray
+
+        share = getattr(self.engine, "share_weights", None)
+        return ray.get_runtime_context().get_node_id(), share() if share else None
+
+    def update_weights_packed(self, packed) -> int:
+        """A bucket as the ``object_store`` transport sends it."""
+        from bpo_megatron.weight_sync.object_store import unpack
+
+        return self.engine.update_weights(unpack(packed))
+
     def fingerprints(self) -> dict[str, str]:
         from bpo_megatron.rollout.checksums import fingerprints
 
         return fingerprints(self.engine.named_hf_weights())
+
+    def endpoint(self) -> tuple[str, int]:
+        """The engine server's base URL and TP size (engines that run a server)."""
+        return self.engine.base_url, self.engine.cfg.tp_size
+
+    def join_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
+        from bpo_megatron.weight_sync.nccl_broadcast import GROUP_NAME
+
+        self.engine.join_weight_group(master_address, master_port, rank_offset, world_size, GROUP_NAME,
+                                      platform.distributed_backend())
+
+    def leave_weight_group(self) -> None:
+        from bpo_megatron.weight_sync.nccl_broadcast import GROUP_NAME
+
+        self.engine.leave_weight_group(GROUP_NAME)
 
     def release_memory(self) -> None:
         self.engine.release_memory()

@@ -11,6 +11,8 @@ import torch
 def fingerprint(tensor: torch.Tensor) -> str:
     """A hash of the tensor's dtype, shape and bytes (any bit flip changes it)."""
     data = tensor.detach().contiguous().cpu()
+    if data.data_ptr() == tensor.data_ptr():  # .numpy() would mark the source's storage unresizable
+        data = data.clone()
     digest = hashlib.blake2b(digest_size=16)
     digest.update(f"{data.dtype}{tuple(data.shape)}".encode())
     digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")

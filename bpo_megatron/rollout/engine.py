@@ -120,7 +120,9 @@ class EngineSpec:
     options: type  # the dataclass of the rollout.<name> section
     build: Callable[[Any, EngineContext], RolloutEngine]
     profile: Callable[[Any, int, float], EngineProfile]
-    transports: tuple[str, ...]  # weight transports it can receive (see orchestration.weight_sync)
+    # the weight transport (bpo_megatron.weight_sync) it receives with, given its options and
+    # whether it shares the trainer's devices
+    transport: Callable[[Any, bool], str]
     check: Callable[[Any], None] = _no_check
     weight_dtype: Callable[[Any], str | None] = _engine_dtype
     captures_routing_without_gpu: bool = True  # R3 capture works on a CPU-only machine

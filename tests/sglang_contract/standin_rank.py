@@ -82,8 +82,17 @@ def build(tp_rank: int, model_dir: str):
                                 recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
     runner = types.SimpleNamespace(weight_updater=updater, model=model)
     worker = types.SimpleNamespace(weight_update_runners=lambda: [("target", runner)], model_runner=runner)
-    worker.deserialize_own_rank = lambda payload: tpw.TpModelWorker.deserialize_own_rank(worker, payload)
+    origins: list = []  # ours: where each flattened bucket this rank read came from (a test's tag)
+
+    def deserialize_own_rank(payload):
+        data = tpw.TpModelWorker.deserialize_own_rank(worker, payload)
+        if isinstance(data, dict) and "metadata" in data:
+            origins.append(getattr(data["metadata"][0], "origin", None))
+        return data
+
+    worker.deserialize_own_rank = deserialize_own_rank
     worker.init_weights_update_group = lambda req: tpw.TpModelWorker.init_weights_update_group(worker, req)
+    worker.destroy_weights_update_group = lambda req: tpw.TpModelWorker.destroy_weights_update_group(worker, req)
     state = {"version": "default"}
     scheduler = types.SimpleNamespace(_engine_paused=False, disaggregation_mode=DisaggregationMode.NULL,
                                       record_weight_version_change=lambda new_version: state.update(
@@ -91,6 +100,7 @@ def build(tp_rank: int, model_dir: str):
     manager = swu.SchedulerWeightUpdaterManager(
         tp_worker=worker, draft_worker=None, memory_saver_adapter=TorchMemorySaverAdapter.create(enable=False),
         flush_cache=lambda empty_cache=True: True, is_fully_idle=lambda **kwargs: True, scheduler=scheduler)
+    state["origins"] = origins
     return manager, model, state
 
 
@@ -113,6 +123,8 @@ def rank_main(tp_rank: int, model_dir: str, conn) -> None:
                 result = model.fingerprints()
             elif method == "version":
                 result = state["version"]
+            elif method == "origins":
+                result = state["origins"]
             else:
                 out = getattr(manager, method)(request)
                 result = (getattr(out, "success", True), getattr(out, "message", ""))

@@ -190,6 +190,9 @@ class TokenizerManager:
         return await self._all("init_weights_update_group", obj, {"rank_offset": obj.rank_offset,
                                                                    "world_size": obj.world_size})
 
+    async def destroy_weights_update_group(self, obj, request=None):
+        return await self._all("destroy_weights_update_group", obj, {"group_name": obj.group_name})
+
     async def release_memory_occupation(self, obj, request=None):
         await self._all("release_memory_occupation", obj, {"tags": obj.tags})
 
@@ -254,9 +257,10 @@ def main() -> None:
 
     @http_server.app.get("/standin/state")
     async def standin_state():  # ours: what the ranks hold, and the calls received
-        fingerprints, versions = ranks.call("fingerprints"), ranks.call("version")
+        fingerprints, versions, origins = ranks.call("fingerprints"), ranks.call("version"), ranks.call("origins")
         with LOCK:
-            return {"fingerprints": fingerprints, "versions": versions, "calls": list(STATE["calls"]),
+            return {"fingerprints": fingerprints, "versions": versions, "origins": origins,
+                    "calls": list(STATE["calls"]),
                     "args": {"memory_saver": ARGS.enable_memory_saver, "tp_size": ARGS.tp_size}}
 
     print(f"sglang stand-in on {ARGS.host}:{ARGS.port}, tp {ARGS.tp_size}, model {ARGS.model_path}", flush=True)

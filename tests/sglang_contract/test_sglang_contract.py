@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import json
-import socket
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from bpo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
 from bpo_megatron.rollout.sglang.engine import WeightUpdateRefused
 from bpo_megatron.rollout.sglang.http import ServerUnavailable, request_json
 from bpo_megatron.rollout.sglang.protocol import generate_body
-from bpo_megatron.rollout.sglang.weights import inline_serializer, tensor_update_body
+from bpo_megatron.rollout.sglang.weights import flattened_bucket, inline_serializer, ipc_payload, ipc_update_body
 from bpo_megatron.rollout.types import response_slots
 from bpo_megatron.testing.models import random_checkpoint
 
@@ -45,12 +44,6 @@ pytestmark = [
     pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason="SGLang's environment is missing: bash tools/setup.sh --sglang"),
     pytest.mark.timeout(300),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +78,7 @@ def start(model_dir: Path, layout: RoutingLayout, work: Path, *controls: str, **
 
 @pytest.fixture(scope="module")
 def engine(checkpoints, layout, tmp_path_factory):
-    made = start(checkpoints[0], layout, tmp_path_factory.mktemp("standin"), weight_sync="tensor")
+    made = start(checkpoints[0], layout, tmp_path_factory.mktemp("standin"))
     yield made
     made.shutdown()
 
@@ -119,12 +112,13 @@ def test_routing_from_every_layer_is_cut_to_the_moe_layers(engine, layout):
 # --------------------------------------------------------------------------------- weights
 def test_an_update_outside_sglangs_session_is_refused(engine, pushed):
     """What the client did before: update_weights_from_tensor with no begin_weight_update."""
-    body = tensor_update_body(pushed[:2], TP, serializer=inline_serializer)
+    body = ipc_update_body([ipc_payload(flattened_bucket(pushed[:2]), inline_serializer)] * TP, version=1)
     with pytest.raises(WeightUpdateRefused, match="must run between begin_weight_update"):
         engine._checked("update_weights_from_tensor", body)
 
 
-def test_tensor_route_updates_every_tp_rank_inside_a_session_with_its_version(engine, pushed):
+def test_ipc_route_updates_every_tp_rank_inside_a_session_with_its_version(engine, pushed):
+    """SGLang's flattened buckets, one entry per TP rank, loaded by SGLang's own loader."""
     before = state(engine)
     engine.begin_weight_update(3)
     sent = engine.update_weights(iter(pushed))
@@ -141,6 +135,7 @@ def test_tensor_route_updates_every_tp_rank_inside_a_session_with_its_version(en
     assert names[-3:] == ["end_weight_update", "flush_cache", "continue_generation"]
     updates = [c for c in calls if c["call"] == "update_weights_from_tensor"]
     assert len(updates) > 1 and all(u["entries"] == TP and u["version"] == "3" for u in updates)
+    assert {u["load_format"] for u in updates} == {"flattened_bucket"}
     assert {s.weight_version for s in engine.generate(requests(count=1))} == {3}
 
 
@@ -148,11 +143,11 @@ def test_host_tensors_never_travel_as_ipc_handles(engine, pushed, checkpoints, l
     """A host tensor pickled by SGLang's serializer is a file descriptor of this process tree:
     the server (another tree, another authkey) cannot open it and its scheduler dies. The client
     refuses host tensors on that route instead."""
-    with pytest.raises(ValueError, match="weight_sync=distributed"):
-        tensor_update_body(pushed[:1], TP)
+    with pytest.raises(ValueError, match="in host memory, which another process cannot map"):
+        ipc_payload(flattened_bucket(pushed[:1]))
     from multiprocessing.reduction import ForkingPickler
 
-    victim = start(checkpoints[0], layout, tmp_path, weight_sync="tensor")
+    victim = start(checkpoints[0], layout, tmp_path)
     victim._serializer = lambda named: bytes(ForkingPickler.dumps(named))  # SGLang's serializer's pickling
     try:
         victim.begin_weight_update(1)
@@ -162,24 +157,6 @@ def test_host_tensors_never_travel_as_ipc_handles(engine, pushed, checkpoints, l
         assert not victim.health().healthy, "the stand-in's TP rank could not open the descriptor and died"
     finally:
         victim.shutdown()
-
-
-def test_distributed_route_joins_sglangs_update_group(checkpoints, layout, pushed, tmp_path):
-    """Trainer rank 0 and the server's 2 TP ranks (SGLang's init_custom_process_group, ranks
-    rank_offset + tp_rank) form one gloo group; buckets are broadcast inside a session."""
-    engine = start(checkpoints[0], layout, tmp_path, weight_sync="distributed")
-    try:
-        engine.connect_weight_group("127.0.0.1", free_port(), backend="gloo")
-        engine.begin_weight_update(5)
-        engine.update_weights(iter(pushed))
-        engine.end_weight_update()
-        after = state(engine)
-        assert all(ranks == fingerprints(pushed) for ranks in after["fingerprints"])
-        assert after["versions"] == ["5"] * TP
-        joined = [c for c in after["calls"] if c["call"] == "init_weights_update_group"]
-        assert joined == [{"call": "init_weights_update_group", "rank_offset": 1, "world_size": 1 + TP}]
-    finally:
-        engine.shutdown()
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -260,7 +237,7 @@ def test_a_lost_engine_is_replaced_and_given_the_current_weights_before_its_requ
         "rollout.max_restarts=2", "data.max_prompt_tokens=16", "rollout.max_new_tokens=8",
         f"rollout.sglang.launcher=[{SGLANG_PYTHON}, {STANDIN}]", f"rollout.sglang.tp_size={TP}",
         f"rollout.sglang.extra_args=[--standin-marker-dir, {tmp_path}, --standin-die-after, '2']",
-        "rollout.sglang.weight_sync=tensor", "rollout.sglang.startup_timeout_s=180",
+        "rollout.sglang.startup_timeout_s=180",
         "rollout.sglang.requests_per_post=3"], check_model=True)
     group = EngineGroup(cfg, str(checkpoints[0]))
     given: list[tuple[list[int], int]] = []
@@ -288,3 +265,112 @@ def test_a_lost_engine_is_replaced_and_given_the_current_weights_before_its_requ
         assert _gone(second_server), "a killed engine actor leaves no server behind"
     finally:
         group.shutdown()
+
+
+@pytest.mark.timeout(600)
+def test_trainer_rank_0_broadcasts_each_bucket_to_every_engine_rank_at_once(ray_session, checkpoints, tmp_path):
+    """The disaggregated transport end to end: a Megatron trainer (holding the pushed weights)
+    and 2 engines of TP 2 form one group of 5 (trainer rank 0 hosting it, the servers' ranks
+    joining through SGLang's own code); each sync is one session per engine and one broadcast per
+    bucket. An engine replaced between syncs makes the next one re-form the group."""
+    import ray
+
+    from bpo_megatron.experiment import load_experiment
+    from bpo_megatron.orchestration.groups import EngineGroup, TrainerGroup
+    from bpo_megatron.orchestration.weight_sync import sync_weights
+
+    served, pushed_dir = checkpoints
+    cfg = load_experiment(None, [
+        f"model.path={served}", "model.tokenizer=char", "model.routing_replay=false", "rollout.engine=sglang",
+        "rollout.num_engines=2", "cluster.colocate=false", "data.max_prompt_tokens=16", "rollout.max_new_tokens=8",
+        f"rollout.sglang.launcher=[{SGLANG_PYTHON}, {STANDIN}]", f"rollout.sglang.tp_size={TP}",
+        "rollout.sglang.startup_timeout_s=180"], check_model=True)
+    transport = cfg.rollout.spec.transport(cfg.rollout.options, cfg.cluster.colocate)
+    engines = EngineGroup(cfg, str(served))
+    trainer = TrainerGroup(cfg)
+    try:
+        trainer.call("load_hf", str(pushed_dir))
+        want = fingerprints(pushed_of(pushed_dir).items())
+
+        def states():
+            urls = [url for url, _ in engines.call("endpoint")]
+            return [request_json("GET", f"{url}/standin/state", timeout=30) for url in urls]
+
+        assert transport == "nccl_broadcast" and all(s["fingerprints"][0] != want for s in states())
+        report = sync_weights(trainer, engines, transport=transport, version=1, bucket_bytes=8192)
+        assert report["sync_bytes"] == sum(t.numel() * t.element_size() for t in pushed_of(pushed_dir).values())
+        after = states()
+        assert all(ranks == want for s in after for ranks in s["fingerprints"])
+        assert [s["versions"] for s in after] == [["1"] * TP] * 2
+        joins = [[c for c in s["calls"] if c["call"] == "init_weights_update_group"] for s in after]
+        assert [j[0]["rank_offset"] for j in joins] == [1, 1 + TP] and {j[0]["world_size"] for j in joins} == {5}
+
+        ray.kill(engines.workers[1], no_restart=True)  # dies between syncs
+        sync_weights(trainer, engines, transport=transport, version=2, bucket_bytes=8192)
+        assert engines.restarts == 1
+        assert [s["versions"] for s in states()] == [["2"] * TP] * 2
+        assert all(ranks == want for s in states() for ranks in s["fingerprints"])
+    finally:
+        engines.shutdown()
+        trainer.shutdown()
+
+
+def pushed_of(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "model.safetensors"))
+
+
+@pytest.mark.timeout(600)
+def test_colocated_engine_ranks_each_map_the_trainer_rank_beside_them(ray_session, checkpoints, tmp_path):
+    """The colocated transport end to end: 2 trainer ranks and an engine of TP 2 on the same
+    (here: declared) GPUs; each trainer rank flattens every bucket on its own device and SGLang's
+    TP rank t loads the entry made by trainer rank t, inside one session with the version."""
+    import ray
+
+    from bpo_megatron.experiment import load_experiment
+    from bpo_megatron.orchestration.groups import EngineGroup, TrainerGroup
+    from bpo_megatron.orchestration.weight_sync import sync_weights
+
+    def _tag_ipc_payloads(worker) -> None:  # defined here: Ray ships it by value to the trainer actor
+        """The trainer rank's CUDA IPC transport with the test's serializer (host bytes inline, as no
+        GPU is here), its buckets tagged with the rank that made them."""
+        from bpo_megatron.rollout.sglang.weights import inline_serializer
+        from bpo_megatron.weight_sync.cuda_ipc import CudaIpc
+
+        def serializer(bucket, rank=worker.rank):
+            for entry in bucket["metadata"]:
+                entry.origin = rank  # SGLang's loader reads only the fields it knows
+            return inline_serializer(bucket)
+
+        worker._transports["cuda_ipc"] = CudaIpc(serializer=serializer)
+
+    served, pushed_dir = checkpoints
+    cfg = load_experiment(None, [
+        f"model.path={served}", "model.tokenizer=char", "model.routing_replay=false", "rollout.engine=sglang",
+        "rollout.num_engines=1", "cluster.colocate=true", "cluster.trainer_ranks=2", "data.max_prompt_tokens=16",
+        "rollout.max_new_tokens=8", f"rollout.sglang.launcher=[{SGLANG_PYTHON}, {STANDIN}]",
+        f"rollout.sglang.tp_size={TP}", "rollout.sglang.startup_timeout_s=180"], check_model=True)
+    transport = cfg.rollout.spec.transport(cfg.rollout.options, cfg.cluster.colocate)
+    engines = EngineGroup(cfg, str(served))
+    trainer = TrainerGroup(cfg)
+    try:
+        trainer.call("load_hf", str(pushed_dir))
+        ray.get([w.__ray_call__.remote(_tag_ipc_payloads) for w in trainer.workers])
+        report = sync_weights(trainer, engines, transport=transport, version=1, bucket_bytes=8192)
+        url = engines.call("endpoint")[0][0]
+        after = request_json("GET", f"{url}/standin/state", timeout=30)
+        want = fingerprints(pushed_of(pushed_dir).items())
+        assert transport == "cuda_ipc"
+        assert report["sync_bytes"] == sum(t.numel() * t.element_size() for t in pushed_of(pushed_dir).values())
+        assert all(ranks == want for ranks in after["fingerprints"]) and after["versions"] == ["1"] * TP
+        updates = [c for c in after["calls"] if c["call"] == "update_weights_from_tensor"]
+        assert len(updates) > 1 and {(u["entries"], u["load_format"], u["version"]) for u in updates} == {
+            (TP, "flattened_bucket", "1")}
+        assert after["origins"] == [[t] * len(updates) for t in range(TP)], "TP rank t maps trainer rank t's copy"
+        names = [c["call"] for c in after["calls"]]
+        assert names.index("begin_weight_update") < names.index("update_weights_from_tensor")
+        assert names[-3:] == ["end_weight_update", "flush_cache", "continue_generation"]
+    finally:
+        engines.shutdown()
+        trainer.shutdown()

@@ -13,6 +13,7 @@ weight update.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -25,8 +26,11 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from bpo_megatron.rollout.engine import EngineCapabilities, RolloutEngine
 from bpo_megatron.rollout.hf.capture import RoutingCapture, moe_routers
 from bpo_megatron.rollout.hf.sampling import BatchSampler, row_seeds
+from bpo_megatron.rollout.hf.shared_weights import SegmentLayout, SharedWeights
 from bpo_megatron.rollout.hf.weights import HFWeights
 from bpo_megatron.rollout.types import EngineHealth, GenerationRequest, Sample
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,7 @@ class HFEngine(RolloutEngine):
         self._paused = False
         self.weight_version = self._pending_version = 0
         self._lock = threading.Lock()  # generate and update_weights never interleave
+        self._shared: SharedWeights | None = None
 
     @property
     def model(self) -> nn.Module:
@@ -110,6 +115,9 @@ class HFEngine(RolloutEngine):
             if self._capture is not None:
                 self._capture.remove()
             self._model = self._weights = self._capture = None
+            if self._shared is not None:
+                self._shared.close()
+                self._shared = None
 
     def _live_model(self) -> nn.Module:
         if self._model is None:
@@ -127,6 +135,23 @@ class HFEngine(RolloutEngine):
         self._live_model()
         with self._lock:
             return sum(self._weights.load(name, tensor) for name, tensor in named_tensors)
+
+    def share_weights(self) -> SegmentLayout | None:
+        """Move the weights into shared memory (once) so that another process on this node can
+        write them in place, inside a weight update (:mod:`bpo_megatron.weight_sync.shared_memory`);
+        where each weight lies. None when they are not in host memory or cannot be shared."""
+        self._live_model()
+        with self._lock:
+            if self._shared is None:
+                if self._device.type != "cpu":
+                    return None
+                try:
+                    self._shared = SharedWeights(self._model)
+                except OSError as exc:  # e.g. no memfd_create on this system
+                    log.warning("weights not shared (%s); they arrive through Ray's object store", exc)
+                    return None
+                self._weights = HFWeights(self._model)  # views of the parameters' new storage
+            return self._shared.layout(dict(self._weights.items()))
 
     def named_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The current weights under their on-disk names (views of the live model: clone to keep)."""

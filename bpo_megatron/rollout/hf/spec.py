@@ -24,7 +24,8 @@ SPEC = EngineSpec(
     options=HFEngineOptions,
     build=_build,
     profile=_profile,
-    transports=("object_store",),
+    # in place through shared memory on the trainer's node, Ray's object store elsewhere
+    transport=lambda options, colocated: "shared_memory",
     # weights are sent in the engine's own precision, so what it holds is exactly what was sent
     weight_dtype=lambda options: options.dtype,
     exposes_weights=True,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
@@ -19,10 +18,7 @@ from bpo_megatron.rollout.sglang.http import (
 )
 from bpo_megatron.rollout.sglang.protocol import decode_sample, generate_body
 from bpo_megatron.rollout.sglang.server import ServerProcess
-from bpo_megatron.rollout.sglang.weights import (
-    DistributedWeightSender,
-    tensor_update_body,
-)
+from bpo_megatron.rollout.sglang.weights import flattened_bucket, ipc_payload, ipc_update_body
 from bpo_megatron.rollout.types import (
     EngineHealth,
     GenerationRequest,
@@ -45,7 +41,7 @@ PAUSE_MODE = "retract"  # keep in-flight requests (SGLang's default "abort" woul
 
 
 class SGLangEngine(RolloutEngine):
-    """``serializer`` (tests only) replaces SGLang's tensor serializer on the tensor route."""
+    """``serializer`` (tests only) replaces SGLang's tensor serializer on the IPC route."""
 
     def __init__(self, cfg: SGLangConfig, *, routing: RoutingLayout | None = None, serializer=None) -> None:
         if cfg.capture_routed_experts and routing is None:
@@ -54,7 +50,6 @@ class SGLangEngine(RolloutEngine):
         self.routing = routing if cfg.capture_routed_experts else None
         self.capabilities = EngineCapabilities(captures_routing=cfg.capture_routed_experts)
         self.server = None if cfg.url else ServerProcess(cfg)
-        self.weight_sender: DistributedWeightSender | None = None
         self._serializer = serializer
         self._paused = False
         self.weight_version = self._pending_version = 0
@@ -123,16 +118,16 @@ class SGLangEngine(RolloutEngine):
                          f"last output:\n{log}")
 
     # ------------------------------------------------------------------------------- weights
-    def connect_weight_group(self, master_address: str, master_port: int, *, backend: str = "nccl",
-                             group_name: str = "bpo-weight-sync") -> None:
-        """Form the trainer→engine group: this process is rank 0, the server's TP ranks follow."""
-        world_size = 1 + self.cfg.tp_size
-        body = {"master_address": master_address, "master_port": master_port, "rank_offset": 1,
-                "world_size": world_size, "group_name": group_name, "backend": backend}
-        # The server joins the group while answering, so the request runs beside our own join.
-        reply = _Background(lambda: self._checked("init_weights_update_group", body))
-        self.weight_sender = DistributedWeightSender(master_address, master_port, world_size, backend, group_name)
-        reply.result()
+    def join_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                          group_name: str, backend: str) -> None:
+        """The server's TP ranks join a weight group hosted elsewhere (the trainer's rank 0) as
+        ranks ``rank_offset …``; returns once they joined (run it beside the host's own join)."""
+        self._checked("init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend})
+
+    def leave_weight_group(self, group_name: str) -> None:
+        self._checked("destroy_weights_update_group", {"group_name": group_name})
 
     def begin_weight_update(self, version: int) -> None:
         """Pause (in-flight requests kept) and open SGLang's weight-update session."""
@@ -142,20 +137,16 @@ class SGLangEngine(RolloutEngine):
         self._pending_version = int(version)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Hand the server tensors held in this process's device memory (CUDA IPC, SGLang's
+        flattened buckets; every TP rank maps the same buffer). The trainer's colocated transport
+        (:mod:`bpo_megatron.weight_sync.cuda_ipc`) gives each TP rank its own GPU's copy instead."""
         if not self._paused:
             raise RuntimeError("update_weights() outside a weight update: call begin_weight_update() first")
         sent = 0
         for bucket in buckets(named_tensors, self.cfg.weight_bucket_bytes):
-            if self.cfg.weight_sync == "tensor":
-                body = tensor_update_body(bucket, self.cfg.tp_size, serializer=self._serializer)
-                self._checked("update_weights_from_tensor", {**body, "weight_version": str(self._pending_version)})
-            else:
-                if self.weight_sender is None:
-                    raise RuntimeError("call connect_weight_group() before update_weights() with weight_sync=distributed")
-                body = {**self.weight_sender.metadata(bucket), "weight_version": str(self._pending_version)}
-                reply = _Background(lambda: self._checked("update_weights_from_distributed", body))
-                self.weight_sender.broadcast(bucket)
-                reply.result()
+            payload = ipc_payload(flattened_bucket(bucket), self._serializer)
+            self._checked("update_weights_from_tensor", ipc_update_body([payload] * self.cfg.tp_size,
+                                                                        self._pending_version))
             sent += sum(tensor_bytes(t) for _, t in bucket)
         return sent
 
@@ -184,9 +175,6 @@ class SGLangEngine(RolloutEngine):
             return EngineHealth(False, str(exc))
 
     def shutdown(self) -> None:
-        if self.weight_sender is not None:
-            self.weight_sender.close()
-            self.weight_sender = None
         if self.server is not None:
             self.server.stop()
 
@@ -202,25 +190,3 @@ class SGLangEngine(RolloutEngine):
         if isinstance(reply, dict) and reply.get("success") is False:
             raise WeightUpdateRefused(f"SGLang refused /{endpoint}: {reply.get('message')}")
         return reply
-
-
-class _Background:
-    """Runs ``fn`` in a thread; ``result()`` joins it and re-raises its exception."""
-
-    def __init__(self, fn) -> None:
-        self._result, self._error = None, None
-        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
-        self._thread.start()
-
-    def _run(self, fn) -> None:
-        try:
-            self._result = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in result()
-            self._error = exc
-
-    def result(self):
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._result
-

@@ -6,20 +6,15 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field, replace
-from typing import Literal
-
-WeightSync = Literal["tensor", "distributed"]
-
 
 @dataclass(frozen=True)
 class SGLangOptions:
     """How to start (or reach) the SGLang servers and talk to them (``rollout.sglang``).
 
     ``url`` attaches to a running server instead of starting one. ``port``: engine ``i`` listens on
-    ``port + i``; None (the default): on a port found free each time a server starts. ``weight_sync``: ``"tensor"`` when the
-    engine shares GPUs with the trainer (CUDA IPC handles through ``/update_weights_from_tensor``),
-    ``"distributed"`` when it does not (an NCCL group between trainer rank 0 and the engine,
-    ``/update_weights_from_distributed``).
+    ``port + i``; None (the default): on a port found free each time a server starts. How weights
+    reach the servers follows the placement (``cluster.colocate``), not a setting here: CUDA IPC
+    handles on the trainer's GPUs, an NCCL broadcast on their own (:mod:`bpo_megatron.weight_sync`).
     """
 
     url: str | None = None
@@ -27,7 +22,6 @@ class SGLangOptions:
     port: int | None = None
     tp_size: int = 1
     mem_fraction_static: float | None = None
-    weight_sync: WeightSync = "distributed"
     extra_args: tuple[str, ...] = ()  # passed to sglang.launch_server verbatim
     launcher: tuple[str, ...] = field(default_factory=lambda: (sys.executable, "-m", "sglang.launch_server"))
     startup_timeout_s: float = 900.0
@@ -38,8 +32,6 @@ class SGLangOptions:
     concurrent_posts: int = 8
 
     def __post_init__(self) -> None:
-        if self.weight_sync not in ("tensor", "distributed"):
-            raise ValueError(f"rollout.sglang.weight_sync={self.weight_sync!r}: choose 'tensor' or 'distributed'")
         for name in ("tp_size", "requests_per_post", "concurrent_posts", "weight_bucket_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.sglang.{name} must be >= 1")

@@ -36,6 +36,7 @@ SPEC = EngineSpec(
     options=SGLangOptions,
     build=_build,
     profile=_profile,
-    transports=("distributed", "tensor"),
+    # on the trainer's GPUs: CUDA IPC handles; on its own: one broadcast from the trainer's GPU
+    transport=lambda options, colocated: "cuda_ipc" if colocated else "nccl_broadcast",
     # the server captures routing wherever it runs (it may be attached by url from a CPU driver)
 )

@@ -1,4 +1,4 @@
-"""Weight transfer to an SGLang server: NCCL broadcast (own GPUs) or serialized tensors (shared GPUs).
+"""Weight transfer to an SGLang server: NCCL broadcast (own GPUs) or CUDA IPC handles (shared GPUs).
 
 Both sides of ``/init_weights_update_group`` must meet in one process group. SGLang 0.5.23's
 receivers join with ``sglang.srt.utils.init_custom_process_group`` as rank ``rank_offset +
@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import datetime
 import pickle
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -56,33 +57,58 @@ class DistributedWeightSender:
         self._store = None
 
 
-def tensor_update_body(bucket: list[tuple[str, torch.Tensor]], tp_size: int, serializer=None) -> dict:
-    """``/update_weights_from_tensor`` body: one serialized copy of the bucket per server TP rank
-    (rank ``i`` reads entry ``i``).
+ALIGN = 16  # bytes: every tensor of a flattened bucket starts where any dtype's view may start
 
-    SGLang's ``MultiprocessingSerializer`` turns CUDA tensors into IPC handles, so the server
-    maps the trainer's memory instead of copying it over HTTP; it only works on shared GPUs, and
-    only for device tensors: a host tensor would travel as a file descriptor of this process tree,
-    which the server (another tree, another authkey) cannot open, so host tensors are refused.
+
+def flattened_bucket(bucket: list[tuple[str, torch.Tensor]]) -> dict:
+    """SGLang's ``flattened_bucket`` load format: one uint8 buffer on the tensors' device holding
+    them back to back, and per tensor its name, shape, dtype and byte range. The entries are
+    ``SimpleNamespace``s: SGLang's safe unpickler admits them, so neither side imports the other."""
+    entries, offset = [], 0
+    for name, tensor in bucket:
+        nbytes = tensor.numel() * tensor.element_size()
+        entries.append(SimpleNamespace(name=name, shape=tensor.shape, dtype=tensor.dtype, start_idx=offset,
+                                       end_idx=offset + nbytes, numel=nbytes))
+        offset += -(-nbytes // ALIGN) * ALIGN
+    flat = torch.empty(offset, dtype=torch.uint8, device=bucket[0][1].device)
+    for entry, (_, tensor) in zip(entries, bucket):
+        flat[entry.start_idx:entry.end_idx].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
+    return {"flattened_tensor": flat, "metadata": entries}
+
+
+def ipc_payload(bucket: dict, serializer=None) -> str:
+    """A flattened bucket as one entry of ``serialized_named_tensors``: SGLang's
+    ``MultiprocessingSerializer`` (with SGLang's device-UUID tensor reductions, as its receiver
+    uses) turns the device buffer into a CUDA IPC handle, so the server maps the sender's memory.
+
+    Only device memory may travel this way: a host tensor would travel as a file descriptor of
+    this process tree, which the server (another tree, another authkey) cannot open, and its
+    scheduler dies. Host tensors are refused. ``serializer`` (tests only) replaces SGLang's.
     """
     if serializer is None:
-        if any(not tensor.is_cuda for _, tensor in bucket):
-            raise ValueError("rollout.sglang.weight_sync=tensor hands the server device memory (CUDA IPC); these "
-                             "tensors are in host memory, which another process cannot map: use "
-                             "weight_sync=distributed, or export the weights on the trainer's GPU")
-        try:
-            from sglang.srt.utils import MultiprocessingSerializer  # GPU-only extra
+        if not bucket["flattened_tensor"].is_cuda:
+            raise ValueError("CUDA IPC hands the server device memory; these weights are in host memory, which "
+                             "another process cannot map: colocated SGLang engines receive weights from the "
+                             "trainer's GPUs (cluster.colocate=false sends them by NCCL broadcast instead)")
+        try:  # GPU-only extra
+            from sglang.srt.utils import MultiprocessingSerializer
+            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
         except ImportError as exc:
-            raise RuntimeError("rollout.sglang.weight_sync=tensor needs the sglang package (pip install "
-                               "'bpo-megatron[sglang]') on a GPU machine") from exc
-        serializer = lambda named: MultiprocessingSerializer.serialize(named, output_str=True)  # noqa: E731
-    payload = serializer(list(bucket))
-    if isinstance(payload, bytes):
-        payload = base64.b64encode(payload).decode()
-    return {"serialized_named_tensors": [payload] * tp_size, "load_format": None, "flush_cache": False}
+            raise RuntimeError("colocated SGLang engines need the sglang package beside the trainer (pip install "
+                               "'bpo-megatron[sglang]')") from exc
+        monkey_patch_torch_reductions()
+        serializer = lambda obj: MultiprocessingSerializer.serialize(obj, output_str=True)  # noqa: E731
+    payload = serializer(bucket)
+    return base64.b64encode(payload).decode() if isinstance(payload, bytes) else payload
 
 
-def inline_serializer(named: list[tuple[str, torch.Tensor]]) -> bytes:
-    """Tensors pickled by value (their bytes inside the payload), which SGLang's deserializer
-    accepts: for CPU tests of the tensor route only, never for real transfers."""
-    return pickle.dumps([(name, tensor.detach().cpu()) for name, tensor in named])
+def ipc_update_body(payloads: list[str], version: int) -> dict:
+    """``/update_weights_from_tensor``: entry ``i`` is read by the server's TP rank ``i`` only."""
+    return {"serialized_named_tensors": payloads, "load_format": "flattened_bucket", "flush_cache": False,
+            "weight_version": str(version)}
+
+
+def inline_serializer(bucket: dict) -> bytes:
+    """A flattened bucket pickled by value (its bytes inside the payload), which SGLang's safe
+    unpickler accepts: for CPU tests of the IPC route only, never for real transfers."""
+    return pickle.dumps({**bucket, "flattened_tensor": bucket["flattened_tensor"].detach().cpu()})

@@ -25,6 +25,6 @@ SPEC = EngineSpec(
     options=VLLMOptions,
     build=_build,
     profile=_profile,
-    transports=("object_store",),
+    transport=lambda options, colocated: "object_store",
     captures_routing_without_gpu=False,  # routed-expert capture needs vLLM's GPU model runner
 )

@@ -1,0 +1,101 @@
+"""``cuda_ipc``: SGLang engines on the trainer's own GPUs map the trainer's memory.
+
+Engine ``e``'s TP rank ``t`` shares a GPU with trainer rank ``e × tp + t`` (the colocated placement
+puts engine ``e`` on trainer bundles ``e × tp …``). Every trainer rank receives each bucket on its
+own GPU, flattens it into one buffer (SGLang's ``flattened_bucket`` format) and turns it into a
+CUDA IPC handle; the handles are gathered, and the trainer rank beside each engine's TP rank 0
+posts that engine one ``/update_weights_from_tensor`` whose entry ``t`` is the handle from TP rank
+``t``'s own GPU. Buffers stay alive until every engine has answered (each server copies out of
+them while it handles the request). Host tensors never travel this way (:func:`ipc_payload`
+refuses them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bpo_megatron.rollout.sglang.http import ServerUnavailable, request_json
+from bpo_megatron.rollout.sglang.weights import flattened_bucket, ipc_payload, ipc_update_body
+from bpo_megatron.rollout.weight_buckets import tensor_bytes
+
+UPDATE_TIMEOUT_S = 600.0  # a server answers once its ranks loaded the bucket
+
+
+class IpcUpdateFailed(RuntimeError):
+    """A server refused a bucket; the message names it."""
+
+
+def colocated_ranks(engine: int, tp_size: int, trainer_ranks: int) -> tuple[int, ...]:
+    """The trainer ranks sharing a GPU with engine ``engine``'s TP ranks, in TP order."""
+    ranks = tuple(range(engine * tp_size, (engine + 1) * tp_size))
+    if ranks[-1] >= trainer_ranks:
+        raise ValueError(f"colocated engine {engine} of TP {tp_size} needs trainer ranks {ranks[0]}–{ranks[-1]}, "
+                         f"the trainer has {trainer_ranks} (rollout.num_engines × rollout.sglang.tp_size ≤ "
+                         "cluster.trainer_ranks)")
+    return ranks
+
+
+class CudaIpc:
+    host_tensors = False  # each rank keeps its copy on its own GPU
+    views = True  # each bucket is copied into one flat buffer
+    every_rank = True  # every trainer rank receives the buckets and hands its GPU's copy over
+    whole_group = False  # engines are updated one by one (a restarted one alone)
+
+    def __init__(self, serializer=None) -> None:
+        self.serializer = serializer  # tests only: replaces SGLang's serializer (see ipc_payload)
+
+    @staticmethod
+    def destinations(engines, indices: list[int]) -> list[tuple[str, tuple[int, ...]]]:
+        """Each engine's base URL and the trainer ranks beside its TP ranks."""
+        tp, ranks = engines.cfg.rollout.options.tp_size, engines.cfg.cluster.trainer_ranks
+        urls = [url for url, _ in engines.call("endpoint", only=indices)]
+        return [(url, colocated_ranks(i, tp, ranks)) for i, url in zip(indices, urls)]
+
+    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], targets: list[tuple[str, tuple[int, ...]]],
+             version: int) -> dict[str, Any]:
+        """Runs on every trainer rank with the same ``targets``; every rank returns the same
+        report (bytes sent, positions of the engines whose server was lost)."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        beside_an_engine = {r for _, ranks in targets for r in ranks}
+        alive, failed, sent = list(range(len(targets))), [], 0
+        for bucket in buckets:
+            flat = flattened_bucket(bucket)
+            mine = ipc_payload(flat, self.serializer) if rank in beside_an_engine else None
+            payloads: list[str | None] = [None] * world
+            dist.all_gather_object(payloads, mine)
+            outcome: dict[int, str] = {}  # engine position -> "lost" or the refusal
+            for i in alive:
+                url, ranks = targets[i]
+                if ranks[0] == rank:
+                    outcome.update(_post(i, url, ipc_update_body([payloads[r] for r in ranks], version)))
+            outcomes: list[dict[int, str]] = [{}] * world
+            dist.all_gather_object(outcomes, outcome)  # also keeps every buffer alive until all servers answered
+            del flat, payloads
+            merged = {i: what for each in outcomes for i, what in each.items()}
+            refused = [what for what in merged.values() if what != "lost"]
+            if refused:
+                raise IpcUpdateFailed("; ".join(refused))
+            lost = sorted(merged)
+            alive = [i for i in alive if i not in lost]
+            failed += lost
+            sent += sum(tensor_bytes(t) for _, t in bucket)
+        return {"bytes": sent, "failed": failed}
+
+    def close(self) -> None:
+        pass
+
+
+def _post(index: int, url: str, body: dict) -> dict[int, str]:
+    try:
+        reply = request_json("POST", f"{url}/update_weights_from_tensor", body, timeout=UPDATE_TIMEOUT_S)
+    except ServerUnavailable:
+        return {index: "lost"}
+    except Exception as exc:  # noqa: BLE001 - reported with the server it came from, on every rank
+        return {index: f"{url}: {exc}"}
+    if isinstance(reply, dict) and reply.get("success") is False:
+        return {index: f"{url} refused the bucket: {reply.get('message')}"}
+    return {}

@@ -1,0 +1,86 @@
+"""``nccl_broadcast``: trainer rank 0 and every TP rank of every SGLang engine in one process group.
+
+The group is joined as SGLang 0.5.23 joins it (see
+:class:`~bpo_megatron.rollout.sglang.weights.DistributedWeightSender`): trainer rank 0 is rank 0
+and hosts the rendezvous; engine ``e`` joins with ``rank_offset = 1 + Σ TP sizes of the engines
+before it``. Each bucket is announced to every server (``/update_weights_from_distributed`` with
+its names, dtypes, shapes and the weight version) and broadcast once from where the tensors lie:
+the trainer's GPU with NCCL, host memory with gloo on a CPU.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from bpo_megatron.rollout.sglang.http import request_json
+from bpo_megatron.rollout.sglang.weights import DistributedWeightSender
+from bpo_megatron.rollout.weight_buckets import tensor_bytes
+
+GROUP_NAME = "bpo-weight-sync"
+ANNOUNCE_TIMEOUT_S = 600.0  # a server answers once its ranks received the whole bucket
+
+
+class BroadcastFailed(RuntimeError):
+    """A server refused or did not answer a bucket; the message names it."""
+
+
+class NcclBroadcast:
+    host_tensors = False  # buckets stay where the trainer holds them (its GPU)
+    views = True  # broadcast straight from the parameters where the layout allows
+    every_rank = False  # rank 0 sends
+    whole_group = True  # a broadcast reaches every member: all engines, in one group
+
+    @staticmethod
+    def destinations(engines, indices: list[int]) -> list[str]:
+        return [url for url, _ in engines.call("endpoint", only=indices)]
+
+    def __init__(self) -> None:
+        self.sender: DistributedWeightSender | None = None
+
+    def open(self, master_address: str, master_port: int, world_size: int, backend: str) -> None:
+        """Host the group's rendezvous and wait for every engine rank to join (they are asked to,
+        at the same time, by the driver)."""
+        self.close()
+        self.sender = DistributedWeightSender(master_address, master_port, world_size, backend, GROUP_NAME)
+
+    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], servers: list[str], version: int
+             ) -> dict[str, Any]:
+        """``servers``: the base URL of every engine in the group (all of them: a broadcast needs
+        every member)."""
+        if self.sender is None:
+            raise RuntimeError("the weight group is not open: the driver forms it before the first sync")
+        sent = 0
+        for bucket in buckets:
+            body = {**self.sender.metadata(bucket), "weight_version": str(version)}
+            errors: list[str] = []
+            announcements = [threading.Thread(target=_announce, args=(url, body, errors), daemon=True)
+                             for url in servers]
+            for thread in announcements:
+                thread.start()
+            self.sender.broadcast(bucket)
+            for thread in announcements:
+                thread.join(ANNOUNCE_TIMEOUT_S)
+            if errors or any(thread.is_alive() for thread in announcements):
+                raise BroadcastFailed("; ".join(errors) or f"a server did not confirm a bucket within "
+                                      f"{ANNOUNCE_TIMEOUT_S:.0f} s")
+            sent += sum(tensor_bytes(t) for _, t in bucket)
+        return {"bytes": sent, "failed": []}
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+
+
+def _announce(url: str, body: dict, errors: list[str]) -> None:
+    try:
+        reply = request_json("POST", f"{url}/update_weights_from_distributed", body, timeout=ANNOUNCE_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - reported with the server it came from
+        errors.append(f"{url}: {exc}")
+        return
+    if isinstance(reply, dict) and reply.get("success") is False:
+        errors.append(f"{url} refused the bucket: {reply.get('message')}")

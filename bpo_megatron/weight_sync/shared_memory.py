@@ -1,0 +1,95 @@
+"""``shared_memory``: trainer rank 0 writes each tensor straight into the weights of an engine on
+its node, which keep them in a shared-memory segment (the embedded engine on a CPU,
+:mod:`bpo_megatron.rollout.hf.shared_weights`): one copy per engine, no serialisation. The engine
+is inside its weight-update session meanwhile, so it does not read them. Engines on other nodes, or
+whose weights are not in host memory, receive the same buckets through Ray's object store.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from bpo_megatron.rollout.hf.shared_weights import SegmentLayout, attach
+from bpo_megatron.rollout.weight_buckets import tensor_bytes
+from bpo_megatron.weight_sync.object_store import deliver, pack
+
+
+class SharedMemory:
+    host_tensors = True
+    views = True  # the buckets may view the trainer's parameters: they are copied before it trains
+    every_rank = False  # rank 0 sends
+    whole_group = False  # any subset of the engines
+
+    def __init__(self) -> None:
+        # segment name -> (its owner's pid, the mapping, the weights' views)
+        self._attached: dict[str, tuple[int, Any, dict[str, torch.Tensor]]] = {}
+
+    @staticmethod
+    def destinations(engines, indices: list[int]) -> list[tuple[Any, str, SegmentLayout | None]]:
+        """Each engine actor, its node and where its shared weights lie (None: not shared)."""
+        return [(engines.workers[i], node, layout)
+                for i, (node, layout) in zip(indices, engines.call("weight_segment", only=indices))]
+
+    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], targets: list, version: int) -> dict[str, Any]:
+        import ray
+
+        here = ray.get_runtime_context().get_node_id()
+        self._forget_the_dead()
+        views = {i: self._views(layout) for i, (_, node, layout) in enumerate(targets)
+                 if layout is not None and node == here}
+        remote = [i for i in range(len(targets)) if i not in views]
+        failed, sent = [], 0
+        for bucket in buckets:
+            for weights in views.values():
+                with torch.no_grad():
+                    for name, tensor in bucket:
+                        _place(weights, name, tensor).copy_(tensor)
+            if remote:
+                lost = deliver(pack([(name, tensor.clone()) for name, tensor in bucket]),  # see pack()
+                               {i: targets[i][0] for i in remote})
+                remote = [i for i in remote if i not in lost]
+                failed += lost
+            sent += sum(tensor_bytes(t) for _, t in bucket)
+        return {"bytes": sent, "failed": failed}  # a dead local engine shows when its session ends
+
+    def _views(self, layout: SegmentLayout) -> dict[str, torch.Tensor]:
+        if layout.name not in self._attached:
+            self._attached[layout.name] = (layout.pid, *attach(layout))
+        return self._attached[layout.name][2]
+
+    def _forget_the_dead(self) -> None:
+        """Unmap the weights of engines whose process is gone (the memory is freed with it)."""
+        self._forget([name for name, (pid, _, _) in self._attached.items() if not os.path.exists(f"/proc/{pid}")])
+
+    def _forget(self, names: list[str]) -> None:
+        for name in names:
+            _, mapping, _ = self._attached.pop(name)
+            _unmap(mapping)
+
+    def close(self) -> None:
+        self._forget(list(self._attached))
+
+
+def _place(weights: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> torch.Tensor:
+    target = weights.get(name)
+    if target is None:
+        raise ValueError(f"weight sync: {name!r} is not a weight of the engine (expected Hugging Face on-disk "
+                         f"names such as {next(iter(weights))!r})")
+    if target.shape != tensor.shape:
+        raise ValueError(f"weight sync: {name!r} has shape {tuple(tensor.shape)}, the engine expects "
+                         f"{tuple(target.shape)}")
+    return target
+
+
+def _unmap(mapping) -> None:
+    import gc
+
+    gc.collect()  # views of the mapping must be gone before it can be closed
+    try:
+        mapping.close()
+    except BufferError:  # a view is still alive somewhere: the mapping goes with it
+        pass
