@@ -34,6 +34,7 @@ def command(name: str, help: str) -> Callable[[Callable[[list[str]], int]], Call
 BENCHMARKS: dict[str, str] = {
     "logprobs": "bpo_megatron.bench.logprobs",
     "rollout": "bpo_megatron.bench.rollout",
+    "step": "bpo_megatron.bench.step",
 }
 
 

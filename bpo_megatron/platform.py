@@ -34,6 +34,15 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def bind_device() -> torch.device:
+    """Make :func:`device` this process's current CUDA device (NCCL and every kernel then use its
+    own GPU, not GPU 0); nothing to do on a CPU."""
+    own = device()
+    if own.type == "cuda":
+        torch.cuda.set_device(own)
+    return own
+
+
 def distributed_backend() -> DistributedBackend:
     """The ``torch.distributed`` backend matching :func:`device` (NCCL needs CUDA tensors)."""
     return "nccl" if has_cuda() else "gloo"

@@ -57,7 +57,7 @@ def ray_session():
             stop_ray()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def small_run():
     """``small_run(run_dir, *overrides)``: the few-step demo experiment writing into ``run_dir``."""
     from bpo_megatron.experiment import load_experiment

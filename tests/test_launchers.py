@@ -186,3 +186,66 @@ def test_local_launcher_runs_the_cpu_demo(tmp_path):
     steps = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"step"' in line]
     assert steps
     assert (tmp_path / "nemo_run" / "experiments" / "tiny_moe_cpu").is_dir()
+
+
+def test_slurm_ray_nodes_take_the_cpus_of_their_node(tmp_path):
+    """Under cgroup confinement a job step gets the CPUs it asks for: each Ray node step asks for
+    all the job has on its node (or --cpus-per-node), exactly, and tells Ray so."""
+    [job] = launch("slurm", RECIPE_30B, [], _cluster_settings(tmp_path), dryrun=True)
+    ray_sruns = [line for line in job.text.splitlines() if "--container-name=ray-head" in line or
+                 "--container-name=ray-worker" in line]
+    starts = [line for line in job.text.splitlines() if line.startswith("ray start")]
+    steps = [line for line in job.text.splitlines() if "--exact --cpus-per-task=$CPUS_PER_NODE" in line]
+    assert len(steps) == 2 and len(starts) == 2 and ray_sruns
+    assert all("--num-cpus=$CPUS_PER_NODE" in line for line in starts)
+    assert "CPUS_PER_NODE=${BPO_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:?" in job.text
+    assert "export BPO_CPUS_PER_NODE" not in job.text
+    [pinned] = launch("slurm", RECIPE_30B, [], _cluster_settings(tmp_path, cpus_per_node=96), dryrun=True)
+    assert "export BPO_CPUS_PER_NODE=96" in pinned.text
+    resolved = subprocess.run(["bash", "-c", pinned.text.split("RAY_START_TIMEOUT=")[0].split("set -uo pipefail")[1]
+                               + "\nCPUS_PER_NODE=${BPO_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:?}}; echo $CPUS_PER_NODE"],
+                              capture_output=True, text=True, env={"PATH": os.environ["PATH"], "SLURM_CPUS_ON_NODE": "224"})
+    assert resolved.stdout.split()[-1] == "96"
+
+
+def test_kuberay_pods_request_cpus_memory_and_a_memory_backed_dev_shm(tmp_path):
+    from bpo_megatron.experiment import load_experiment
+    from bpo_megatron.planner.host import driver_memory_gib
+
+    [job] = launch("kuberay", RECIPE_30B, ["model.path=/models/Qwen3-30B-A3B-Base"], _cluster_settings(tmp_path),
+                   dryrun=True)
+    spec = yaml.safe_load(job.text)["spec"]["rayClusterSpec"]
+    [workers] = spec["workerGroupSpecs"]
+    [worker] = workers["template"]["spec"]["containers"]
+    assert worker["resources"]["requests"] == {"cpu": "128", "memory": "768Gi", "nvidia.com/gpu": 8}
+    assert worker["resources"]["limits"]["memory"] == "768Gi"
+    for pod in (workers["template"], spec["headGroupSpec"]["template"]):
+        assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "384Gi"}} in pod["spec"]["volumes"]
+        [container] = pod["spec"]["containers"]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    # the head holds a step's samples twice: 256 × 16 responses of ≤ 18,432 tokens with 48 × 8 routed
+    # experts each (uint8) → 27.8 GiB; the recipe's own architecture file sizes it
+    [head] = spec["headGroupSpec"]["template"]["spec"]["containers"]
+    assert driver_memory_gib(load_experiment(RECIPE_30B)) == 72
+    assert head["resources"]["requests"]["memory"] == "72Gi"
+    [small] = launch("kuberay", RECIPE_30B, [], _cluster_settings(tmp_path, cpus_per_node=64, memory_per_node="512Gi"),
+                     dryrun=True)
+    [worker] = yaml.safe_load(small.text)["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"][
+        "containers"]
+    assert worker["resources"]["requests"]["cpu"] == "64" and worker["resources"]["requests"]["memory"] == "512Gi"
+
+
+def test_a_trainer_rank_binds_its_own_gpu(monkeypatch):
+    """Ray gives each rank one visible GPU; under torchrun or Slurm LOCAL_RANK picks it."""
+    import torch
+
+    from bpo_megatron import platform
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: chosen.append(device))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert platform.bind_device() == torch.device("cuda", 3) and chosen == [torch.device("cuda", 3)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert platform.bind_device() == torch.device("cpu") and len(chosen) == 1

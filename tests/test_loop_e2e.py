@@ -73,8 +73,9 @@ def test_colocated_phases_offload_the_trainer_and_change_no_number(tmp_path, ray
     assert sorted(apart) == sorted(shared) and 2 in apart
     for step, record in apart.items():
         for key, value in record.items():
-            # clocks; and syncs, which colocated engines repeat after every release of their memory
-            if "time" in key or key.startswith(("sync_", "offload_")):
+            # clocks; syncs, which colocated engines repeat after every release of their memory;
+            # and transfer sizes, whose pickling metadata varies by a few bytes
+            if "time" in key or key.startswith(("sync_", "offload_", "driver/")):
                 continue
             assert shared[step][key] == value, (step, key)
     assert all(apart[step]["offload_bytes"] == 0 for step in (1, 2))

@@ -25,9 +25,10 @@ def random_routing(n: int, hf, gen: torch.Generator) -> torch.Tensor:
     return scores.argsort(dim=-1)[..., : hf.num_experts_per_tok]
 
 
-def make_samples(count: int, *, seed: int, routing: bool = False) -> list[TrainSample]:
-    """Prompts of 2–5 and responses of 2–7 tokens; advantages of both signs."""
-    hf = tiny_moe()
+def make_samples(count: int, *, seed: int, routing: bool = False, hf=None) -> list[TrainSample]:
+    """Prompts of 2–5 and responses of 2–7 tokens; advantages of both signs (for ``hf``, by
+    default the tiny MoE)."""
+    hf = hf or tiny_moe()
     gen = torch.Generator().manual_seed(seed)
     samples = []
     for i in range(count):

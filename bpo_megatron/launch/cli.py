@@ -37,6 +37,10 @@ def _parser(backends: list[str]) -> argparse.ArgumentParser:
     res = parser.add_argument_group("resources (default: the config's cluster section)")
     res.add_argument("--nodes", type=int)
     res.add_argument("--gpus-per-node", type=int)
+    res.add_argument("--cpus-per-node", type=int, help="CPUs of each Ray node (Slurm: default all the job has "
+                     "on the node; KubeRay: the worker request, default 16 per GPU)")
+    res.add_argument("--memory-per-node", help="KubeRay worker memory request, e.g. 768Gi (default 96Gi per GPU); "
+                     "half of it is the pods' /dev/shm")
     res.add_argument("--container-image", help="image with bpo-megatron installed (Slurm: enroot/pyxis)")
     res.add_argument("--mounts", action="append", default=[], metavar="SRC:DST[,SRC:DST]",
                      help="container mounts (KubeRay: a host path or a PersistentVolumeClaim name as SRC)")
@@ -68,7 +72,8 @@ def main(argv: list[str]) -> int:
     args = _parser(list(LAUNCHERS)).parse_intermixed_args(argv)
     try:
         settings = ExecutorSettings(
-            nodes=args.nodes, gpus_per_node=args.gpus_per_node, container_image=args.container_image,
+            nodes=args.nodes, gpus_per_node=args.gpus_per_node, cpus_per_node=args.cpus_per_node,
+            memory_per_node=args.memory_per_node, container_image=args.container_image,
             mounts=_mounts(args.mounts), env=_env(args.env), setup=tuple(args.setup),
             account=args.account, partition=args.partition, time=args.time, remote_dir=args.remote_dir,
             ssh_host=args.ssh_host, ssh_user=args.ssh_user, packager=args.packager,

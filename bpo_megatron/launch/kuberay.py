@@ -20,13 +20,15 @@ from typing import Any
 import yaml
 
 from bpo_megatron.launch.base import Rendered, Resources
-from bpo_megatron.launch.runs import Batch, Run, experiment_config
+from bpo_megatron.launch.runs import Batch, Run, experiment_config, sizing_config
 from bpo_megatron.launch.settings import ExecutorSettings
 
 DRIVER = "bpo-megatron"
 WORKDIR = "/workspace"  # KubeRayJob's working directory of the Ray containers without a workdir
-# The driver (the RL loop: data, rewards, weight buckets) runs on the head pod.
-HEAD_CPU, HEAD_MEMORY = "8", "64Gi"
+# The driver (the RL loop: data, rewards, samples) runs on the head pod; its memory follows the
+# experiment (bpo_megatron.planner.host), its CPUs score the responses.
+HEAD_CPU, DEFAULT_HEAD_GIB = "16", 64
+CPUS_PER_GPU, MEMORY_GIB_PER_GPU = 16, 96  # worker pods' requests unless given
 _MAX_NAME = 63  # Kubernetes object names
 
 
@@ -49,14 +51,25 @@ class _Dumper(yaml.SafeDumper):
         return True
 
 
-def executor(settings: ExecutorSettings, resources: Resources):
+def _worker_requests(settings: ExecutorSettings, resources: Resources) -> tuple[str, int]:
+    """The worker pods' CPU request and memory request in GiB."""
+    gpus = max(resources.gpus_per_node, 1)
+    memory = int(settings.memory_per_node.removesuffix("Gi")) if settings.memory_per_node else gpus * MEMORY_GIB_PER_GPU
+    return str(settings.cpus_per_node or gpus * CPUS_PER_GPU), memory
+
+
+def executor(settings: ExecutorSettings, resources: Resources, *, head_memory_gib: int = DEFAULT_HEAD_GIB):
     from importlib.metadata import version
 
     from nemo_run.core.execution.kuberay import KubeRayExecutor, KubeRayWorkerGroup
 
     if not settings.container_image:
         raise ValueError("kuberay needs --container-image: an image with bpo-megatron installed")
+    cpus, memory_gib = _worker_requests(settings, resources)
     volumes, volume_mounts = _volumes(settings.mounts)
+    # NCCL, SGLang and Ray's object store live in /dev/shm; a container's default is 64 MiB
+    volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{memory_gib // 2}Gi"}})
+    volume_mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     lifecycle = {}
     if settings.setup:  # what KubeRayJob.start does with pre_ray_start_commands
         lifecycle["postStart"] = {"exec": {"command": ["/bin/sh", "-c", "\n".join(settings.setup)]}}
@@ -65,9 +78,11 @@ def executor(settings: ExecutorSettings, resources: Resources):
         ray_version=version("ray"),  # the Ray this project runs with, which the image must carry
         image=settings.container_image,
         head_cpu=HEAD_CPU,
-        head_memory=HEAD_MEMORY,
+        head_memory=f"{head_memory_gib}Gi",
         worker_groups=[KubeRayWorkerGroup(group_name="gpu-workers", replicas=resources.nodes,
-                                          gpus_per_worker=resources.gpus_per_node or None)],
+                                          gpus_per_worker=resources.gpus_per_node or None,
+                                          cpu_requests=cpus, cpu_limits=cpus, memory_requests=f"{memory_gib}Gi",
+                                          memory_limits=f"{memory_gib}Gi")],
         volumes=volumes,
         volume_mounts=volume_mounts,
         env_vars=dict(settings.env),
@@ -111,7 +126,12 @@ class KubeRayLauncher:
     name = "kuberay"
 
     def _executor(self, batch: Batch, settings: ExecutorSettings):
-        return executor(settings, Resources.resolve(settings, experiment_config(batch.runs[0])))
+        from bpo_megatron.planner.host import driver_memory_gib
+
+        sized = [sizing_config(run_) for run_ in batch.runs]
+        head = max((driver_memory_gib(cfg) for cfg in sized if cfg is not None), default=DEFAULT_HEAD_GIB)
+        return executor(settings, Resources.resolve(settings, experiment_config(batch.runs[0])),
+                        head_memory_gib=max(head, DEFAULT_HEAD_GIB))
 
     def render(self, batch: Batch, settings: ExecutorSettings) -> list[Rendered]:
         from nemo_run.run.ray.kuberay import get_user

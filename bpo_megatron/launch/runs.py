@@ -63,3 +63,11 @@ def experiment_config(run: Run) -> ExperimentConfig | None:
     if not Path(run.config).is_file():
         return None
     return load_experiment(run.config, list(run.overrides), check_model=False)
+
+
+def sizing_config(run: Run) -> ExperimentConfig | None:
+    """:func:`experiment_config` for sizing the job: a ``model.path`` override naming a checkpoint
+    only the cluster has is left out, so the recipe's own architecture file describes the model."""
+    local = tuple(o for o in run.overrides
+                  if not (o.startswith("model.path=") and not Path(o.partition("=")[2]).exists()))
+    return experiment_config(Run(run.name, run.config, local))

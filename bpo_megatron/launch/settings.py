@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 Packager = Literal["none", "git"]
+_GIB = re.compile(r"[1-9][0-9]*Gi")
 
 
 @dataclass(frozen=True)
@@ -13,7 +15,10 @@ class ExecutorSettings:
     """Where and how the driver and the Ray cluster run.
 
     ``nodes``/``gpus_per_node`` None take the experiment's ``cluster.nodes`` and
-    ``cluster.gpus_per_node``. ``mounts`` are ``SRC:DST`` (Slurm: host paths for the container;
+    ``cluster.gpus_per_node``. ``cpus_per_node``: the CPUs each Ray node takes (Slurm: by default
+    every CPU Slurm gives the job on the node; KubeRay: the worker pods' request, by default 16 per
+    GPU). ``memory_per_node``: the KubeRay worker pods' memory request (Kubernetes quantity, by
+    default 96Gi per GPU); half of it backs ``/dev/shm`` (NCCL, SGLang, Ray's object store). ``mounts`` are ``SRC:DST`` (Slurm: host paths for the container;
     KubeRay: a host path, or the name of a PersistentVolumeClaim). ``setup`` lines run in every
     container before Ray starts (e.g. ``pip install -e /nemo_run/code``).
 
@@ -27,6 +32,8 @@ class ExecutorSettings:
 
     nodes: int | None = None
     gpus_per_node: int | None = None
+    cpus_per_node: int | None = None
+    memory_per_node: str | None = None
     container_image: str | None = None
     mounts: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
@@ -46,6 +53,10 @@ class ExecutorSettings:
             raise ValueError(f"--nodes must be >= 1, got {self.nodes}")
         if self.gpus_per_node is not None and self.gpus_per_node < 0:
             raise ValueError(f"--gpus-per-node must be >= 0, got {self.gpus_per_node}")
+        if self.cpus_per_node is not None and self.cpus_per_node < 1:
+            raise ValueError(f"--cpus-per-node must be >= 1, got {self.cpus_per_node}")
+        if self.memory_per_node is not None and not _GIB.fullmatch(self.memory_per_node):
+            raise ValueError(f"--memory-per-node {self.memory_per_node!r} must be a number of GiB such as 768Gi")
         for mount in self.mounts:
             src, sep, dst = mount.partition(":")
             if not (src and sep and dst.startswith("/")):

@@ -62,7 +62,9 @@ def executor(settings: ExecutorSettings, resources: Resources, template: Path = 
         mem="0",
         container_image=settings.container_image,
         container_mounts=list(settings.mounts),
-        env_vars=dict(settings.env),
+        # the CPUs each Ray node step takes (the template's default: all the job has on the node)
+        env_vars={**settings.env, **({"BPO_CPUS_PER_NODE": str(settings.cpus_per_node)}
+                                     if settings.cpus_per_node else {})},
         setup_lines="\n".join(settings.setup) or None,
         tunnel=_tunnel(settings),
         packager=_packager(settings),

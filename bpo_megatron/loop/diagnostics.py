@@ -25,7 +25,7 @@ def routing_agreement(trainer, samples, cfg) -> dict[str, float]:
     subset = routed[:count]
     if not subset or not cfg.model.routing_replay:
         return {}
-    scored = trainer.on_last_stage("compute_logprobs", subset, True)
+    scored = trainer.compute_logprobs(subset, record_routing=True)
     same = total = 0
     for sample, trainer_routing in zip(subset, scored.routed_experts):
         engine = sample.routed_experts.sort(dim=-1).values

@@ -87,20 +87,24 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                     top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
                     stop_token_ids=stops, seed=cfg.rollout.seed + step))
                 t_rollout = time.perf_counter()
-                phases.train()
                 rewards = score(samples, [e.problem.answer for e in batch for _ in range(cfg.rollout.group_size)],
                                 tokenizer, verify)
                 train_samples, metrics = training_samples(samples, rewards, cfg.rollout.group_size,
                                                           keep_routing=cfg.model.routing_replay)
-                metrics.update(diagnostics.routing_agreement(trainer, train_samples, cfg))
                 random.Random(cfg.train.seed + step).shuffle(train_samples)
-                updates = [trainer.on_last_stage("train_step", mb)
-                           for mb in split(train_samples, cfg.train.minibatches_per_step)]
+                t_prepared = time.perf_counter()
+                phases.train()
+                metrics.update(diagnostics.routing_agreement(trainer, train_samples, cfg))
+                updates = [trainer.train_step(mb) for mb in split(train_samples, cfg.train.minibatches_per_step)]
                 phases.weights_changed(version=step)
                 t_train = time.perf_counter()
                 metrics.update(diagnostics.mean_over_minibatches(updates))
-                metrics.update({"time/rollout_s": t_rollout - t_sync, "time/train_s": t_train - t_rollout,
-                                "time/sync_s": t_sync - timer, "time/step_s": time.perf_counter() - timer})
+                metrics["driver/to_trainer_mb"] = trainer.take_sent_bytes() / 2**20  # this step's object-store writes
+                step_s = time.perf_counter() - timer
+                metrics.update({"time/rollout_s": t_rollout - t_sync, "time/train_s": t_train - t_prepared,
+                                "time/sync_s": t_sync - timer, "time/step_s": step_s,
+                                # scoring, advantages, batching and bookkeeping: the driver's own work
+                                "time/driver_s": step_s - (t_train - t_prepared) - (t_rollout - timer)})
                 state.step, state.data_cursor = step, prompts.cursor
                 if cfg.eval.every and step % cfg.eval.every == 0:
                     sync = diagnostics.add_sync(sync, phases.rollout())

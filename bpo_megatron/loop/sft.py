@@ -27,11 +27,11 @@ def sft_warmup(cfg, trainer, prompts, tokenizer, metrics_out, echo) -> None:
                                        rollout_logprobs=torch.zeros(len(answer)), advantage=1.0))
         # With R3 the trainer replays routing; here it replays its own, recorded in this forward.
         replay = cfg.model.routing_replay
-        scored = trainer.on_last_stage("compute_logprobs", samples, replay)
+        scored = trainer.compute_logprobs(samples, record_routing=replay)
         routing = scored.routed_experts if replay else [None] * len(samples)
         samples = [replace(s, rollout_logprobs=lp.clamp(max=0.0), routed_experts=r)
                    for s, lp, r in zip(samples, scored.logprobs, routing)]
-        metrics = trainer.on_last_stage("train_step", samples)
+        metrics = trainer.train_step(samples)
         nll = -float(torch.cat(scored.logprobs).mean())
         metrics_out.write(-cfg.train.sft_warmup_steps + step, {"sft/nll": nll, "sft/grad_norm": metrics["grad_norm"]})
         if step == 1 or step % 10 == 0 or step == cfg.train.sft_warmup_steps:

@@ -98,7 +98,53 @@ class TrainerGroup:
                                                                          threads_per_rank)
             for rank in range(ranks)
         ]
-        self._collect([w.ready.remote() for w in self.workers], "start-up")
+        # each rank's data-parallel index and size, and whether it returns its share's results
+        self.layout: list[tuple[int, int, bool]] = self._collect([w.ready.remote() for w in self.workers], "start-up")
+        self.dp_size = self.layout[0][1]
+        self.hf, self.replaying = cfg.hf_config(), cfg.model.routing_replay
+        self.sent_bytes = 0  # written into the object store for the ranks (see take_sent_bytes)
+
+    # ---------------------------------------------------------------------------- the algorithm
+    def train_step(self, minibatch: list) -> dict[str, float]:
+        """One optimizer step on ``minibatch``: checked here once, each data-parallel share put
+        into the object store once and read by its ranks only; the step's metrics."""
+        from bpo_megatron.trainer.actor import check_batch, minibatch_totals
+
+        check_batch(minibatch, self.hf, replaying=self.replaying, dp_size=self.dp_size)
+        shares, totals = self._put_shares(minibatch), minibatch_totals(minibatch)
+        return self._collect([w.train_share.remote(shares[dp], totals)
+                              for w, (dp, _, _) in zip(self.workers, self.layout)], "train_step")[-1]
+
+    def compute_logprobs(self, samples: list, *, record_routing: bool = False):
+        """log π and entropies (and, with ``record_routing``, the routers' free choices) of
+        ``samples``, as host tensors in sample order, each share's from one rank."""
+        from bpo_megatron.trainer.actor import ScoredSamples, check_batch
+
+        check_batch(samples, self.hf, replaying=self.replaying and not record_routing, dp_size=self.dp_size)
+        shares = self._put_shares(samples)
+        results = self._collect([w.logprobs_of_share.remote(shares[dp], record_routing)
+                                 for w, (dp, _, _) in zip(self.workers, self.layout)], "compute_logprobs")
+        by_share = {dp: scored for (dp, _, returns), scored in zip(self.layout, results) if returns}
+        parts = [by_share[dp] for dp in range(self.dp_size)]
+        return ScoredSamples(
+            logprobs=[t for part in parts for t in part.logprobs],
+            entropies=[t for part in parts for t in part.entropies],
+            routed_experts=None if parts[0].routed_experts is None else [t for p in parts for t in p.routed_experts])
+
+    def take_sent_bytes(self) -> int:
+        """Bytes put into the object store for the ranks since the last call."""
+        sent, self.sent_bytes = self.sent_bytes, 0
+        return sent
+
+    def _put_shares(self, samples: list) -> list:
+        import ray
+
+        from bpo_megatron.trainer.samples import split
+
+        refs = [ray.put(share) for share in split(samples, self.dp_size)]
+        sizes = ray.experimental.get_object_locations(refs)
+        self.sent_bytes += sum(sizes[ref]["object_size"] or 0 for ref in refs)
+        return refs
 
     def call(self, method: str, *args: Any) -> list[Any]:
         """Every rank runs ``method`` (the trainer's methods are collective); results by rank."""
@@ -110,10 +156,6 @@ class TrainerGroup:
 
     def wait(self, futures: list, what: str) -> list[Any]:
         return self._collect(futures, what)
-
-    def on_last_stage(self, method: str, *args: Any) -> Any:
-        """Collective call whose result lives on the last pipeline stage (the last rank)."""
-        return self.call(method, *args)[-1]
 
     def on_every_rank(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """``fn(worker, *args)`` on every rank's :class:`TrainWorker`, collectively."""

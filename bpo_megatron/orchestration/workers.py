@@ -26,6 +26,7 @@ class TrainWorker:
         from bpo_megatron.trainer.config import TrainerConfig
 
         torch.set_num_threads(threads)
+        platform.bind_device()  # before NCCL binds this rank to a GPU
         dist.init_process_group(backend=platform.distributed_backend(), init_method=f"tcp://{master}",
                                 rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=30))
         self.cfg, self.rank = cfg, rank
@@ -37,8 +38,11 @@ class TrainWorker:
                                   seed=cfg.train.seed),
         )
 
-    def ready(self) -> bool:
-        return True
+    def ready(self) -> tuple[int, int, bool]:
+        """Where this rank stands: its data-parallel index and size, and whether it returns the
+        results of its share."""
+        ranks = self.actor.ranks
+        return ranks.dp, ranks.dp_size, self.actor.returns_share_results
 
     def load_hf(self, directory: str) -> int:
         from bpo_megatron.convert import load_hf_weights
@@ -50,11 +54,14 @@ class TrainWorker:
     def set_learning_rate(self, lr: float) -> None:
         self.actor.set_learning_rate(lr)
 
-    def compute_logprobs(self, samples, record_routing: bool = False):
-        return self.actor.compute_logprobs(samples, record_routing=record_routing)
+    def logprobs_of_share(self, share, record_routing: bool = False):
+        """This rank's data-parallel share (one object-store copy per share, read by its ranks);
+        the results from the one rank per share that returns them (None from the others)."""
+        scored = self.actor.logprobs_of_share(share, record_routing=record_routing)
+        return scored if self.actor.returns_share_results else None
 
-    def train_step(self, minibatch) -> dict[str, float]:
-        return self.actor.train_step(minibatch)
+    def train_share(self, share, totals) -> dict[str, float]:
+        return self.actor.train_share(share, totals)
 
     def offload(self) -> int:
         return self.actor.offload()

@@ -122,6 +122,14 @@ def _rollout(plan: Plan) -> list[str]:
     return lines
 
 
+def _driver(plan: Plan) -> list[str]:
+    from bpo_megatron.planner.host import DRIVER_BASE_GIB, driver_memory_gib, step_sample_bytes
+
+    samples = step_sample_bytes(plan.cfg) / 2**30
+    return [f"driver host memory: {driver_memory_gib(plan.cfg)} GiB (a step's samples, {samples:.1f} GiB at their "
+            f"longest, held twice, + {DRIVER_BASE_GIB} GiB); each data-parallel share written to the object store once"]
+
+
 def format_plan(plan: Plan) -> str:
     lines = _header(plan) + ["", "layout checks"]
     lines += [f"  {'ok  ' if c.ok else 'FAIL'}  {c.message}" for c in plan.checks]
@@ -129,6 +137,7 @@ def format_plan(plan: Plan) -> str:
         lines += ["", *_training(plan)]
     if plan.rollout:
         lines += ["", *_rollout(plan)]
+    lines += ["", *_driver(plan)]
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     why = [] if plan.fits else [
         "layout checks failed" if not plan.layout_ok else "",

@@ -1,8 +1,8 @@
 """The train actor: one per rank, a slice of the policy model under TP × EP × PP × DP.
 
 Plain Python (the orchestration layer wraps it in a Ray actor). Every rank of the trainer world
-calls the same methods with the same arguments; each rank takes its data-parallel share of the
-samples itself.
+calls the same methods: with the whole batch (each rank takes its data-parallel share itself), or,
+as a driver that sends each share once does, with this rank's share alone (``*_share``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,26 @@ from bpo_megatron.trainer.samples import (
     collate,
     split,
 )
+
+
+def minibatch_totals(minibatch: list[TrainSample]) -> BatchTotals:
+    """What the loss of a minibatch is normalised by, however it is split."""
+    return BatchTotals(tokens=float(sum(s.num_response_tokens for s in minibatch)), sequences=float(len(minibatch)))
+
+
+def check_batch(samples: list[TrainSample], hf: HFModelConfig, *, replaying: bool, dp_size: int) -> None:
+    """Refuse samples the model cannot take (token ids, routing when ``replaying``) and a batch
+    that ``dp_size`` data-parallel ranks cannot share evenly."""
+    check_samples(samples, vocab_size=hf.vocab_size)
+    if replaying:
+        check_routed_experts(samples, num_moe_layers=len(hf.moe_layers), topk=hf.num_experts_per_tok,
+                             num_experts=hf.num_experts)
+    if len(samples) % dp_size:
+        raise ValueError(
+            f"{len(samples)} samples cannot be split evenly over {dp_size} data-parallel "
+            "ranks (every rank must run the same number of micro-batches); use a batch size that "
+            "the data-parallel size divides"
+        )
 
 
 @dataclass
@@ -109,6 +129,12 @@ class TrainActor:
         """Ranks that hold the results of :meth:`compute_logprobs` (the last pipeline stage)."""
         return self.ranks.is_last_stage
 
+    @property
+    def returns_share_results(self) -> bool:
+        """The one rank per data-parallel share whose :meth:`logprobs_of_share` results a driver
+        needs (last pipeline stage, TP rank 0; the other TP ranks hold the same)."""
+        return self.ranks.is_last_stage and self.ranks.tp == 0
+
     def compute_logprobs(self, samples: list[TrainSample], *, record_routing: bool = False
                          ) -> ScoredSamples | None:
         """log π and the entropy of π at every response token of every sample (forward only).
@@ -118,11 +144,25 @@ class TrainActor:
         e.g. to measure how often trainer and rollout engine route alike. Results are in sample
         order on the ranks of the last pipeline stage; None elsewhere.
         """
+        self._check(samples, replaying=not record_routing)
+        mine = self.logprobs_of_share(split(samples, self.ranks.dp_size)[self.ranks.dp],
+                                      record_routing=record_routing)
+        if mine is None:
+            return None
+        return ScoredSamples(
+            logprobs=self._gather_over_dp(mine.logprobs),
+            entropies=self._gather_over_dp(mine.entropies),
+            routed_experts=None if mine.routed_experts is None else self._gather_over_dp(mine.routed_experts),
+        )
+
+    def logprobs_of_share(self, share: list[TrainSample], *, record_routing: bool = False
+                          ) -> ScoredSamples | None:
+        """:meth:`compute_logprobs` of this rank's data-parallel share only (every rank calls it
+        with its own share at once); results of the share on the last pipeline stage."""
         if record_routing and self.replay is None:
             raise ValueError("record_routing needs a model built with model.routing_replay=true")
-        self._check(samples, replaying=not record_routing)
-        mine = split(samples, self.ranks.dp_size)[self.ranks.dp]
-        micro_batches = self._micro_batches(mine, with_routing=not record_routing)
+        self._check(share, replaying=not record_routing, whole_batch=False)
+        micro_batches = self._micro_batches(share, with_routing=not record_routing)
         recorded: list[torch.Tensor] = []
 
         def loss_func(micro: MicroBatch, logits: torch.Tensor):
@@ -149,11 +189,7 @@ class TrainActor:
                 # results leave the trainer as host tensors: a driver may have no GPU at all
                 logps.append(out["logp"][row, start:n].to("cpu", copy=True))
                 entropies.append(out["entropy"][row, start:n].to("cpu", copy=True))
-        return ScoredSamples(
-            logprobs=self._gather_over_dp(logps),
-            entropies=self._gather_over_dp(entropies),
-            routed_experts=None if routing is None else self._gather_over_dp(routing),
-        )
+        return ScoredSamples(logprobs=logps, entropies=entropies, routed_experts=routing)
 
     def train_step(self, minibatch: list[TrainSample]) -> dict[str, float]:
         """One optimizer step on ``minibatch`` (every rank passes the whole minibatch).
@@ -163,11 +199,14 @@ class TrainActor:
         loss statistics, the grad norm (pre-clip) and timings, identical on every rank.
         """
         self._check(minibatch)
+        return self.train_share(split(minibatch, self.ranks.dp_size)[self.ranks.dp], minibatch_totals(minibatch))
+
+    def train_share(self, share: list[TrainSample], totals: BatchTotals) -> dict[str, float]:
+        """:meth:`train_step` given this rank's data-parallel share of the minibatch and the
+        minibatch's ``totals`` (every rank calls it with its own share at once)."""
+        self._check(share, whole_batch=False)
         start = time.perf_counter()
-        totals = BatchTotals(tokens=float(sum(s.num_response_tokens for s in minibatch)),
-                             sequences=float(len(minibatch)))
-        mine = split(minibatch, self.ranks.dp_size)[self.ranks.dp]
-        micro_batches = self._micro_batches(mine)
+        micro_batches = self._micro_batches(share)
         # Megatron's schedule divides each micro-batch loss by their number and DDP divides the
         # gradients by the DP size; the losses here are already shares of the whole minibatch.
         scale = len(micro_batches) * self.ranks.dp_size
@@ -249,19 +288,11 @@ class TrainActor:
     def _layout(self) -> dict[str, int]:
         return layout_record(self.parallel, dist.get_world_size())
 
-    def _check(self, samples: list[TrainSample], *, replaying: bool = True) -> None:
+    def _check(self, samples: list[TrainSample], *, replaying: bool = True, whole_batch: bool = True) -> None:
         if self._offload.offloaded:
             raise RuntimeError("the trainer's memory is offloaded (engines hold the device): call onload() first")
-        check_samples(samples, vocab_size=self.hf.vocab_size)
-        if self.replay is not None and replaying:
-            check_routed_experts(samples, num_moe_layers=len(self.hf.moe_layers),
-                                 topk=self.hf.num_experts_per_tok, num_experts=self.hf.num_experts)
-        if len(samples) % self.ranks.dp_size:
-            raise ValueError(
-                f"{len(samples)} samples cannot be split evenly over {self.ranks.dp_size} data-parallel "
-                "ranks (every rank must run the same number of micro-batches); use a batch size that "
-                "the data-parallel size divides"
-            )
+        check_batch(samples, self.hf, replaying=self.replay is not None and replaying,
+                    dp_size=self.ranks.dp_size if whole_batch else 1)
 
     def _micro_batches(self, samples: list[TrainSample], *, with_routing: bool = True) -> list[MicroBatch]:
         pad = self.ranks.tp_size if self.parallel.sequence_parallel else 1
