@@ -21,7 +21,7 @@ def test_quick_start_has_exactly_two_commands_both_setting_up_first():
 def test_ci_runs_the_readme_test_command_verbatim():
     test_command = _quick_start_commands()[1]
     ci_lines = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith("#")]
-    assert ci_lines[-1] == test_command
+    assert test_command in ci_lines  # verbatim, besides the extra legs (SGLang contract, newest Megatron)
 
 
 # ------------------------------------------------------------------------------ import graph

@@ -3,6 +3,9 @@
 # Usage: bash tools/setup.sh            -> .venv with the package (editable) and test tools
 #        bash tools/setup.sh --sglang   -> .venv-sglang: SGLang 0.5.23's own code for the contract
 #                                          tests (tests/sglang_contract; they skip without it)
+#        bash tools/setup.sh --megatron-newest -> .megatron-newest: megatron-core 0.19.2 (and the
+#                                          triton it imports) to put before .venv's 0.16.1 with
+#                                          PYTHONPATH, for the Megatron tests under the newest version
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3.11}"
@@ -40,6 +43,25 @@ if [ "${1:-}" = "--sglang" ]; then
   "${PIP[@]}" install -c tools/constraints-sglang.txt -r tools/sglang-contract-requirements.txt
   finish_venv "import importlib.metadata as m, sglang.srt.entrypoints.http_server, \
 sglang.srt.managers.scheduler_components.weight_updater; print('sglang', m.version('sglang'), 'torch', m.version('torch'))"
+  exit 0
+fi
+
+if [ "${1:-}" = "--megatron-newest" ]; then
+  # 0.17+ declare Python >= 3.12 but run on this Python 3.11 (their Megatron tests pass); they
+  # import triton at module level, which the CPU torch wheel does not bring.
+  TARGET=.megatron-newest
+  WANT="$(cat tools/constraints-megatron-newest.txt | sha256sum | cut -d' ' -f1)"
+  if [ -f "$TARGET/.bpo-setup-stamp" ] && [ "$(cat "$TARGET/.bpo-setup-stamp")" = "$WANT" ]; then
+    echo "[setup] $TARGET is up to date"
+    exit 0
+  fi
+  [ -x .venv/bin/python ] || { echo "[setup] build .venv first: bash tools/setup.sh" >&2; exit 1; }
+  echo "[setup] installing $(grep -v '^#' tools/constraints-megatron-newest.txt | tr '\n' ' ')into $TARGET"
+  rm -rf "$TARGET"
+  .venv/bin/python -m pip --disable-pip-version-check -q install --no-deps --ignore-requires-python \
+      --target "$TARGET" -r tools/constraints-megatron-newest.txt
+  echo "$WANT" > "$TARGET/.bpo-setup-stamp"
+  echo "[setup] done: $(PYTHONPATH=$TARGET .venv/bin/python -W ignore -c 'import megatron.core as m; print("megatron-core", m.__version__)')"
   exit 0
 fi
 

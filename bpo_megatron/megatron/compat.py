@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16.x on CPU over gloo.
+"""Run megatron-core 0.16.x–0.19.x on CPU over gloo.
 
 Megatron-Core's model code assumes CUDA in a handful of places (device queries, a side stream, the
 CUDA RNG, a few ``device="cuda"`` allocations) and has one bug that shows without
@@ -14,8 +14,10 @@ model-parallel and expert groups, clipping and zero counting, on top of Megatron
 patches).
 
 Each patch is a small function registered with :func:`_patch`, with a comment saying why it is
-needed. Every one was checked against the installed 0.16.1 source, and removing any one of them
-makes ``tests/test_megatron_cpu.py`` or ``tests/test_optimizer.py`` fail.
+needed. Every one was checked against the 0.16.1 source, and removing any one of them makes
+``tests/test_megatron_cpu.py`` or ``tests/test_optimizer.py`` fail; 0.19.2 needs the same ones
+(its Megatron tests pass with them, ``.ci/run``), less the fix 0.17 made upstream. Versions
+outside :data:`SUPPORTED_MINORS` are refused: a patch could miss its target silently there.
 
 Out of scope: the float16 and distributed optimizers (bf16/fp16 training, ZeRO-1 sharding). They
 accept only params whose ``type()`` is ``'torch.cuda.*Tensor'``; they are the GPU path.
@@ -33,15 +35,17 @@ import torch
 
 from bpo_megatron import platform
 
-SUPPORTED_MAJOR_MINOR = (0, 16)
+SUPPORTED_MINORS = range(16, 20)  # megatron-core 0.16.x to 0.19.x
 
 
 @dataclass(frozen=True)
 class CompatPatch:
-    """One runtime patch: a name for reports and the function that applies it."""
+    """One runtime patch: a name for reports, the function that applies it, and the first
+    megatron-core minor version that no longer needs it (None: every supported one does)."""
 
     name: str
     apply: Callable[[], None]
+    fixed_upstream_in: int | None = None
 
 
 _PATCHES: list[CompatPatch] = []
@@ -60,15 +64,18 @@ def megatron_version() -> str:
     return importlib.metadata.version("megatron-core")
 
 
+def megatron_minor() -> int:
+    major, minor = (int(part) for part in megatron_version().split(".")[:2])
+    return minor if major == 0 else -1
+
+
 def _check_supported_version() -> None:
-    # The patches name private functions and literal allocations of 0.16; on another minor
-    # version they could silently miss, so refuse instead.
-    version = megatron_version()
-    major_minor = tuple(int(part) for part in version.split(".")[:2])
-    if major_minor != SUPPORTED_MAJOR_MINOR:
+    # The patches name private functions and literal allocations of these versions; on another
+    # one they could silently miss, so refuse instead.
+    if megatron_minor() not in SUPPORTED_MINORS:
         raise RuntimeError(
-            "bpo-megatron's CPU compatibility layer supports megatron-core "
-            f"{SUPPORTED_MAJOR_MINOR[0]}.{SUPPORTED_MAJOR_MINOR[1]}.x; found {version}"
+            f"bpo-megatron supports megatron-core 0.{SUPPORTED_MINORS[0]}.x to 0.{SUPPORTED_MINORS[-1]}.x; "
+            f"found {megatron_version()}"
         )
 
 
@@ -105,10 +112,14 @@ _FIXES: list[CompatPatch] = []
 _fixed: list[str] = []
 
 
-def _fix(fn: Callable[[], None]) -> Callable[[], None]:
-    """Register ``fn`` as a fix of a megatron-core bug that shows on every platform."""
-    _FIXES.append(CompatPatch(name=fn.__name__.lstrip("_"), apply=fn))
-    return fn
+def _fix(fixed_upstream_in: int | None = None) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    """Register a fix of a megatron-core bug that shows on every platform (until the minor
+    version ``fixed_upstream_in``)."""
+    def register(fn: Callable[[], None]) -> Callable[[], None]:
+        _FIXES.append(CompatPatch(name=fn.__name__.lstrip("_"), apply=fn, fixed_upstream_in=fixed_upstream_in))
+        return fn
+
+    return register
 
 
 def applied_fixes() -> tuple[str, ...]:
@@ -122,14 +133,17 @@ def ensure_megatron_fixes() -> tuple[str, ...]:
     Idempotent; :func:`ensure_megatron_cpu_compat` applies them too. Returns :func:`applied_fixes`.
     """
     _check_supported_version()
+    minor = megatron_minor()
     for fix in _FIXES:
+        if fix.fixed_upstream_in is not None and minor >= fix.fixed_upstream_in:
+            continue
         if fix.name not in _fixed:
             fix.apply()
             _fixed.append(fix.name)
     return applied_fixes()
 
 
-@_fix
+@_fix(fixed_upstream_in=17)
 def _define_te_general_gemm_without_te() -> None:
     # megatron-core 0.16.1 bug (fixed in 0.17): moe_utils binds te_general_gemm only inside its
     # transformer-engine import block, but RouterGatingLinearFunction tests
