@@ -214,3 +214,25 @@ def test_plan_reads_a_bare_config_json(tmp_path, capsys):
     assert main(["plan", str(ROOT / "configs" / "tiny_moe_cpu.yaml"), "--hf-config", str(th.TINY_MOE)]) == 0
     assert "training memory per rank (MB)" in capsys.readouterr().out
     assert main(["plan", str(RECIPE_30B), "--hf-config", str(tmp_path / "missing.json")]) == 2
+
+
+def test_plan_states_the_driver_memory_and_the_expected_weight_sync():
+    from bpo_megatron.planner import format_plan, make_plan
+    from bpo_megatron.planner.sync import _hf_tensor_count, expected_sync
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    for recipe, transport in (("qwen3_30b_a3b_bpo.yaml", "cuda_ipc"),
+                              ("qwen3_30b_a3b_bpo_disaggregated.yaml", "nccl_broadcast")):
+        cfg = load_experiment(configs / recipe)
+        plan = make_plan(cfg, cfg.hf_config())
+        estimate = expected_sync(cfg, plan.hf, plan.model_size[0])
+        assert estimate.transport == transport and 3.0 < estimate.seconds < 10.0
+        assert sum(estimate.parts.values()) == pytest.approx(estimate.seconds)
+        text = format_plan(plan)
+        assert f"weight sync ({transport}): ≈ {estimate.seconds:.1f} s" in text
+        assert "driver host memory: 72 GiB" in text
+    # 48 layers × (128 experts × 3 + router + 4 attention + 2 QK norms + 2 layer norms) + 3
+    assert _hf_tensor_count(cfg.hf_config()) == 48 * (128 * 3 + 1 + 8) + 3 == 18867
+    demo = load_experiment(configs / "tiny_moe_cpu.yaml")
+    assert expected_sync(demo, demo.hf_config(), 0) is None  # the embedded engine, no GPU transport
+    assert _hf_tensor_count(demo.hf_config()) == 45  # what a sync of the demo model sends (bench test)

@@ -130,6 +130,17 @@ def _driver(plan: Plan) -> list[str]:
             f"longest, held twice, + {DRIVER_BASE_GIB} GiB); each data-parallel share written to the object store once"]
 
 
+def _sync(plan: Plan) -> list[str]:
+    from bpo_megatron.planner.sync import expected_sync
+
+    estimate = expected_sync(plan.cfg, plan.hf, plan.model_size[0])
+    if estimate is None:
+        return []
+    parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in estimate.parts.items())
+    return [f"weight sync ({estimate.transport}): ≈ {estimate.seconds:.1f} s per step ({parts}; assumptions in "
+            "bpo_megatron/planner/sync.py)"]
+
+
 def format_plan(plan: Plan) -> str:
     lines = _header(plan) + ["", "layout checks"]
     lines += [f"  {'ok  ' if c.ok else 'FAIL'}  {c.message}" for c in plan.checks]
@@ -137,7 +148,7 @@ def format_plan(plan: Plan) -> str:
         lines += ["", *_training(plan)]
     if plan.rollout:
         lines += ["", *_rollout(plan)]
-    lines += ["", *_driver(plan)]
+    lines += ["", *_driver(plan), *_sync(plan)]
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     why = [] if plan.fits else [
         "layout checks failed" if not plan.layout_ok else "",
