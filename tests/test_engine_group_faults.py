@@ -243,3 +243,20 @@ def test_shared_memory_sync_writes_each_engines_weights_in_place(group, pushed_w
     assert _holders(layouts[0].name) == set(), "nothing holds a killed engine's weights"
     _check_samples(group.generate(SMALL), SMALL, expected["small"])
     assert group.call("weight_version") == [8, 8]
+
+
+def test_engines_whose_weights_cannot_be_mapped_get_them_through_the_object_store(group, pushed_weights, expected,
+                                                                                    monkeypatch):
+    """A trainer that may not open an engine's memory (a /proc that forbids it) still syncs it."""
+    from bpo_megatron.orchestration.weight_sync import sync_weights
+    from bpo_megatron.weight_sync import shared_memory
+
+    def refused(layout):
+        raise PermissionError(f"/proc/{layout.pid}/fd/{layout.fd}: operation not permitted")
+
+    monkeypatch.setattr(shared_memory, "attach", refused)
+    pusher = _WeightPusher(pushed_weights)
+    sync_weights(pusher, group, transport="shared_memory", version=9, bucket_bytes=1 << 16, verify=True)
+    assert pusher.transports["shared_memory"]._attached == {}
+    _check_samples(group.generate(SMALL), SMALL, expected["small"])
+    assert group.call("weight_version") == [9, 9]

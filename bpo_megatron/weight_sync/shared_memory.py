@@ -7,6 +7,7 @@ whose weights are not in host memory, receive the same buckets through Ray's obj
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -16,6 +17,8 @@ import torch
 from bpo_megatron.rollout.hf.shared_weights import SegmentLayout, attach
 from bpo_megatron.rollout.weight_buckets import tensor_bytes
 from bpo_megatron.weight_sync.object_store import deliver, pack
+
+log = logging.getLogger(__name__)
 
 
 class SharedMemory:
@@ -39,8 +42,8 @@ class SharedMemory:
 
         here = ray.get_runtime_context().get_node_id()
         self._forget_the_dead()
-        views = {i: self._views(layout) for i, (_, node, layout) in enumerate(targets)
-                 if layout is not None and node == here}
+        views = {i: mapped for i, (_, node, layout) in enumerate(targets)
+                 if layout is not None and node == here and (mapped := self._views(layout)) is not None}
         remote = [i for i in range(len(targets)) if i not in views]
         failed, sent = [], 0
         for bucket in buckets:
@@ -56,9 +59,16 @@ class SharedMemory:
             sent += sum(tensor_bytes(t) for _, t in bucket)
         return {"bytes": sent, "failed": failed}  # a dead local engine shows when its session ends
 
-    def _views(self, layout: SegmentLayout) -> dict[str, torch.Tensor]:
+    def _views(self, layout: SegmentLayout) -> dict[str, torch.Tensor] | None:
+        """The engine's weights mapped here; None when this process may not open them (e.g. a
+        container whose /proc does not allow it): that engine is then sent to like a remote one."""
         if layout.name not in self._attached:
-            self._attached[layout.name] = (layout.pid, *attach(layout))
+            try:
+                self._attached[layout.name] = (layout.pid, *attach(layout))
+            except OSError as exc:
+                log.warning("cannot map the weights of engine process %d (%s); sending through Ray's object store",
+                            layout.pid, exc)
+                return None
         return self._attached[layout.name][2]
 
     def _forget_the_dead(self) -> None:
