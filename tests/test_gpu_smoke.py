@@ -64,18 +64,20 @@ def test_payload_search_finds_every_tensor_off_the_host():
 
 
 def test_flattened_bucket_round_trips_mixed_dtypes_exactly():
-    from bpo_megatron.gpu_smoke.checks.ipc_weights import flatten, unflatten
+    from bpo_megatron.gpu_smoke.checks.ipc_weights import unflatten
+    from bpo_megatron.rollout.sglang.weights import flattened_bucket
 
     named = [("a", torch.randn(3, 5).to(torch.bfloat16)), ("b", torch.randn(7)), ("c", torch.arange(4)),
              ("d", torch.randn(2, 3).t())]  # a non-contiguous view too
-    flat, entries = flatten(named)
-    assert flat.dtype == torch.uint8 and [e.offset for e in entries] == [0, 32, 64, 96]  # 16-byte aligned
+    bucket = flattened_bucket(named)
+    flat, entries = bucket["flattened_tensor"], bucket["metadata"]
+    assert flat.dtype == torch.uint8 and [e.start_idx for e in entries] == [0, 32, 64, 96]  # 16-byte aligned
     assert flat.numel() == 128  # 96 + 24 bytes, padded like every entry
     back = unflatten(flat, entries)
     assert [n for n, _ in back] == ["a", "b", "c", "d"]
     for (_, want), (_, got) in zip(named, back):
         assert got.dtype == want.dtype and torch.equal(got, want)
-    assert back[1][1].data_ptr() == flat.data_ptr() + entries[1].offset  # views, not copies
+    assert back[1][1].data_ptr() == flat.data_ptr() + entries[1].start_idx  # views, not copies
 
 
 def test_flops_count_matches_a_per_position_sum():

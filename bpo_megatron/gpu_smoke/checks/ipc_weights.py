@@ -13,7 +13,6 @@ from __future__ import annotations
 import queue
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,40 +21,16 @@ from bpo_megatron import platform
 from bpo_megatron.gpu_smoke.common import random_model_dir, synchronize
 from bpo_megatron.gpu_smoke.profiles import Profile
 from bpo_megatron.gpu_smoke.report import Outcome
+from bpo_megatron.rollout.sglang.weights import flattened_bucket
 
 WAIT_S = 300.0
 REPEATS = 3
 
 
-@dataclass(frozen=True)
-class BucketEntry:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-ALIGN = 16  # bytes: a view of any dtype must start at a multiple of its element size
-
-
-def flatten(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[BucketEntry]]:
-    """One uint8 buffer holding every tensor's bytes back to back (each aligned), and where each
-    one lies."""
-    entries, offset = [], 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        entries.append(BucketEntry(name, tensor.dtype, tuple(tensor.shape), offset, nbytes))
-        offset += -(-nbytes // ALIGN) * ALIGN
-    flat = torch.empty(offset, dtype=torch.uint8, device=named[0][1].device)
-    for entry, (_, tensor) in zip(entries, named):
-        flat[entry.offset:entry.offset + entry.nbytes].copy_(tensor.contiguous().view(-1).view(torch.uint8))
-    return flat, entries
-
-
-def unflatten(flat: torch.Tensor, entries: list[BucketEntry]) -> list[tuple[str, torch.Tensor]]:
-    """Views into ``flat`` (no copies) under their names, dtypes and shapes."""
-    return [(e.name, flat[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)) for e in entries]
+def unflatten(flat: torch.Tensor, entries: list) -> list[tuple[str, torch.Tensor]]:
+    """Views into ``flat`` (no copies) under their names, dtypes and shapes, as SGLang's loader
+    reads a flattened bucket."""
+    return [(e.name, flat[e.start_idx:e.end_idx].view(e.dtype).view(e.shape)) for e in entries]
 
 
 def median_copy_seconds(destination: torch.Tensor, source: torch.Tensor) -> float:
@@ -146,7 +121,9 @@ def run(profile: Profile, workdir: Path) -> Outcome:
     engine.start()
     try:
         (before,) = _expect(outbox, "ready")
-        flat, entries = flatten(named)
+        bucket = flattened_bucket(named)  # what the colocated transport hands SGLang
+        flat, entries = bucket["flattened_tensor"], bucket["metadata"]
+        del bucket
         synchronize()
         start = time.perf_counter()
         inbox.put(("weights", flat, entries))
