@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -179,23 +180,57 @@ def _actor_logprobs(checkpoint_root: str, raw: dict, layout: dict,
 
 
 def _live_export(hf_dir: str, layout: dict, all_ranks: bool) -> dict:
-    """Load HF weights straight into a sharded model, then stream them back out."""
+    """Load HF weights straight into a sharded model, then stream them back out, recording every
+    collective the export makes; point-to-point sends fail (the export uses collectives only)."""
     import torch.distributed as dist
 
-    from bpo_megatron.convert import iter_hf_weights, load_hf_weights
+    from bpo_megatron.convert import ExportPlan, iter_hf_weights, load_hf_weights
     from bpo_megatron.convert.world import build_model, tear_down
     from bpo_megatron.models import ModelOptions
+    from bpo_megatron.weight_sync.export import export_weights
 
     hf = HFModelConfig.load(hf_dir)
     model = build_model(hf, ParallelConfig(**layout), ModelOptions())
     load_hf_weights(model, hf, hf_dir)
+    plan = ExportPlan.build(model, hf)
+    from megatron.core import parallel_state as ps
+
+    collectives: list[tuple[str, int]] = []  # (collective, group size); "expert_gather" over the EP group
+    expert_group = ps.get_expert_model_parallel_group()
+    # Groups with the same ranks are interchangeable: count EP gathers only where EP's are its own.
+    distinct = {tuple(dist.get_process_group_ranks(g)) for g in
+                (ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group())}
+    experts_distinct = tuple(dist.get_process_group_ranks(expert_group)) not in distinct
+
+    def recorded(name):
+        original = getattr(dist, name)
+
+        def call(*args, group=None, **kwargs):
+            over_experts = (name == "gather" and dist.get_world_size(group) > 1 and experts_distinct
+                            and dist.get_process_group_ranks(group) == dist.get_process_group_ranks(expert_group))
+            collectives.append(("expert_gather" if over_experts else name, dist.get_world_size(group)))
+            return original(*args, group=group, **kwargs)
+        return call
+
+    def forbidden(*_args, **_kwargs):
+        raise AssertionError("point-to-point transfer during export")
+
+    for name in ("gather", "broadcast"):
+        setattr(dist, name, recorded(name))
+    for name in ("send", "recv", "isend", "irecv", "batch_isend_irecv"):
+        setattr(dist, name, forbidden)
+    if all_ranks:
+        actor = SimpleNamespace(model=model, hf=hf)
+        stream = ((n, t) for bucket in export_weights(actor, 1 << 16, all_ranks=True, plan=plan) for n, t in bucket)
+    else:
+        stream = iter_hf_weights(model, hf, plan=plan)
     names, tensors = [], {}
-    for name, tensor in iter_hf_weights(model, hf, all_ranks=all_ranks):
+    for name, tensor in stream:
         names.append(name)
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 or all_ranks:
             tensors[name] = tensor.clone()
     tear_down()
-    return {"names": names, "tensors": tensors}
+    return {"names": names, "tensors": tensors, "collectives": collectives, "experts_distinct": experts_distinct}
 
 
 # ----------------------------------------------------------------------------------- helpers
@@ -305,27 +340,47 @@ def test_dense_tied_pp2(hf_models, tmp_path):
     _check_megatron_logits(checkpoint, {"pp": 2}, 2, ref)
 
 
-LIVE_LAYOUTS = {"tp2_ep2": {"tp": 2, "ep": 2}, "pp2": {"pp": 2}, "tp2_expert_tp2": {"tp": 2}}
+LIVE_LAYOUTS = {"tp2_ep2": ({"tp": 2, "ep": 2}, 2), "ep2": ({"ep": 2}, 2), "pp2": ({"pp": 2}, 2), "tp2_expert_tp2": ({"tp": 2}, 2),
+                "tp2_pp2_ep2": ({"tp": 2, "pp": 2, "ep": 2}, 4), "pp2_dp2": ({"pp": 2}, 4),
+                "tp2_ep2_etp2_dp2": ({"tp": 2, "ep": 2, "etp": 2}, 4)}
 
 
 @pytest.mark.parametrize("layout", LIVE_LAYOUTS, ids=list(LIVE_LAYOUTS))
 def test_iter_hf_weights_from_a_live_sharded_model(hf_models, layout):
+    """Every HF tensor reaches rank 0 bit-exact, once, gathered over Megatron's own groups with
+    collectives only (never the whole world, never point to point); replicas send nothing."""
     hf_dir, _ = hf_models["moe"]
     hf = HFModelConfig.load(hf_dir)
-    ranks = run_gloo_world(_live_export, 2, str(hf_dir), LIVE_LAYOUTS[layout], False, timeout=TIMEOUT)
-    assert ranks[1]["names"] == []  # yielded on rank 0 only
+    parallel, world = LIVE_LAYOUTS[layout]
+    ranks = run_gloo_world(_live_export, world, str(hf_dir), parallel, False, timeout=TIMEOUT)
+    assert all(rank["names"] == [] for rank in ranks[1:])  # yielded on rank 0 only
     shapes = hf_tensor_shapes(hf)
-    assert ranks[0]["names"] == list(shapes)  # each name once, in Hugging Face order
+    assert sorted(ranks[0]["names"]) == sorted(shapes)  # each name once
+    layers = [int(name.split(".")[2]) for name in ranks[0]["names"] if name.startswith("model.layers.")]
+    assert layers == sorted(layers)  # layer by layer
     original = _safetensors(hf_dir)
     for name, tensor in ranks[0]["tensors"].items():
         assert tuple(tensor.shape) == shapes[name]
         assert torch.equal(tensor, original[name]), name
+    for rank in ranks:
+        assert all(1 < size < world or world == 2 for _, size in rank["collectives"]), rank["collectives"]
+    if ranks[0]["experts_distinct"] and parallel.get("ep", 1) > 1:  # one gather: an expert from every EP rank
+        experts = sum(".experts." in name for name in shapes)
+        assert sum(kind == "expert_gather" for kind, _ in ranks[0]["collectives"]) == experts // parallel["ep"]
 
 
-def test_iter_hf_weights_on_every_rank(hf_models):
+def test_export_buckets_on_every_rank(hf_models):
+    """``all_ranks``: each bucket is broadcast from rank 0 as one buffer; every rank gets the same
+    tensors, bit-exact."""
     hf_dir, _ = hf_models["moe"]
     ranks = run_gloo_world(_live_export, 2, str(hf_dir), {"tp": 2, "ep": 2}, True, timeout=TIMEOUT)
-    assert ranks[0]["names"] == ranks[1]["names"] == list(hf_tensor_shapes(HFModelConfig.load(hf_dir)))
+    assert ranks[0]["names"] == ranks[1]["names"]
+    assert sorted(ranks[0]["names"]) == sorted(hf_tensor_shapes(HFModelConfig.load(hf_dir)))
+    original = _safetensors(hf_dir)
+    for rank in ranks:
+        assert all(torch.equal(tensor, original[name]) for name, tensor in rank["tensors"].items())
+    world_broadcasts = sum(kind == "broadcast" and size == 2 for kind, size in ranks[1]["collectives"])
+    assert world_broadcasts < len(ranks[0]["names"]) / 4  # one per bucket, not one per tensor
 
 
 # -------------------------------------------------------------------------------- bad input

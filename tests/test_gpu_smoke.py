@@ -52,7 +52,7 @@ def test_unknown_checks_are_refused_and_a_check_out_of_time_is_a_reported_failur
 
 
 def test_payload_search_finds_every_tensor_off_the_host():
-    from bpo_megatron.gpu_smoke.checks.driver_payloads import device_tensors
+    from bpo_megatron.orchestration.host_values import device_tensors
     from bpo_megatron.trainer.actor import ScoredSamples
 
     off_host = torch.empty(3, device="meta")  # a device tensor a CPU machine can make

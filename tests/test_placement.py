@@ -133,3 +133,23 @@ def test_ray_places_disaggregated_engines_apart_and_refuses_the_impossible_at_on
     assert ray_layouts["impossible_s"] < 60
     assert "33 GPUs, the cluster has 32" in ray_layouts["impossible"], ray_layouts["impossible"]
     assert "cluster.trainer_ranks" in ray_layouts["impossible"] and "cluster.gpus_per_engine" in ray_layouts["impossible"]
+
+
+def test_ranks_follow_node_then_gpu_whatever_order_ray_placed_the_bundles():
+    """A fake 2-node placement (8 GPUs each) whose bundles Ray handed out interleaved across the
+    nodes with GPU ids shuffled: logical slots (= trainer ranks) still run through node A's GPUs
+    0–7, then node B's, so every TP4 group lies inside one node on consecutive GPUs."""
+    import random
+
+    from bpo_megatron.orchestration.placement import logical_order
+
+    shuffled = [("node-A", [gpu]) for gpu in range(8)] + [("node-B", [gpu]) for gpu in range(8)]
+    random.Random(0).shuffle(shuffled)
+    shuffled.insert(0, shuffled.pop(next(i for i, (node, _) in enumerate(shuffled) if node == "node-A")))
+    order = logical_order(shuffled)
+    ranks = [shuffled[b] for b in order]
+    assert ranks == [("node-A", [g]) for g in range(8)] + [("node-B", [g]) for g in range(8)]
+    for first in range(0, 16, 4):  # tp = 4
+        assert len({node for node, _ in ranks[first:first + 4]}) == 1
+    # bundles without GPUs (a CPU cluster) keep their index order within a node
+    assert logical_order([("b", []), ("a", []), ("b", [])]) == [0, 2, 1]

@@ -86,3 +86,27 @@ def test_a_bad_batch_is_refused_on_the_driver_before_anything_is_sent(group):
     with pytest.raises(ValueError, match="cannot be split evenly over 2 data-parallel ranks"):
         trainer.compute_logprobs(samples[:3])
     assert trainer.take_sent_bytes() == 0
+
+
+def test_every_worker_method_refuses_to_return_device_tensors():
+    """The driver may have no GPU: every public method of both workers searches its result, and a
+    device tensor (here on the meta device, which a CPU machine can make) raises in the worker,
+    naming the method and the value's path, instead of failing at deserialisation on the driver."""
+    import inspect
+    from types import SimpleNamespace
+
+    from bpo_megatron.orchestration.host_values import DeviceTensorReturned, is_checked
+    from bpo_megatron.orchestration.workers import EngineWorker, TrainWorker
+    from bpo_megatron.trainer.actor import ScoredSamples
+
+    for cls in (TrainWorker, EngineWorker):
+        public = [name for name, member in inspect.getmembers(cls, inspect.isfunction) if not name.startswith("_")]
+        assert public and all(is_checked(getattr(cls, name)) for name in public), cls
+
+    worker = TrainWorker.__new__(TrainWorker)
+    scored = ScoredSamples(logprobs=[torch.zeros(3), torch.zeros(2, device="meta")], entropies=[torch.zeros(3)] * 2)
+    worker.actor = SimpleNamespace(logprobs_of_share=lambda share, record_routing: scored, returns_share_results=True)
+    with pytest.raises(DeviceTensorReturned, match=r"TrainWorker.logprobs_of_share .*logprobs\.1 \(meta\)"):
+        worker.logprobs_of_share(None)
+    scored.logprobs[1] = torch.zeros(2)
+    assert worker.logprobs_of_share(None) is scored

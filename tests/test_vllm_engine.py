@@ -99,7 +99,7 @@ class FakeSamplingParams:
 @pytest.fixture
 def fake_vllm(monkeypatch):
     module = types.ModuleType("vllm")
-    module.LLM, module.SamplingParams = FakeLLM, FakeSamplingParams
+    module.LLM, module.SamplingParams, module.__version__ = FakeLLM, FakeSamplingParams, "0.33.0"
     monkeypatch.setitem(sys.modules, "vllm", module)
     FakeLLM.instances.clear()
     return module
@@ -269,6 +269,14 @@ def test_missing_vllm_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
     with pytest.raises(ImportError, match=r"bpo-megatron\[vllm\]"):
         VLLMEngine(str(MOE_DIR), capture_routing=False)
+
+
+@pytest.mark.parametrize("version", ["0.21.0", "0.20.2", "0.34.0", "0.10.1"])
+def test_a_vllm_outside_the_supported_releases_is_refused_naming_them(fake_vllm, version):
+    fake_vllm.__version__ = version
+    with pytest.raises(ImportError, match=rf"vLLM {version} is installed; .*0\.22 ≤ vLLM < 0\.34"):
+        VLLMEngine(str(MOE_DIR), capture_routing=False)
+    assert not FakeLLM.instances  # refused before vLLM builds anything
 
 
 # --------------------------------------------------------------------------- real vLLM (optional)

@@ -6,6 +6,8 @@
 #        bash tools/setup.sh --megatron-newest -> .megatron-newest: megatron-core 0.19.2 (and the
 #                                          triton it imports) to put before .venv's 0.16.1 with
 #                                          PYTHONPATH, for the Megatron tests under the newest version
+#        bash tools/setup.sh --transformers-oldest -> .transformers-oldest: transformers 5.19.0 (what
+#                                          SGLang 0.5.23 pins), for the tests that use transformers
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3.11}"
@@ -46,23 +48,34 @@ sglang.srt.managers.scheduler_components.weight_updater; print('sglang', m.versi
   exit 0
 fi
 
-if [ "${1:-}" = "--megatron-newest" ]; then
-  # 0.17+ declare Python >= 3.12 but run on this Python 3.11 (their Megatron tests pass); they
-  # import triton at module level, which the CPU torch wheel does not bring.
-  TARGET=.megatron-newest
-  WANT="$(cat tools/constraints-megatron-newest.txt | sha256sum | cut -d' ' -f1)"
+# overlay DIR CONSTRAINTS IMPORT: install the packages pinned in CONSTRAINTS (no dependencies) into
+# DIR, to put before .venv's own with PYTHONPATH; a second run with the same pins does nothing.
+overlay() {
+  TARGET="$1"
+  WANT="$(cat "$2" | sha256sum | cut -d' ' -f1)"
   if [ -f "$TARGET/.bpo-setup-stamp" ] && [ "$(cat "$TARGET/.bpo-setup-stamp")" = "$WANT" ]; then
     echo "[setup] $TARGET is up to date"
     exit 0
   fi
   [ -x .venv/bin/python ] || { echo "[setup] build .venv first: bash tools/setup.sh" >&2; exit 1; }
-  echo "[setup] installing $(grep -v '^#' tools/constraints-megatron-newest.txt | tr '\n' ' ')into $TARGET"
+  echo "[setup] installing $(grep -v '^#' "$2" | tr '\n' ' ')into $TARGET"
   rm -rf "$TARGET"
   .venv/bin/python -m pip --disable-pip-version-check -q install --no-deps --ignore-requires-python \
-      --target "$TARGET" -r tools/constraints-megatron-newest.txt
+      --target "$TARGET" -r "$2"
   echo "$WANT" > "$TARGET/.bpo-setup-stamp"
-  echo "[setup] done: $(PYTHONPATH=$TARGET .venv/bin/python -W ignore -c 'import megatron.core as m; print("megatron-core", m.__version__)')"
+  echo "[setup] done: $(PYTHONPATH=$TARGET .venv/bin/python -W ignore -c "$3")"
   exit 0
+}
+
+if [ "${1:-}" = "--megatron-newest" ]; then
+  # 0.17+ declare Python >= 3.12 but run on this Python 3.11 (their Megatron tests pass); they
+  # import triton at module level, which the CPU torch wheel does not bring.
+  overlay .megatron-newest tools/constraints-megatron-newest.txt 'import megatron.core as m; print("megatron-core", m.__version__)'
+fi
+
+if [ "${1:-}" = "--transformers-oldest" ]; then
+  # the oldest transformers the package admits: the one SGLang 0.5.23 pins
+  overlay .transformers-oldest tools/constraints-transformers-oldest.txt 'import transformers as t; print("transformers", t.__version__)'
 fi
 
 new_venv .venv pyproject.toml tools/constraints-cpu.txt

@@ -6,7 +6,7 @@ to rollout engines); ``load_hf_weights`` loads a Hugging Face checkpoint into an
 ``tools/convert_checkpoint.py``. Megatron is imported only when a model is touched.
 """
 
-from bpo_megatron.convert.gather import ExportPlan, iter_hf_weights
+from bpo_megatron.convert.gather import ExportPlan, StreamedTensor, iter_hf_weights, weight_stream
 from bpo_megatron.convert.hf_to_mcore import convert_hf_to_mcore
 from bpo_megatron.convert.load import load_hf_weights
 from bpo_megatron.convert.mcore_to_hf import convert_mcore_to_hf
@@ -16,6 +16,7 @@ from bpo_megatron.convert.validate import ConfigMismatchError, check_same_archit
 
 __all__ = [
     "RULES",
+    "StreamedTensor",
     "ConfigMismatchError",
     "ExportPlan",
     "HFWeightsReader",
@@ -28,4 +29,5 @@ __all__ = [
     "hf_tensor_shapes",
     "iter_hf_weights",
     "load_hf_weights",
+    "weight_stream",
 ]

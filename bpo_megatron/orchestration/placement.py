@@ -98,6 +98,13 @@ def _where() -> tuple[str, list[int]]:
     return ray.get_runtime_context().get_node_id(), [int(g) for g in ray.get_gpu_ids()]
 
 
+def logical_order(where: list[tuple[str, list[int]]]) -> list[int]:
+    """The bundles (given by where Ray put each: its node and GPU ids) in logical order: nodes in
+    the order their first bundle appears, GPUs ascending within a node (bundle index without GPUs)."""
+    nodes = {node: rank for rank, node in enumerate(dict.fromkeys(node for node, _ in where))}
+    return sorted(range(len(where)), key=lambda b: (nodes[where[b][0]], where[b][1] or [b], b))
+
+
 class Placement:
     """The placement group of a :class:`LayoutPlan`, its bundles in logical (node, GPU) order."""
 
@@ -141,9 +148,7 @@ class Placement:
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=index)
             probes.append(ray.remote(_where).options(scheduling_strategy=strategy, **resources).remote())
         where = ray.get(probes)
-        nodes = {node: rank for rank, node in enumerate(dict.fromkeys(node for node, _ in where))}
-        order = sorted(range(len(where)), key=lambda b: (nodes[where[b][0]], where[b][1] or [b], b))
-        return order, where
+        return logical_order(where), where
 
     def _check_engine_spans(self) -> None:
         for engine, spans in enumerate(self.plan.engine_bundles):

@@ -15,8 +15,10 @@ import torch.distributed as dist
 
 from bpo_megatron import platform
 from bpo_megatron.observability.library_logs import quiet_library_logs
+from bpo_megatron.orchestration.host_values import returns_host_values
 
 
+@returns_host_values
 class TrainWorker:
     """One rank of the trainer world: a :class:`~bpo_megatron.trainer.actor.TrainActor`."""
 
@@ -32,6 +34,8 @@ class TrainWorker:
         self.cfg, self.rank = cfg, rank
         self.hf = cfg.hf_config()
         self._transports: dict[str, Any] = {}  # this rank's weight transports (a group stays open)
+        self._export_plan = None  # how the weights travel to rank 0: built at the first sync, then reused
+        self._staging = None  # the pinned host buffer weights pass through on their way to host memory
         self.actor = TrainActor(
             self.hf, parallel=cfg.parallel, model=cfg.model.options(), loss=cfg.loss, optimizer=cfg.optimizer,
             trainer=TrainerConfig(micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature,
@@ -102,10 +106,16 @@ class TrainWorker:
         from bpo_megatron.rollout.checksums import fingerprint
         from bpo_megatron.weight_sync.export import export_weights
 
+        from bpo_megatron.convert import ExportPlan
+        from bpo_megatron.weight_sync.host_staging import HostStaging
+
         start, expected = time.perf_counter(), {}
         sender = self._transport(transport)
+        self._export_plan = self._export_plan or ExportPlan.build(self.actor.model, self.hf)
+        self._staging = self._staging or HostStaging()
         stream = export_weights(self.actor, bucket_bytes, dtype=TORCH_DTYPES[dtype] if dtype else None,
-                                host=sender.host_tensors, all_ranks=sender.every_rank, views=sender.views)
+                                host=sender.host_tensors, all_ranks=sender.every_rank, views=sender.views,
+                                plan=self._export_plan, staging=self._staging)
 
         def fingerprinted(buckets):
             for bucket in buckets:
@@ -136,6 +146,7 @@ class TrainWorker:
         dist.destroy_process_group()
 
 
+@returns_host_values
 class EngineWorker:
     """One rollout engine, built from the experiment's ``rollout`` section."""
 

@@ -31,16 +31,19 @@ def expected_sync(cfg, hf, total_params: int) -> SyncEstimate | None:
     nbytes = total_params * 2  # bf16
     buckets = math.ceil(nbytes / (cfg.rollout.weight_bucket_mb * 2**20))
     tensors = _hf_tensor_count(hf)
+    # one collective per tensor, except experts: one gather brings one from every expert-parallel rank
+    expert_tensors = 3 * hf.num_experts * len(set(hf.moe_layers))
+    gathers = tensors - expert_tensors + math.ceil(expert_tensors / cfg.parallel.ep)
     nodes = max(1, math.ceil(cfg.cluster.trainer_ranks / cfg.cluster.gpus_per_node))
     remote = (nodes - 1) / nodes  # the share of the pieces rank 0 receives from other nodes
-    gather = nbytes * remote / (INTER_NODE_GBPS * 1e9) + nbytes * (1 - remote) / (NVLINK_GBPS * 1e9) + tensors * CALL_S
+    gather = nbytes * remote / (INTER_NODE_GBPS * 1e9) + nbytes * (1 - remote) / (NVLINK_GBPS * 1e9) + gathers * CALL_S
     if transport == "nccl_broadcast":
         parts = {"gather to trainer rank 0": gather,
                  "broadcast to the engines": nbytes / (INTER_NODE_GBPS * 1e9) + tensors * CALL_S,
                  "announcements": buckets * HTTP_S}
     else:
         parts = {"gather to trainer rank 0": gather,
-                 "spread to every trainer rank": nbytes / (INTER_NODE_GBPS * 1e9) + tensors * CALL_S,
+                 "spread to every trainer rank": nbytes / (INTER_NODE_GBPS * 1e9) + buckets * CALL_S,  # one per bucket
                  "hand-over to the engines": buckets * IPC_BUCKET_S}
     return SyncEstimate(transport, sum(parts.values()), parts)
 

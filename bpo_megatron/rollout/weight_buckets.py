@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 import torch
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
+T = TypeVar("T")
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -20,18 +22,19 @@ def on_host(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtyp
         yield name, tensor.detach().to("cpu", dtype)
 
 
-def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int = DEFAULT_BUCKET_BYTES
-            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def buckets(named_tensors: Iterable[T], max_bytes: int = DEFAULT_BUCKET_BYTES,
+            size: Callable[[T], int] = lambda item: tensor_bytes(item[1])) -> Iterator[list[T]]:
     """Consecutive groups of at most ``max_bytes`` (a single larger tensor is a bucket of its own),
-    so at most one bucket of weights is held beyond what the iterator itself holds."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor_bytes(tensor)
-        if bucket and size + nbytes > max_bytes:
+    so at most one bucket of weights is held beyond what the iterator itself holds. Items are
+    ``(name, tensor)`` pairs unless ``size`` says how large another kind of item is."""
+    bucket: list[T] = []
+    total = 0
+    for item in named_tensors:
+        nbytes = size(item)
+        if bucket and total + nbytes > max_bytes:
             yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
+            bucket, total = [], 0
+        bucket.append(item)
+        total += nbytes
     if bucket:
         yield bucket

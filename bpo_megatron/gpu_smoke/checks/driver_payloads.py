@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 
 from bpo_megatron.gpu_smoke.checks.trainer_offload import snapshot
+from bpo_megatron.orchestration.host_values import device_tensors
 from bpo_megatron.gpu_smoke.common import build_actor, random_model_dir, random_tokens, single_rank_world
 from bpo_megatron.gpu_smoke.profiles import Profile
 from bpo_megatron.gpu_smoke.report import Outcome
@@ -32,21 +32,6 @@ for name, blob in payloads.items():
         report["failed"][name] = f"{type(error).__name__}: {error}"[:300]
 print(json.dumps(report))
 """
-
-
-def device_tensors(value: Any, path: str = "") -> list[str]:
-    """Where in ``value`` (dataclasses, mappings, sequences) a tensor lies outside host memory."""
-    if torch.is_tensor(value):
-        return [f"{path} ({value.device})"] if value.device.type != "cpu" else []
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        items = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
-    elif isinstance(value, dict):
-        items = ((str(k), v) for k, v in value.items())
-    elif isinstance(value, (list, tuple)):
-        items = ((str(i), v) for i, v in enumerate(value))
-    else:
-        return []
-    return [hit for key, item in items for hit in device_tensors(item, f"{path}.{key}" if path else key)]
 
 
 def _pickle(value: Any) -> bytes:

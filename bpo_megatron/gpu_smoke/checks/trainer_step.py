@@ -30,6 +30,25 @@ def _reference_model(actor, hf, model_dir: Path):
     return model
 
 
+def _host_export(actor, hf) -> tuple[bool, bool, int]:
+    """The weights as the host transports take them (buckets through the pinned staging buffer,
+    copied while the next tensors are gathered): (every tensor equal to the direct export, every
+    staged tensor pinned, tensors)."""
+    from bpo_megatron.convert import iter_hf_weights
+    from bpo_megatron.weight_sync.export import export_weights
+    from bpo_megatron.weight_sync.host_staging import HostStaging
+
+    bucket = 4 << 20
+    direct = {name: tensor.detach().cpu().clone() for name, tensor in iter_hf_weights(actor.model, hf, dst=0)}
+    equal, pinned, seen = True, True, []
+    for staged in export_weights(actor, bucket, host=True, staging=HostStaging()):
+        for name, tensor in staged:
+            seen.append(name)
+            equal &= tensor.device.type == "cpu" and torch.equal(tensor, direct[name])
+            pinned &= tensor.is_pinned() or tensor.nbytes > bucket
+    return equal and sorted(seen) == sorted(direct), pinned, len(seen)
+
+
 def run(profile: Profile, workdir: Path) -> Outcome:
     from bpo_megatron.losses import BatchTotals, policy_loss
     from bpo_megatron.models import HFModelConfig
@@ -45,6 +64,7 @@ def run(profile: Profile, workdir: Path) -> Outcome:
         optimizers = [type(o).__name__ for o in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])]
         param = next(actor.model.parameters())
         reference = _reference_model(actor, hf, model_dir)
+        staged_equal, staged_pinned, staged_count = _host_export(actor, hf)
 
         tokens = torch.tensor(random_tokens(count, prompt + response, hf.vocab_size, seed=1))
         with torch.no_grad():
@@ -80,6 +100,8 @@ def run(profile: Profile, workdir: Path) -> Outcome:
         out.require(param.dtype == torch.bfloat16 and param.is_cuda, f"bf16 weights on the GPU ({param.dtype}, {param.device})")
         out.require(all(name == "DistributedOptimizer" for name in optimizers),
                     f"Megatron's distributed optimizer ({', '.join(optimizers)})")
+        out.require(staged_pinned, "the host export's buckets lie in pinned memory")
+    out.require(staged_equal, f"the host export (bucketed, staged) equals the direct export ({staged_count} tensors)")
     out.require(rel <= profile.loss_rel_tol,
                 f"step-0 loss {losses[0]:.6f} = fp32 CPU reference {float(ref_loss):.6f} within "
                 f"{profile.loss_rel_tol:g} relative (got {rel:.2e})")

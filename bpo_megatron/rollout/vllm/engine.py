@@ -159,11 +159,25 @@ class WeightLoadingExtension:
         return len(named_tensors)
 
 
+# The releases whose APIs this module calls as it calls them: 0.21 moved the prompt's rows of
+# CompletionOutput.routed_experts to RequestOutput.prompt_routed_experts and refused routed-expert
+# capture under its default async scheduling; 0.22 restored the whole array (uint8 / uint16).
+# 0.33 is the newest release checked.
+SUPPORTED_VLLM = ((0, 22), (0, 34))
+
+
 def _import_vllm():
     try:
         import vllm
     except ImportError as exc:
         raise ImportError("rollout.engine=vllm needs vLLM: install bpo-megatron[vllm] on a CUDA machine") from exc
+    version = getattr(vllm, "__version__", "0")
+    release = tuple(int(part) for part in version.split("+")[0].split(".")[:2] if part.isdigit())
+    low, high = SUPPORTED_VLLM
+    if not low <= release < high:
+        raise ImportError(f"vLLM {version} is installed; rollout.engine=vllm supports {low[0]}.{low[1]} ≤ vLLM < "
+                          f"{high[0]}.{high[1]} (the releases whose routed-expert output and engine arguments it "
+                          "reads): install bpo-megatron[vllm]")
     return vllm
 
 
