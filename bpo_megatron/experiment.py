@@ -95,6 +95,12 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
     if cfg.model.routing_replay and not spec.captures_routing_without_gpu and not platform.has_cuda():
         raise ConfigError(f"model.routing_replay=true with rollout.engine={spec.name}: it records routed experts only "
                           "on GPUs; use rollout.engine=hf on CPU")
+    if cfg.train.overlong_buffer >= cfg.rollout.max_new_tokens:
+        raise ConfigError(f"train.overlong_buffer={cfg.train.overlong_buffer} must be below rollout.max_new_tokens="
+                          f"{cfg.rollout.max_new_tokens}: the penalty starts that many tokens before the limit")
+    if cfg.loss.correction != "none" and not cfg.train.recompute_old_logprobs:
+        raise ConfigError(f"loss.correction={cfg.loss.correction} corrects by the trainer's own log-probs of the weights "
+                          "that sampled each response: set train.recompute_old_logprobs=true (or loss.correction=none)")
     if cfg.train.verify_weight_sync and not spec.exposes_weights:
         raise ConfigError(f"train.verify_weight_sync=true reads the engine's weights back, which rollout.engine="
                           f"{spec.name} does not allow (rollout.engine=hf does)")

@@ -1,8 +1,10 @@
-"""Datasets, procedural tasks, tokenizers, rewards, the prompt stream, Avg@k, metrics and plots."""
+"""Datasets, procedural tasks, tokenizers and stop tokens, rewards, the prompt stream, Avg@k, the
+best-checkpoint rule (and pruning that spares it), metrics and plots."""
 
 from __future__ import annotations
 
 import json
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -11,15 +13,22 @@ import torch
 from bpo_megatron.data.config import DataConfig
 from bpo_megatron.data.problems import load_problems
 from bpo_megatron.data.procedural import generate
-from bpo_megatron.data.rewards import MathVerifier, reward_fn
-from bpo_megatron.data.tokenizer import CharTokenizer
-from bpo_megatron.eval.avg_at_k import BestCheckpoint, EvalResult, avg_at_k
-from bpo_megatron.tasks.prompts import PromptFormat
+from bpo_megatron.data.rewards import MathVerifier, final_answer, reward_fn
+from bpo_megatron.data.tokenizer import CharTokenizer, HFTokenizer
+from bpo_megatron.eval.avg_at_k import BestCheckpoint, EvalResult, avg_at_k, evaluate, load_eval_sets
+from bpo_megatron.eval.config import EvalConfig
+from bpo_megatron.experiment import load_experiment
+from bpo_megatron.loop.run_dir import RunState
+from bpo_megatron.rollout import Sample
+from bpo_megatron.tasks.prompts import PromptFormat, stop_tokens
+from bpo_megatron.tasks.scoring import score
 from bpo_megatron.tasks.stream import PromptStream
+from bpo_megatron.trainer import checkpoint
 from bpo_megatron.observability.metrics import MetricsWriter, read_metrics, summary_line
 from bpo_megatron.observability.plot import plot_runs
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+DEMO = Path(__file__).resolve().parents[1] / "configs" / "tiny_moe_cpu.yaml"
 PLAIN = PromptFormat(CharTokenizer(), "plain", max_prompt_tokens=64)
 
 
@@ -140,9 +149,88 @@ def test_rewards():
                           ["\\frac{1}{2}", "\\frac12", "7", "3"])
     finally:
         verifier.close()
-    assert scores[0] == 1.0 and scores[2] == 0.0 and scores[3] == 0.0
+    assert scores == [1.0, 0.0, 0.0, 0.0]  # "the answer is 0.5" has no final-answer marker
     with pytest.raises(ValueError, match="data.reward='nope' is unknown"):
         reward_fn("nope")
+
+
+@pytest.mark.parametrize("response, answer", [
+    ("\\boxed{1}\\boxed{2}", "2"),  # two answers, the last one counts; never merged into 12
+    ("so \\boxed{\\frac{1}{\\sqrt{2}}}.", "\\frac{1}{\\sqrt{2}}"),  # nested braces
+    ("\\boxed{x \\fbox{2} + 1}", "x \\fbox{2} + 1"),  # a box inside the last top-level one is its content
+    ("\\fbox{7}", "7"),
+    ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),  # escaped braces are content
+    ("Let me think.\nAnswer: 42.\n", "42"),  # a sentence's period is not part of the answer
+    ("answer: 1\nANSWER: $\\frac{1}{2}$", "$\\frac{1}{2}$"),  # the last Answer: line, any case
+    ("**Answer:** 42", "42"),
+    ("Answer: 5\nWait, it is \\boxed{6}", "6"),  # a box wins over an Answer: line
+    ("so 6 x 7 = 42", None),  # the last number is no answer
+    ("The answer: 42", None),  # "Answer:" must start its line
+    ("Final answer: 42", None),
+    ("Answer:", None),
+    ("\\boxed{3} or rather \\boxed{4", None),  # the last box is never closed: no finished answer
+])
+def test_final_answer_is_read_only_from_its_marker(response, answer):
+    assert final_answer(response) == answer
+
+
+def test_math_reward_false_positives_and_negatives():
+    verifier = MathVerifier(workers=1, timeout_s=20)
+    try:
+        scores = verifier(
+            ["6 times 7 is 42",  # no marker, though its last number is the answer
+             "\\boxed{1}\\boxed{2}",  # read as 12 when the boxes were merged
+             "\\boxed{1}\\boxed{2}",  # the last box is the answer
+             "First 40, then 2 more.\nAnswer: 42",
+             "Answer: 41\nHmm, 42? No.",  # a later number does not replace the answer line
+             "**Answer:** $\\frac{1}{2}$",
+             "\\boxed{\\frac{1}{\\sqrt{2}}}",  # nested braces, equivalent form
+             "Answer: 5\nso \\boxed{6}",
+             "Answer: 5\nso \\boxed{6}"],
+            ["42", "12", "2", "42", "42", "0.5", "\\frac{\\sqrt{2}}{2}", "6", "5"])
+    finally:
+        verifier.close()
+    assert scores == [0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0]
+
+
+def _sample(text: str, finish_reason: str, tokenizer=CharTokenizer()) -> Sample:
+    tokens = torch.tensor(tokenizer.encode(text) + ([1] if finish_reason == "stop" else []))
+    return Sample("r", 0, torch.tensor([5, 6]), tokens, torch.zeros(tokens.numel()), finish_reason)
+
+
+def test_a_truncated_response_scores_the_setting_whatever_it_ends_with():
+    samples = [_sample("6 x 7 is 42", "length"),  # cut off mid-derivation, ending in the gold number
+               _sample("so \\boxed{42}", "length"),  # even a complete box: the response never finished
+               _sample("so \\boxed{42}", "stop"),
+               _sample("so \\boxed{42}", "abort"),  # aborted by an engine, not cut by the limit: verified
+               _sample("6 x 7 is 42", "stop")]
+    answers = ["42"] * 5
+    verifier = MathVerifier(workers=1, timeout_s=20)
+    try:
+        scored = score(samples, answers, CharTokenizer(), verifier, truncated_reward=DataConfig().truncated_reward)
+        assert scored.tolist() == [0.0, 0.0, 1.0, 1.0, 0.0]
+        penalised = score(samples, answers, CharTokenizer(), verifier, truncated_reward=-0.5)
+        assert penalised.tolist() == [-0.5, -0.5, 1.0, 1.0, 0.0]
+    finally:
+        verifier.close()
+    assert DataConfig().truncated_reward == 0.0
+    assert DataConfig(truncated_reward=-1).truncated_reward == -1
+    with pytest.raises(ValueError, match=r"data.truncated_reward must be a finite number .* got nan"):
+        DataConfig(truncated_reward=float("nan"))
+
+
+def test_evaluation_counts_a_truncated_response_wrong_whatever_the_training_reward():
+    cfg = load_experiment(DEMO, ["data.truncated_reward=1.0", "eval.k=2", "eval.limit=2"])
+    fmt = PromptFormat(CharTokenizer(), "plain", max_prompt_tokens=16)
+    sets = load_eval_sets(cfg.eval, ".", fmt, skip_bad=False)
+    answers = [e.problem.answer for e in sets[0].prompts]
+
+    def generate(requests):  # per question: one right answer that stopped, one cut off
+        return [_sample(answers[q], reason) for q in range(len(requests)) for reason in ("stop", "length")]
+
+    result = evaluate(generate, sets, CharTokenizer(), reward_fn("exact"), cfg, step=3)
+    assert result.counts == {"procedural:add": (2, 4)} and result.scores == {"procedural:add": 0.5}
+    assert result.metrics(2) == {"eval/procedural:add_avg@2": 0.5, "eval/mean_avg@2": 0.5}
 
 
 def test_prompt_stream_resumes_exactly():
@@ -166,9 +254,132 @@ def test_avg_at_k_and_the_checkpoint_rule():
     correct = torch.tensor([1, 1, 0, 0, 1, 0, 0, 0], dtype=torch.float32)  # 2 questions × k=4
     assert avg_at_k(correct, 4) == pytest.approx((0.5 + 0.25) / 2)
     best = BestCheckpoint()
-    for step, score in [(0, 0.2), (10, 0.5), (20, 0.5), (30, 0.4)]:
-        best.update(EvalResult(step, {"a": score, "b": score}))
+    for step, right in [(0, 8), (10, 20), (20, 20), (30, 16)]:
+        best.update(EvalResult(step, {"a": (right, 40), "b": (right, 40)}))
     assert best.step == 10 and best.mean == 0.5  # the earlier step wins a tie
+
+
+AIME = 30 * 32  # responses of one AIME set at Avg@32
+
+
+def test_the_best_checkpoint_is_decided_on_exact_counts():
+    earlier = EvalResult(10, {"aime24": (0, AIME), "aime25": (0, AIME), "aime26": (30, AIME)})
+    later = EvalResult(20, {"aime24": (6, AIME), "aime25": (23, AIME), "aime26": (1, AIME)})
+    # 30 of 2880 correct both times: a tie. Averaged as floats, the later one comes out ahead in
+    # the last bit, and a rule on float means would pick it.
+    assert sum(later.scores.values()) / 3 > sum(earlier.scores.values()) / 3
+    assert earlier.exact_mean == later.exact_mean == Fraction(30, 2880)
+    best = BestCheckpoint()
+    assert best.update(earlier) and not best.update(later)
+    assert best.step == 10 and best.best_counts() == earlier.counts
+    one_more = EvalResult(30, {"aime24": (6, AIME), "aime25": (23, AIME), "aime26": (2, AIME)})
+    assert best.update(one_more) and best.step == 30 and best.mean == 31 / 2880
+    # datasets of different sizes: the paper's mean of per-set Avg@k, not the pooled fraction
+    small = EvalResult(40, {"a": (1, 2), "b": (0, 100)})  # mean 1/4 (pooled it would be 1/102)
+    assert small.exact_mean == Fraction(1, 4) and small.mean == 0.25
+
+
+def test_the_best_checkpoint_survives_a_resume_and_reads_old_state():
+    best = BestCheckpoint()
+    best.update(EvalResult(10, {"a": (5, 8), "b": (3, 8)}))
+    best.update(EvalResult(20, {"a": (4, 8), "b": (3, 8)}))
+    state = RunState(step=20, best_step=best.step, best_mean=best.mean, eval_history=best.history)
+    restored = RunState.from_checkpoint(json.loads(json.dumps(state.to_dict())))  # as trainer_state.json holds it
+    resumed = BestCheckpoint(restored.best_step, restored.best_mean, list(restored.eval_history))
+    assert resumed.step == 10 and resumed.best_counts() == {"a": (5, 8), "b": (3, 8)}
+    assert not resumed.update(EvalResult(30, {"a": (3, 8), "b": (5, 8)}))  # a tie: step 10 stays
+    assert resumed.update(EvalResult(40, {"a": (6, 8), "b": (3, 8)})) and resumed.step == 40
+    # a checkpoint saved before counts were kept: (step, mean) entries, compared by the mean
+    old = RunState.from_checkpoint({"rl_step": 20, "data_cursor": 0, "sft_done": True, "best_step": 10,
+                                    "best_mean": 0.5, "eval_history": [[0, 0.25], [10, 0.5], [20, 0.375]]})
+    legacy = BestCheckpoint(old.best_step, old.best_mean, list(old.eval_history))
+    assert legacy.best_counts() is None
+    assert not legacy.update(EvalResult(30, {"a": (4, 8), "b": (4, 8)})) and legacy.step == 10
+    assert legacy.update(EvalResult(40, {"a": (5, 8), "b": (4, 8)})) and legacy.step == 40
+    assert legacy.best_counts() == {"a": (5, 8), "b": (4, 8)}  # exact from here on
+
+
+def test_a_resume_from_state_without_counts_says_how_the_best_is_decided(tmp_path):
+    from bpo_megatron.loop.preflight import resume_point
+
+    cfg = load_experiment(DEMO, [f"logging.run_dir={tmp_path / 'run'}"])
+    step = tmp_path / "run" / "checkpoints" / checkpoint.step_dir_name(20)
+    step.mkdir(parents=True)
+    (step / checkpoint.STATE_FILE).write_text(json.dumps(
+        {"step": 20, "rl_step": 20, "data_cursor": 80, "sft_done": True, "best_step": 10, "best_mean": 0.5,
+         "eval_history": [[10, 0.5], [20, 0.375]]}))
+    state, _, notes = resume_point(cfg, cfg.hf_config())
+    assert (state.best_step, state.eval_history) == (10, [(10, 0.5), (20, 0.375)])
+    assert any("records its evaluations as means without their counts" in note for note in notes), notes
+
+
+def _checkpoints(root: Path, best_step_of: dict[int, int | None]) -> None:
+    for step, best_step in best_step_of.items():
+        directory = root / checkpoint.step_dir_name(step)
+        directory.mkdir(parents=True)
+        (directory / checkpoint.STATE_FILE).write_text(json.dumps({"step": step, "best_step": best_step}))
+
+
+def _steps(root: Path) -> list[int]:
+    return [checkpoint.step_of(p) for p in checkpoint.step_dirs(root)]
+
+
+def test_keep_last_never_prunes_the_best_checkpoint(tmp_path):
+    _checkpoints(tmp_path, {10: 10, 20: 20, 30: 20, 40: 20})  # the newest state names the best
+    checkpoint._prune(tmp_path, keep_last=2)
+    assert _steps(tmp_path) == [20, 30, 40]
+    _checkpoints(tmp_path, {50: 20})
+    checkpoint._prune(tmp_path, keep_last=1)
+    assert _steps(tmp_path) == [20, 50]
+    _checkpoints(tmp_path, {60: 60})  # a later step beat it: the old best goes like any other
+    checkpoint._prune(tmp_path, keep_last=1)
+    assert _steps(tmp_path) == [60]
+    _checkpoints(tmp_path, {70: None, 80: 0})  # none yet, or the initial policy (no checkpoint of its own)
+    checkpoint._prune(tmp_path, keep_last=2)
+    assert _steps(tmp_path) == [70, 80]
+
+
+def test_eval_template_defaults_to_the_training_template():
+    class Recording(CharTokenizer):  # renders the template's name, so the prompts show which one was used
+        def render_prompt(self, problem: str, template: str) -> str:
+            return f"[{template}] {problem}="
+
+    fmt = PromptFormat(Recording(), "plain", max_prompt_tokens=64)
+    tok = Recording()
+    for template, expected in [(None, "plain"), ("math-boxed", "math-boxed")]:
+        ev = EvalConfig(datasets=("procedural:add",), limit=1, template=template)
+        prompt = load_eval_sets(ev, ".", fmt, skip_bad=False)[0].prompts[0]
+        assert tok.decode(list(prompt.prompt_tokens)).startswith(f"[{expected}] ")
+    with pytest.raises(ValueError, match=r"eval.template='nope' is unknown; choose one of .*math-boxed"):
+        EvalConfig(template="nope")
+    cfg = load_experiment(DEMO, ["data.template=plain", "eval.template=math-answer-line"])
+    assert (cfg.data.template, cfg.eval.template) == ("plain", "math-answer-line")
+
+
+def _chat_tokenizer(directory: Path, *, chat: bool) -> HFTokenizer:
+    """A Qwen-shaped Hugging Face tokenizer, written offline: <|endoftext|> ends a sequence and,
+    with ``chat``, a chat template whose turns end with <|im_end|>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "user", "assistant", "1+1"]
+    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", eos_token="<|endoftext|>",
+                            additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+                            chat_template=template if chat else None).save_pretrained(directory)
+    return HFTokenizer(str(directory))
+
+
+def test_stop_tokens_include_the_chat_templates_end_of_turn(tmp_path):
+    chat = _chat_tokenizer(tmp_path / "chat", chat=True)
+    assert (chat.eos_token_ids, chat.end_of_turn_ids) == ((1,), (3,))  # <|endoftext|>, <|im_end|>
+    assert stop_tokens(chat) == (1, 3) and stop_tokens(chat, (5,)) == (1, 3, 5)
+    plain = _chat_tokenizer(tmp_path / "plain", chat=False)
+    assert plain.end_of_turn_ids == () and stop_tokens(plain) == (1,)
+    assert stop_tokens(CharTokenizer(), (7,)) == (1, 7)
 
 
 def test_metrics_line_jsonl_and_plot(tmp_path):

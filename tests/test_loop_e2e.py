@@ -93,3 +93,26 @@ def test_a_resumed_run_matches_an_uninterrupted_one(tmp_path, ray_session, small
     straight = [r for r in read_metrics(tmp_path / "b") if r["step"] == 3 and "reward_mean" in r][0]
     for key in ("reward_mean", "loss", "grad_norm", "clip_frac", "eval/mean_avg@2"):
         assert resumed[key] == straight[key], key
+
+
+@pytest.mark.timeout(420)
+def test_grpo_with_tis_and_r3_and_dapo_batch_shaping(tmp_path, ray_session, small_run):
+    """GRPO + TIS + R3 as one config: before its update each step recomputes log π_old under the
+    sampling weights (routing replayed); the loss's ratios are taken against it (a step's single
+    minibatch starts at π = π_old) and TIS reweights by π_old/μ, which the embedded engine on a
+    CPU reproduces to float rounding. With DAPO's dynamic sampling and overlong punishment on,
+    every step still trains on prompts_per_step groups."""
+    _run(small_run(tmp_path, "train.steps=2", "train.minibatches_per_step=1", "loss.name=grpo",
+                   "loss.correction=tis", "train.recompute_old_logprobs=true", "train.dynamic_sampling=true",
+                   "train.dynamic_sampling_max_rounds=2", "train.overlong_buffer=2"))
+    steps = [r for r in read_metrics(tmp_path) if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for record in steps:
+        assert 1 <= record["dynamic/rounds"] <= 2 and record["dynamic/drawn_groups"] >= 4
+        assert record["zero_std_groups"] <= record["dynamic/filled_groups"]  # only filler lacks variance
+        assert record["num_tokens"] == pytest.approx(4 * 4 * record["response_length_mean"])  # 4 groups × 4 responses
+        assert -1.0 <= record["overlong/penalty_mean"] <= 0.0
+        assert record["abs_logp_diff_mean"] < 1e-5  # π against π_old: the same weights, the same routing
+        assert record["clip_frac"] == 0.0
+        assert record["mismatch_abs_logp_diff_mean"] < 1e-3  # π_old against the engine's μ
+        assert abs(record["correction_weight_mean"] - 1.0) < 1e-3 and record["correction_drop_frac"] == 0.0

@@ -23,7 +23,7 @@ BASELINES = {  # the paper's hyper-parameters of each baseline (appendix, experi
     "grpo": {"name": "grpo", "eps_low": 0.2, "eps_high": 0.28},
     "gspo": {"name": "gspo", "gspo_eps_low": 3e-3, "gspo_eps_high": 5e-3},
     "cispo": {"name": "cispo", "cispo_cap": 3.0},
-    "dppo": {"name": "dppo_tv", "dppo_delta": 0.1},
+    "dppo": {"name": "dppo_tv", "dppo_delta": 0.1, "dppo_ratio_cap": 10.0},
 }
 DISAGGREGATED = CONFIGS / "qwen3_30b_a3b_bpo_disaggregated.yaml"
 RECIPES = [MAIN, DISAGGREGATED, ABLATION, *(CONFIGS / f"qwen3_30b_a3b_{b}.yaml" for b in BASELINES)]
@@ -49,6 +49,12 @@ def test_main_setting_is_the_papers():
     assert (cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k) == (1.0, 1.0, 0)
     assert cfg.model.routing_replay and cfg.rollout.capture_routed_experts  # R3
     assert (cfg.loss.name, cfg.loss.bpo_eps, cfg.loss.bpo_cap, cfg.loss.agg) == ("bpo", 0.1, 3.0, "seq-mean-token-mean")
+    # every bound and cap written out in the recipe itself, not left to the defaults
+    loss = yaml.safe_load(MAIN.read_text())["loss"]
+    assert {k: loss[k] for k in ("bpo_eps", "bpo_cap", "eps_low", "eps_high")} == {
+        "bpo_eps": 0.1, "bpo_cap": 3.0, "eps_low": 0.2, "eps_high": 0.28}
+    assert (cfg.data.reward, cfg.data.truncated_reward) == ("math", 0.0)  # a truncated response scores 0
+    assert cfg.data.template == cfg.eval.template == "math-boxed"
     assert (cfg.eval.every, cfg.eval.k, cfg.eval.datasets) == (10, 32, ("aime24", "aime25", "aime26"))
     assert (cfg.eval.temperature, cfg.eval.top_p, cfg.eval.max_new_tokens) == (1.0, 1.0, None)  # training's limit
     assert (cfg.cluster.nodes, cfg.cluster.gpus_per_node, cfg.cluster.gpu_memory_gb) == (4, 8, 80.0)

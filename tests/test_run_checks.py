@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 import train_helpers as th
 from bpo_megatron.cli import main
@@ -186,6 +187,21 @@ def test_a_rerun_with_other_settings_is_refused_naming_them(run_dir, capsys):
     plan = prepare(_demo(run_dir, "train.steps=500", "parallel.tp=2", "parallel.ep=1", "logging.progress=false"))
     assert plan.changes == {} and plan.state.step == 3
     assert (run_dir / "config.yaml").read_text() == before, "a check writes nothing"
+
+
+def test_settings_added_since_a_run_was_recorded_resume_at_their_defaults(run_dir, capsys):
+    """A run recorded before a setting existed (here: loss.correction, train.dynamic_sampling,
+    data.truncated_reward, eval.template) resumes while the setting keeps its default, and is
+    refused, naming it, when the setting is given another value."""
+    recorded = yaml.safe_load((run_dir / "config.yaml").read_text())
+    for section, key in (("loss", "correction"), ("train", "dynamic_sampling"), ("data", "truncated_reward"),
+                         ("eval", "template")):
+        recorded[section].pop(key)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(recorded))
+    plan = prepare(_demo(run_dir))
+    assert plan.changes == {} and plan.state.step == 3
+    code, output = _train(capsys, f"logging.run_dir={run_dir}", "train.dynamic_sampling=true")
+    assert code == 2 and "train.dynamic_sampling: None -> True" in output
 
 
 def test_a_changed_model_config_is_refused_naming_the_fields(run_dir, tmp_path):

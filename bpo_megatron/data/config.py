@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -29,7 +30,12 @@ class DataConfig:
     ``on_bad_record`` says what happens to a record the run cannot use (malformed, a field
     missing, a prompt longer than ``max_prompt_tokens`` or not encodable by the tokenizer):
     ``error`` refuses the run before it starts, naming the record; ``skip`` leaves it out of
-    training and evaluation and reports how many were left out."""
+    training and evaluation and reports how many were left out.
+
+    ``reward`` scores a response by its final answer only (see ``bpo_megatron.data.rewards``);
+    ``truncated_reward`` is the training reward of a response cut off by the length limit
+    (``rollout.max_new_tokens``), whatever its text ends with. Evaluation counts such a response
+    as wrong whatever this says: Avg@k counts correct answers."""
 
     train: str = "gsm8k_train"
     root: str = "../shared/data"
@@ -39,6 +45,7 @@ class DataConfig:
     seed: int = 1234
     fields: dict[str, str] = field(default_factory=dict)
     on_bad_record: Literal["error", "skip"] = "error"
+    truncated_reward: float = 0.0
 
     def __post_init__(self) -> None:
         from bpo_megatron.data.problems import check_field_map
@@ -51,5 +58,8 @@ class DataConfig:
             raise ValueError(f"data.template={self.template!r} is unknown; choose one of {sorted(TEMPLATES)}")
         if self.max_prompt_tokens < 1:
             raise ValueError("data.max_prompt_tokens must be >= 1")
+        if not math.isfinite(self.truncated_reward):
+            raise ValueError(f"data.truncated_reward must be a finite number (0 scores a truncated response as "
+                             f"wrong), got {self.truncated_reward}")
         check_field_map(self.fields)
         check_procedural(self.train, "data.train")

@@ -1,13 +1,22 @@
 """Verifiable rewards: 1.0 for a correct final answer, 0.0 otherwise (never an exception).
 
-``math`` checks equivalence with math-verify (LaTeX/sympy aware) in a pool of worker processes,
-because math-verify bounds its parsing with ``signal.alarm``, which only works in a process's
-main thread, and a pathological answer must not stall the step. ``exact`` compares strings.
+``math`` scores only a response's final answer: the last top-level ``\\boxed{...}`` (or
+``\\fbox{...}``), else the last line starting with ``Answer:``, as the templates ask for. A
+response with neither scores 0: a number that merely happens to end the reasoning is not an
+answer, and reading one would reward responses that never committed to one. The answer found is
+checked for equivalence with the reference by math-verify (LaTeX/sympy aware) in a pool of
+worker processes, because math-verify bounds its parsing with ``signal.alarm``, which only works
+in a process's main thread, and a pathological answer must not stall the step. ``exact``
+compares strings.
+
+Whether a response was cut off by the length limit is not visible in its text; scoring such
+responses is :func:`bpo_megatron.tasks.scoring.score`'s job (``data.truncated_reward``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import re
 from typing import Callable
 
 RewardFn = Callable[[list[str], list[str]], list[float]]
@@ -26,29 +35,95 @@ def exact_match(responses: list[str], answers: list[str]) -> list[float]:
     return [float(r.strip() == a.strip()) for r, a in zip(responses, answers)]
 
 
+# ------------------------------------------------------------------------- final-answer markers
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# "Answer: 42", also in bold ("**Answer:** 42") as chat models often write it.
+_ANSWER_LINE = re.compile(r"^[ \t]*(?:\*\*)?answer[ \t]*:(?:\*\*)?[ \t]*(.*?)[ \t]*$", re.IGNORECASE | re.MULTILINE)
+
+
+def _closing_brace(text: str, start: int) -> int | None:
+    """Index of the ``}`` closing the group that starts at ``start`` (just after its ``{``), or
+    None when the text ends first. Escaped braces (``\\{``, ``\\}``) are content, not groups."""
+    depth, i = 1, start
+    while i < len(text):
+        char = text[i]
+        if char == "\\":
+            i += 2
+            continue
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    return None
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last top-level ``\\boxed{...}``; a box nested in another belongs to it
+    and ``\\boxed{1}\\boxed{2}`` is two answers, the last one ``2``. None when there is no box, or
+    when the last one is never closed (an answer not finished is not an answer)."""
+    found, position = None, 0
+    while (match := _BOX.search(text, position)) is not None:
+        end = _closing_brace(text, match.end())
+        if end is None:
+            return None
+        found, position = text[match.end():end], end + 1
+    return found
+
+
+def answer_line(text: str) -> str | None:
+    """What follows ``Answer:`` on the last line that starts with it (case-insensitive)."""
+    lines = [m.group(1) for m in _ANSWER_LINE.finditer(text)]
+    return lines[-1] if lines and lines[-1] else None
+
+
+# In order of precedence: a box is the more explicit marker ("Answer: \boxed{5}" reads as 5).
+ANSWER_MARKERS: tuple[Callable[[str], str | None], ...] = (last_boxed, answer_line)
+
+
+def final_answer(response: str) -> str | None:
+    """The response's final answer by the first marker it has, or None: no marker, no answer."""
+    for marker in ANSWER_MARKERS:
+        found = marker(response)
+        if found is not None:
+            # a sentence's closing period ("Answer: 42.") would make the answer unparseable
+            found = found.strip().rstrip(".").strip()
+            return found or None
+    return None
+
+
 def _math_verify_one(args: tuple[str, str]) -> float:
-    response, answer = args
+    predicted_answer, answer = args
     try:
         from math_verify import parse, verify
 
         gold = parse(f"${answer}$" if "$" not in answer and "\\boxed" not in answer else answer)
-        predicted = parse(response)
+        # Boxed again so math-verify reads exactly this answer, LaTeX or plain, and nothing else.
+        predicted = parse(f"\\boxed{{{predicted_answer}}}")
         return float(bool(predicted) and verify(gold, predicted))
     except Exception:  # noqa: BLE001 - an unparseable answer is a wrong answer
         return 0.0
 
 
 class MathVerifier:
-    """Scores responses in worker processes; a call that exceeds ``timeout_s`` scores 0."""
+    """Scores responses by their final answers in worker processes; a response without one
+    scores 0 without being sent, a call that exceeds ``timeout_s`` scores 0."""
 
     def __init__(self, workers: int = 2, timeout_s: float = 10.0) -> None:
         self.timeout_s = timeout_s
         self._pool = cf.ProcessPoolExecutor(max_workers=workers)
 
     def __call__(self, responses: list[str], answers: list[str]) -> list[float]:
-        futures = [self._pool.submit(_math_verify_one, pair) for pair in zip(responses, answers)]
+        finals = [final_answer(r) for r in responses]
+        futures = [None if final is None else self._pool.submit(_math_verify_one, (final, answer))
+                   for final, answer in zip(finals, answers)]
         scores = []
         for future in futures:
+            if future is None:
+                scores.append(0.0)
+                continue
             try:
                 scores.append(future.result(timeout=self.timeout_s))
             except (cf.TimeoutError, cf.process.BrokenProcessPool):

@@ -1,12 +1,16 @@
 """Avg@k: k samples per question, mean correctness per question, then mean over questions.
 
 The paper reports Avg@32 on AIME 2024/2025/2026 and their arithmetic mean, and picks the
-checkpoint with the highest mean (the earlier one on ties).
+checkpoint with the highest mean (the earlier one on ties). Every question has k responses, so a
+dataset's Avg@k is its correct responses over all its responses; evaluations keep those counts
+and compare means as exact fractions of them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import torch
 
@@ -15,15 +19,31 @@ from bpo_megatron.tasks.prompts import Encoded, PromptFormat, load_eval_set, req
 from bpo_megatron.tasks.scoring import score
 from bpo_megatron.tasks.stream import usable
 
+Counts = dict[str, tuple[int, int]]  # dataset -> (correct responses, responses)
+
+
+def exact_mean(counts: Counts) -> Fraction:
+    """The mean over datasets of Avg@k, exactly."""
+    return sum((Fraction(correct, total) for correct, total in counts.values()), Fraction(0)) / len(counts)
+
 
 @dataclass
 class EvalResult:
     step: int
-    scores: dict[str, float]  # dataset -> Avg@k
+    counts: Counts
+
+    @property
+    def scores(self) -> dict[str, float]:
+        """Dataset -> Avg@k."""
+        return {name: correct / total for name, (correct, total) in self.counts.items()}
+
+    @property
+    def exact_mean(self) -> Fraction:
+        return exact_mean(self.counts)
 
     @property
     def mean(self) -> float:
-        return sum(self.scores.values()) / len(self.scores)
+        return float(self.exact_mean)
 
     def metrics(self, k: int) -> dict[str, float]:
         out = {f"eval/{name}_avg@{k}": value for name, value in self.scores.items()}
@@ -47,7 +67,10 @@ class EvalSet:
 
 def load_eval_sets(ev, root: str, fmt: PromptFormat, *, skip_bad: bool) -> list[EvalSet]:
     """``eval.datasets`` (the first ``eval.limit`` questions of each), screened like training
-    prompts: a question that cannot be asked raises unless ``skip_bad``."""
+    prompts (``fmt``, the training prompts' format) but rendered with ``eval.template`` when set:
+    a question that cannot be asked raises unless ``skip_bad``."""
+    if ev.template is not None:
+        fmt = dataclasses.replace(fmt, template=ev.template)
     sets = []
     for index, spec in enumerate(ev.datasets):
         try:
@@ -63,7 +86,7 @@ def load_eval_sets(ev, root: str, fmt: PromptFormat, *, skip_bad: bool) -> list[
 def evaluate(generate, sets: list[EvalSet], tokenizer, reward_fn, cfg, step: int) -> EvalResult:
     """``generate(requests) -> samples``: any engine or engine group."""
     ev = cfg.eval
-    scores = {}
+    counts: Counts = {}
     for index, eval_set in enumerate(sets):
         batch = requests(eval_set.prompts, tag=f"eval{step}-{eval_set.name}", n=ev.k, temperature=ev.temperature,
                          top_p=ev.top_p, top_k=0, max_new_tokens=ev.max_new_tokens or cfg.rollout.max_new_tokens,
@@ -71,21 +94,46 @@ def evaluate(generate, sets: list[EvalSet], tokenizer, reward_fn, cfg, step: int
                          seed=cfg.train.seed + 7 * step + index)
         samples = generate(batch)
         answers = [e.problem.answer for e in eval_set.prompts for _ in range(ev.k)]
-        scores[eval_set.name] = avg_at_k(score(samples, answers, tokenizer, reward_fn), ev.k)
-    return EvalResult(step, scores)
+        # A truncated response is wrong here whatever data.truncated_reward makes of it in
+        # training: Avg@k counts correct answers.
+        correct = score(samples, answers, tokenizer, reward_fn, truncated_reward=0.0) == 1.0
+        counts[eval_set.name] = (int(correct.sum()), correct.numel())
+    return EvalResult(step, counts)
 
 
 @dataclass
 class BestCheckpoint:
-    """The paper's rule: highest mean accuracy, the earlier step on ties."""
+    """The paper's rule: the highest mean Avg@k, the earlier step on ties, decided on the exact
+    counts: float means of equal means, summed from different per-dataset fractions, can differ
+    in their last bit, which would make a tie a win of the later step.
+
+    ``history`` holds ``(step, mean, counts)`` per evaluation, counts as ``{dataset: [correct,
+    responses]}``: plain data, saved in each checkpoint's trainer state, from which the best's
+    counts are read back on resume. A run checkpointed before counts were kept has ``(step,
+    mean)`` entries; while one of those is the best, a new evaluation must beat its float mean.
+    """
 
     step: int | None = None
     mean: float = float("-inf")
-    history: list[tuple[int, float]] = field(default_factory=list)
+    history: list = field(default_factory=list)
 
     def update(self, result: EvalResult) -> bool:
-        self.history.append((result.step, result.mean))
-        if result.mean > self.mean:
+        self.history.append((result.step, result.mean,
+                             {name: [correct, total] for name, (correct, total) in result.counts.items()}))
+        if self.step is None or self._beaten_by(result):
             self.step, self.mean = result.step, result.mean
             return True
         return False
+
+    def best_counts(self) -> Counts | None:
+        """The best evaluation's counts; None for none, or one recorded before counts were kept."""
+        for entry in reversed(self.history):
+            if entry[0] == self.step and len(entry) > 2:
+                return {name: (int(correct), int(total)) for name, (correct, total) in entry[2].items()}
+        return None
+
+    def _beaten_by(self, result: EvalResult) -> bool:
+        best = self.best_counts()
+        if best is None:
+            return result.mean > self.mean
+        return result.exact_mean > exact_mean(best)

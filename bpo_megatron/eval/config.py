@@ -16,6 +16,10 @@ class EvalConfig:
     limit: int | None = None  # questions per dataset (None: all)
     procedural_count: int = 200  # questions of a procedural:<task> dataset
     at_start: bool = True  # also evaluate the initial policy (step 0)
+    # The evaluation prompts' template; None: data.template. Its own setting because training
+    # prompts may carry their answer instruction themselves (DAPO-Math-17k with data.template=
+    # plain) while the benchmarks do not: AIME with plain would lose its answer instruction.
+    template: str | None = None
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.k < 1:
@@ -23,6 +27,10 @@ class EvalConfig:
         if not self.datasets and self.every:
             raise ValueError("eval.datasets is empty while eval.every > 0")
         from bpo_megatron.data.config import check_procedural
+        from bpo_megatron.data.tokenizer import TEMPLATES
 
         for index, spec in enumerate(self.datasets):
             check_procedural(spec, f"eval.datasets[{index}]")
+        if self.template is not None and self.template not in TEMPLATES:
+            raise ValueError(f"eval.template={self.template!r} is unknown; choose one of {sorted(TEMPLATES)} "
+                             "(or null: data.template)")

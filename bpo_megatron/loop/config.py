@@ -21,11 +21,27 @@ class LoopConfig:
     sft_lr: float | None = None  # learning rate of the warm start (None: optimizer.lr)
     routing_agreement_samples: int = 8  # responses per step re-routed by the trainer to measure agreement
     verify_weight_sync: bool = False  # fingerprint engine weights after every sync (slow on big models)
+    # Before the step's updates, the trainer recomputes log π_old of every response under the
+    # weights that sampled it (one forward pass over the batch): the loss then anchors its ratios
+    # to them, and loss.correction reweights by π_old/μ (the engine's). Needed by every correction.
+    recompute_old_logprobs: bool = False
+    # DAPO batch shaping (loop/batch_shaping.py): drop groups whose rewards do not vary and draw
+    # more prompts, in at most this many rounds; and the soft overlong punishment over the last
+    # overlong_buffer tokens before rollout.max_new_tokens (0: off), reaching -overlong_penalty.
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = 4
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "minibatches_per_step", "micro_batch_size", "sft_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dynamic_sampling_max_rounds < 1:
+            raise ValueError(f"train.dynamic_sampling_max_rounds must be >= 1, got {self.dynamic_sampling_max_rounds}")
+        if self.overlong_buffer < 0 or not self.overlong_penalty >= 0:
+            raise ValueError(f"train.overlong_buffer={self.overlong_buffer} and train.overlong_penalty="
+                             f"{self.overlong_penalty} must be >= 0")
         if self.sft_warmup_steps < 0:
             raise ValueError("train.sft_warmup_steps must be >= 0")
         if self.sft_lr is not None and not self.sft_lr > 0:

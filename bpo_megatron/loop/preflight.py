@@ -88,7 +88,11 @@ def resume_point(cfg, hf) -> tuple[RunState, str | None, list[str]]:
 
         check_model_unchanged(hf, HFModelConfig.load(meta["hf_config"]), what=f"the one {chosen.path} was trained with",
                               model_path=cfg.model.path)
-    return RunState.from_checkpoint(meta), str(root), list(chosen.notes)
+    state, notes = RunState.from_checkpoint(meta), list(chosen.notes)
+    if any(len(entry) < 3 for entry in state.eval_history):
+        notes.append(f"{chosen.path} records its evaluations as means without their counts (saved before counts "
+                     "were kept): while the best checkpoint is one of them, a new evaluation must beat its float mean")
+    return state, str(root), notes
 
 
 def check_initial_weights(cfg, hf) -> None:

@@ -16,9 +16,10 @@ import time
 from bpo_megatron.data.rewards import reward_fn
 from bpo_megatron.eval.avg_at_k import BestCheckpoint, evaluate
 from bpo_megatron.loop import diagnostics
+from bpo_megatron.loop.batch_shaping import dynamic_batch, punish_overlong
 from bpo_megatron.loop.preflight import RunPlan, prepare
 from bpo_megatron.loop.run_dir import RunLock, checkpoint_root, initial_hf_dir, record_config
-from bpo_megatron.loop.samples import training_samples
+from bpo_megatron.loop.samples import training_samples, with_old_logprobs
 from bpo_megatron.loop.sft import sft_warmup
 from bpo_megatron.observability.metrics import MetricsWriter, summary_line
 from bpo_megatron.observability.plot import plot_runs
@@ -29,6 +30,9 @@ from bpo_megatron.orchestration.weight_sync import sync_weights
 from bpo_megatron.tasks.prompts import requests, stop_tokens
 from bpo_megatron.tasks.scoring import score
 from bpo_megatron.trainer.samples import split
+
+
+ROUND_SEED_STRIDE = 7_919_111  # a dynamic-sampling round's seeds lie far from every step's first round
 
 
 def run(cfg, *, echo=print, override_resume: tuple[str, ...] = ()) -> dict:
@@ -81,20 +85,42 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                 timer = time.perf_counter()
                 sync = phases.rollout()  # the engines get the weights of the last update
                 t_sync = time.perf_counter()
-                batch = prompts.take(cfg.train.prompts_per_step)
-                samples = engines.generate(requests(
-                    batch, tag=f"s{step}", n=cfg.rollout.group_size, temperature=cfg.rollout.temperature,
-                    top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
-                    stop_token_ids=stops, seed=cfg.rollout.seed + step))
-                t_rollout = time.perf_counter()
-                rewards = score(samples, [e.problem.answer for e in batch for _ in range(cfg.rollout.group_size)],
-                                tokenizer, verify)
+                generating = [0.0]  # seconds the engines spent generating (scoring is the driver's)
+
+                def draw(count: int, round_: int):
+                    """``count`` prompts × G responses and their verified rewards."""
+                    batch = prompts.take(count)
+                    start = time.perf_counter()
+                    samples = engines.generate(requests(
+                        batch, tag=f"s{step}" if round_ == 0 else f"s{step}r{round_}", n=cfg.rollout.group_size,
+                        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                        max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=stops,
+                        seed=cfg.rollout.seed + step + round_ * ROUND_SEED_STRIDE))
+                    generating[0] += time.perf_counter() - start
+                    answers = [e.problem.answer for e in batch for _ in range(cfg.rollout.group_size)]
+                    return samples, score(samples, answers, tokenizer, verify,
+                                          truncated_reward=cfg.data.truncated_reward)
+
+                shaping: dict[str, float] = {}
+                if cfg.train.dynamic_sampling:  # only groups whose rewards vary, drawing more prompts
+                    samples, rewards, shaping = dynamic_batch(draw, cfg.train.prompts_per_step, cfg.rollout.group_size,
+                                                              cfg.train.dynamic_sampling_max_rounds)
+                else:
+                    samples, rewards = draw(cfg.train.prompts_per_step, 0)
+                if cfg.train.overlong_buffer:
+                    rewards, overlong = punish_overlong(samples, rewards, cfg.rollout.max_new_tokens,
+                                                        cfg.train.overlong_buffer, cfg.train.overlong_penalty)
+                    shaping.update(overlong)
+                t_rollout = t_sync + generating[0]
                 train_samples, metrics = training_samples(samples, rewards, cfg.rollout.group_size,
                                                           keep_routing=cfg.model.routing_replay)
+                metrics.update(shaping)
                 random.Random(cfg.train.seed + step).shuffle(train_samples)
                 t_prepared = time.perf_counter()
                 phases.train()
                 metrics.update(diagnostics.routing_agreement(trainer, train_samples, cfg))
+                if cfg.train.recompute_old_logprobs:  # log π_old: what the loss anchors to and corrects by
+                    train_samples = with_old_logprobs(trainer, train_samples)
                 updates = [trainer.train_step(mb) for mb in split(train_samples, cfg.train.minibatches_per_step)]
                 phases.weights_changed(version=step)
                 t_train = time.perf_counter()

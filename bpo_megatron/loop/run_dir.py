@@ -57,7 +57,7 @@ class RunState:
     sft_done: bool = False
     best_step: int | None = None
     best_mean: float = float("-inf")
-    eval_history: list = field(default_factory=list)
+    eval_history: list = field(default_factory=list)  # see bpo_megatron.eval.avg_at_k.BestCheckpoint
 
     def to_dict(self) -> dict:
         return {"rl_step": self.step, "data_cursor": self.data_cursor, "sft_done": self.sft_done,
@@ -107,13 +107,19 @@ def _absolute_paths(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def config_changes(recorded: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """Setting -> (recorded value, current value) for every setting that differs and matters."""
+def config_changes(recorded: dict[str, Any], current: dict[str, Any],
+                   defaults: dict[str, Any] | None = None) -> dict[str, tuple[Any, Any]]:
+    """Setting -> (recorded value, current value) for every setting that differs and matters. A
+    setting the recorded config lacks (one added to the package since) is no change while the
+    current config keeps its default (``defaults``: a whole default config)."""
     old, new = _absolute_paths(_flatten(recorded)), _absolute_paths(_flatten(current))
+    default = _flatten(defaults or {})
     missing = object()
     changes = {}
     for key in sorted(set(old) | set(new)):
         before, after = old.get(key, missing), new.get(key, missing)
+        if before is missing and key in default and default[key] == after:
+            continue
         if before != after and not _resume_safe(key):
             changes[key] = (None if before is missing else before, None if after is missing else after)
     return changes
@@ -139,7 +145,7 @@ def check_config_unchanged(cfg, run_dir: Path, overrides: tuple[str, ...]) -> di
     recorded = read_recorded_config(run_dir)
     if recorded is None:
         return {}
-    changes = config_changes(recorded, to_dict(cfg))
+    changes = config_changes(recorded, to_dict(cfg), defaults=to_dict(type(cfg)()))
     unexplained = {k: v for k, v in changes.items() if not any(k == o or k.startswith(f"{o}.") for o in overrides)}
     if unexplained:
         lines = "\n".join(f"  {key}: {old!r} -> {new!r}" for key, (old, new) in unexplained.items())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from bpo_megatron.algo import group_advantages
@@ -21,3 +23,10 @@ def training_samples(samples: list[Sample], rewards: torch.Tensor, group_size: i
     metrics.update(response_length_mean=float(lengths.mean()), response_length_max=float(lengths.max()),
                    truncated_frac=sum(s.finish_reason == "length" for s in samples) / len(samples))
     return train, metrics
+
+
+def with_old_logprobs(trainer, samples: list[TrainSample]) -> list[TrainSample]:
+    """The samples with the trainer's log π_old of each response token under the current weights,
+    the ones that sampled them (one forward pass over the batch, routing replayed as in training)."""
+    scored = trainer.compute_logprobs(samples)
+    return [dataclasses.replace(sample, old_logprobs=logprobs) for sample, logprobs in zip(samples, scored.logprobs)]

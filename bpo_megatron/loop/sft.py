@@ -1,8 +1,9 @@
 """Supervised warm start on reference answers (CPU demos: a random tiny model knows nothing).
 
 An SFT step is a policy step with advantage +1 on the reference response and the trainer's own
-log-probs as μ: every BPO weight is then 1 and nothing is masked, so the update is exactly the
-negative log-likelihood gradient — no separate loss code path is needed.
+log-probs as μ (and as π_old, for the mismatch corrections): every BPO weight and correction is
+then 1 and nothing is masked, so the update is exactly the negative log-likelihood gradient — no
+separate loss code path is needed.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def sft_warmup(cfg, trainer, prompts, tokenizer, metrics_out, echo) -> None:
         replay = cfg.model.routing_replay
         scored = trainer.compute_logprobs(samples, record_routing=replay)
         routing = scored.routed_experts if replay else [None] * len(samples)
-        samples = [replace(s, rollout_logprobs=lp.clamp(max=0.0), routed_experts=r)
+        # μ = π_old = π: every loss weight and mismatch correction is exactly 1
+        samples = [replace(s, rollout_logprobs=lp.clamp(max=0.0), old_logprobs=lp.clamp(max=0.0), routed_experts=r)
                    for s, lp, r in zip(samples, scored.logprobs, routing)]
         metrics = trainer.train_step(samples)
         nll = -float(torch.cat(scored.logprobs).mean())

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bpo_megatron.losses.aggregation import AGGREGATIONS
+from bpo_megatron.losses.corrections import CORRECTIONS
 from bpo_megatron.losses.registry import POLICY_LOSSES
 
 
@@ -35,6 +36,15 @@ class PolicyLossConfig:
     # |log π − log μ| is clamped to this before exponentiating into a ratio, so a wildly
     # off-policy token yields a huge but finite weight instead of inf/NaN.
     max_log_ratio: float = 20.0
+    # Engine/trainer mismatch correction (losses/corrections.py): none, tis, mis or icepop. Any
+    # but none needs the trainer's recomputed log-probs of the behaviour weights
+    # (train.recompute_old_logprobs). Defaults: TIS and MIS caps 2 (Yao et al.; Liu et al.),
+    # IcePop's interval [0.5, 5].
+    correction: str = "none"
+    tis_cap: float = 2.0
+    mis_cap: float = 2.0
+    icepop_low: float = 0.5
+    icepop_high: float = 5.0
 
     def __post_init__(self) -> None:
         if self.name not in POLICY_LOSSES:
@@ -45,6 +55,16 @@ class PolicyLossConfig:
             raise ValueError(
                 f"PolicyLossConfig.agg={self.agg!r} is unknown; choose one of {sorted(AGGREGATIONS)}"
             )
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"PolicyLossConfig.correction={self.correction!r} is unknown; choose one of "
+                             f"{sorted(CORRECTIONS)}")
+        for field in ("tis_cap", "mis_cap"):
+            if not getattr(self, field) >= 1:
+                raise ValueError(f"PolicyLossConfig.{field} must be >= 1 (it caps the behaviour ratio, which is 1 "
+                                 f"when engine and trainer agree), got {getattr(self, field)}")
+        if not 0 < self.icepop_low <= 1 <= self.icepop_high:
+            raise ValueError(f"PolicyLossConfig.icepop_low={self.icepop_low} and icepop_high={self.icepop_high} must "
+                             "satisfy 0 < icepop_low <= 1 <= icepop_high (a token whose ratio is 1 is kept)")
         for field in ("bpo_eps", "dppo_delta", "max_log_ratio"):
             value = getattr(self, field)
             if not value > 0:

@@ -6,10 +6,11 @@ import torch
 
 from bpo_megatron.losses.aggregation import AGGREGATIONS, BatchTotals
 from bpo_megatron.losses.config import PolicyLossConfig
+from bpo_megatron.losses.corrections import CORRECTIONS
 from bpo_megatron.losses.registry import POLICY_LOSSES
 from bpo_megatron.losses.statistics import LossStatistics
 from bpo_megatron.losses.terms import TokenTerms
-from bpo_megatron.losses.validation import validate_policy_loss_inputs
+from bpo_megatron.losses.validation import check_logprobs, validate_policy_loss_inputs
 
 
 def policy_loss(
@@ -20,20 +21,34 @@ def policy_loss(
     cfg: PolicyLossConfig,
     *,
     totals: BatchTotals | None = None,
+    old_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStatistics]:
     """Like :func:`compute_policy_loss`, but the statistics stay tensors (no host sync for them)
     so a trainer can merge them over micro-batches and ranks before reading them."""
     advantages, mask = validate_policy_loss_inputs(logprobs, rollout_logprobs, advantages, loss_mask)
+    if old_logprobs is None and cfg.correction != "none":
+        raise ValueError(f"loss.correction={cfg.correction} needs the trainer's recomputed log-probs of the behaviour "
+                         "weights (old_logprobs): set train.recompute_old_logprobs=true")
     work = torch.promote_types(logprobs.dtype, torch.float32)
-    terms = TokenTerms(
-        logprobs=logprobs.detach().to(work),
-        rollout_logprobs=rollout_logprobs.detach().to(work),
-        advantages=advantages.detach().to(work),
-        mask=mask,
-        max_log_ratio=cfg.max_log_ratio,
-    )
+
+    def terms_of(current: torch.Tensor, anchor: torch.Tensor) -> TokenTerms:
+        return TokenTerms(logprobs=current.detach().to(work), rollout_logprobs=anchor.detach().to(work),
+                          advantages=advantages.detach().to(work), mask=mask, max_log_ratio=cfg.max_log_ratio)
+
+    behaviour = None
+    if old_logprobs is not None:
+        if old_logprobs.shape != logprobs.shape:
+            raise ValueError(f"old_logprobs shape {tuple(old_logprobs.shape)} does not match logprobs "
+                             f"{tuple(logprobs.shape)}")
+        check_logprobs("old_logprobs", old_logprobs.detach(), mask)
+        behaviour = terms_of(old_logprobs, rollout_logprobs)  # π_old against μ
+    terms = terms_of(logprobs, rollout_logprobs if old_logprobs is None else old_logprobs)
     with torch.no_grad():
-        weight, keep = POLICY_LOSSES[cfg.name].weight_and_mask(terms, cfg)
+        own_weight, own_keep = weight, keep = POLICY_LOSSES[cfg.name].weight_and_mask(terms, cfg)
+        correction = None
+        if behaviour is not None:
+            correction = CORRECTIONS[cfg.correction](behaviour, cfg)
+            weight, keep = weight * correction[0], keep & correction[1]
         active = mask & keep
         coefficient = torch.where(active, terms.advantages * weight, 0.0)
     # where(), not a product: padding may hold NaN/-inf log-probs and dropped tokens huge
@@ -42,7 +57,7 @@ def policy_loss(
     norm_length = cfg.norm_length or logprobs.shape[-1]
     totals = totals or BatchTotals.of(mask)
     loss = AGGREGATIONS[cfg.agg](token_losses, mask.to(work), totals, norm_length)
-    return loss, LossStatistics.compute(terms, weight, keep)
+    return loss, LossStatistics.compute(terms, own_weight, own_keep, behaviour=behaviour, correction=correction)
 
 
 def compute_policy_loss(
@@ -53,6 +68,7 @@ def compute_policy_loss(
     cfg: PolicyLossConfig,
     *,
     totals: BatchTotals | None = None,
+    old_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Policy loss ``ℓ_t = −Â · M_t · sg(w_t) · log π(y_t)`` aggregated by ``cfg.agg``.
 
@@ -64,6 +80,9 @@ def compute_policy_loss(
         cfg: which loss and its hyper-parameters.
         totals: token/sequence counts of the whole batch when this call sees only a part of it
             (micro-batches, data-parallel ranks); defaults to this call's own counts.
+        old_logprobs: [B, T] the trainer's log-probs of the behaviour weights (log π_old). When
+            given, the loss's weight and mask are taken against them instead of log μ, and
+            ``cfg.correction`` reweights/masks by π_old/μ (losses/corrections.py).
 
     Returns:
         ``(loss, metrics)``: a scalar tensor and a dict of Python floats (masked fractions by sign
@@ -73,5 +92,6 @@ def compute_policy_loss(
         ValueError: naming the argument, for shape mismatches, non-finite log-probs or
         advantages under the mask, or log-probs > 0.
     """
-    loss, stats = policy_loss(logprobs, rollout_logprobs, advantages, loss_mask, cfg, totals=totals)
+    loss, stats = policy_loss(logprobs, rollout_logprobs, advantages, loss_mask, cfg, totals=totals,
+                              old_logprobs=old_logprobs)
     return loss, stats.as_metrics()

@@ -16,7 +16,13 @@ MEAN_METRICS = (
     "weight_mean",  # mean of the stop-gradient weight w
     "abs_logp_diff_mean",  # mean |log π − log μ|: train/rollout mismatch
     "kl_k3",  # k3 estimate of KL(μ‖π): r − 1 − log r with r = π/μ
+    # with the trainer's recomputed behaviour log-probs π_old only (absent otherwise):
+    "correction_weight_mean",  # mean correction weight (losses/corrections.py)
+    "correction_drop_frac",  # fraction of loss tokens the correction drops
+    "mismatch_abs_logp_diff_mean",  # mean |log π_old − log μ|: engine/trainer numerics
+    "mismatch_kl_k3",  # k3 estimate of KL(μ‖π_old)
 )
+BEHAVIOUR_METRICS = MEAN_METRICS[-4:]
 MAX_METRICS = ("weight_max",)
 
 
@@ -29,7 +35,10 @@ class LossStatistics:
     maxima: torch.Tensor  # [len(MAX_METRICS)]
 
     @staticmethod
-    def compute(terms: TokenTerms, weight: torch.Tensor, keep: torch.Tensor) -> "LossStatistics":
+    def compute(terms: TokenTerms, weight: torch.Tensor, keep: torch.Tensor, *, behaviour: TokenTerms | None = None,
+                correction: tuple[torch.Tensor, torch.Tensor] | None = None) -> "LossStatistics":
+        """``weight``/``keep``: the loss's own; ``behaviour``: π_old against μ, and ``correction``
+        the correction's (weight, keep) applied on top."""
         mask = terms.mask
         dropped = mask & ~keep
         pos, neg = mask & terms.positive, mask & terms.negative
@@ -38,10 +47,18 @@ class LossStatistics:
         w = torch.where(mask, weight, zero)
         abs_diff = torch.where(mask, (terms.logprobs - terms.rollout_logprobs).abs(), zero)
         k3 = torch.where(mask, terms.ratio - 1.0 - terms.log_ratio, zero)
+        if behaviour is not None and correction is not None:
+            extra = [torch.where(mask, correction[0], zero).sum(), (mask & ~correction[1]).sum(),
+                     torch.where(mask, (behaviour.logprobs - behaviour.rollout_logprobs).abs(), zero).sum(),
+                     torch.where(mask, behaviour.ratio - 1.0 - behaviour.log_ratio, zero).sum()]
+            extra_counts = [count] * 4
+        else:
+            extra, extra_counts = [zero] * 4, [zero] * 4
         numerators = torch.stack(
-            [dropped.sum(), (dropped & pos).sum(), (dropped & neg).sum(), w.sum(), abs_diff.sum(), k3.sum()]
+            [dropped.sum(), (dropped & pos).sum(), (dropped & neg).sum(), w.sum(), abs_diff.sum(), k3.sum(), *extra]
         ).to(torch.float64)
-        denominators = torch.stack([count, pos.sum(), neg.sum(), count, count, count]).to(torch.float64)
+        denominators = torch.stack([count, pos.sum(), neg.sum(), count, count, count,
+                                    *extra_counts]).to(torch.float64)
         weight_max = w.max() if mask.any() else zero
         return LossStatistics(numerators, denominators, weight_max.reshape(1).to(torch.float64))
 
@@ -63,7 +80,8 @@ class LossStatistics:
 
     def as_metrics(self) -> dict[str, float]:
         means = (self.numerators / self.denominators.clamp(min=1.0)).tolist()
-        metrics = dict(zip(MEAN_METRICS, means))
+        metrics = {name: mean for name, mean, count in zip(MEAN_METRICS, means, self.denominators.tolist())
+                   if count > 0 or name not in BEHAVIOUR_METRICS}
         metrics.update(zip(MAX_METRICS, self.maxima.tolist()))
         metrics["num_tokens"] = float(self.denominators[0])
         return metrics

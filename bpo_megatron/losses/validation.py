@@ -13,7 +13,7 @@ def _first_index(bad: torch.Tensor) -> list[int]:
     return [int(i) for i in bad.nonzero()[0]]
 
 
-def _check_logprobs(name: str, value: torch.Tensor, mask: torch.Tensor) -> None:
+def check_logprobs(name: str, value: torch.Tensor, mask: torch.Tensor) -> None:
     if not value.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor of log-probabilities, got {value.dtype}")
     nonfinite = mask & ~torch.isfinite(value)
@@ -58,8 +58,8 @@ def validate_policy_loss_inputs(
         if bool(((loss_mask != 0) & (loss_mask != 1)).any()):
             raise ValueError("loss_mask must hold only 0/1 (or be bool)")
         loss_mask = loss_mask != 0
-    _check_logprobs("logprobs", logprobs.detach(), loss_mask)
-    _check_logprobs("rollout_logprobs", rollout_logprobs.detach(), loss_mask)
+    check_logprobs("logprobs", logprobs.detach(), loss_mask)
+    check_logprobs("rollout_logprobs", rollout_logprobs.detach(), loss_mask)
     if not advantages.is_floating_point():
         raise ValueError(f"advantages must be floating point, got {advantages.dtype}")
     if bool((loss_mask & ~torch.isfinite(advantages)).any()):

@@ -102,6 +102,7 @@ class TrainerGroup:
         self.layout: list[tuple[int, int, bool]] = self._collect([w.ready.remote() for w in self.workers], "start-up")
         self.dp_size = self.layout[0][1]
         self.hf, self.replaying = cfg.hf_config(), cfg.model.routing_replay
+        self.correction = cfg.loss.correction
         self.sent_bytes = 0  # written into the object store for the ranks (see take_sent_bytes)
 
     # ---------------------------------------------------------------------------- the algorithm
@@ -110,7 +111,8 @@ class TrainerGroup:
         into the object store once and read by its ranks only; the step's metrics."""
         from bpo_megatron.trainer.actor import check_batch, minibatch_totals
 
-        check_batch(minibatch, self.hf, replaying=self.replaying, dp_size=self.dp_size)
+        check_batch(minibatch, self.hf, replaying=self.replaying, dp_size=self.dp_size,
+                    correction=self.correction)
         shares, totals = self._put_shares(minibatch), minibatch_totals(minibatch)
         return self._collect([w.train_share.remote(shares[dp], totals)
                               for w, (dp, _, _) in zip(self.workers, self.layout)], "train_step")[-1]

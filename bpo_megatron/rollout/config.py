@@ -31,7 +31,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 16384
-    stop_token_ids: tuple[int, ...] = ()  # added to the tokenizer's end-of-sequence tokens
+    stop_token_ids: tuple[int, ...] = ()  # added to the tokenizer's end-of-sequence and end-of-turn tokens
     capture_routed_experts: bool = True
     seed: int = 0
     threads_per_engine: int = 1  # torch threads of the embedded engine

@@ -24,9 +24,10 @@ class Encoded:
 
 @dataclass(frozen=True)
 class PromptFormat:
-    """How problems become prompt tokens: the tokenizer, the ``data.template`` and the length
-    bound ``data.max_prompt_tokens``; ``with_answers`` also requires encodable reference answers
-    (a supervised warm start trains on them)."""
+    """How problems become prompt tokens: the tokenizer, the template (``data.template`` for
+    training prompts, ``eval.template`` for evaluation's) and the length bound
+    ``data.max_prompt_tokens``; ``with_answers`` also requires encodable reference answers (a
+    supervised warm start trains on them)."""
 
     tokenizer: object
     template: str
@@ -62,8 +63,11 @@ def load_eval_set(spec: str, root: str, *, count: int, seed: int) -> list[Proble
 
 
 def stop_tokens(tokenizer, extra: tuple[int, ...] = ()) -> tuple[int, ...]:
-    """The tokenizer's end-of-sequence tokens and ``rollout.stop_token_ids``."""
-    return tuple(sorted(set(tokenizer.eos_token_ids) | set(extra)))
+    """The tokenizer's end-of-sequence tokens, the end-of-turn token of its chat template (prompts
+    are rendered as a chat turn, so a response ends where the turn does; a base model's
+    end-of-sequence token alone would let it run on into a turn of its own), and
+    ``rollout.stop_token_ids``."""
+    return tuple(sorted(set(tokenizer.eos_token_ids) | set(tokenizer.end_of_turn_ids) | set(extra)))
 
 
 def requests(encoded: list[Encoded], *, tag: str, n: int, temperature: float, top_p: float, top_k: int,

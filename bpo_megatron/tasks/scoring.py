@@ -8,10 +8,23 @@ from bpo_megatron.rollout import Sample
 
 
 def response_texts(samples: list[Sample], tokenizer) -> list[str]:
-    eos = set(tokenizer.eos_token_ids)
-    return [tokenizer.decode([t for t in s.response_tokens.tolist() if t not in eos]) for s in samples]
+    stops = set(tokenizer.eos_token_ids) | set(tokenizer.end_of_turn_ids)
+    return [tokenizer.decode([t for t in s.response_tokens.tolist() if t not in stops]) for s in samples]
 
 
-def score(samples: list[Sample], answers: list[str], tokenizer, reward_fn) -> torch.Tensor:
-    """Rewards in sample order (``answers`` holds one answer per sample)."""
-    return torch.tensor(reward_fn(response_texts(samples, tokenizer), answers), dtype=torch.float32)
+def truncated(sample: Sample) -> bool:
+    """Cut off by the length limit: whatever its text ends with, the response never finished."""
+    return sample.finish_reason == "length"
+
+
+def score(samples: list[Sample], answers: list[str], tokenizer, reward_fn, *,
+          truncated_reward: float) -> torch.Tensor:
+    """Rewards in sample order (``answers`` holds one answer per sample). A truncated response
+    scores ``truncated_reward`` (``data.truncated_reward``) unverified: its text may end in the
+    reference answer mid-derivation, and rewarding that teaches nothing about finishing."""
+    finished = [i for i, s in enumerate(samples) if not truncated(s)]
+    rewards = [float(truncated_reward)] * len(samples)
+    verified = reward_fn(response_texts([samples[i] for i in finished], tokenizer), [answers[i] for i in finished])
+    for i, value in zip(finished, verified):
+        rewards[i] = value
+    return torch.tensor(rewards, dtype=torch.float32)

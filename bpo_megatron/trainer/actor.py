@@ -45,10 +45,15 @@ def minibatch_totals(minibatch: list[TrainSample]) -> BatchTotals:
     return BatchTotals(tokens=float(sum(s.num_response_tokens for s in minibatch)), sequences=float(len(minibatch)))
 
 
-def check_batch(samples: list[TrainSample], hf: HFModelConfig, *, replaying: bool, dp_size: int) -> None:
-    """Refuse samples the model cannot take (token ids, routing when ``replaying``) and a batch
-    that ``dp_size`` data-parallel ranks cannot share evenly."""
+def check_batch(samples: list[TrainSample], hf: HFModelConfig, *, replaying: bool, dp_size: int,
+                correction: str = "none") -> None:
+    """Refuse samples the model cannot take (token ids, routing when ``replaying``), a batch
+    that ``dp_size`` data-parallel ranks cannot share evenly, and one without the behaviour
+    log-probs a mismatch ``correction`` (other than none) is computed from."""
     check_samples(samples, vocab_size=hf.vocab_size)
+    if correction != "none" and samples[0].old_logprobs is None:
+        raise ValueError(f"loss.correction={correction} needs each sample's old_logprobs (the trainer's log-probs of "
+                         "the weights that sampled it): set train.recompute_old_logprobs=true")
     if replaying:
         check_routed_experts(samples, num_moe_layers=len(hf.moe_layers), topk=hf.num_experts_per_tok,
                              num_experts=hf.num_experts)
@@ -198,13 +203,13 @@ class TrainActor:
         matter how it is split over data-parallel ranks and micro-batches. Returns the loss, the
         loss statistics, the grad norm (pre-clip) and timings, identical on every rank.
         """
-        self._check(minibatch)
+        self._check(minibatch, training=True)
         return self.train_share(split(minibatch, self.ranks.dp_size)[self.ranks.dp], minibatch_totals(minibatch))
 
     def train_share(self, share: list[TrainSample], totals: BatchTotals) -> dict[str, float]:
         """:meth:`train_step` given this rank's data-parallel share of the minibatch and the
         minibatch's ``totals`` (every rank calls it with its own share at once)."""
-        self._check(share, whole_batch=False)
+        self._check(share, whole_batch=False, training=True)
         start = time.perf_counter()
         micro_batches = self._micro_batches(share)
         # Megatron's schedule divides each micro-batch loss by their number and DDP divides the
@@ -216,7 +221,7 @@ class TrainActor:
                 logits, micro.targets, self._tp_group, temperature=self.trainer_cfg.temperature,
                 inplace=True, vocab_size=self.hf.vocab_size)
             loss, stats = policy_loss(logp, micro.rollout_logprobs, micro.advantages, micro.loss_mask,
-                                      self.loss_cfg, totals=totals)
+                                      self.loss_cfg, totals=totals, old_logprobs=micro.old_logprobs)
             return loss * scale, {"loss": loss.detach().clone(), "stats": stats}
 
         zero_grad(self.ddp, self.optimizer)
@@ -288,11 +293,13 @@ class TrainActor:
     def _layout(self) -> dict[str, int]:
         return layout_record(self.parallel, dist.get_world_size())
 
-    def _check(self, samples: list[TrainSample], *, replaying: bool = True, whole_batch: bool = True) -> None:
+    def _check(self, samples: list[TrainSample], *, replaying: bool = True, whole_batch: bool = True,
+               training: bool = False) -> None:
         if self._offload.offloaded:
             raise RuntimeError("the trainer's memory is offloaded (engines hold the device): call onload() first")
         check_batch(samples, self.hf, replaying=self.replay is not None and replaying,
-                    dp_size=self.ranks.dp_size if whole_batch else 1)
+                    dp_size=self.ranks.dp_size if whole_batch else 1,
+                    correction=self.loss_cfg.correction if training else "none")
 
     def _micro_batches(self, samples: list[TrainSample], *, with_routing: bool = True) -> list[MicroBatch]:
         pad = self.ranks.tp_size if self.parallel.sequence_parallel else 1

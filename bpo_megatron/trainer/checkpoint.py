@@ -242,10 +242,23 @@ def _write_checksums(directory: Path, rank: int, world_size: int) -> None:
 
 
 def _prune(root: Path, keep_last: int) -> None:
-    """Keep the ``keep_last`` newest complete checkpoints, by step number."""
+    """Keep the ``keep_last`` newest complete checkpoints, by step number, and the best one.
+
+    The best step is the ``best_step`` the newest checkpoint's trainer state records (the RL
+    loop's best-checkpoint rule, see ``bpo_megatron.eval.avg_at_k.BestCheckpoint``): the
+    checkpoint a run reports as its result must outlive ``keep_last``. An older best is pruned
+    like any other once a later step beats it.
+    """
     complete = [p for p in step_dirs(root) if (p / STATE_FILE).is_file()]
+    best = None
+    if complete:
+        try:
+            best = json.loads((complete[-1] / STATE_FILE).read_text()).get("best_step")
+        except (OSError, ValueError):
+            best = None  # a state torn after its save: keep only the newest ones
     for old in complete[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        if step_of(old) != best:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _verify_collectively(directory: Path) -> None:

@@ -25,6 +25,9 @@ class TrainSample:
     rollout_logprobs: torch.Tensor  # [n - response_start] log μ of each response token
     advantage: float
     routed_experts: torch.Tensor | None = None  # [n - 1, num_moe_layers, topk] int
+    # [n - response_start] the trainer's own log π_old of each response token under the weights
+    # that sampled it (train.recompute_old_logprobs), for the mismatch corrections
+    old_logprobs: torch.Tensor | None = None
 
     @property
     def num_response_tokens(self) -> int:
@@ -54,6 +57,13 @@ def check_samples(samples: list[TrainSample], *, vocab_size: int) -> None:
             )
         if not bool(torch.isfinite(s.rollout_logprobs).all()) or bool((s.rollout_logprobs > 1e-5).any()):
             raise ValueError(f"{where}: rollout_logprobs must be finite log-probabilities (<= 0)")
+        if (s.old_logprobs is None) != (samples[0].old_logprobs is None):
+            raise ValueError(f"{where}: old_logprobs given for some samples and not others")
+        if s.old_logprobs is not None and (
+                s.old_logprobs.shape != s.rollout_logprobs.shape or not bool(torch.isfinite(s.old_logprobs).all())
+                or bool((s.old_logprobs > 1e-5).any())):
+            raise ValueError(f"{where}: old_logprobs must be finite log-probabilities (<= 0), one per response token "
+                             f"({n - s.response_start}), got shape {tuple(s.old_logprobs.shape)}")
         if not math.isfinite(s.advantage):
             raise ValueError(f"{where}: advantage must be finite, got {s.advantage}")
 
@@ -70,6 +80,7 @@ class MicroBatch:
     advantages: torch.Tensor  # [b]
     lengths: torch.Tensor  # [b] real input positions per row (n − 1)
     routed_experts: torch.Tensor | None  # [b, s, num_moe_layers, topk] or None
+    old_logprobs: torch.Tensor | None = None  # [b, s] log π_old of the target (0 off the mask) or None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -89,6 +100,7 @@ def collate(samples: list[TrainSample], *, pad_to_multiple: int = 1, with_routin
     targets = torch.zeros(b, seq, dtype=torch.long)
     loss_mask = torch.zeros(b, seq, dtype=torch.bool)
     rollout_logprobs = torch.zeros(b, seq, dtype=torch.float32)
+    old_logprobs = torch.zeros(b, seq, dtype=torch.float32) if samples[0].old_logprobs is not None else None
     routed = None
     if with_routing:
         layers, topk = samples[0].routed_experts.shape[1:]
@@ -102,6 +114,8 @@ def collate(samples: list[TrainSample], *, pad_to_multiple: int = 1, with_routin
         first = s.response_start - 1  # the position whose target is the first response token
         loss_mask[row, first:n] = True
         rollout_logprobs[row, first:n] = s.rollout_logprobs.float()
+        if old_logprobs is not None:
+            old_logprobs[row, first:n] = s.old_logprobs.float()
         if routed is not None:
             routed[row, :n] = s.routed_experts
     return MicroBatch(
@@ -113,6 +127,7 @@ def collate(samples: list[TrainSample], *, pad_to_multiple: int = 1, with_routin
         advantages=torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32),
         lengths=torch.tensor(lengths),
         routed_experts=routed,
+        old_logprobs=old_logprobs,
     )
 
 
