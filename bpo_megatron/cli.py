@@ -32,6 +32,7 @@ def command(name: str, help: str) -> Callable[[Callable[[list[str]], int]], Call
 
 # Benchmarks are imported on use: each pulls in Megatron-Core, which takes seconds to import.
 BENCHMARKS: dict[str, str] = {
+    "async": "bpo_megatron.bench.asynchronous",
     "logprobs": "bpo_megatron.bench.logprobs",
     "rollout": "bpo_megatron.bench.rollout",
     "step": "bpo_megatron.bench.step",

@@ -95,6 +95,10 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
     if cfg.model.routing_replay and not spec.captures_routing_without_gpu and not platform.has_cuda():
         raise ConfigError(f"model.routing_replay=true with rollout.engine={spec.name}: it records routed experts only "
                           "on GPUs; use rollout.engine=hf on CPU")
+    if cfg.train.asynchronous.max_staleness and cfg.cluster.colocate:
+        raise ConfigError(f"train.async.max_staleness={cfg.train.asynchronous.max_staleness} generates while the trainer "
+                          "trains, which needs the engines on their own devices: set cluster.colocate=false (or "
+                          "train.async.max_staleness=0)")
     if cfg.train.overlong_buffer >= cfg.rollout.max_new_tokens:
         raise ConfigError(f"train.overlong_buffer={cfg.train.overlong_buffer} must be below rollout.max_new_tokens="
                           f"{cfg.rollout.max_new_tokens}: the penalty starts that many tokens before the limit")

@@ -116,3 +116,45 @@ def test_grpo_with_tis_and_r3_and_dapo_batch_shaping(tmp_path, ray_session, smal
         assert record["clip_frac"] == 0.0
         assert record["mismatch_abs_logp_diff_mean"] < 1e-3  # π_old against the engine's μ
         assert abs(record["correction_weight_mean"] - 1.0) < 1e-3 and record["correction_drop_frac"] == 0.0
+
+
+@pytest.mark.timeout(420)
+def test_one_step_off_policy_trains_on_batches_sampled_one_update_earlier(tmp_path, ray_session, small_run):
+    """train.async.max_staleness=1: step s + 1's batch generates while step s trains. Every sample
+    records the weights that sampled it: step 1 trains on version 0 (nothing older exists), every
+    later step on responses exactly one update old. A checkpoint keeps the data cursor of the first
+    prompt no step trained on (the batch under way is generated again on resume)."""
+    import json
+
+    _run(small_run(tmp_path, "train.steps=3", "cluster.colocate=false", "train.async.max_staleness=1"))
+    steps = {r["step"]: r for r in read_metrics(tmp_path) if "reward_mean" in r}
+    assert sorted(steps) == [1, 2, 3]
+    assert (steps[1]["async/staleness_max"], steps[2]["async/staleness_max"], steps[3]["async/staleness_max"]) == (
+        0.0, 1.0, 1.0)
+    assert all(steps[s]["async/staleness_mean"] == steps[s]["async/staleness_max"] for s in steps)
+    from bpo_megatron.trainer.checkpoint import STATE_FILE, step_dirs, step_of
+
+    cursors = {step_of(d): json.loads((d / STATE_FILE).read_text())["data_cursor"]
+               for d in step_dirs(tmp_path / "checkpoints")}
+    sft_prompts = 2 * 8  # train.sft_warmup_steps × train.sft_batch_size
+    # at step 2 the batch of step 3 was under way: its 4 prompts are not behind the cursor
+    assert cursors == {2: sft_prompts + 2 * 4, 3: sft_prompts + 3 * 4}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_demo_learns_one_step_off_policy(tmp_path, ray_session):
+    """The CPU demo (120 steps) with train.async.max_staleness=1: the training reward and the
+    evaluation accuracy rise (measured: reward 0.32 → 0.41 over the first and last 10 steps, eval
+    0.34 → 0.41; synchronously 0.34 → 0.44 and 0.34 → 0.50)."""
+    from bpo_megatron.experiment import load_experiment
+
+    cfg = load_experiment("configs/tiny_moe_cpu.yaml", [f"logging.run_dir={tmp_path}", "cluster.colocate=false",
+                                                        "train.async.max_staleness=1"])
+    _run(cfg)
+    records = read_metrics(tmp_path)
+    rewards = [r["reward_mean"] for r in records if "reward_mean" in r]
+    evals = [r["eval/mean_avg@4"] for r in records if "eval/mean_avg@4" in r]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > first + 0.05, (first, last)
+    assert evals[-1] > evals[0], evals

@@ -100,17 +100,23 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def config_key(field: dataclasses.Field) -> str:
+    """A field's key in YAML: its name, or ``metadata["key"]`` for a key Python cannot spell as
+    a name (``train.async``: ``field(metadata={"key": "async"})``)."""
+    return field.metadata.get("key", field.name)
+
+
 def build(cls: type[T], data: Mapping[str, Any] | None, path: str = "") -> T:
     """Construct dataclass ``cls`` from ``data``, checking keys and types recursively."""
     data = dict(data or {})
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {config_key(f): f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"{path}." if path else ""
         raise ConfigError(f"unknown key {where}{unknown[0]}; valid keys{' of ' + path if path else ''}: "
                           f"{', '.join(sorted(fields))}")
     hints = typing.get_type_hints(cls)
-    kwargs = {name: _coerce(hints[name], value, _join(path, name)) for name, value in data.items()}
+    kwargs = {fields[key].name: _coerce(hints[fields[key].name], value, _join(path, key)) for key, value in data.items()}
     try:
         return cls(**kwargs)
     except ConfigError:
@@ -122,13 +128,15 @@ def build(cls: type[T], data: Mapping[str, Any] | None, path: str = "") -> T:
 def to_dict(config: Any) -> dict[str, Any]:
     """Plain data (tuples as lists), ready for YAML."""
     def plain(value: Any) -> Any:
-        if isinstance(value, tuple):
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return {config_key(f): plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if isinstance(value, (tuple, list)):
             return [plain(v) for v in value]
         if isinstance(value, dict):
             return {k: plain(v) for k, v in value.items()}
         return value
 
-    return plain(dataclasses.asdict(config))
+    return plain(config)
 
 
 def _join(path: str, name: str) -> str:

@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class AsyncConfig:
+    """``train.async``: generation for the next steps runs while a step trains
+    (loop/rollout_pipeline.py). ``max_staleness`` k: a step trains on responses sampled by weights
+    at most k updates old (0: the synchronous loop). A response found older than that (an engine
+    restarted with older weights, say) is regenerated with the current weights, or its group is
+    dropped and replaced by fresh prompts (``stale``)."""
+
+    max_staleness: int = 0
+    stale: Literal["regenerate", "drop"] = "regenerate"
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise ValueError(f"train.async.max_staleness must be >= 0 (0: synchronous), got {self.max_staleness}")
 
 
 @dataclass(frozen=True)
@@ -28,6 +45,7 @@ class LoopConfig:
     # DAPO batch shaping (loop/batch_shaping.py): drop groups whose rewards do not vary and draw
     # more prompts, in at most this many rounds; and the soft overlong punishment over the last
     # overlong_buffer tokens before rollout.max_new_tokens (0: off), reaching -overlong_penalty.
+    asynchronous: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
     dynamic_sampling: bool = False
     dynamic_sampling_max_rounds: int = 4
     overlong_buffer: int = 0

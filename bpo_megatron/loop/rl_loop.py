@@ -3,7 +3,9 @@
 Every step: ``prompts_per_step`` prompts × G responses from the rollout engines; a verifier
 scores each response; advantages are normalised within each prompt's group; the responses are
 shuffled into ``minibatches_per_step`` equal minibatches with one optimizer step each; the new
-weights go to the engines. Evaluation and checkpoints every few steps; a killed run resumes from
+weights go to the engines. With ``train.async.max_staleness`` k > 0 the batches of the next k
+steps generate while a step trains (:mod:`bpo_megatron.loop.rollout_pipeline`). Evaluation and
+checkpoints every few steps; a killed run resumes from
 its newest checkpoint exactly (same data, same seeds), and its metrics record each step once.
 Everything the run reads is checked first (:mod:`bpo_megatron.loop.preflight`).
 """
@@ -18,6 +20,7 @@ from bpo_megatron.eval.avg_at_k import BestCheckpoint, evaluate
 from bpo_megatron.loop import diagnostics
 from bpo_megatron.loop.batch_shaping import dynamic_batch, punish_overlong
 from bpo_megatron.loop.preflight import RunPlan, prepare
+from bpo_megatron.loop.rollout_pipeline import RolloutPipeline
 from bpo_megatron.loop.run_dir import RunLock, checkpoint_root, initial_hf_dir, record_config
 from bpo_megatron.loop.samples import training_samples, with_old_logprobs
 from bpo_megatron.loop.sft import sft_warmup
@@ -81,26 +84,41 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                 phases.rollout()
                 _evaluate(plan, engines, verify, 0, best, metrics_out, echo)
 
+            def request_batch(batch: list, step: int, round_: int) -> list:
+                """The requests of ``batch`` (G responses each) for ``step``: tags and seeds by step and round."""
+                return requests(batch, tag=f"s{step}" if round_ == 0 else f"s{step}r{round_}", n=cfg.rollout.group_size,
+                                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                                max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=stops,
+                                seed=cfg.rollout.seed + step + round_ * ROUND_SEED_STRIDE)
+
+            ahead = cfg.train.asynchronous
+            pipeline = RolloutPipeline(engines, prompts, request_batch, per_step=cfg.train.prompts_per_step,
+                                       group_size=cfg.rollout.group_size, last_step=cfg.train.steps,
+                                       max_staleness=ahead.max_staleness, stale=ahead.stale)
+
             for step in range(state.step + 1, cfg.train.steps + 1):
                 timer = time.perf_counter()
+                generating = [0.0]  # seconds spent waiting for the engines to generate
+                waited(generating, pipeline.settle)  # the batches under way finish before the engines take weights
+                t_settled = time.perf_counter()
                 sync = phases.rollout()  # the engines get the weights of the last update
                 t_sync = time.perf_counter()
-                generating = [0.0]  # seconds the engines spent generating (scoring is the driver's)
+                pipeline.plan(step)  # this step's batch and, asynchronously, those of the next max_staleness steps
 
                 def draw(count: int, round_: int):
-                    """``count`` prompts × G responses and their verified rewards."""
-                    batch = prompts.take(count)
-                    start = time.perf_counter()
-                    samples = engines.generate(requests(
-                        batch, tag=f"s{step}" if round_ == 0 else f"s{step}r{round_}", n=cfg.rollout.group_size,
-                        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                        max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=stops,
-                        seed=cfg.rollout.seed + step + round_ * ROUND_SEED_STRIDE))
-                    generating[0] += time.perf_counter() - start
+                    """``count`` prompts × G responses (round 0: this step's planned batch) and their
+                    verified rewards."""
+                    nonlocal lagging
+                    if round_ == 0:
+                        samples, batch, lagging = waited(generating, pipeline.take, step)
+                    else:
+                        batch = prompts.take(count)
+                        samples = waited(generating, engines.generate, request_batch(batch, step, round_))
                     answers = [e.problem.answer for e in batch for _ in range(cfg.rollout.group_size)]
                     return samples, score(samples, answers, tokenizer, verify,
                                           truncated_reward=cfg.data.truncated_reward)
 
+                lagging: dict[str, float] = {}
                 shaping: dict[str, float] = {}
                 if cfg.train.dynamic_sampling:  # only groups whose rewards vary, drawing more prompts
                     samples, rewards, shaping = dynamic_batch(draw, cfg.train.prompts_per_step, cfg.rollout.group_size,
@@ -111,10 +129,10 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                     rewards, overlong = punish_overlong(samples, rewards, cfg.rollout.max_new_tokens,
                                                         cfg.train.overlong_buffer, cfg.train.overlong_penalty)
                     shaping.update(overlong)
-                t_rollout = t_sync + generating[0]
                 train_samples, metrics = training_samples(samples, rewards, cfg.rollout.group_size,
                                                           keep_routing=cfg.model.routing_replay)
                 metrics.update(shaping)
+                metrics.update(lagging)
                 random.Random(cfg.train.seed + step).shuffle(train_samples)
                 t_prepared = time.perf_counter()
                 phases.train()
@@ -127,12 +145,14 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                 metrics.update(diagnostics.mean_over_minibatches(updates))
                 metrics["driver/to_trainer_mb"] = trainer.take_sent_bytes() / 2**20  # this step's object-store writes
                 step_s = time.perf_counter() - timer
-                metrics.update({"time/rollout_s": t_rollout - t_sync, "time/train_s": t_train - t_prepared,
-                                "time/sync_s": t_sync - timer, "time/step_s": step_s,
+                rollout_s, sync_s, train_s = generating[0], t_sync - t_settled, t_train - t_prepared
+                metrics.update({"time/rollout_s": rollout_s, "time/train_s": train_s, "time/sync_s": sync_s,
+                                "time/step_s": step_s,
                                 # scoring, advantages, batching and bookkeeping: the driver's own work
-                                "time/driver_s": step_s - (t_train - t_prepared) - (t_rollout - timer)})
-                state.step, state.data_cursor = step, prompts.cursor
+                                "time/driver_s": step_s - train_s - sync_s - rollout_s})
+                state.step, state.data_cursor = step, pipeline.resume_cursor()
                 if cfg.eval.every and step % cfg.eval.every == 0:
+                    pipeline.settle()
                     sync = diagnostics.add_sync(sync, phases.rollout())
                     metrics.update(_evaluate(plan, engines, verify, step, best, metrics_out, echo))
                 metrics.update(diagnostics.add_sync(sync, {}))
@@ -153,6 +173,15 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                 placement.remove()
             if started_ray:
                 stop_ray()
+
+
+def waited(seconds: list[float], fn, *args):
+    """``fn(*args)``, its duration added to ``seconds[0]``."""
+    start = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        seconds[0] += time.perf_counter() - start
 
 
 def _evaluate(plan: RunPlan, engines, verify, step, best, metrics_out, echo) -> dict:

@@ -77,6 +77,29 @@ class EnginesFailed(RuntimeError):
     """Rollout engines kept dying or hanging beyond their restart budget."""
 
 
+class PendingGeneration:
+    """Requests shared out over the engines, generating; :meth:`result` gathers the samples (a
+    dead or hung engine is replaced and its share re-sent, to the engines of that moment)."""
+
+    def __init__(self, engines: EngineGroup, requests: list) -> None:
+        self._engines = engines
+        self._shares = _split(requests, len(engines.workers))
+        self._results: list[list | None] = [[] if not share else None for share in self._shares]
+        self._futures = {i: engines.workers[i].generate.remote(share) for i, share in enumerate(self._shares) if share}
+        self._samples: list | None = None
+
+    def result(self) -> list:
+        """All samples, in request order (waits for them the first time)."""
+        while self._samples is None:
+            failed = self._engines._collect(self._futures, self._results)
+            if failed:
+                self._engines.replace(failed)
+                self._futures = {i: self._engines.workers[i].generate.remote(self._shares[i]) for i in failed}
+            else:
+                self._samples = [sample for part in self._results for sample in part]
+        return self._samples
+
+
 class TrainerGroup:
     """The trainer ranks, on their slots of ``placement`` (by default a placement of their own)."""
 
@@ -259,16 +282,12 @@ class EngineGroup:
 
     def generate(self, requests: list) -> list:
         """All samples, in request order; a dead or hung engine is replaced and its share re-sent."""
-        shares = _split(requests, len(self.workers))
-        results: list[list | None] = [[] if not share else None for share in shares]
-        pending = [i for i, share in enumerate(shares) if share]
-        while pending:
-            futures = {i: self.workers[i].generate.remote(shares[i]) for i in pending}
-            failed = self._collect(futures, results)
-            if failed:
-                self.replace(failed)
-            pending = failed
-        return [sample for part in results for sample in part]
+        return self.submit(requests).result()
+
+    def submit(self, requests: list) -> PendingGeneration:
+        """Start generating ``requests`` on the engines and return at once; ``.result()`` waits.
+        The engines take later calls (a weight update, say) only after this generation."""
+        return PendingGeneration(self, requests)
 
     def _collect(self, futures: dict[int, Any], results: list[list | None]) -> list[int]:
         """Store every engine's answer; return the engines that died or ran out of time (the
