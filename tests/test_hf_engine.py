@@ -5,12 +5,14 @@ expert layout), and closed-form sampling distributions."""
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import DynamicCache
 
 from bpo_megatron.models import HFModelConfig
 from bpo_megatron.models.routing import RoutingLayout
@@ -247,3 +249,72 @@ def test_capture_is_off_when_not_asked_for(moe_dir):
     assert not engine.capabilities.captures_routing
     sample = engine.generate([GenerationRequest("x", (1, 2, 3), SamplingParams(max_new_tokens=4, seed=0))])[0]
     assert sample.routed_experts is None
+
+
+def test_a_partial_rollout_records_both_versions_and_the_logprobs_it_sampled_with(moe_dir):
+    """A weight update arrives while a response is being generated (another thread, as a weight
+    sync reaches a busy engine): the generation pauses at its next step, continues with the new
+    weights, and each token records the version that sampled it. Its μ equals, token by token, an
+    independent recompute in plain transformers that feeds the same tokens through one KV cache and
+    switches the weights at the recorded token (the prefix's cache stays the old weights', as in
+    the engine), and differs from the old weights' own log-probs after the switch."""
+    import threading
+
+    engine = HFEngine(moe_dir, capture_routing=False)
+    model = engine.model
+    old = {name: tensor.clone() for name, tensor in engine.named_hf_weights()}
+    new = {name: tensor + 0.05 * torch.randn(tensor.shape, generator=torch.Generator().manual_seed(3))
+           for name, tensor in old.items()}
+    prompt = (5, 9, 2, 7)
+    request = [GenerationRequest("p", prompt, SamplingParams(temperature=1.0, max_new_tokens=10, seed=11,
+                                                             stop_token_ids=()))]
+    forwards, third_done = [0], threading.Event()
+    original = model.forward
+
+    def counting_forward(*args, **kwargs):
+        out = original(*args, **kwargs)
+        forwards[0] += 1
+        if forwards[0] == 3:  # hold the third forward until the update is requested
+            third_done.set()
+            assert wait_for(lambda: engine.health().detail == "paused")
+        return out
+
+    def wait_for(condition, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+    model.forward = counting_forward
+    result: list = []
+    worker = threading.Thread(target=lambda: result.extend(engine.generate(request)))
+    worker.start()
+    assert third_done.wait(30)
+    engine.begin_weight_update(1)  # returns once the third forward is over
+    engine.update_weights(new.items())
+    engine.end_weight_update()
+    worker.join(30)
+    model.forward = original
+    [sample] = result
+    assert sample.token_versions.tolist() == [0, 0, 0] + [1] * 7 and sample.weight_version == 0
+
+    def recompute(switch_at: int | None) -> torch.Tensor:
+        """log π of each response token; the weights switched to the new ones before token ``switch_at``."""
+        engine.update_weights(old.items())
+        tokens = sample.response_tokens.tolist()
+        cache, logprobs = DynamicCache(config=model.config), []
+        with torch.inference_mode():
+            for t, token in enumerate(tokens):
+                if t == switch_at:
+                    engine.update_weights(new.items())
+                ids = list(prompt) if t == 0 else [tokens[t - 1]]  # the prompt, then each sampled token
+                positions = torch.arange(len(prompt) + t - len(ids), len(prompt) + t)[None]
+                logits = model(input_ids=torch.tensor([ids]), position_ids=positions, past_key_values=cache,
+                               use_cache=True).logits[0, -1].float()
+                logprobs.append(torch.log_softmax(logits, dim=-1)[token])
+        return torch.stack(logprobs)
+
+    assert torch.allclose(sample.rollout_logprobs, recompute(3), atol=1e-5)
+    assert (sample.rollout_logprobs[3:] - recompute(None)[3:]).abs().max() > 1e-3

@@ -71,12 +71,42 @@ def test_every_consumed_sample_is_at_most_k_updates_stale_and_the_batches_run_ah
         assert prompts == list(range(3 * (step - 1), 3 * step))  # the prompts in order, none skipped
         if k:
             assert metrics == {"async/staleness_mean": float(min(k, step - 1)),
-                               "async/staleness_max": float(min(k, step - 1)), "async/stale_groups": 0.0}
+                               "async/staleness_max": float(min(k, step - 1)), "async/stale_groups": 0.0,
+                               "async/partial_frac": 0.0}
         else:
             assert metrics == {}  # the synchronous loop's metrics, unchanged
     # k = 0: one batch at a time; k: the first step plans k + 1 batches, then one per step
     assert [len(batch) // 3 for batch in engines.submitted] == [1] * (6 + k)
     assert len(pipeline._planned) == k
+
+
+class PausingEngines(Engines):
+    """Engines with partial rollouts: a batch's first token is sampled by the weights held at
+    submission, the rest by those held when its result is read (the sync paused it meanwhile)."""
+
+    def submit(self, requests):
+        engines, version = self, self.version
+        self.submitted.append([r[0] for r in requests])
+
+        def result(_self):
+            versions = torch.tensor([version, engines.version, engines.version])
+            return [Sample(request_id=f"{step}-{prompt}", index=i, prompt_tokens=torch.tensor([prompt]),
+                           response_tokens=torch.tensor([1, 1, 1]), rollout_logprobs=torch.zeros(3),
+                           finish_reason="stop", weight_version=int(versions.min()), token_versions=versions)
+                    for prompt, step, round_ in requests for i in range(G)]
+        return type("Pending", (), {"result": result})()
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_with_partial_rollouts_nothing_waits_and_a_sample_is_as_stale_as_its_oldest_token(k):
+    engines, prompts = PausingEngines(), Prompts()
+    batch = lambda prompts_, step, round_: [(p, step, round_) for p in prompts_]  # noqa: E731
+    pipeline = RolloutPipeline(engines, prompts, batch, per_step=3, group_size=G, last_step=10, max_staleness=k,
+                               stale="regenerate", partial=True)
+    consumed = _run(pipeline, engines, range(1, 7))
+    for step, (samples, _, metrics) in consumed.items():
+        assert set(staleness(samples, step)) == {min(k, step - 1)}
+        assert metrics["async/partial_frac"] == (1.0 if step > 1 else 0.0)  # later tokens: the newer weights
 
 
 def test_the_last_steps_plan_nothing_beyond_the_run():

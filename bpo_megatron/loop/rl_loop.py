@@ -94,12 +94,13 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
             ahead = cfg.train.asynchronous
             pipeline = RolloutPipeline(engines, prompts, request_batch, per_step=cfg.train.prompts_per_step,
                                        group_size=cfg.rollout.group_size, last_step=cfg.train.steps,
-                                       max_staleness=ahead.max_staleness, stale=ahead.stale)
+                                       max_staleness=ahead.max_staleness, stale=ahead.stale,
+                                       partial=engines.partial_rollouts)
 
             for step in range(state.step + 1, cfg.train.steps + 1):
                 timer = time.perf_counter()
                 generating = [0.0]  # seconds spent waiting for the engines to generate
-                waited(generating, pipeline.settle)  # the batches under way finish before the engines take weights
+                waited(generating, pipeline.settle)  # the batches under way finish (or pause) before new weights
                 t_settled = time.perf_counter()
                 sync = phases.rollout()  # the engines get the weights of the last update
                 t_sync = time.perf_counter()

@@ -7,8 +7,15 @@ take version s − 1, and the batches of steps s … s + k not yet under way sta
 (:meth:`~RolloutPipeline.plan`); step s then trains on its own batch (:meth:`~RolloutPipeline.take`)
 while those of the next steps generate. So the batch of step s + k was sampled by version s − 1
 and is exactly k stale when trained on; with k = 0 each batch is generated and trained on in the
-same step, the synchronous loop. An engine takes a weight update only between generations (its
-calls run in order), so k > 1 adds staleness but no more overlap than k = 1.
+same step, the synchronous loop. An engine that cannot pause a generation takes a weight update
+only between generations (its calls run in order), so there k > 1 adds staleness but no more
+overlap than k = 1.
+
+With engines that pause a generation for a weight update and continue it with the new weights
+(partial rollouts, ``EngineSpec.partial_rollouts``: the embedded engine), nothing is waited for:
+the batches under way carry on across the sync, their later tokens sampled by the newer weights;
+a response's staleness is that of its oldest token, so it is at most k all the same, and k > 1
+overlaps more.
 
 A response older than k anyway (an engine replaced by one holding older weights, say) is caught
 from the version every sample records: its group is regenerated with the current weights, or
@@ -52,14 +59,17 @@ def stale_groups(samples: list[Sample], group_size: int, step: int, max_stalenes
 
 class RolloutPipeline:
     def __init__(self, engines, prompts, request_batch: RequestBatch, *, per_step: int, group_size: int,
-                 last_step: int, max_staleness: int, stale: str) -> None:
-        self.engines, self.prompts, self.request_batch = engines, prompts, request_batch
+                 last_step: int, max_staleness: int, stale: str, partial: bool = False) -> None:
+        self.engines, self.prompts, self.request_batch, self.partial = engines, prompts, request_batch, partial
         self.per_step, self.group_size, self.last_step = per_step, group_size, last_step
         self.max_staleness, self.stale = max_staleness, stale
         self._planned: deque[PlannedBatch] = deque()
 
     def settle(self) -> None:
-        """Wait until the engines have generated every planned batch (before they take weights)."""
+        """Wait until the engines have generated every planned batch (before they take weights);
+        engines with partial rollouts pause instead, so nothing is waited for."""
+        if self.partial:
+            return
         for planned in self._planned:
             planned.pending.result()
 
@@ -86,8 +96,10 @@ class RolloutPipeline:
         if not self.max_staleness:
             return samples, prompts, {}
         ages = staleness(samples, step)
+        spanning = sum(s.token_versions is not None and bool((s.token_versions != s.token_versions[0]).any())
+                       for s in samples)
         return samples, prompts, {"async/staleness_mean": sum(ages) / len(ages), "async/staleness_max": float(max(ages)),
-                                  "async/stale_groups": float(len(stale))}
+                                  "async/stale_groups": float(len(stale)), "async/partial_frac": spanning / len(samples)}
 
     def _renew(self, stale: list[int], samples: list[Sample], prompts: list, step: int) -> None:
         """Replace the stale groups in place: the same prompts sampled again, or fresh prompts."""

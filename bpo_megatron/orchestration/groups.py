@@ -266,8 +266,18 @@ class EngineGroup:
 
     def _options(self, index: int) -> dict[str, Any]:
         if self.placement is not None:  # on its slots of the run's placement (shared or its own)
-            return self.placement.engine_options(index)
-        return {"num_cpus": self.cfg.cluster.cpus_per_actor, "num_gpus": self.cfg.cluster.gpus_per_engine}
+            options = self.placement.engine_options(index)
+        else:
+            options = {"num_cpus": self.cfg.cluster.cpus_per_actor, "num_gpus": self.cfg.cluster.gpus_per_engine}
+        if self.partial_rollouts:  # a weight update reaches an engine while it generates
+            options["max_concurrency"] = 2
+        return options
+
+    @property
+    def partial_rollouts(self) -> bool:
+        """Whether the engines pause a generation under way for a weight update (train.async with
+        an engine that can): their actors then take calls while they generate."""
+        return bool(self.cfg.train.asynchronous.max_staleness) and self.cfg.rollout.spec.partial_rollouts
 
     def _devices(self, index: int) -> tuple[int, ...]:
         return self.placement.engine_gpus(index) if self.placement is not None else ()

@@ -127,6 +127,9 @@ class EngineSpec:
     weight_dtype: Callable[[Any], str | None] = _engine_dtype
     captures_routing_without_gpu: bool = True  # R3 capture works on a CPU-only machine
     exposes_weights: bool = False  # can report what it holds (train.verify_weight_sync)
+    # a generation under way pauses for a weight update and continues with the new weights, each
+    # token recording the version that sampled it (partial rollouts, train.async)
+    partial_rollouts: bool = False
 
 
 # engine name -> "module:SPEC"; a spec module is imported only when its engine is named

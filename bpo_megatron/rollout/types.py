@@ -62,7 +62,10 @@ class Sample:
     rollout_logprobs: torch.Tensor  # [R] float32, log μ of each response token
     finish_reason: FinishReason
     routed_experts: torch.Tensor | None = None  # [P + R − 1, MoE layers, top-k] when captured
-    weight_version: int = 0  # the engine's weights that produced it (the trainer's update count)
+    weight_version: int = 0  # the engine's weights that produced it (the trainer's update count); the oldest
+    # [R] int64: the weights version that sampled each response token, where the engine records it
+    # (a partial rollout, paused for a weight update and continued, spans two or more)
+    token_versions: torch.Tensor | None = None
 
     @property
     def tokens(self) -> torch.Tensor:

@@ -13,6 +13,7 @@ weight update.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Iterable, Iterator
@@ -52,6 +53,7 @@ class _Batch:
     stopped: list[bool]  # ended on a stop token
     routing: torch.Tensor | None  # [b, P + T − 1, moe layers, top-k], left-padded columns
     width: int  # P, the padded prompt width
+    versions: torch.Tensor  # [b, T] the weights version each token was sampled with
 
 
 class HFEngine(RolloutEngine):
@@ -88,7 +90,13 @@ class HFEngine(RolloutEngine):
         self.capabilities = EngineCapabilities(captures_routing=self._capture is not None)
         self._paused = False
         self.weight_version = self._pending_version = 0
-        self._lock = threading.Lock()  # generate and update_weights never interleave
+        # Weights change only between forward passes: a forward runs with the gate's lock free
+        # and _in_forward set; a weight update (or any write to the weights) first waits for the
+        # forward under way, and a paused generation waits at its next step (a partial rollout:
+        # it continues with the new weights, each token recording the version that sampled it).
+        self._gate = threading.Condition()
+        self._in_forward = False
+        self._generating = threading.Lock()  # one generation at a time
         self._shared: SharedWeights | None = None
 
     @property
@@ -98,12 +106,18 @@ class HFEngine(RolloutEngine):
     # -- lifecycle -------------------------------------------------------------------------------
 
     def begin_weight_update(self, version: int) -> None:
+        """Pause: a generation under way stops at its next step until :meth:`end_weight_update`
+        (returns once no forward pass is running)."""
         self._live_model()
-        self._paused, self._pending_version = True, int(version)
+        with self._gate:
+            self._paused, self._pending_version = True, int(version)
+            self._gate.wait_for(lambda: not self._in_forward)
 
     def end_weight_update(self) -> None:
         self._live_model()
-        self._paused, self.weight_version = False, self._pending_version
+        with self._gate:
+            self._paused, self.weight_version = False, self._pending_version
+            self._gate.notify_all()
 
     def health(self) -> EngineHealth:
         if self._model is None:
@@ -111,13 +125,32 @@ class HFEngine(RolloutEngine):
         return EngineHealth(healthy=True, detail="paused" if self._paused else "ready")
 
     def shutdown(self) -> None:
-        with self._lock:
+        with self._between_forwards():
             if self._capture is not None:
                 self._capture.remove()
             self._model = self._weights = self._capture = None
             if self._shared is not None:
                 self._shared.close()
                 self._shared = None
+
+    @contextlib.contextmanager
+    def _between_forwards(self):
+        """Hold the gate with no forward pass running (none starts until it is released)."""
+        with self._gate:
+            self._gate.wait_for(lambda: not self._in_forward)
+            yield
+
+    def _forward_may_start(self) -> int:
+        """Wait while a weight update is in progress; the weights version the forward runs with."""
+        with self._gate:
+            self._gate.wait_for(lambda: not self._paused)
+            self._in_forward = True
+            return self.weight_version
+
+    def _forward_done(self) -> None:
+        with self._gate:
+            self._in_forward = False
+            self._gate.notify_all()
 
     def _live_model(self) -> nn.Module:
         if self._model is None:
@@ -133,7 +166,7 @@ class HFEngine(RolloutEngine):
         and leaves its weight untouched (tensors before it are already applied).
         """
         self._live_model()
-        with self._lock:
+        with self._between_forwards():
             return sum(self._weights.load(name, tensor) for name, tensor in named_tensors)
 
     def share_weights(self) -> SegmentLayout | None:
@@ -141,7 +174,7 @@ class HFEngine(RolloutEngine):
         write them in place, inside a weight update (:mod:`bpo_megatron.weight_sync.shared_memory`);
         where each weight lies. None when they are not in host memory or cannot be shared."""
         self._live_model()
-        with self._lock:
+        with self._between_forwards():
             if self._shared is None:
                 if self._device.type != "cpu":
                     return None
@@ -171,7 +204,7 @@ class HFEngine(RolloutEngine):
         samples: list[Sample | None] = [None] * len(rows)
         # similar prompt lengths share a batch, so little of it is left padding
         order = sorted(range(len(rows)), key=lambda i: len(rows[i].request.prompt_tokens))
-        with self._lock, torch.inference_mode():
+        with self._generating, torch.inference_mode():
             for start in range(0, len(order), self._max_batch_rows):
                 chunk = order[start:start + self._max_batch_rows]
                 batch = self._decode(model, [rows[i] for i in chunk])
@@ -197,6 +230,7 @@ class HFEngine(RolloutEngine):
         steps = max(r.request.sampling.max_new_tokens for r in rows)
         tokens = torch.zeros(len(rows), steps, dtype=torch.long, device=device)
         logprobs = torch.zeros(len(rows), steps, dtype=torch.float32, device=device)
+        versions = torch.zeros(len(rows), steps, dtype=torch.int64, device=device)
         lengths, stopped = [0] * len(rows), [False] * len(rows)
         capture = self._capture
         if capture is not None:
@@ -211,11 +245,16 @@ class HFEngine(RolloutEngine):
                 if capture is not None:  # prefill fills columns [0, width); step s feeds column width+s-1
                     capture.target(None if live.numel() == len(rows) else live,
                                    0 if step == 0 else width + step - 1, step_ids.shape[1])
-                logits = model(input_ids=step_ids, attention_mask=mask, position_ids=step_positions,
-                               past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+                version = self._forward_may_start()
+                try:
+                    logits = model(input_ids=step_ids, attention_mask=mask, position_ids=step_positions,
+                                   past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+                finally:
+                    self._forward_done()
                 if capture is not None:
                     capture.check_forward()
                 sampled, sampled_logprobs = sampler.sample(logits, step)
+                versions[live, step] = version
                 tokens[live, step] = sampled
                 logprobs[live, step] = sampled_logprobs
                 stop = sampler.is_stop(sampled)
@@ -237,11 +276,12 @@ class HFEngine(RolloutEngine):
                 mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         finally:
             routing = capture.close() if capture is not None else None
-        return _Batch(tokens, logprobs, lengths, stopped, routing, width)
+        return _Batch(tokens, logprobs, lengths, stopped, routing, width, versions)
 
     def _sample(self, row: _Row, batch: _Batch, i: int) -> Sample:
         prompt = torch.tensor(row.request.prompt_tokens, dtype=torch.long)
         length = batch.lengths[i]
+        versions = batch.versions[i, :length].cpu().clone()
         routed = None
         if batch.routing is not None:
             # real positions only: after the row's left padding, up to the last token fed back
@@ -255,7 +295,8 @@ class HFEngine(RolloutEngine):
             rollout_logprobs=batch.logprobs[i, :length].cpu().clone(),
             finish_reason="stop" if batch.stopped[i] else "length",
             routed_experts=routed,
-            weight_version=self.weight_version,
+            weight_version=int(versions.min()),  # the oldest weights that sampled a token of it
+            token_versions=versions,
         )
 
 

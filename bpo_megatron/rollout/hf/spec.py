@@ -29,4 +29,5 @@ SPEC = EngineSpec(
     # weights are sent in the engine's own precision, so what it holds is exactly what was sent
     weight_dtype=lambda options: options.dtype,
     exposes_weights=True,
+    partial_rollouts=True,  # its forward gate (rollout/hf/engine.py)
 )
