@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 from bpo_megatron.cli import COMMANDS, main
 
 DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_moe_cpu.yaml")
@@ -53,3 +55,48 @@ def test_compare_summarises_runs_into_the_papers_table(tmp_path, capsys):
     assert "over seeds 1, 2, 3" in table
     assert (tmp_path / "curves.png").stat().st_size > 0
     assert table.strip() in capsys.readouterr().out
+
+
+def test_paired_bootstrap_interval_of_the_mean_difference():
+    from bpo_megatron.commands.compare import paired_delta
+
+    # equal differences: the interval collapses onto them
+    assert paired_delta([0.5, 0.6, 0.7], [0.4, 0.5, 0.6]) == pytest.approx((0.1, 0.1, 0.1))
+    values, reference = [0.50, 0.42, 0.61, 0.38, 0.55], [0.45, 0.44, 0.50, 0.36, 0.49]
+    mean, low, high = paired_delta(values, reference)
+    deltas = [v - r for v, r in zip(values, reference)]
+    assert mean == pytest.approx(sum(deltas) / 5)
+    assert min(deltas) <= low < mean < high <= max(deltas)
+    assert paired_delta(values, reference) == (mean, low, high)  # a fixed resampling seed
+    with pytest.raises(ValueError):
+        paired_delta([0.1, 0.2], [0.1])
+
+
+def test_compare_grows_a_staleness_axis_with_paired_differences(tmp_path, capsys):
+    """--staleness: one table per train.async.max_staleness, then each method's paired per-seed
+    difference of peak accuracy from the first method's with its bootstrap interval; GRPO + TIS
+    is one of the methods."""
+    from bpo_megatron.observability.metrics import MetricsWriter
+
+    peaks = {"bpo": (0.5, 0.6, 0.4), "grpo_tis": (0.4, 0.5, 0.3)}  # GRPO + TIS exactly 10 points lower
+    for k in (0, 1):
+        for loss, values in peaks.items():
+            for seed, peak in zip((1, 2, 3), values):
+                writer = MetricsWriter(tmp_path / f"{loss}-k{k}-s{seed}", tensorboard=False)
+                for index, value in enumerate((0.1, peak - 0.05 * k, 0.2)):
+                    writer.write(10 * index, {"reward_mean": value, "eval/mean_avg@4": value})
+                writer.close()
+    assert main(["compare", DEMO, "--losses", "bpo,grpo_tis", "--staleness", "0,1", "--seeds", "1,2,3",
+                 "--out", str(tmp_path), "--summarise-only"]) == 0
+    table = (tmp_path / "results.md").read_text()
+    assert "### train.async.max_staleness = 0" in table and "### train.async.max_staleness = 1" in table
+    assert "| BPO | **50.0 ± 10.0** | 20.0 ± 0.0 |" in table and "| BPO | **45.0 ± 10.0** | 20.0 ± 0.0 |" in table
+    assert "| GRPO + TIS | -10.0 [-10.0, -10.0] | -10.0 [-10.0, -10.0] |" in table
+
+
+def test_compare_staleness_runs_are_checked_with_engines_apart(tmp_path, capsys):
+    assert main(["compare", DEMO, "--losses", "bpo,grpo_tis", "--staleness", "0,2", "--seeds", "1",
+                 "--out", str(tmp_path), "--check"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") >= 4 - 1  # one summary per run: 2 methods × 2 staleness values
+    assert not any(tmp_path.iterdir())  # a check writes nothing
