@@ -100,3 +100,17 @@ def test_compare_staleness_runs_are_checked_with_engines_apart(tmp_path, capsys)
     out = capsys.readouterr().out
     assert out.count("\n") >= 4 - 1  # one summary per run: 2 methods × 2 staleness values
     assert not any(tmp_path.iterdir())  # a check writes nothing
+
+
+@pytest.mark.timeout(300)
+def test_compare_runs_every_method_then_summarises(tmp_path, capsys, ray_session):
+    """Not only the summary: the runs themselves (2 methods × 1 staleness × 1 seed, 1 step each),
+    then the table from what they wrote."""
+    small = ["train.steps=1", "train.prompts_per_step=4", "rollout.group_size=4", "train.minibatches_per_step=2",
+             "train.micro_batch_size=4", "train.sft_warmup_steps=0", "eval.limit=8", "eval.k=2", "eval.every=1",
+             "checkpoint.every=0", "logging.tensorboard=false"]
+    assert main(["compare", DEMO, *small, "--losses", "bpo,grpo", "--staleness", "1", "--seeds", "1",
+                 "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "results.md").read_text()
+    assert "### train.async.max_staleness = 1" in table and "| GRPO-ClipHigher |" in table
+    assert (tmp_path / "bpo-k1-s1" / "metrics.jsonl").is_file() and (tmp_path / "grpo-k1-s1" / "metrics.jsonl").is_file()

@@ -130,11 +130,11 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     try:
         staleness = [int(k) for k in args.staleness.split(",")] if args.staleness else [None]
-        plan = variants(args.losses.split(","), args.sweep)
+        methods = variants(args.losses.split(","), args.sweep)
         configs = {}
         for k in staleness:
             lag = () if k is None else (f"train.async.max_staleness={k}", "cluster.colocate=false")
-            for variant in plan:
+            for variant in methods:
                 for seed in seeds:
                     name = f"{variant.slug}-s{seed}" if k is None else f"{variant.slug}-k{k}-s{seed}"
                     configs[(variant, k, seed)] = load_experiment(args.config, [
@@ -156,13 +156,13 @@ def main(argv: list[str]) -> int:
             print(f"bpo-megatron compare: {exc}", file=sys.stderr)
             return 2
         if args.check:
-            print("\n".join(summary(plan) for plan in plans.values()))
+            print("\n".join(summary(run_plan) for run_plan in plans.values()))
             return 0
-        for (variant, k, seed), plan in plans.items():
+        for (variant, k, seed), run_plan in plans.items():
             at = "" if k is None else f", staleness {k}"
-            print(f"=== {variant.label}{at}, seed {seed} -> {plan.cfg.run_dir}", flush=True)
+            print(f"=== {variant.label}{at}, seed {seed} -> {run_plan.cfg.run_dir}", flush=True)
             try:
-                execute(plan, echo=lambda line: print(f"  {line}", flush=True))
+                execute(run_plan, echo=lambda line: print(f"  {line}", flush=True))
             except (TrainerFailed, EnginesFailed) as exc:
                 from bpo_megatron.commands.common import report_failure
 
@@ -170,7 +170,7 @@ def main(argv: list[str]) -> int:
     sections, curves, all_peaks = [], {}, {}
     for k in staleness:
         rows = []
-        for variant in plan:
+        for variant in methods:
             dirs = [configs[(variant, k, seed)].run_dir for seed in seeds]
             try:
                 peaks, finals = summarise(dirs)
@@ -182,8 +182,8 @@ def main(argv: list[str]) -> int:
             curves[variant.label if k is None else f"{variant.label}, k={k}"] = dirs
         heading = "" if k is None else f"### train.async.max_staleness = {k}\n\n"
         sections.append(heading + table(rows, seeds))
-    if staleness != [None] and len(plan) > 1:
-        sections.append(delta_table(all_peaks, [v.label for v in plan], staleness))
+    if staleness != [None] and len(methods) > 1:
+        sections.append(delta_table(all_peaks, [v.label for v in methods], staleness))
     text = "\n\n".join(sections)
     (out / "results.md").write_text(text + "\n")
     plot_variants(curves, out / "curves.png")
