@@ -96,6 +96,32 @@ def test_routing_over_every_layer_keeps_the_moe_layers_rows():
                       base64.b64encode(experts[:, 1:].copy().tobytes()[:-8]).decode()}}, routing=layout)
 
 
+def test_a_response_that_spans_a_weight_update_dates_every_token_from_sglangs_spans():
+    """SGLang's ``meta_info.weight_versions`` (version strings over output-token ranges; "default"
+    is the checkpoint the server started from): each token gets its version, the sample the
+    oldest; ``meta_info.weight_version`` names only the last."""
+    item = expand([GenerationRequest("r", (1, 2))])[0]
+    response = {"output_ids": [5, 6, 7, 8], "meta_info": {
+        "id": "r#0", "finish_reason": {"type": "length"},
+        "output_token_logprobs": [[-1.0, 5, None], [-1.0, 6, None], [-2.0, 7, None], [-2.0, 8, None]],
+        "weight_version": "4", "weight_versions": [{"version": "default", "start": 0, "end": 1},
+                                                   {"version": "3", "start": 1, "end": 2},
+                                                   {"version": "4", "start": 2, "end": 4}]}}
+    sample = decode_sample(item, response, routing=None)
+    assert sample.token_versions.tolist() == [0, 3, 4, 4] and sample.weight_version == 0
+    one_version = {**response["meta_info"], "weight_versions": [{"version": "4", "start": 0, "end": 4}]}
+    sample = decode_sample(item, {**response, "meta_info": one_version}, routing=None)
+    assert sample.token_versions.tolist() == [4, 4, 4, 4] and sample.weight_version == 4
+    without = {k: v for k, v in response["meta_info"].items() if k != "weight_versions"}  # an older server
+    sample = decode_sample(item, {**response, "meta_info": without}, routing=None)
+    assert sample.token_versions is None and sample.weight_version == 4
+    for spans in ([{"version": "3", "start": 0, "end": 3}],  # a token without a version
+                  [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 1, "end": 4}],  # overlap
+                  [{"version": "x", "start": 0, "end": 4}]):  # not a version the trainer sent
+        with pytest.raises(ProtocolError, match="weight_version"):
+            decode_sample(item, {**response, "meta_info": {**without, "weight_versions": spans}}, routing=None)
+
+
 @pytest.mark.parametrize(
     "mutate, match",
     [

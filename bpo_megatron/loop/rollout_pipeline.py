@@ -12,7 +12,7 @@ only between generations (its calls run in order), so there k > 1 adds staleness
 overlap than k = 1.
 
 With engines that pause a generation for a weight update and continue it with the new weights
-(partial rollouts, ``EngineSpec.partial_rollouts``: the embedded engine), nothing is waited for:
+(partial rollouts, ``EngineSpec.partial_rollouts``: the embedded engine, SGLang), nothing is waited for:
 the batches under way carry on across the sync, their later tokens sampled by the newer weights;
 a response's staleness is that of its oldest token, so it is at most k all the same, and k > 1
 overlaps more.

@@ -109,6 +109,45 @@ def test_routing_from_every_layer_is_cut_to_the_moe_layers(engine, layout):
         assert sample.weight_version == 0  # SGLang's "default": the checkpoint it started from
 
 
+def test_a_generation_paused_for_a_weight_update_continues_and_dates_every_token(checkpoints, layout, pushed,
+                                                                                tmp_path):
+    """Partial rollouts (train.async): a weight update reaches the engine while it generates. The
+    client pauses SGLang (retract: requests and their output kept), pushes the weights in SGLang's
+    session and continues; the same /generate answers finish with the new weights. Each token's
+    version comes from SGLang's own weight_versions spans (its recording rule and span functions
+    run in the stand-in), and its μ is the log-prob computed with that version's weights."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = start(checkpoints[0], layout, tmp_path, "--standin-token-delay", "0.3")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(engine.generate, requests(count=2, n=2))
+            deadline = time.monotonic() + 60
+            while state(engine)["tokens"] < 4:  # every request has decoded a token
+                assert time.monotonic() < deadline, "the stand-in decoded no token in 60 s"
+                time.sleep(0.05)
+            engine.begin_weight_update(1)
+            paused_at = state(engine)["tokens"]
+            time.sleep(1.0)  # three decoding steps' time: nothing decodes while paused
+            assert state(engine)["tokens"] == paused_at
+            engine.update_weights(iter(pushed))
+            engine.end_weight_update()
+            samples = future.result(timeout=120)
+    finally:
+        engine.shutdown()
+    assert len(samples) == 4 and sum(s.response_tokens.numel() for s in samples) > paused_at
+    spanning = 0
+    for sample in samples:
+        versions = sample.token_versions
+        assert versions.shape == sample.response_tokens.shape and set(versions.tolist()) <= {0, 1}
+        assert (versions.diff() >= 0).all() and sample.weight_version == int(versions.min())
+        want = torch.tensor([-0.1 * (i + 1) - 0.01 * v for i, v in enumerate(versions.tolist())])
+        assert torch.allclose(sample.rollout_logprobs, want)
+        spanning += versions[0] == 0 and versions[-1] == 1
+    assert spanning >= 1, [s.token_versions.tolist() for s in samples]
+    assert sum(int((s.token_versions == 0).sum()) for s in samples) == paused_at
+
+
 # --------------------------------------------------------------------------------- weights
 def test_an_update_outside_sglangs_session_is_refused(engine, pushed):
     """What the client did before: update_weights_from_tensor with no begin_weight_update."""

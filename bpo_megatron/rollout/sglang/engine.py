@@ -37,7 +37,9 @@ class WeightUpdateRefused(RuntimeError):
     """The server refused a step of a weight update (its message says why)."""
 
 
-PAUSE_MODE = "retract"  # keep in-flight requests (SGLang's default "abort" would drop them)
+# keep in-flight requests and their output (SGLang's default "abort" would end them); unlike
+# "in_place" it frees their KV cache, so the cache flush after the update succeeds
+PAUSE_MODE = "retract"
 
 
 class SGLangEngine(RolloutEngine):
@@ -62,8 +64,11 @@ class SGLangEngine(RolloutEngine):
 
     # ------------------------------------------------------------------------------ generation
     def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
-        if self._paused:
-            raise RuntimeError("the SGLang engine is in a weight update; call end_weight_update()")
+        """Responses to ``requests``. It may run while another thread updates the weights
+        (partial rollouts, ``train.async``): SGLang holds the requests it has not started, stops
+        decoding the others at the pause (``retract``: their output is kept) and finishes them all
+        with the new weights after ``continue_generation``; each sample's ``token_versions`` say
+        which weights sampled each token."""
         items = response_slots(requests)
         chunks = [tuple(items[i : i + self.cfg.requests_per_post])
                   for i in range(0, len(items), self.cfg.requests_per_post)]

@@ -4,7 +4,9 @@ Field names and encodings are SGLang's (``/generate`` with ``input_ids``, ``samp
 ``return_logprob``, ``return_routed_experts``; ``meta_info.output_token_logprobs`` as
 ``[logprob, token_id, text]`` triples, ``meta_info.routed_experts`` as base64 of raw int32 laid
 out ``[prompt + response − 1, num_hidden_layers, top-k]`` — every layer of the model, dense ones
-included — and ``meta_info.finish_reason.type``).
+included — ``meta_info.finish_reason.type``, and ``meta_info.weight_versions``: spans
+``{"version", "start", "end"}`` over the output tokens, more than one when a weight update reached
+the request while it decoded).
 """
 
 from __future__ import annotations
@@ -64,6 +66,25 @@ def _version(reported) -> int:
         raise ProtocolError(f"meta_info.weight_version={reported!r} is not a version this trainer sent") from None
 
 
+def token_versions(meta: dict, length: int, rid: str) -> torch.Tensor | None:
+    """The weights version of each output token, from SGLang's ``meta_info.weight_versions`` (None
+    from a server that does not report them). The spans must tile the response."""
+    spans = meta.get("weight_versions")
+    if spans is None:
+        return None
+    versions = torch.empty(length, dtype=torch.long)
+    covered = 0
+    for span in spans:
+        start, end = int(span["start"]), int(span["end"])
+        if start != covered or end < start or end > length:
+            raise ProtocolError(f"{rid}: meta_info.weight_versions {spans} do not tile its {length} response tokens")
+        versions[start:end] = _version(span["version"])
+        covered = end
+    if covered != length:
+        raise ProtocolError(f"{rid}: meta_info.weight_versions {spans} do not tile its {length} response tokens")
+    return versions
+
+
 def decode_sample(item: ResponseSlot, response: dict, *, routing: RoutingLayout | None) -> Sample:
     """A ``Sample`` from one element of SGLang's ``/generate`` response (with routed experts,
     as ``routing`` lays them out, when it is given)."""
@@ -79,6 +100,7 @@ def decode_sample(item: ResponseSlot, response: dict, *, routing: RoutingLayout 
         raise ProtocolError(f"{item.rid}: output_ids and output_token_logprobs disagree")
     finish = (meta.get("finish_reason") or {}).get("type", "abort")
     prompt = torch.tensor(item.request.prompt_tokens, dtype=torch.long)
+    versions = token_versions(meta, len(tokens), item.rid)
     sample = Sample(
         request_id=item.request.request_id,
         index=item.index,
@@ -86,7 +108,10 @@ def decode_sample(item: ResponseSlot, response: dict, *, routing: RoutingLayout 
         response_tokens=torch.tensor(tokens, dtype=torch.long),
         rollout_logprobs=torch.tensor([float(t[0]) for t in triples], dtype=torch.float32),
         finish_reason=_FINISH.get(finish, "abort"),
-        weight_version=_version(meta.get("weight_version")),
+        # the oldest weights that sampled a token of it (a partial rollout's staleness)
+        weight_version=int(versions.min()) if versions is not None and len(tokens) else _version(
+            meta.get("weight_version")),
+        token_versions=versions,
     )
     if routing is not None:
         encoded = meta.get("routed_experts")

@@ -39,4 +39,6 @@ SPEC = EngineSpec(
     # on the trainer's GPUs: CUDA IPC handles; on its own: one broadcast from the trainer's GPU
     transport=lambda options, colocated: "cuda_ipc" if colocated else "nccl_broadcast",
     # the server captures routing wherever it runs (it may be attached by url from a CPU driver)
+    # pause_generation (retract) keeps requests under way; meta_info.weight_versions dates each token
+    partial_rollouts=True,
 )
