@@ -124,7 +124,8 @@ def test_grpo_with_tis_and_r3_and_dapo_batch_shaping(tmp_path, ray_session, smal
 #   git worktree add /tmp/sync 76ae75b && cd /tmp/sync && PYTHONPATH=$PWD \
 #     bpo-megatron train configs/tiny_moe_cpu.yaml <SYNC_RUN> logging.run_dir=/tmp/sync_run
 SYNC_LOOP_METRICS = Path(__file__).parent / "fixtures" / "sync_loop_76ae75b_metrics.jsonl"
-SYNC_RUN = ("train.steps=3", "train.sft_warmup_steps=40", "eval.every=3", "eval.limit=16", "checkpoint.every=3")
+SYNC_RUN = ("loss.name=grpo", "train.steps=3", "train.sft_warmup_steps=40", "eval.every=3", "eval.limit=16",
+            "checkpoint.every=3")  # GRPO: its warm start was already the one every method now has
 # clocks, and the driver's object-store bytes (samples now carry their weight versions: a few bytes)
 NOT_REPRODUCIBLE = ("time", "train_time_s", "sync_seconds", "sync_bytes_per_s", "driver/to_trainer_mb")
 
@@ -153,6 +154,25 @@ def test_staleness_zero_reproduces_the_synchronous_loop(tmp_path, ray_session):
             assert new.get(key) == pytest.approx(value, rel=1e-9, abs=1e-12), (old["step"], key)
             compared += 1
     assert compared > 150 and any(r.get("reward_mean", 0) > 0 for r in expected)
+
+
+@pytest.mark.timeout(420)
+def test_every_method_starts_from_the_same_warm_start(tmp_path, ray_session, small_run):
+    """The supervised warm start is the log-likelihood gradient whatever loss.name says (BPO's and
+    GSPO's gradients at μ = π are not), so the methods of one seed start RL from the same weights:
+    the same warm-start losses, and the same first evaluation and first rollouts. (That the run's
+    own loss takes over for RL shows in test_grpo_with_tis_and_r3_and_dapo_batch_shaping: its
+    correction metrics come only from the run's loss.)"""
+    runs = {}
+    for loss in ("grpo", "bpo", "gspo"):
+        _run(small_run(tmp_path / loss, "train.steps=1", "train.sft_warmup_steps=3", f"loss.name={loss}"))
+        runs[loss] = read_metrics(tmp_path / loss)
+
+    def before_rl(records):
+        return [(r["step"], r.get("sft/nll"), r.get("eval/mean_avg@2"), r.get("reward_mean"))
+                for r in records if r["step"] <= 0 or "reward_mean" in r]
+    assert len([r for r in runs["grpo"] if "sft/nll" in r]) == 3
+    assert before_rl(runs["bpo"]) == before_rl(runs["grpo"]) == before_rl(runs["gspo"])
 
 
 @pytest.mark.timeout(420)

@@ -1,9 +1,11 @@
 """Supervised warm start on reference answers (CPU demos: a random tiny model knows nothing).
 
 An SFT step is a policy step with advantage +1 on the reference response and the trainer's own
-log-probs as μ (and as π_old, for the mismatch corrections): every BPO weight and correction is
-then 1 and nothing is masked, so the update is exactly the negative log-likelihood gradient — no
-separate loss code path is needed.
+log-probs as μ and π_old, under the GRPO loss whatever ``loss.name`` says: its ratio is then 1,
+nothing is clipped, and the update is exactly the negative log-likelihood gradient (aggregated as
+``loss.agg``) — no separate loss code path is needed. Not every loss's gradient at μ = π is the
+log-likelihood's (BPO's and GSPO's are not), and the methods of a comparison must start from the
+same warm start, so the run's own loss takes over only for RL.
 """
 
 from __future__ import annotations
@@ -12,11 +14,18 @@ from dataclasses import replace
 
 import torch
 
+from bpo_megatron.losses import PolicyLossConfig
 from bpo_megatron.trainer.samples import TrainSample
+
+
+def warm_start_loss(loss: PolicyLossConfig) -> PolicyLossConfig:
+    """The loss of a warm start: the log-likelihood, aggregated as the run's loss is."""
+    return PolicyLossConfig(name="grpo", agg=loss.agg, norm_length=loss.norm_length)
 
 
 def sft_warmup(cfg, trainer, prompts, tokenizer, metrics_out, echo) -> None:
     eos = tokenizer.eos_token_ids[0]
+    trainer.call("set_loss", warm_start_loss(cfg.loss))
     if cfg.train.sft_lr is not None:
         trainer.call("set_learning_rate", cfg.train.sft_lr)
     for step in range(1, cfg.train.sft_warmup_steps + 1):
@@ -39,3 +48,4 @@ def sft_warmup(cfg, trainer, prompts, tokenizer, metrics_out, echo) -> None:
         if step == 1 or step % 10 == 0 or step == cfg.train.sft_warmup_steps:
             echo(f"sft {step}/{cfg.train.sft_warmup_steps} | nll {nll:.3f}")
     trainer.call("set_learning_rate", cfg.optimizer.lr)
+    trainer.call("set_loss", cfg.loss)

@@ -58,6 +58,9 @@ class TrainWorker:
     def set_learning_rate(self, lr: float) -> None:
         self.actor.set_learning_rate(lr)
 
+    def set_loss(self, loss) -> None:
+        self.actor.set_loss(loss)
+
     def logprobs_of_share(self, share, record_routing: bool = False):
         """This rank's data-parallel share (one object-store copy per share, read by its ranks);
         the results from the one rank per share that returns them (None from the others)."""

@@ -261,6 +261,10 @@ class TrainActor:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
+    def set_loss(self, loss: PolicyLossConfig) -> None:
+        """The policy loss of the next steps (a supervised warm start uses the same for every method)."""
+        self.loss_cfg = loss
+
     def reload_optimizer_params(self) -> None:
         """After the model's weights were set directly (e.g. from a Hugging Face checkpoint):
         optimizers that keep their own fp32 master copies (mixed precision on GPU) refresh them."""
