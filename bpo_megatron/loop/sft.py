@@ -14,13 +14,13 @@ from dataclasses import replace
 
 import torch
 
-from bpo_megatron.losses import PolicyLossConfig
 from bpo_megatron.trainer.samples import TrainSample
 
 
-def warm_start_loss(loss: PolicyLossConfig) -> PolicyLossConfig:
-    """The loss of a warm start: the log-likelihood, aggregated as the run's loss is."""
-    return PolicyLossConfig(name="grpo", agg=loss.agg, norm_length=loss.norm_length)
+def warm_start_loss(loss):
+    """The loss of a warm start: the log-likelihood (GRPO at ratio 1, no correction), aggregated
+    as the run's loss is."""
+    return replace(loss, name="grpo", correction="none")
 
 
 def sft_warmup(cfg, trainer, prompts, tokenizer, metrics_out, echo) -> None:
