@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, str] = {
     "async": "bpo_megatron.bench.asynchronous",
     "logprobs": "bpo_megatron.bench.logprobs",
     "rollout": "bpo_megatron.bench.rollout",
+    "sglang-concurrency": "bpo_megatron.bench.sglang_concurrency",
     "step": "bpo_megatron.bench.step",
 }
 

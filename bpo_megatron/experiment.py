@@ -103,8 +103,9 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
         raise ConfigError(f"train.overlong_buffer={cfg.train.overlong_buffer} must be below rollout.max_new_tokens="
                           f"{cfg.rollout.max_new_tokens}: the penalty starts that many tokens before the limit")
     if cfg.loss.correction != "none" and not cfg.train.recompute_old_logprobs:
-        raise ConfigError(f"loss.correction={cfg.loss.correction} corrects by the trainer's own log-probs of the weights "
-                          "that sampled each response: set train.recompute_old_logprobs=true (or loss.correction=none)")
+        raise ConfigError(f"loss.correction={cfg.loss.correction} corrects by the trainer's own log-probs under the weights "
+                          "at the step's start (those that sampled each response when train.async.max_staleness=0): set "
+                          "train.recompute_old_logprobs=true (or loss.correction=none)")
     if cfg.train.verify_weight_sync and not spec.exposes_weights:
         raise ConfigError(f"train.verify_weight_sync=true reads the engine's weights back, which rollout.engine="
                           f"{spec.name} does not allow (rollout.engine=hf does)")

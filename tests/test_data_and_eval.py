@@ -154,6 +154,35 @@ def test_rewards():
         reward_fn("nope")
 
 
+def test_scoring_workers_follow_the_drivers_cpus(tmp_path, monkeypatch):
+    import os
+
+    from bpo_megatron.data import rewards
+
+    # all CPUs but the driver's 2, at least 1, at most 32
+    assert [rewards.scoring_workers(n) for n in (1, 2, 3, 16, 34, 35, 224)] == [1, 1, 1, 14, 32, 32, 32]
+    # the CPUs the driver may run on: its affinity, not the machine's count ...
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(12)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 224)
+    no_cgroup = tmp_path / "absent"
+    assert rewards.available_cpus(no_cgroup) == 12
+    # ... and no more than a CPU quota (a Kubernetes limit of 3.5 CPUs: 4 CPUs' worth of processes)
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("350000 100000\n")
+    assert rewards.available_cpus(cpu_max) == 4
+    cpu_max.write_text("max 100000\n")
+    assert rewards.available_cpus(cpu_max) == 12
+    monkeypatch.setattr(rewards, "CGROUP_CPU_MAX", no_cgroup)
+    verifier = MathVerifier(timeout_s=20)
+    try:
+        assert verifier.workers == 10 and verifier._pool._max_workers == 10
+        assert verifier(["\\boxed{4}"], ["4"]) == [1.0]
+    finally:
+        verifier.close()
+    with pytest.raises(ValueError, match="at least 1 worker process, got workers=0"):
+        MathVerifier(workers=0)
+
+
 @pytest.mark.parametrize("response, answer", [
     ("\\boxed{1}\\boxed{2}", "2"),  # two answers, the last one counts; never merged into 12
     ("so \\boxed{\\frac{1}{\\sqrt{2}}}.", "\\frac{1}{\\sqrt{2}}"),  # nested braces
@@ -231,6 +260,29 @@ def test_evaluation_counts_a_truncated_response_wrong_whatever_the_training_rewa
     result = evaluate(generate, sets, CharTokenizer(), reward_fn("exact"), cfg, step=3)
     assert result.counts == {"procedural:add": (2, 4)} and result.scores == {"procedural:add": 0.5}
     assert result.metrics(2) == {"eval/procedural:add_avg@2": 0.5, "eval/mean_avg@2": 0.5}
+
+
+def test_evaluation_generates_every_dataset_at_once_and_scores_each_apart():
+    """One generation over all evaluation sets (engines never idle at one set's tail); each set's
+    samples are scored against its own answers, in its own order."""
+    cfg = load_experiment(DEMO, ["eval.k=2", "eval.limit=3", "eval.datasets=[procedural:add,procedural:max]"])
+    fmt = PromptFormat(CharTokenizer(), "plain", max_prompt_tokens=16)
+    sets = load_eval_sets(cfg.eval, ".", fmt, skip_bad=False)
+    add_answers = [e.problem.answer for e in sets[0].prompts]
+    calls = []
+
+    def generate(requests):  # right on every question of the first set, wrong on the second
+        calls.append([r.request_id for r in requests])
+        out = []
+        for r in requests:
+            tag, question = r.request_id.rsplit("-", 1)
+            text = add_answers[int(question)] if tag.endswith("procedural:add") else "wrong"
+            out += [_sample(text, "stop") for _ in range(r.sampling.n)]
+        return out
+
+    result = evaluate(generate, sets, CharTokenizer(), reward_fn("exact"), cfg, step=1)
+    assert [len(c) for c in calls] == [6], "both sets' 3 questions in one call"
+    assert result.counts == {"procedural:add": (6, 6), "procedural:max": (0, 6)}
 
 
 def test_prompt_stream_resumes_exactly():

@@ -135,7 +135,8 @@ def test_an_engine_that_stops_answering_is_killed_replaced_and_its_share_sent_ag
     """A hung engine (here: busy in a call that never returns) is given ``generate_timeout_s``."""
     restarted = _arm(group, pushed_weights)
     hung = group.workers[0]
-    hung.__ray_call__.remote(lambda self: time.sleep(600))  # the engine's next call waits behind it
+    # the engine's next generate call waits behind it (in the generate concurrency group)
+    hung.__ray_call__.options(concurrency_group="generate").remote(lambda self: time.sleep(600))
     group.generate_timeout_s = 3.0  # a normal answer to SMALL takes a fraction of a second
     try:
         start = time.monotonic()
@@ -260,3 +261,114 @@ def test_engines_whose_weights_cannot_be_mapped_get_them_through_the_object_stor
     assert pusher.transports["shared_memory"]._attached == {}
     _check_samples(group.generate(SMALL), SMALL, expected["small"])
     assert group.call("weight_version") == [9, 9]
+
+
+# ------------------------------------------------------------------------- stalls and concurrency
+STALL_S = 6.0  # the tests' rollout.stall_timeout_s (the default, 120 s, is for real engines)
+
+
+@pytest.fixture(scope="module")
+def async_group(ray_session, checkpoints):
+    """Two engines whose generations overlap weight updates (train.async.max_staleness=2): each
+    actor takes up to 3 generate calls at once, beside its control calls."""
+    from bpo_megatron.experiment import load_experiment
+    from bpo_megatron.orchestration.groups import EngineGroup
+
+    start_dir = checkpoints[0]
+    cfg = load_experiment(None, [f"model.path={start_dir}", "model.tokenizer=char", "rollout.engine=hf",
+                                 "rollout.num_engines=2", "rollout.max_restarts=4", "data.max_prompt_tokens=16",
+                                 "rollout.max_new_tokens=240", "train.async.max_staleness=2",
+                                 "cluster.colocate=false", f"rollout.stall_timeout_s={STALL_S}"], check_model=True)
+    engines = EngineGroup(cfg, start_dir)
+    assert engines.partial_rollouts
+    yield engines
+    engines.shutdown()
+
+
+def _stop_when_generating(worker, timer_s: float = KILL_AFTER_S) -> tuple[threading.Timer, int]:
+    pid = _engine_pid(worker)
+    stop = threading.Timer(timer_s, os.kill, args=(pid, signal.SIGSTOP))
+    stop.start()
+    return stop, pid
+
+
+def test_control_calls_are_answered_while_generations_fill_the_engine(async_group, pushed_weights, expected):
+    """Three generations under way on each engine (k = 2 batches ahead plus this step's): the
+    sync's health check, version and a whole weight update still go through at once, and no
+    busy engine is taken for a hung one (it used to be: two generations filled the actor's two
+    call slots, the health check timed out after 30 s and the engine was killed)."""
+    from bpo_megatron.orchestration.weight_sync import sync_weights
+
+    restarted = _arm(async_group, pushed_weights)
+    restarts_before = async_group.restarts
+    pending = [async_group.submit(BIG) for _ in range(3)]
+    time.sleep(KILL_AFTER_S)
+    start = time.monotonic()
+    assert async_group.replace_unhealthy() == []
+    assert async_group.call("weight_version") == [0, 0]
+    sync_weights(_WeightPusher(pushed_weights), async_group, transport="object_store", version=1,
+                 bucket_bytes=1 << 20, verify=True)
+    answered_s = time.monotonic() - start
+    samples = [p.result() for p in pending]
+    assert answered_s < 10.0, f"control calls waited {answered_s:.1f} s behind the generations"
+    assert async_group.restarts == restarts_before and restarted == []
+    assert async_group.call("weight_version") == [1, 1]
+    for got in samples:  # the same weights before and after the update: the same samples
+        _check_samples(got, BIG, expected["big"])
+
+
+def test_a_stopped_engine_is_found_by_its_progress_and_replaced(async_group, pushed_weights, expected):
+    """SIGSTOP mid-generation, no generate timeout: the engine's progress stops, it is killed
+    after rollout.stall_timeout_s and replaced, and its share is generated again by the new one."""
+    restarted = _arm(async_group, pushed_weights)
+    restarts_before = async_group.restarts
+    victim = async_group.workers[0]
+    stop, pid = _stop_when_generating(victim)
+    start = time.monotonic()
+    try:
+        samples = async_group.generate(BIG)
+    finally:
+        stop.join()
+    elapsed = time.monotonic() - start
+    assert restarted == [[0]] and async_group.restarts == restarts_before + 1
+    assert async_group.workers[0] is not victim
+    assert STALL_S < elapsed < STALL_S + 30, f"replaced after {elapsed:.1f} s"
+    assert not Path(f"/proc/{pid}").exists() or "T" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    _check_samples(samples, BIG, expected["big"])
+
+
+def test_every_call_to_a_stopped_engine_is_bounded(async_group, pushed_weights, expected):
+    """A stopped engine found by a control call (here: the version a sync reads) is killed after
+    rollout.stall_timeout_s and replaced; the call is answered by the replacement, which waits
+    for the current weights (it is recorded as not synced)."""
+    _arm(async_group, pushed_weights)
+    restarts_before = async_group.restarts
+    victim = async_group.workers[1]
+    os.kill(_engine_pid(victim), signal.SIGSTOP)
+    start = time.monotonic()
+    versions = async_group.call("weight_version")
+    elapsed = time.monotonic() - start
+    assert versions == [0, 0] and async_group.workers[1] is not victim
+    assert async_group.restarts == restarts_before + 1 and async_group.unsynced == {1}
+    assert STALL_S <= elapsed < STALL_S + 30
+    async_group.on_restart([1])  # what the next sync does
+    async_group.unsynced.clear()
+    _check_samples(async_group.generate(SMALL), SMALL, expected["small"])
+
+
+def test_one_death_under_two_generations_is_one_restart(async_group, pushed_weights, expected):
+    """Two batches under way on an engine that dies (train.async): the first to notice replaces
+    it; the second re-sends its share to that replacement instead of replacing it again (one
+    death used to spend two restarts, and the second killed the fresh engine)."""
+    restarted = _arm(async_group, pushed_weights)
+    restarts_before = async_group.restarts
+    first, second = async_group.submit(BIG), async_group.submit(BIG)
+    kill = threading.Timer(KILL_AFTER_S, ray.kill, args=(async_group.workers[0],))
+    kill.start()
+    try:
+        samples = [first.result(), second.result()]
+    finally:
+        kill.join()
+    assert restarted == [[0]] and async_group.restarts == restarts_before + 1
+    for got in samples:
+        _check_samples(got, BIG, expected["big"])

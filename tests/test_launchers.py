@@ -228,11 +228,51 @@ def test_kuberay_pods_request_cpus_memory_and_a_memory_backed_dev_shm(tmp_path):
     [head] = spec["headGroupSpec"]["template"]["spec"]["containers"]
     assert driver_memory_gib(load_experiment(RECIPE_30B)) == 72
     assert head["resources"]["requests"]["memory"] == "72Gi"
-    [small] = launch("kuberay", RECIPE_30B, [], _cluster_settings(tmp_path, cpus_per_node=64, memory_per_node="512Gi"),
+    [given] = launch("kuberay", RECIPE_30B, [], _cluster_settings(tmp_path, cpus_per_node=64, memory_per_node="900Gi"),
                      dryrun=True)
-    [worker] = yaml.safe_load(small.text)["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"][
+    [worker] = yaml.safe_load(given.text)["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"][
         "containers"]
-    assert worker["resources"]["requests"]["cpu"] == "64" and worker["resources"]["requests"]["memory"] == "512Gi"
+    assert worker["resources"]["requests"]["cpu"] == "64" and worker["resources"]["requests"]["memory"] == "900Gi"
+
+
+def _worker_memory_gib(job) -> tuple[int, int]:
+    [worker] = yaml.safe_load(job.text)["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"][
+        "containers"]
+    request, limit = (worker["resources"][kind]["memory"] for kind in ("requests", "limits"))
+    return int(request.removesuffix("Gi")), int(limit.removesuffix("Gi"))
+
+
+def test_kuberay_worker_memory_holds_the_planners_host_memory_at_a_checkpoint_save(tmp_path):
+    """The worker pods' memory request and limit cover the host memory the planner gives the
+    busiest trainer node at a checkpoint save: the per-GPU default when it is enough, the
+    planner's figure when it is more; a --memory-per-node below it is refused by name."""
+    import math
+
+    from bpo_megatron.experiment import load_experiment
+    from bpo_megatron.planner import make_plan
+    from bpo_megatron.planner.plan import node_memory_gib
+
+    def planned(*overrides: str) -> int:
+        cfg = load_experiment(RECIPE_30B, list(overrides), check_model=False)
+        figure = node_memory_gib(cfg)
+        host = make_plan(cfg, cfg.hf_config()).host
+        assert figure == math.ceil(max(host.at_save, host.at_load) / 2**30)
+        return figure
+
+    # the recipe: 715 GiB at a save fits the default of 96 GiB per GPU (768 GiB)
+    assert planned() == 715
+    [job] = launch("kuberay", RECIPE_30B, ["model.path=/models/Qwen3-30B-A3B-Base"], _cluster_settings(tmp_path),
+                   dryrun=True)
+    assert _worker_memory_gib(job) == (768, 768)
+    # 4-way expert parallelism: 32 experts per rank, 812 GiB at a save, above the default
+    assert planned("parallel.ep=4") == 812
+    [wide] = launch("kuberay", RECIPE_30B, ["parallel.ep=4"], _cluster_settings(tmp_path), dryrun=True)
+    assert _worker_memory_gib(wide) == (812, 812)
+    dshm = yaml.safe_load(wide.text)["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["volumes"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "406Gi"}} in dshm
+    with pytest.raises(ValueError, match=r"--memory-per-node 512Gi is less than the 715Gi a trainer node holds at a "
+                                         r"checkpoint save .* pass --memory-per-node 715Gi or more"):
+        launch("kuberay", RECIPE_30B, [], _cluster_settings(tmp_path, memory_per_node="512Gi"), dryrun=True)
 
 
 def test_a_trainer_rank_binds_its_own_gpu(monkeypatch):

@@ -151,6 +151,9 @@ def test_staleness_zero_reproduces_the_synchronous_loop(tmp_path, ray_session):
         for key, value in old.items():
             if key in NOT_REPRODUCIBLE or key.startswith("time/"):
                 continue
+            if key == "offload_bytes":  # fp32 params + 2 Adam moments move; the dead gradients are freed since
+                assert new[key] == value * 3 / 4, (old["step"], key)
+                continue
             assert new.get(key) == pytest.approx(value, rel=1e-9, abs=1e-12), (old["step"], key)
             compared += 1
     assert compared > 150 and any(r.get("reward_mean", 0) > 0 for r in expected)

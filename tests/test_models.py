@@ -149,7 +149,8 @@ def test_parameter_counts_qwen3_30b_a3b() -> None:
 
 def test_model_options_defaults_and_validation() -> None:
     options = ModelOptions()
-    assert options.params_dtype == "fp32" and options.torch_dtype == torch.float32  # CPU
+    assert options.params_dtype is None  # decided where the model is built
+    assert options.resolved().params_dtype == "fp32" and options.resolved().torch_dtype == torch.float32  # CPU
     assert options.moe_aux_loss_coeff == 0.0 and options.routing_replay is False
     assert options.recompute == "none"
     assert (options.moe_token_dispatcher, options.make_vocab_size_divisible_by) == ("alltoall", 128)
@@ -158,6 +159,33 @@ def test_model_options_defaults_and_validation() -> None:
                          ("make_vocab_size_divisible_by", 0), ("routing_replay", 1)]:
         with pytest.raises(ValueError, match=rf"model\.{field}="):
             ModelOptions(**{field: value})
+
+
+def test_an_unset_params_dtype_is_decided_by_the_rank_that_builds_the_model(monkeypatch) -> None:
+    """A driver without a GPU hands the trainer ranks its config: an unset dtype must reach them
+    unset and become bf16 on a rank with a GPU (decided on the driver it became fp32)."""
+    import pickle
+
+    from bpo_megatron import platform
+    from bpo_megatron.experiment import load_experiment
+
+    cfg = load_experiment(Path(__file__).parents[1] / "configs" / "tiny_moe_cpu.yaml", check_model=False)
+    on_driver = cfg.model.options()  # what the trainer workers are given
+    assert on_driver.params_dtype is None
+    with pytest.raises(ValueError, match=r"model\.params_dtype is unset.*ModelOptions\.resolved\(\)"):
+        on_driver.torch_dtype  # nobody may read a dtype that was never decided
+    on_rank = pickle.loads(pickle.dumps(on_driver))
+    monkeypatch.setattr(platform, "has_cuda", lambda: True)
+    assert on_rank.resolved().params_dtype == "bf16" and on_rank.resolved().torch_dtype == torch.bfloat16
+    config = transformer_config(tiny_moe(), ParallelConfig(), on_rank)
+    assert config.bf16 and config.params_dtype == config.pipeline_dtype == torch.bfloat16
+    # a dtype that is set is kept, on either platform; the experiment's model section stays one
+    assert ModelOptions(params_dtype="fp32").resolved().params_dtype == "fp32"
+    assert type(cfg.model.resolved()) is type(cfg.model) and cfg.model.resolved().path == cfg.model.path
+    monkeypatch.setattr(platform, "has_cuda", lambda: False)
+    assert on_rank.resolved().params_dtype == "fp32"
+    assert ModelOptions(params_dtype="bf16").resolved().params_dtype == "bf16"
+    assert (on_rank.params_dtype_on(gpu=True), on_rank.params_dtype_on(gpu=False)) == ("bf16", "fp32")
 
 
 def test_padded_vocab_size_follows_megatron() -> None:

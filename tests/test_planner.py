@@ -147,9 +147,11 @@ def test_kv_cache_per_token_closed_form():
     assert kv_bytes_per_token(hf, 8) == kv_bytes_per_token(hf, 4)
     plan = make_plan(_recipe(), hf)
     r = plan.rollout
-    assert (r.profile.tp, r.profile.sequences) == (4, 96)  # sglang tp_size; 12 × 8 requests in flight
-    assert r.kv_cache == 96 * (2048 + 16_384) * 2 * 48 * 128 * 2
+    assert (r.profile.tp, r.profile.sequences) == (4, 512)  # sglang tp_size; max_inflight requests in flight
     assert r.weights == parameter_counts(hf)[0] * 2 / 4
+    # SGLang admits by its own pool: mem_fraction_static 0.8 of the GPU less the weights, whatever is in flight
+    assert r.kv_cache == pytest.approx(0.8 * plan.allocation.gpu_bytes - r.weights)
+    assert r.resident_sequences == int(r.kv_cache // ((2048 + 16_384) * 2 * 48 * 128 * 2)) >= 100
 
 
 # ------------------------------------------------------------------ checks, verdict, sweep
@@ -236,3 +238,88 @@ def test_plan_states_the_driver_memory_and_the_expected_weight_sync():
     demo = load_experiment(configs / "tiny_moe_cpu.yaml")
     assert expected_sync(demo, demo.hf_config(), 0) is None  # the embedded engine, no GPU transport
     assert _hf_tensor_count(demo.hf_config()) == 45  # what a sync of the demo model sends (bench test)
+
+
+# ------------------------------------------------------------------ host memory at a checkpoint save
+def test_rank_host_memory_closed_forms():
+    from bpo_megatron.planner.host import rank_host
+
+    # DP rank 0 of a dense optimizer of 100 M parameters over dp 2: 12 B per parameter gathered; the
+    # gather of one 40 M-element bucket (12 B each received, its own 1/2 sent) outweighs the compaction
+    # copy (4 B × 100 M) and the bf16 weights it writes (2 B × 100 M)
+    r = rank_host(100_000_000, 0, stage=0, param_bytes=2, offload_bytes=7, dp=2, expert_dp=1,
+                  dense_writer=True, expert_writer=False, distributed=True)
+    assert r.fp32_state == 12 * 100_000_000 and r.weights == 2 * 100_000_000
+    assert r.gather == 12 * 40_000_000 + 12 * 40_000_000 // 2 and r.compaction == 4 * 100_000_000
+    assert r.staging == 12 * 100_000_000 + 12 * 40_000_000 * 3 // 2
+    assert r.at_save == r.staging + 7 and r.load == 12 * 100_000_000
+    # the other DP rank only sends its half of a bucket; a resume still reads its whole shard's state
+    other = rank_host(100_000_000, 0, stage=0, param_bytes=2, offload_bytes=7, dp=2, expert_dp=1,
+                      dense_writer=False, expert_writer=False, distributed=True)
+    assert (other.fp32_state, other.staging, other.load) == (0, 12 * 40_000_000 // 2, 12 * 100_000_000)
+    # a small model gathers its whole buffer at once: 1 M elements over dp 4
+    small = rank_host(1_000_000, 0, stage=0, param_bytes=4, offload_bytes=0, dp=4, expert_dp=1,
+                      dense_writer=True, expert_writer=False, distributed=True)
+    assert small.gather == 12 * 1_000_000 + 12 * 1_000_000 // 4
+    # without the distributed optimizer the state is staged from the GPU and a load reads into it
+    plain = rank_host(100, 50, stage=0, param_bytes=2, offload_bytes=0, dp=2, expert_dp=1,
+                      dense_writer=True, expert_writer=True, distributed=False)
+    assert (plain.staging, plain.load) == (12 * 150 + 2 * 150, 0)
+
+
+def _host_closed_form(ranks: list[tuple[int, int]], pinned: int) -> float:
+    """Node host memory at a save: each writing rank of (dense, expert) parameters it writes holds
+    12 B of fp32 state per parameter plus its largest transient, the compaction copy of its largest
+    part (4 B per parameter; larger than its bf16 weights and its gather here), plus its pinned
+    offload buffers; then the margin, 10 % and 8 GB per GPU of the 8."""
+    counted = sum(12 * (d + e) + 4 * max(d, e) + pinned for d, e in ranks)
+    return counted * 1.1 + 8 * 8e9
+
+
+def test_host_memory_at_a_save_for_both_30b_recipes_closed_forms(capsys):
+    from bpo_megatron.cli import main
+
+    hf = HFModelConfig.load(QWEN3_30B)
+    # colocated, tp 4 ep 8 dp 8 (expert dp 4) on 4 nodes of 8: node 0 holds DP rank 0 of the dense
+    # optimizer (ranks 0-3) and of the expert optimizer (ranks 0-7); all hold offload buffers of
+    # bf16 weights and their optimizer shard (12 B per owned parameter), gradients not moved
+    plan = make_plan(_recipe(), hf)
+    [stage] = plan.stages
+    d, e = stage.params.dense, stage.params.expert
+    pinned = 2 * (d + e) + 12 * (math.ceil(d / 8) + math.ceil(e / 4))
+    assert pinned == stage.static.weights + stage.static.optimizer
+    host = plan.host
+    assert sum(r.dense_writer for r in host.save_ranks) == 4 and all(r.expert_writer for r in host.save_ranks)
+    assert host.at_save == pytest.approx(_host_closed_form([(d, e)] * 4 + [(0, e)] * 4, pinned), rel=1e-12)
+    assert host.at_load == pytest.approx(8 * 12 * (d + e) * 1.1 + 64e9, rel=1e-12)
+    assert 700e9 < host.at_save < 800e9 and host.at_save <= 1000e9 and plan.fits
+    # disaggregated, tp 4 pp 3 dp 2 ep 8 (expert dp 1), no offloading: every rank writes its experts,
+    # the first 4 of a stage their dense parameters too; the busiest 8 are those of stages 0 and 2
+    plan = make_plan(load_experiment(ROOT / "configs" / "qwen3_30b_a3b_bpo_disaggregated.yaml", check_model=False), hf)
+    first, _, last = plan.stages
+    assert first.params.expert == last.params.expert and last.params.dense == first.params.dense + 2048
+    e = first.params.expert
+    expected = _host_closed_form([(first.params.dense, e)] * 4 + [(last.params.dense, e)] * 4, 0)
+    assert plan.host.at_save == pytest.approx(expected, rel=1e-12)
+    assert plan.host.at_save < 300e9 and plan.fits
+    # what plan prints, and its verdict against the node's memory
+    for recipe, at_save in (("qwen3_30b_a3b_bpo.yaml", _host_closed_form([(d, stage.params.expert)] * 4
+                                                                           + [(0, stage.params.expert)] * 4, pinned)),
+                            ("qwen3_30b_a3b_bpo_disaggregated.yaml", expected)):
+        assert main(["plan", str(ROOT / "configs" / recipe)]) == 0
+        out = capsys.readouterr().out
+        assert "at a checkpoint save  " in out and f"{at_save / 1e9:.2f}" in out
+        assert "fits in 1000 GB per node (plan --host-memory-gb)" in out and "verdict: FITS" in out
+    assert main(["plan", str(RECIPE_30B), "--host-memory-gb", "700"]) == 1
+    out = capsys.readouterr().out
+    assert "does NOT fit in 700 GB per node" in out
+    assert "verdict: DOES NOT FIT (host memory exceeds the node)" in out
+
+
+def test_an_unset_params_dtype_is_planned_as_the_allocations_ranks_build_it():
+    hf = HFModelConfig.load(QWEN3_30B)
+    # the planner runs on a machine without a GPU; the trainer ranks of a GPU allocation train in bf16
+    plan = make_plan(_recipe("model.params_dtype=null"), hf)
+    assert plan.cfg.model.params_dtype is None and plan.precision.param_bytes == 2
+    cpu = make_plan(_recipe("model.params_dtype=null"), hf, Allocation(nodes=1, gpus_per_node=0, gpu_memory_gb=80))
+    assert cpu.precision.param_bytes == 4 and cpu.host is None

@@ -5,6 +5,7 @@ payload construction. Everything that talks to a server is tested against SGLang
 from __future__ import annotations
 
 import base64
+import inspect
 import pickle
 from pathlib import Path
 
@@ -69,9 +70,11 @@ def test_decode_a_response_with_sglang_encodings():
     response = {"output_ids": [9, 4], "meta_info": {
         "id": "r#0", "finish_reason": {"type": "stop", "matched": 4},
         "output_token_logprobs": [[-0.5, 9, None], [-1.25, 4, None]],
+        "weight_versions": [{"version": "default", "start": 0, "end": 2}],
         "routed_experts": base64.b64encode(experts.tobytes()).decode()}}
     sample = decode_sample(item, response, routing=LAYOUT)
     assert sample.response_tokens.tolist() == [9, 4] and sample.finish_reason == "stop"
+    assert sample.routing_valid is None  # one version: every token's routing is its own
     assert sample.rollout_logprobs.tolist() == [-0.5, -1.25]
     assert sample.routed_experts.dtype == torch.uint8  # 4 experts: ids travel as bytes
     assert torch.equal(sample.routed_experts, torch.from_numpy(experts).to(torch.uint8))
@@ -86,6 +89,7 @@ def test_routing_over_every_layer_keeps_the_moe_layers_rows():
     experts[:, 0] = -1  # what a dense layer's row may hold: never read
     response = {"output_ids": [9, 4], "meta_info": {
         "id": "r#0", "finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.5, 9, None], [-1.0, 4, None]],
+        "weight_versions": [{"version": "default", "start": 0, "end": 2}],
         "routed_experts": base64.b64encode(experts.tobytes()).decode()}}
     sample = decode_sample(item, response, routing=layout)
     assert sample.routed_experts.shape == (4, 2, 2) and sample.routed_experts.dtype == torch.uint8
@@ -120,6 +124,48 @@ def test_a_response_that_spans_a_weight_update_dates_every_token_from_sglangs_sp
                   [{"version": "x", "start": 0, "end": 4}]):  # not a version the trainer sent
         with pytest.raises(ProtocolError, match="weight_version"):
             decode_sample(item, {**response, "meta_info": {**without, "weight_versions": spans}}, routing=None)
+
+
+def test_routing_is_valid_only_for_tokens_of_the_last_version_under_retract():
+    """Under retract each weight update a request spans re-prefills it with the new weights, so the
+    routing reported for every position is that of its last version: only the tokens that version
+    sampled were sampled from it. In place, each position keeps the routing that processed it."""
+    from bpo_megatron.rollout.sglang.protocol import routing_valid
+
+    assert routing_valid(torch.tensor([0, 0, 1, 1]), "retract").tolist() == [False, False, True, True]
+    assert routing_valid(torch.tensor([2, 3, 3, 5, 5]), "retract").tolist() == [False, False, False, True, True]
+    assert routing_valid(torch.tensor([4, 4, 4]), "retract") is None  # none masked
+    assert routing_valid(torch.tensor([], dtype=torch.long), "retract") is None
+    assert routing_valid(torch.tensor([0, 0, 1, 1]), "in_place") is None
+    with pytest.raises(ValueError, match="pause mode 'abort'"):
+        routing_valid(torch.tensor([0, 1]), "abort")
+
+
+def test_a_decoded_partial_rollout_marks_the_tokens_whose_routing_was_recomputed():
+    """SGLang's spans say tokens 0–1 came from the checkpoint it started from and 2–3 from version
+    1: with routing captured and the engine's retract, tokens 0 and 1 are not valid for R3."""
+    from bpo_megatron.rollout.sglang import engine as engine_module
+
+    item = expand([GenerationRequest("r", (1, 2))])[0]
+    experts = np.arange(5 * 2 * 2, dtype=np.int32).reshape(5, 2, 2) % 4  # 2 prompt + 4 output − 1 rows
+    meta = {"id": "r#0", "finish_reason": {"type": "length"},
+            "output_token_logprobs": [[-1.0, 5, None], [-1.0, 6, None], [-2.0, 7, None], [-2.0, 8, None]],
+            "weight_version": "1", "weight_versions": [{"version": "default", "start": 0, "end": 2},
+                                                       {"version": "1", "start": 2, "end": 4}],
+            "routed_experts": base64.b64encode(experts.tobytes()).decode()}
+    response = {"output_ids": [5, 6, 7, 8], "meta_info": meta}
+    sample = decode_sample(item, response, routing=LAYOUT)
+    assert sample.routing_valid.tolist() == [False, False, True, True]
+    assert sample.token_versions.tolist() == [0, 0, 1, 1]
+    assert decode_sample(item, response, routing=LAYOUT, pause_mode="in_place").routing_valid is None
+    assert decode_sample(item, response, routing=None).routing_valid is None  # no routing to replay
+    one = {**meta, "weight_versions": [{"version": "1", "start": 0, "end": 4}]}
+    assert decode_sample(item, {**response, "meta_info": one}, routing=LAYOUT).routing_valid is None
+    undated = {k: v for k, v in meta.items() if k != "weight_versions"}  # a server that does not date tokens
+    with pytest.raises(ProtocolError, match="without meta_info.weight_versions"):
+        decode_sample(item, {**response, "meta_info": undated}, routing=LAYOUT)
+    # what the engine calls it with: its own pause mode
+    assert inspect.signature(decode_sample).parameters["pause_mode"].default == engine_module.PAUSE_MODE
 
 
 @pytest.mark.parametrize(

@@ -10,12 +10,12 @@ from bpo_megatron.trainer.replay import check_routed_experts
 from bpo_megatron.trainer.samples import TrainSample, check_samples, chunk, collate, split
 
 
-def sample(tokens, start, advantage=1.0, routed=None, rollout=None):
+def sample(tokens, start, advantage=1.0, routed=None, rollout=None, train_mask=None):
     tokens = torch.tensor(tokens)
     n = tokens.numel() - start
     rollout = torch.full((n,), -1.0) if rollout is None else rollout
     return TrainSample(tokens=tokens, response_start=start, rollout_logprobs=rollout,
-                       advantage=advantage, routed_experts=routed)
+                       advantage=advantage, routed_experts=routed, train_mask=train_mask)
 
 
 # ------------------------------------------------------------------------- ParallelConfig
@@ -80,6 +80,27 @@ def test_collate_aligns_targets_masks_and_rollout_logprobs():
     assert collate([b], pad_to_multiple=4).shape == (1, 4)
 
 
+def test_a_samples_train_mask_leaves_its_tokens_out_of_the_loss_mask_it_trains_with():
+    """The response tokens a sample leaves out stay response tokens (scored, ``loss_mask``) but not
+    trained (``train_mask``), and count in neither of the minibatch's denominators; a sample left
+    out entirely is not a sequence of the minibatch either."""
+    from bpo_megatron.trainer.actor import minibatch_totals
+
+    a = sample([5, 6, 7, 8, 9], start=1, train_mask=torch.tensor([False, False, True, True]))
+    b = sample([1, 2, 3], start=1, train_mask=torch.tensor([False, False]))
+    c = sample([4, 5, 6], start=2)
+    micro = collate([a, b, c])
+    assert micro.loss_mask.tolist() == [[True] * 4, [True, True, False, False], [False, True, False, False]]
+    assert micro.train_mask.tolist() == [[False, False, True, True], [False] * 4, [False, True, False, False]]
+    assert (a.num_train_tokens, b.num_train_tokens, c.num_train_tokens) == (2, 0, 1)
+    totals = minibatch_totals([a, b, c])
+    assert (totals.tokens, totals.sequences) == (3.0, 2.0)
+    # what a loss computed from the collated mask alone would count: the same
+    from bpo_megatron.losses import BatchTotals
+
+    assert BatchTotals.of(micro.train_mask) == totals
+
+
 def test_collate_pads_routing_with_a_valid_expert_set():
     routed = torch.tensor([[[3, 1]], [[2, 0]]])  # 2 positions, 1 MoE layer, top-2
     micro = collate([sample([1, 2, 3], 1, routed=routed)], pad_to_multiple=4, with_routing=True)
@@ -102,6 +123,8 @@ def test_split_and_chunk():
         (sample([1, 2, 3], 1, rollout=torch.tensor([-1.0, float("nan")])), "must be finite log-probabilities"),
         (sample([1, 2, 3], 1, rollout=torch.tensor([-1.0, 0.5])), "must be finite log-probabilities"),
         (sample([1, 2, 3], 1, advantage=float("inf")), "advantage must be finite"),
+        (sample([1, 2, 3], 1, train_mask=torch.tensor([True])), r"train_mask must be bool, one per response token"),
+        (sample([1, 2, 3], 1, train_mask=torch.tensor([1, 0])), r"train_mask must be bool"),
     ],
 )
 def test_bad_samples_are_refused(bad, match):

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv with everything the CPU path needs (idempotent: a second run only re-checks).
 # Usage: bash tools/setup.sh            -> .venv with the package (editable) and test tools
+#        bash tools/setup.sh --tests    -> .venv-sglang (below), then .venv: everything the test
+#                                          suite runs, the SGLang contract tests included
 #        bash tools/setup.sh --sglang   -> .venv-sglang: SGLang 0.5.23's own code for the contract
 #                                          tests (tests/sglang_contract; they skip without it)
 #        bash tools/setup.sh --megatron-newest -> .megatron-newest: megatron-core 0.19.2 (and the
@@ -34,6 +36,11 @@ finish_venv() {
   echo "$WANT" > "$STAMP"
   echo "[setup] done: $("$VENV/bin/python" -W ignore -c "$1")"
 }
+
+if [ "${1:-}" = "--tests" ]; then
+  bash "$0" --sglang
+  shift
+fi
 
 if [ "${1:-}" = "--sglang" ]; then
   # SGLang pins torch 2.14.1 and transformers 5.19.0, the trainer's environment torch 2.13 and

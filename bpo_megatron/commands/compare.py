@@ -6,7 +6,10 @@ paper's Table 1: peak mean accuracy at the best checkpoint, final accuracy) and 
 ``--staleness 0,1,2,4`` repeats everything at each ``train.async.max_staleness`` (engines apart from
 the trainer) and adds, per staleness, each method's paired per-seed difference of peak accuracy
 from the first method's, with a bootstrap 95% interval over the seeds. ``grpo_tis`` is GRPO with
-truncated importance sampling of the engine/trainer mismatch (``loss.correction=tis``).
+truncated importance sampling by ρ = π_old/μ (``loss.correction=tis``), π_old the trainer's own
+log-probs of the weights at each step's start: in the synchronous loop the sampling weights, so ρ
+is the engine/trainer mismatch; at a staleness k > 0 newer weights (decoupled PPO), so ρ carries
+the responses' staleness too (results.md says so under its tables).
 
     bpo-megatron compare configs/tiny_moe_cpu.yaml --seeds 1,2,3 --out runs/compare
     bpo-megatron compare configs/tiny_moe_cpu.yaml --losses bpo,grpo,gspo,cispo,dppo_tv,grpo_tis \
@@ -71,6 +74,16 @@ def delta_table(peaks: dict[tuple[str, int], list[float]], labels: list[str], st
             cells.append(f"{100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def decoupled_methods(configs: dict) -> list[str]:
+    """The methods whose π_old, at some staleness k > 0, is not the sampling weights (``configs``:
+    (variant, k, seed) -> experiment)."""
+    labels = []
+    for (variant, k, _), cfg in configs.items():
+        if k and cfg.train.recompute_old_logprobs and variant.label not in labels:
+            labels.append(variant.label)
+    return labels
 
 
 def summarise(run_dirs: list[Path]) -> tuple[list[float], list[float]]:
@@ -184,6 +197,11 @@ def main(argv: list[str]) -> int:
         sections.append(heading + table(rows, seeds))
     if staleness != [None] and len(methods) > 1:
         sections.append(delta_table(all_peaks, [v.label for v in methods], staleness))
+    decoupled = decoupled_methods(configs)
+    if decoupled:
+        sections.append(f"{', '.join(decoupled)} at train.async.max_staleness > 0: π_old is the trainer's weights at "
+                        "each step's start, newer than those that sampled the responses (decoupled PPO), so the "
+                        "correction's ρ = π_old/μ carries staleness as well as the engine/trainer mismatch.")
     text = "\n\n".join(sections)
     (out / "results.md").write_text(text + "\n")
     plot_variants(curves, out / "curves.png")

@@ -6,8 +6,9 @@ response with neither scores 0: a number that merely happens to end the reasonin
 answer, and reading one would reward responses that never committed to one. The answer found is
 checked for equivalence with the reference by math-verify (LaTeX/sympy aware) in a pool of
 worker processes, because math-verify bounds its parsing with ``signal.alarm``, which only works
-in a process's main thread, and a pathological answer must not stall the step. ``exact``
-compares strings.
+in a process's main thread, and a pathological answer must not stall the step. The pool is sized
+to the CPUs the driver may use (:func:`scoring_workers`): a step scores thousands of responses.
+``exact`` compares strings.
 
 Whether a response was cut off by the length limit is not visible in its text; scoring such
 responses is :func:`bpo_megatron.tasks.scoring.score`'s job (``data.truncated_reward``).
@@ -16,7 +17,10 @@ responses is :func:`bpo_megatron.tasks.scoring.score`'s job (``data.truncated_re
 from __future__ import annotations
 
 import concurrent.futures as cf
+import math
+import os
 import re
+from pathlib import Path
 from typing import Callable
 
 RewardFn = Callable[[list[str], list[str]], list[float]]
@@ -107,13 +111,46 @@ def _math_verify_one(args: tuple[str, str]) -> float:
         return 0.0
 
 
+# The driver's own loop (batching, advantages, Ray's client) keeps this many CPUs.
+DRIVER_CPUS = 2
+# Each worker holds math-verify and sympy (~60 MB); beyond this many, answers of one step
+# (a few thousand) are scored faster than the engines produce them anyway.
+MAX_SCORING_WORKERS = 32
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def available_cpus(cpu_max: Path = CGROUP_CPU_MAX) -> int:
+    """CPUs this process may use: those it is allowed to run on (``os.sched_getaffinity``, what
+    Slurm and taskset restrict), and no more than its cgroup's CPU quota (what a Kubernetes CPU
+    limit sets, which leaves the affinity at every CPU of the node)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota == "max":
+            return cpus
+        return min(cpus, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        return cpus  # no cgroup v2 CPU controller here: the affinity is the limit
+
+
+def scoring_workers(cpus: int | None = None) -> int:
+    """Scoring processes for ``cpus`` CPUs (default: :func:`available_cpus`): all but
+    ``DRIVER_CPUS``, at least 1 and at most ``MAX_SCORING_WORKERS``."""
+    cpus = available_cpus() if cpus is None else cpus
+    return max(1, min(MAX_SCORING_WORKERS, cpus - DRIVER_CPUS))
+
+
 class MathVerifier:
     """Scores responses by their final answers in worker processes; a response without one
-    scores 0 without being sent, a call that exceeds ``timeout_s`` scores 0."""
+    scores 0 without being sent, a call that exceeds ``timeout_s`` scores 0. ``workers``: the
+    pool's processes (default: :func:`scoring_workers`, from the CPUs this process may use)."""
 
-    def __init__(self, workers: int = 2, timeout_s: float = 10.0) -> None:
+    def __init__(self, workers: int | None = None, timeout_s: float = 10.0) -> None:
+        if workers is not None and workers < 1:
+            raise ValueError(f"MathVerifier needs at least 1 worker process, got workers={workers}")
+        self.workers = scoring_workers() if workers is None else workers
         self.timeout_s = timeout_s
-        self._pool = cf.ProcessPoolExecutor(max_workers=workers)
+        self._pool = cf.ProcessPoolExecutor(max_workers=self.workers)
 
     def __call__(self, responses: list[str], answers: list[str]) -> list[float]:
         finals = [final_answer(r) for r in responses]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import re
 import shlex
+import sys
 from typing import Any
 
 import yaml
@@ -28,7 +29,9 @@ WORKDIR = "/workspace"  # KubeRayJob's working directory of the Ray containers w
 # The driver (the RL loop: data, rewards, samples) runs on the head pod; its memory follows the
 # experiment (bpo_megatron.planner.host), its CPUs score the responses.
 HEAD_CPU, DEFAULT_HEAD_GIB = "16", 64
-CPUS_PER_GPU, MEMORY_GIB_PER_GPU = 16, 96  # worker pods' requests unless given
+# Worker pods' requests unless given; the memory is raised to what the planner says the busiest
+# trainer node holds at a checkpoint save (bpo_megatron.planner.host) when that is more.
+CPUS_PER_GPU, MEMORY_GIB_PER_GPU = 16, 96
 _MAX_NAME = 63  # Kubernetes object names
 
 
@@ -51,21 +54,33 @@ class _Dumper(yaml.SafeDumper):
         return True
 
 
-def _worker_requests(settings: ExecutorSettings, resources: Resources) -> tuple[str, int]:
-    """The worker pods' CPU request and memory request in GiB."""
+def _worker_requests(settings: ExecutorSettings, resources: Resources,
+                     host_gib: int | None = None) -> tuple[str, int]:
+    """The worker pods' CPU request and memory request (= limit) in GiB. ``host_gib``: the host
+    memory a trainer node needs at a checkpoint save (the planner's); a ``--memory-per-node``
+    below it is refused, the default is raised to it."""
     gpus = max(resources.gpus_per_node, 1)
-    memory = int(settings.memory_per_node.removesuffix("Gi")) if settings.memory_per_node else gpus * MEMORY_GIB_PER_GPU
+    if settings.memory_per_node:
+        memory = int(settings.memory_per_node.removesuffix("Gi"))
+        if host_gib is not None and memory < host_gib:
+            raise ValueError(f"--memory-per-node {settings.memory_per_node} is less than the {host_gib}Gi a trainer "
+                             "node holds at a checkpoint save (bpo-megatron plan CONFIG: host memory of the busiest "
+                             "trainer node): the pod would be killed at the first save; pass --memory-per-node "
+                             f"{host_gib}Gi or more, or leave it out")
+    else:
+        memory = max(gpus * MEMORY_GIB_PER_GPU, host_gib or 0)
     return str(settings.cpus_per_node or gpus * CPUS_PER_GPU), memory
 
 
-def executor(settings: ExecutorSettings, resources: Resources, *, head_memory_gib: int = DEFAULT_HEAD_GIB):
+def executor(settings: ExecutorSettings, resources: Resources, *, head_memory_gib: int = DEFAULT_HEAD_GIB,
+             host_gib: int | None = None):
     from importlib.metadata import version
 
     from nemo_run.core.execution.kuberay import KubeRayExecutor, KubeRayWorkerGroup
 
     if not settings.container_image:
         raise ValueError("kuberay needs --container-image: an image with bpo-megatron installed")
-    cpus, memory_gib = _worker_requests(settings, resources)
+    cpus, memory_gib = _worker_requests(settings, resources, host_gib)
     volumes, volume_mounts = _volumes(settings.mounts)
     # NCCL, SGLang and Ray's object store live in /dev/shm; a container's default is 64 MiB
     volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{memory_gib // 2}Gi"}})
@@ -122,6 +137,30 @@ def rayjob_manifest(name: str, ex, command: str, user: str) -> dict[str, Any]:
     }
 
 
+def _node_host_gib(batch: Batch, sized: list, settings: ExecutorSettings) -> int | None:
+    """The most host memory a trainer node of any run of ``batch`` holds at a checkpoint save
+    (the planner's figure, GiB); None when no run could be planned here, which is said."""
+    from bpo_megatron.planner.plan import node_memory_gib
+
+    figures, unplanned = [], []
+    for run_, cfg in zip(batch.runs, sized):
+        try:
+            figure = node_memory_gib(cfg) if cfg is not None else None
+        except (OSError, ValueError) as exc:
+            unplanned.append(f"{run_.name} ({exc})")
+            continue
+        if cfg is None:
+            unplanned.append(f"{run_.name} ({run_.config} is not on this machine)")
+        elif figure is not None:
+            figures.append(figure)
+    if unplanned:
+        memory = settings.memory_per_node or "the per-GPU default"
+        print(f"kuberay: the worker pods' memory ({memory}) is not checked against the host memory a checkpoint save "
+              f"needs for {', '.join(unplanned)}: run bpo-megatron plan on the config and pass --memory-per-node",
+              file=sys.stderr)
+    return max(figures, default=None)
+
+
 class KubeRayLauncher:
     name = "kuberay"
 
@@ -131,16 +170,16 @@ class KubeRayLauncher:
         sized = [sizing_config(run_) for run_ in batch.runs]
         head = max((driver_memory_gib(cfg) for cfg in sized if cfg is not None), default=DEFAULT_HEAD_GIB)
         return executor(settings, Resources.resolve(settings, experiment_config(batch.runs[0])),
-                        head_memory_gib=max(head, DEFAULT_HEAD_GIB))
+                        head_memory_gib=max(head, DEFAULT_HEAD_GIB), host_gib=_node_host_gib(batch, sized, settings))
 
     def render(self, batch: Batch, settings: ExecutorSettings) -> list[Rendered]:
         from nemo_run.run.ray.kuberay import get_user
 
         user = get_user()
         rendered = []
+        ex = self._executor(batch, settings)  # the batch's runs share one cluster spec
         for run_ in batch.runs:
-            manifest = rayjob_manifest(k8s_name(run_.name, user), self._executor(batch, settings),
-                                       entrypoint(run_), user)
+            manifest = rayjob_manifest(k8s_name(run_.name, user), ex, entrypoint(run_), user)
             rendered.append(Rendered(run_.name, "manifest", yaml.dump(manifest, Dumper=_Dumper, sort_keys=False)))
         return rendered
 

@@ -39,8 +39,10 @@ class LoopConfig:
     routing_agreement_samples: int = 8  # responses per step re-routed by the trainer to measure agreement
     verify_weight_sync: bool = False  # fingerprint engine weights after every sync (slow on big models)
     # Before the step's updates, the trainer recomputes log π_old of every response under the
-    # weights that sampled it (one forward pass over the batch): the loss then anchors its ratios
-    # to them, and loss.correction reweights by π_old/μ (the engine's). Needed by every correction.
+    # weights of the step's start (one forward pass over the batch): the loss then anchors its
+    # ratios to them, and loss.correction reweights by π_old/μ (the engine's). Needed by every
+    # correction. Those weights sampled the batch in the synchronous loop; under train.async they
+    # are newer (decoupled PPO), so ρ = π_old/μ carries the responses' staleness too.
     recompute_old_logprobs: bool = False
     # DAPO batch shaping (loop/batch_shaping.py): drop groups whose rewards do not vary and draw
     # more prompts, in at most this many rounds; and the soft overlong punishment over the last

@@ -118,6 +118,18 @@ def check_pretrained_weights(cfg, hf) -> None:
         raise RunRefused(f"model.path={cfg.model.path}: {exc}") from exc
 
 
+def decoupled_anchor_note(cfg) -> str | None:
+    """What π_old is under train.async: the weights at each step's start, not the sampling weights."""
+    lag = cfg.train.asynchronous.max_staleness
+    if not (lag and cfg.train.recompute_old_logprobs):
+        return None
+    return (f"train.async.max_staleness={lag} with train.recompute_old_logprobs=true: log π_old is recomputed with "
+            "the weights at each step's start, not the (up to "
+            f"{lag} updates older) weights that sampled the responses (decoupled PPO): the loss's ratios are taken "
+            f"against them and ρ = π_old/μ (loss.correction={cfg.loss.correction}; metrics mismatch_abs_logp_diff_mean, "
+            "mismatch_kl_k3) includes the responses' staleness besides the engine/trainer mismatch")
+
+
 def prepare(cfg, *, override_resume: tuple[str, ...] = ()) -> RunPlan:
     """Check everything the run will read; refuse with :class:`RunRefused` (nothing written)."""
     run_dir = Path(cfg.run_dir)
@@ -132,6 +144,8 @@ def prepare(cfg, *, override_resume: tuple[str, ...] = ()) -> RunPlan:
     if occupied:
         check_initial_weights(cfg, hf)
     state, resume_from, notes = resume_point(cfg, hf) if occupied else (RunState(), None, [])
+    if (anchor := decoupled_anchor_note(cfg)) is not None:
+        notes.append(anchor)
     if resume_from is None and cfg.model.init == "pretrained":
         check_pretrained_weights(cfg, hf)
     tokenizer = load_run_tokenizer(cfg, hf)

@@ -131,14 +131,17 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                                                         cfg.train.overlong_buffer, cfg.train.overlong_penalty)
                     shaping.update(overlong)
                 train_samples, metrics = training_samples(samples, rewards, cfg.rollout.group_size,
-                                                          keep_routing=cfg.model.routing_replay)
+                                                          keep_routing=cfg.model.routing_replay,
+                                                          asynchronous=bool(ahead.max_staleness))
                 metrics.update(shaping)
                 metrics.update(lagging)
                 random.Random(cfg.train.seed + step).shuffle(train_samples)
                 t_prepared = time.perf_counter()
                 phases.train()
                 metrics.update(diagnostics.routing_agreement(trainer, train_samples, cfg))
-                if cfg.train.recompute_old_logprobs:  # log π_old: what the loss anchors to and corrects by
+                # log π_old, what the loss anchors to and corrects by: the weights of this step's start
+                # (under train.async newer than the sampling ones: decoupled, ρ = π_old/μ has staleness)
+                if cfg.train.recompute_old_logprobs:
                     train_samples = with_old_logprobs(trainer, train_samples)
                 updates = [trainer.train_step(mb) for mb in split(train_samples, cfg.train.minibatches_per_step)]
                 phases.weights_changed(version=step)

@@ -40,7 +40,7 @@ RESUME_SAFE = (
     "train.routing_agreement_samples", "parallel.", "cluster.", "logging.", "checkpoint.every",
     "checkpoint.keep_last", "checkpoint.resume", "rollout.num_engines", "rollout.threads_per_engine",
     "rollout.weight_bucket_mb", "rollout.hf.max_batch_rows", "rollout.generate_timeout_s",
-    "rollout.max_restarts",
+    "rollout.max_restarts", "rollout.stall_timeout_s",
 )
 
 

@@ -11,22 +11,35 @@ from bpo_megatron.rollout import Sample
 from bpo_megatron.trainer.samples import TrainSample
 
 
-def training_samples(samples: list[Sample], rewards: torch.Tensor, group_size: int, *,
-                     keep_routing: bool) -> tuple[list[TrainSample], dict[str, float]]:
-    """Samples arrive grouped (the G responses of a prompt together), as advantages need."""
+def training_samples(samples: list[Sample], rewards: torch.Tensor, group_size: int, *, keep_routing: bool,
+                     asynchronous: bool = False) -> tuple[list[TrainSample], dict[str, float]]:
+    """Samples arrive grouped (the G responses of a prompt together), as advantages need.
+
+    With ``keep_routing`` (R3) the response tokens whose recorded routing is not the one they were
+    sampled with (``Sample.routing_valid``: SGLang re-prefilled them after a weight update) are left
+    out of the loss, since replaying it would train them against experts that did not produce
+    their μ; under ``asynchronous`` (train.async, where updates reach generations under way) their
+    share of the step's response tokens is reported as ``async/r3_masked_frac``.
+    """
     advantages, metrics = group_advantages(rewards, group_size)
     train = [TrainSample(tokens=s.tokens, response_start=s.prompt_tokens.numel(),
                          rollout_logprobs=s.rollout_logprobs, advantage=float(a),
-                         routed_experts=s.routed_experts if keep_routing else None)
+                         routed_experts=s.routed_experts if keep_routing else None,
+                         train_mask=s.routing_valid if keep_routing else None)
              for s, a in zip(samples, advantages.tolist())]
     lengths = torch.tensor([s.response_tokens.numel() for s in samples], dtype=torch.float32)
     metrics.update(response_length_mean=float(lengths.mean()), response_length_max=float(lengths.max()),
                    truncated_frac=sum(s.finish_reason == "length" for s in samples) / len(samples))
+    if keep_routing and asynchronous:
+        masked = sum(t.num_response_tokens - t.num_train_tokens for t in train)
+        metrics["async/r3_masked_frac"] = masked / max(float(lengths.sum()), 1.0)
     return train, metrics
 
 
 def with_old_logprobs(trainer, samples: list[TrainSample]) -> list[TrainSample]:
-    """The samples with the trainer's log π_old of each response token under the current weights,
-    the ones that sampled them (one forward pass over the batch, routing replayed as in training)."""
+    """The samples with the trainer's log π_old of each response token under the current weights
+    (one forward pass over the batch, routing replayed as in training): the weights that sampled
+    them in the synchronous loop; under train.async the newer weights of the step's start, so π_old
+    carries the responses' staleness (decoupled PPO)."""
     scored = trainer.compute_logprobs(samples)
     return [dataclasses.replace(sample, old_logprobs=logprobs) for sample, logprobs in zip(samples, scored.logprobs)]

@@ -18,6 +18,10 @@ icepop      ρ_t                                                    tokens with 
 
 Each token's loss becomes ``−Â · M_loss · M_corr · sg(w_loss · w_corr) · log π``. ``none`` (the
 default) leaves the loss as it is.
+
+π_old is recomputed with the weights at the step's start. Under ``train.async`` those are newer
+than the weights that sampled the responses (decoupled PPO): ρ then measures the responses'
+staleness as well as the engine/trainer mismatch, and so do the ``mismatch_*`` metrics.
 """
 
 from __future__ import annotations

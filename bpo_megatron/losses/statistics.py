@@ -19,6 +19,7 @@ MEAN_METRICS = (
     # with the trainer's recomputed behaviour log-probs π_old only (absent otherwise):
     "correction_weight_mean",  # mean correction weight (losses/corrections.py)
     "correction_drop_frac",  # fraction of loss tokens the correction drops
+    # (under train.async π_old is the weights at the step's start, so these two add staleness)
     "mismatch_abs_logp_diff_mean",  # mean |log π_old − log μ|: engine/trainer numerics
     "mismatch_kl_k3",  # k3 estimate of KL(μ‖π_old)
 )

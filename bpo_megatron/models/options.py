@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 import torch
@@ -16,10 +16,11 @@ TokenDispatcher = Literal["alltoall", "allgather"]
 TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def default_params_dtype() -> ParamsDtype:
+def default_params_dtype(gpu: bool | None = None) -> ParamsDtype:
     """bf16 on GPUs (what the clusters train in); fp32 on CPU, where bf16 matmuls are slow and
-    the tests compare against fp32 references."""
-    return "bf16" if platform.has_cuda() else "fp32"
+    the tests compare against fp32 references. ``gpu`` None: whether the calling process has one,
+    so call it where the model is built (:meth:`ModelOptions.resolved`), never on a driver."""
+    return "bf16" if (platform.has_cuda() if gpu is None else gpu) else "fp32"
 
 
 @dataclass(frozen=True)
@@ -31,9 +32,14 @@ class ModelOptions:
     rollout policy for reasons unrelated to reward. It also keeps the router's behaviour identical
     to what the rollout engine runs. Set it (e.g. to the checkpoint's ``router_aux_loss_coef``)
     only to continue pre-training-style balancing.
+
+    ``params_dtype`` unset (None) is the platform default of the process that builds the model
+    (:func:`default_params_dtype`): options travel from a driver without a GPU to trainer ranks
+    with one, and a default taken on the driver would train the GPUs in fp32. Builders call
+    :meth:`resolved` first.
     """
 
-    params_dtype: ParamsDtype = field(default_factory=default_params_dtype)
+    params_dtype: ParamsDtype | None = None
     routing_replay: bool = False  # R3: replay the rollout engine's expert choices (MoE only)
     moe_aux_loss_coeff: float = 0.0
     recompute: Recompute = "none"  # "full": recompute every layer in backward (1 layer per unit)
@@ -41,7 +47,8 @@ class ModelOptions:
     make_vocab_size_divisible_by: int = 128
 
     def __post_init__(self) -> None:
-        _check_choice("params_dtype", self.params_dtype, ParamsDtype)
+        if self.params_dtype is not None:
+            _check_choice("params_dtype", self.params_dtype, ParamsDtype)
         _check_choice("recompute", self.recompute, Recompute)
         _check_choice("moe_token_dispatcher", self.moe_token_dispatcher, TokenDispatcher)
         if not isinstance(self.routing_replay, bool):
@@ -55,8 +62,21 @@ class ModelOptions:
                 f"model.make_vocab_size_divisible_by={divisor!r} must be a positive integer"
             )
 
+    def resolved(self) -> ModelOptions:
+        """These options with an unset ``params_dtype`` decided by this process's devices (the
+        same type: an experiment's ``ModelConfig`` stays one)."""
+        return self if self.params_dtype is not None else replace(self, params_dtype=default_params_dtype())
+
+    def params_dtype_on(self, *, gpu: bool) -> ParamsDtype:
+        """The dtype a rank with (``gpu``) or without a GPU builds the model in: for planning
+        an allocation from a machine that is not part of it."""
+        return self.params_dtype if self.params_dtype is not None else default_params_dtype(gpu)
+
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.params_dtype is None:
+            raise ValueError("model.params_dtype is unset (the platform default): call ModelOptions.resolved() in the "
+                             "process that builds the model to decide it there")
         return TORCH_DTYPES[self.params_dtype]
 
 

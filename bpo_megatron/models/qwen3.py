@@ -58,6 +58,7 @@ def transformer_config(
     """
     from megatron.core.transformer import TransformerConfig
 
+    options = options.resolved()  # an unset dtype: this process's platform default
     parallel.validate_model(
         num_layers=hf.num_hidden_layers,
         num_experts=hf.num_experts if hf.is_moe else 0,
@@ -206,6 +207,7 @@ def build_gpt_model(
     from megatron.core.models.gpt import GPTModel
 
     _check_process_groups(parallel)
+    options = options.resolved()  # an unset dtype: this rank's platform default (bf16 with a GPU)
     config = transformer_config(hf, parallel, options)
     model = GPTModel(
         config=config,

@@ -25,6 +25,7 @@ def sync_weights(trainer, engines, *, transport: str, version: int, bucket_bytes
     if only is None or broadcast:
         engines.replace_unhealthy()
     targets = list(range(len(engines.workers))) if only is None or broadcast else list(only)
+    engines.unsynced.difference_update(targets)  # an engine replaced from here on is synced below
     sent = seconds = 0.0
     while targets:
         if broadcast:
@@ -32,6 +33,7 @@ def sync_weights(trainer, engines, *, transport: str, version: int, bucket_bytes
         _, lost = engines.call_surviving("begin_weight_update", version, only=targets)
         if broadcast and lost:  # a group with a dead member cannot broadcast: replace, re-form, retry
             engines.replace(lost, load_weights=False)
+            engines.unsynced.difference_update(lost)
             continue
         opened = [i for i in targets if i not in lost]
         destinations = sender.destinations(engines, opened)
@@ -54,6 +56,7 @@ def sync_weights(trainer, engines, *, transport: str, version: int, bucket_bytes
                 compare(report["fingerprints"], fingerprints, engine=f"rollout engine {index}")
         if lost:
             engines.replace(lost, load_weights=False)
+            engines.unsynced.difference_update(lost)  # synced by the next round of this loop
         targets = lost
     seconds = max(seconds, 1e-9)
     return {"sync_bytes": float(sent), "sync_seconds": seconds, "sync_bytes_per_s": sent / seconds}
@@ -72,9 +75,14 @@ def _form_weight_group(trainer, engines) -> None:
         engines.call_surviving("leave_weight_group", only=survivors)
         trainer.call("close_weight_group")
     endpoints = engines.call("endpoint")
+    trainer_nccl = trainer.call("nccl_version")[0]
+    if trainer_nccl is not None:  # NCCL refuses a communicator whose members run different versions
+        from bpo_megatron.rollout.sglang.nccl import check_nccl_versions
+
+        check_nccl_versions(trainer_nccl, engines.call("nccl_version"))
     address, port = trainer.call("weight_group_address")[0]
-    offsets = [1 + sum(tp for _, tp in endpoints[:i]) for i in range(len(endpoints))]
-    world = 1 + sum(tp for _, tp in endpoints)
+    offsets = [1 + sum(e.tp_size for e in endpoints[:i]) for i in range(len(endpoints))]
+    world = 1 + sum(e.tp_size for e in endpoints)
     opening = trainer.submit("open_weight_group", address, port, world)  # rank 0 hosts, the engines join
     ray.get([w.join_weight_group.remote(address, port, offset, world) for w, offset in zip(engines.workers, offsets)])
     trainer.wait(opening, "open_weight_group")

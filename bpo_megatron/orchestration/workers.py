@@ -88,6 +88,12 @@ class TrainWorker:
 
         return address_and_free_port()
 
+    def nccl_version(self):
+        """The NCCL version this rank runs (None without NCCL): what the weight group checks."""
+        from bpo_megatron.rollout.sglang.weights import DistributedWeightSender
+
+        return DistributedWeightSender.nccl_version()
+
     def open_weight_group(self, master_address: str, master_port: int, world_size: int) -> None:
         """Rank 0 joins (and hosts) the group shared with the engines' TP ranks; others do nothing."""
         if self.rank == 0:
@@ -153,16 +159,23 @@ class TrainWorker:
 class EngineWorker:
     """One rollout engine, built from the experiment's ``rollout`` section."""
 
-    def __init__(self, cfg, model_dir: str, index: int, devices: tuple[int, ...] = ()) -> None:
+    def __init__(self, cfg, model_dir: str, index: int, devices: tuple[int, ...] = (),
+                 node_address: str | None = None) -> None:
+        """``node_address``: the address other nodes reach this actor's node at (None: Ray's
+        address of the node it runs on)."""
         quiet_library_logs()
         from bpo_megatron.models.routing import RoutingLayout
         from bpo_megatron.rollout import EngineContext
 
+        if node_address is None:
+            import ray
+
+            node_address = ray.util.get_node_ip_address()
         hf = cfg.hf_config()
         capture = cfg.rollout.capture_routed_experts and hf.num_experts > 0
         context = EngineContext(model_dir=model_dir, index=index, routing=RoutingLayout.of(hf) if capture else None,
                                 threads=cfg.rollout.threads_per_engine, colocated=cfg.cluster.colocate,
-                                devices=devices)
+                                devices=devices, node_address=node_address)
         self.engine = cfg.rollout.spec.build(cfg.rollout.options, context)
 
     def captures_routing(self) -> bool:
@@ -193,9 +206,14 @@ class EngineWorker:
 
         return fingerprints(self.engine.named_hf_weights())
 
-    def endpoint(self) -> tuple[str, int]:
-        """The engine server's base URL and TP size (engines that run a server)."""
-        return self.engine.base_url, self.engine.cfg.tp_size
+    def endpoint(self):
+        """Where the engine's server is reached, on its node's address, and with which key
+        (engines that run a server)."""
+        return self.engine.endpoint()
+
+    def nccl_version(self):
+        """The NCCL version the engine's server runs (engines that run one)."""
+        return self.engine.nccl_version()
 
     def join_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
         from bpo_megatron.weight_sync.nccl_broadcast import GROUP_NAME
@@ -225,6 +243,10 @@ class EngineWorker:
 
     def healthy(self) -> bool:
         return self.engine.health().healthy
+
+    def progress(self) -> int | None:
+        """See :meth:`~bpo_megatron.rollout.engine.RolloutEngine.progress`."""
+        return self.engine.progress()
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -1,7 +1,8 @@
 """``bpo-megatron plan CONFIG [section.key=value ...]``: check a layout and estimate memory per GPU.
 
 Prints the layout checks, the per-GPU memory of training (per pipeline stage) and of the rollout
-engines, and a verdict against the GPU's memory. ``--sweep`` lists every trainer layout that fits
+engines, the host memory of the busiest trainer node at a checkpoint save and at a load, and a
+verdict against the GPU's and the node's memory. ``--sweep`` lists every trainer layout that fits
 the allocation instead. The model's architecture comes from ``model.path`` (a checkpoint
 directory or just its ``config.json``) or ``--hf-config``; no weights are read.
 
@@ -11,7 +12,10 @@ Exit status: 0 fits (``--sweep``: at least one layout fits), 1 does not fit, 2 b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+
+from bpo_megatron.planner.host import DEFAULT_NODE_HOST_MEMORY_GB
 
 
 NEUTRAL_LAYOUT = ["parallel.tp=1", "parallel.pp=1", "parallel.ep=1", "parallel.etp=null", "cluster.trainer_ranks=1"]
@@ -27,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--nodes", type=int, help="nodes (default: cluster.nodes)")
     parser.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: cluster.gpus_per_node)")
     parser.add_argument("--gpu-memory-gb", type=float, help="memory of one GPU in GB (default: cluster.gpu_memory_gb)")
+    parser.add_argument("--host-memory-gb", type=float,
+                        help="host memory of one node in GB, which a checkpoint save must fit in (default: "
+                             f"{DEFAULT_NODE_HOST_MEMORY_GB:g})")
     parser.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
                         help="shard optimizer states over DP (default: on for GPUs, as the trainer does)")
     parser.add_argument("--sweep", action="store_true", help="list the trainer layouts that fit")
@@ -58,6 +65,11 @@ def main(argv: list[str]) -> int:
         print(f"bpo-megatron plan: {exc}", file=sys.stderr)
         return 2
     allocation = Allocation.of(cfg)
+    if args.host_memory_gb is not None:
+        if not args.host_memory_gb > 0:
+            print(f"bpo-megatron plan: --host-memory-gb must be > 0, got {args.host_memory_gb:g}", file=sys.stderr)
+            return 2
+        allocation = dataclasses.replace(allocation, host_memory_gb=args.host_memory_gb)
     if args.sweep:
         if not allocation.gpus_per_node:
             print("bpo-megatron plan: --sweep needs GPUs (--gpus-per-node or cluster.gpus_per_node)",

@@ -1,9 +1,11 @@
 """Host memory of the driver: it holds one step's samples twice (as the engines return them, and as
-training samples with advantages) besides Python, Ray's client and the datasets."""
+training samples with advantages) besides Python, Ray's client and the datasets; and of the
+busiest trainer node at a checkpoint save and at a load (below)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 GiB = 2**30
 DRIVER_BASE_GIB = 16  # interpreter, Ray client, tokenizer, prompt datasets, metrics
@@ -29,3 +31,149 @@ def step_sample_bytes(cfg) -> int:
 def driver_memory_gib(cfg) -> int:
     """What the driver's host (a Slurm head node step, a KubeRay head pod) should have."""
     return math.ceil(2 * step_sample_bytes(cfg) / GiB) + DRIVER_BASE_GIB
+
+
+# ------------------------------------------------------------------------------- trainer nodes
+# Host memory of a trainer node at a checkpoint save, with the distributed optimizer saved as
+# bpo_megatron.trainer.optimizer_state does it (Megatron's fully reshardable format, gathered
+# over gloo onto DP rank 0 only, then made compact). Per trainer rank, for each inner optimizer
+# (dense parameters over DP, expert parameters over expert DP) of which it is DP rank 0:
+#   * fp32 state: the DP-unsharded master weights and two Adam moments of its whole model shard
+#     of that kind, 12 bytes a parameter, which Megatron allocates on the host before gathering;
+#   * the largest of three transients, which come one after another: the gather's buffers
+#     (12 bytes × bucket × (1 + 1/dp)), the compaction copy (one 4-byte world tensor at a time,
+#     the largest part's), and the model weights it writes staged from the GPU (dtype bytes).
+# A rank that is DP rank 0 of neither only sends its shard of a bucket (12 bytes × bucket / dp).
+# Colocated ranks also hold their offload buffers (weights and optimizer shard, gradients are
+# not moved): the trainer drops them before a save, but they are counted, so the figure bounds
+# the node through the whole run (the rollout phase holds those buffers, a save its staging).
+# At load (a resume, before any offload) every rank allocates the fp32 state of its whole shard.
+# The busiest node is taken to hold the ranks with the largest figures, a bound whatever the
+# placement (Megatron's rank order puts a stage's DP-rank-0 ranks first: on one node, that one).
+FP32_STATE_BYTES = 12  # master weight, exp_avg, exp_avg_sq
+WORLD_TENSOR_BYTES = 4  # one of the three
+DDP_BUCKET_ELEMENTS = 40_000_000  # Megatron DDP's default bucket: max(4e7, 1e6 × dp) elements
+HOST_MARGIN_FRACTION = 0.10  # allocator fragmentation, Ray's object store, what is not counted
+HOST_PROCESS_BYTES_PER_GPU = 8e9  # each GPU's processes: Python, CUDA/NCCL host state, SGLang's
+DEFAULT_NODE_HOST_MEMORY_GB = 1000.0  # a node's host memory unless `plan --host-memory-gb` says
+
+
+@dataclass(frozen=True)
+class RankHost:
+    """Host bytes of one trainer rank of pipeline stage ``stage``."""
+
+    stage: int
+    dense_writer: bool  # DP rank 0 of the dense optimizer: gathers and writes its state
+    expert_writer: bool  # DP rank 0 of the expert optimizer (expert DP)
+    pinned: int  # offload buffers (colocated runs)
+    fp32_state: int
+    gather: int
+    compaction: int
+    weights: int  # model weights it writes, staged from the GPU
+    load: int
+
+    @property
+    def staging(self) -> int:
+        return self.fp32_state + max(self.gather, self.compaction, self.weights)
+
+    @property
+    def at_save(self) -> int:
+        return self.pinned + self.staging
+
+
+@dataclass(frozen=True)
+class NodeHost:
+    """The trainer node with the most host memory at a checkpoint save, and at a load."""
+
+    ranks: tuple[RankHost, ...]  # every trainer rank
+    per_node: int  # trainer ranks on a node
+    gpus_per_node: int
+    node_bytes: float
+
+    def _busiest(self, key) -> tuple[RankHost, ...]:
+        return tuple(sorted(self.ranks, key=key, reverse=True)[:self.per_node])
+
+    @property
+    def save_ranks(self) -> tuple[RankHost, ...]:
+        return self._busiest(lambda r: r.at_save)
+
+    @property
+    def counted_at_save(self) -> int:
+        return sum(r.at_save for r in self.save_ranks)
+
+    @property
+    def counted_at_load(self) -> int:
+        return sum(r.load for r in self._busiest(lambda r: r.load))
+
+    def with_margin(self, counted: float) -> float:
+        return counted * (1 + HOST_MARGIN_FRACTION) + HOST_PROCESS_BYTES_PER_GPU * self.gpus_per_node
+
+    @property
+    def at_save(self) -> float:
+        return self.with_margin(self.counted_at_save)
+
+    @property
+    def at_load(self) -> float:
+        return self.with_margin(self.counted_at_load)
+
+    @property
+    def peak(self) -> float:
+        return max(self.at_save, self.at_load)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.node_bytes
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def rank_host(dense: int, expert: int, *, stage: int, param_bytes: int, offload_bytes: int, dp: int,
+              expert_dp: int, dense_writer: bool, expert_writer: bool, distributed: bool) -> RankHost:
+    """Host bytes of a rank holding ``dense`` and ``expert`` parameters (see the notes above);
+    ``offload_bytes``: what offloading keeps on the host (0 when not colocated)."""
+    parts = [(dense, dp, dense_writer), (expert, expert_dp, expert_writer)]
+    written = [params for params, _, writer in parts if writer and params]
+    fp32_state, weights = FP32_STATE_BYTES * sum(written), param_bytes * sum(written)
+    if not distributed:
+        # Megatron's other optimizers keep their state on the GPU; the writer stages it from there
+        return RankHost(stage, dense_writer, expert_writer, offload_bytes, fp32_state=fp32_state, gather=0,
+                        compaction=0, weights=weights, load=0)
+    gather = 0
+    for params, group, writer in parts:
+        if params:
+            # Megatron's DDP buckets size its gather: max(4e7, 1e6 × dp) elements, the whole
+            # buffer if smaller; DP rank 0 receives whole buckets, every rank sends its 1/group
+            bucket = min(max(DDP_BUCKET_ELEMENTS, 1_000_000 * dp), params)
+            sent = _ceil_div(FP32_STATE_BYTES * bucket, group)
+            gather = max(gather, FP32_STATE_BYTES * bucket + sent if writer else sent)
+    return RankHost(stage, dense_writer, expert_writer, offload_bytes, fp32_state=fp32_state, gather=gather,
+                    compaction=WORLD_TENSOR_BYTES * max(written, default=0), weights=weights,
+                    load=FP32_STATE_BYTES * (dense + expert))
+
+
+def trainer_node_host(plan, node_memory_gb: float) -> NodeHost | None:
+    """The busiest trainer node of ``plan`` (a :class:`bpo_megatron.planner.plan.Plan` on GPUs);
+    None on a CPU allocation."""
+    a, cfg = plan.allocation, plan.cfg
+    if not a.gpus_per_node or not plan.stages:
+        return None
+    p, c = cfg.parallel, cfg.cluster
+    per_stage = c.trainer_ranks // p.pp
+    # DP rank 0 of the dense optimizer: a stage's first tp ranks; of the expert optimizer: its
+    # first ep × etp ranks (Megatron's rank order), so the two overlap as far as they can
+    dense_writers = per_stage // plan.dp
+    expert_writers = per_stage // plan.expert_dp if plan.hf.is_moe else 0
+    ranks = []
+    for s in plan.stages:
+        offload = s.static.weights + s.static.optimizer if c.colocate else 0
+        ranks += [rank_host(s.params.dense, s.params.expert, stage=s.params.stage,
+                            param_bytes=plan.precision.param_bytes, offload_bytes=offload, dp=plan.dp,
+                            expert_dp=plan.expert_dp, dense_writer=local < dense_writers,
+                            expert_writer=local < expert_writers, distributed=plan.distributed_optimizer)
+                  for local in range(per_stage)]
+    gpus_per_rank = c.gpus_per_trainer_rank or 1
+    per_node = max(1, min(c.trainer_ranks, int(a.gpus_per_node // gpus_per_rank)))
+    return NodeHost(tuple(ranks), per_node, a.gpus_per_node, node_memory_gb * 1e9)
+

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from bpo_megatron.models.hf_config import HFModelConfig
+from bpo_megatron.planner.host import DEFAULT_NODE_HOST_MEMORY_GB
 from bpo_megatron.planner.rollout import engine_profile
 
 if TYPE_CHECKING:
@@ -19,11 +20,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Allocation:
-    """The GPUs an experiment runs on."""
+    """The GPUs an experiment runs on, and the host memory of each node (GB, 10^9 bytes)."""
 
     nodes: int
     gpus_per_node: int
     gpu_memory_gb: float
+    host_memory_gb: float = DEFAULT_NODE_HOST_MEMORY_GB
 
     @property
     def gpus(self) -> int:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from bpo_megatron.models.hf_config import HFModelConfig, parameter_counts
 from bpo_megatron.models.qwen3 import model_vocab_size
 from bpo_megatron.planner.activations import logits_bytes, micro_batches_in_flight, stage_activation_bytes
+from bpo_megatron.planner.host import NodeHost, trainer_node_host
 from bpo_megatron.planner.layout import Allocation, Check, layout_checks
 from bpo_megatron.planner.params import StageParams, rank_parameters
 from bpo_megatron.planner.precision import Precision, StaticMemory, static_memory
@@ -49,6 +52,7 @@ class Plan:
     micro_batches: int  # per DP rank and optimizer step
     stages: list[StagePlan]
     rollout: RolloutMemory | None  # None on a CPU allocation
+    host: NodeHost | None = None  # the busiest trainer node's host memory; None on a CPU allocation
 
     @property
     def layout_ok(self) -> bool:
@@ -75,12 +79,16 @@ class Plan:
             return True  # a CPU allocation has no per-GPU budget
         cap = self.allocation.gpu_bytes
         pool = self.rollout_pool
-        in_pool = pool is None or self.rollout.total <= pool
+        in_pool = pool is None or (self.rollout.total <= pool + 1.0 and self.rollout.resident_sequences != 0)
         return self.train_peak <= cap and self.rollout_peak <= cap and in_pool
 
     @property
+    def host_ok(self) -> bool:
+        return self.host is None or self.host.fits
+
+    @property
     def fits(self) -> bool:
-        return self.layout_ok and self.memory_ok
+        return self.layout_ok and self.memory_ok and self.host_ok
 
     @property
     def model_size(self) -> tuple[int, int]:
@@ -107,7 +115,8 @@ def make_plan(cfg: ExperimentConfig, hf: HFModelConfig, allocation: Allocation |
     if distributed_optimizer is None:
         distributed_optimizer = allocation.gpus_per_node > 0
     checks = layout_checks(cfg, hf, allocation)
-    precision = Precision.of(cfg.model.params_dtype)
+    # what the trainer ranks of this allocation build (an unset dtype: bf16 with GPUs, fp32 without)
+    precision = Precision.of(cfg.model.params_dtype_on(gpu=allocation.gpus_per_node > 0))
     p, ranks = cfg.parallel, cfg.cluster.trainer_ranks
     world_ok = _splits(cfg, hf)  # the memory model needs a layout the model can be cut into
     dp = ranks // (p.tp * p.pp) if world_ok else 1
@@ -131,7 +140,17 @@ def make_plan(cfg: ExperimentConfig, hf: HFModelConfig, allocation: Allocation |
                 in_flight=in_flight,
                 reserved=RESERVED_BYTES if allocation.gpus_per_node else 0.0,
             ))
-    rollout = rollout_memory(cfg, hf, parameter_counts(hf)[0]) if allocation.gpus_per_node else None
-    return Plan(cfg=cfg, hf=hf, allocation=allocation, checks=checks, precision=precision,
+    rollout = (rollout_memory(cfg, hf, parameter_counts(hf)[0], allocation.gpu_bytes)
+               if allocation.gpus_per_node else None)
+    plan = Plan(cfg=cfg, hf=hf, allocation=allocation, checks=checks, precision=precision,
                 distributed_optimizer=distributed_optimizer, dp=dp, expert_dp=expert_dp,
                 tokens_per_micro_batch=tokens, micro_batches=micro_batches, stages=stages, rollout=rollout)
+    return dataclasses.replace(plan, host=trainer_node_host(plan, allocation.host_memory_gb))
+
+
+def node_memory_gib(cfg: ExperimentConfig) -> int | None:
+    """What a trainer node (a KubeRay worker pod) should have: the host memory of the busiest
+    trainer node at a checkpoint save or load, in GiB rounded up; None on a CPU allocation.
+    Raises ``OSError``/``ValueError`` when the model's config cannot be read."""
+    host = make_plan(cfg, cfg.hf_config()).host
+    return None if host is None else math.ceil(host.peak / 2**30)

@@ -107,7 +107,9 @@ def _rollout(plan: Plan) -> list[str]:
     rows = [
         [f"weights (bf16, / tp {r.profile.tp})", gb(r.weights)],
         [f"KV cache ({r.profile.sequences} seq × {r.tokens_per_sequence} tokens × "
-         f"{r.kv_bytes_per_token / 1024:.1f} KiB)", gb(r.kv_cache)],
+         f"{r.kv_bytes_per_token / 1024:.1f} KiB)" if r.resident_sequences is None else
+         f"KV pool (the rest of the engine's pool: {r.resident_sequences} sequences of {r.tokens_per_sequence} "
+         f"tokens at once; {r.profile.sequences} requests in flight, the rest queue in the server)", gb(r.kv_cache)],
         ["reserved (CUDA graphs, sampling, decode activations)", gb(RESERVED_BYTES)],
         ["total", gb(plan.rollout_peak)],
     ]
@@ -116,10 +118,53 @@ def _rollout(plan: Plan) -> list[str]:
     pool = plan.rollout_pool
     if pool is not None:
         ok = r.total <= pool
+        ok = ok and r.resident_sequences != 0
         lines.append(f"  → weights + KV cache {gb(r.total)} GB {'within' if ok else 'EXCEED'} the engine's pool of "
                      f"{r.profile.pool_fraction:g} × {plan.allocation.gpu_memory_gb:g} GB = {gb(pool)} GB"
-                     + ("" if ok else " (fewer sequences in flight, or more engine TP)"))
+                     + ("" if ok else " (fewer sequences in flight, or more engine TP)" if r.resident_sequences is None
+                        else " (it holds no full-length sequence: raise mem_fraction_static or engine TP)"))
     return lines
+
+
+def _writers(ranks) -> str:
+    kinds = {}
+    for r in ranks:
+        kind = ("dense and expert" if r.dense_writer and r.expert_writer else "dense" if r.dense_writer
+                else "expert" if r.expert_writer else None)
+        kinds[kind] = kinds.get(kind, 0) + 1
+    parts = [f"{n} write {kind} optimizer state" for kind, n in kinds.items() if kind]
+    if None in kinds:
+        parts.append(f"{kinds[None]} only send theirs")
+    return ", ".join(parts)
+
+
+def _host(plan: Plan) -> list[str]:
+    from bpo_megatron.planner.host import HOST_MARGIN_FRACTION, HOST_PROCESS_BYTES_PER_GPU
+
+    host = plan.host
+    if host is None:
+        return []
+    ranks = host.save_ranks
+    counted = host.counted_at_save
+    pinned = "pinned offload buffers (weights + optimizer shards; dropped before a save, counted)" \
+        if plan.cfg.cluster.colocate else "pinned offload buffers (not colocated: none)"
+    rows = [
+        [pinned, gb(sum(r.pinned for r in ranks))],
+        ["fp32 master weights + 2 Adam moments gathered to write (12 B per parameter)",
+         gb(sum(r.fp32_state for r in ranks))],
+        ["largest transient per rank (gather buffers, compaction copy or staged weights)",
+         gb(sum(r.staging - r.fp32_state for r in ranks))],
+        [f"margin ({HOST_MARGIN_FRACTION:.0%} + {gb(HOST_PROCESS_BYTES_PER_GPU)} GB per GPU)",
+         gb(host.at_save - counted)],
+        ["at a checkpoint save", gb(host.at_save)],
+        ["at a load (every rank: its shard's fp32 state, 12 B per parameter) + margin", gb(host.at_load)],
+    ]
+    header = [f"host memory of the busiest trainer node (GB; {len(ranks)} ranks: {_writers(ranks)})", "node"]
+    where = f"{plan.allocation.host_memory_gb:g} GB per node (plan --host-memory-gb)"
+    spare = host.node_bytes - host.peak
+    verdict = (f"fits in {where}, {gb(spare)} GB spare" if spare >= 0
+               else f"does NOT fit in {where}: {gb(-spare)} GB over")
+    return [*_table(header, rows), f"  → {verdict}"]
 
 
 def _driver(plan: Plan) -> list[str]:
@@ -148,11 +193,14 @@ def format_plan(plan: Plan) -> str:
         lines += ["", *_training(plan)]
     if plan.rollout:
         lines += ["", *_rollout(plan)]
+    if plan.host:
+        lines += ["", *_host(plan)]
     lines += ["", *_driver(plan), *_sync(plan)]
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     why = [] if plan.fits else [
         "layout checks failed" if not plan.layout_ok else "",
         "memory exceeds the GPU" if not plan.memory_ok else "",
+        "host memory exceeds the node" if not plan.host_ok else "",
     ]
     reasons = "; ".join(w for w in why if w)
     lines += ["", f"verdict: {verdict}" + (f" ({reasons})" if reasons else "")]

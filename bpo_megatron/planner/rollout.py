@@ -8,7 +8,10 @@ parallelism, the sequences it keeps resident and the share of a GPU it reserves 
 KV cache per GPU = 2 (K and V) × layers × KV heads per rank × head_dim × bytes × tokens, with
 tokens = sequences × (max prompt + max response) — the worst case, every sequence at full
 length. KV heads are split over the engine's TP ranks and replicated when there are fewer of
-them than ranks. Weights are split over TP (experts included).
+them than ranks. Weights are split over TP (experts included). An engine that admits requests
+as its own KV pool allows (SGLang: the pool is ``mem_fraction_static`` of the GPU less the
+weights, requests beyond it wait in the server's queue) reserves that pool whatever the requests
+in flight; what counts is how many full-length sequences it holds at once.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class RolloutMemory:
     weights: float
     kv_cache: float
     kv_bytes_per_token: float  # per GPU
+    resident_sequences: int | None = None  # full-length sequences a server's own KV pool holds
 
     @property
     def total(self) -> float:
@@ -51,10 +55,15 @@ def kv_bytes_per_token(hf: HFModelConfig, tp: int, dtype_bytes: int = ENGINE_BYT
     return 2 * hf.num_hidden_layers * kv_heads_per_rank * hf.head_dim * dtype_bytes
 
 
-def rollout_memory(cfg: ExperimentConfig, hf: HFModelConfig, total_params: int) -> RolloutMemory:
+def rollout_memory(cfg: ExperimentConfig, hf: HFModelConfig, total_params: int,
+                   gpu_bytes: float | None = None) -> RolloutMemory:
     profile = engine_profile(cfg)
     tokens = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     per_token = kv_bytes_per_token(hf, profile.tp)
-    return RolloutMemory(profile=profile, tokens_per_sequence=tokens,
-                         weights=total_params * ENGINE_BYTES / profile.tp,
+    weights = total_params * ENGINE_BYTES / profile.tp
+    if profile.admits_by_pool and profile.pool_fraction is not None and gpu_bytes:
+        pool = max(0.0, profile.pool_fraction * gpu_bytes - weights)
+        return RolloutMemory(profile=profile, tokens_per_sequence=tokens, weights=weights, kv_cache=pool,
+                             kv_bytes_per_token=per_token, resident_sequences=int(pool // (per_token * tokens)))
+    return RolloutMemory(profile=profile, tokens_per_sequence=tokens, weights=weights,
                          kv_cache=per_token * profile.sequences * tokens, kv_bytes_per_token=per_token)

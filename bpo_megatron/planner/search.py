@@ -69,6 +69,7 @@ def sweep(cfg: ExperimentConfig, hf: HFModelConfig, allocation: Allocation) -> S
         elif not plan.layout_ok:
             rejected.update({next(c.message for c in plan.checks if not c.ok): 1})
         else:
-            rejected.update({"memory per GPU exceeded (training or rollout)": 1})
+            rejected.update({"memory per GPU exceeded (training or rollout)" if not plan.memory_ok
+                             else "host memory per node exceeded (checkpoint save or load)": 1})
     plans.sort(key=lambda pl: (pl.cfg.parallel.pp, pl.cfg.parallel.tp, pl.cfg.parallel.expert_tp, pl.train_peak))
     return SweepResult(plans, dict(rejected.most_common()))

@@ -36,10 +36,14 @@ class RolloutConfig:
     seed: int = 0
     threads_per_engine: int = 1  # torch threads of the embedded engine
     weight_bucket_mb: int = 512
-    # An engine that dies, or does not answer a generate call within generate_timeout_s (None:
-    # no limit), is replaced and its requests sent again; max_restarts per engine (on average)
-    # bounds the replacements of a run.
+    # An engine that dies, does not answer a generate call within generate_timeout_s (None: no
+    # limit), makes no progress for stall_timeout_s while it has requests (no decoding step, or no
+    # answer to a progress probe: a stopped or wedged process), or does not answer any other call
+    # (memory, weights, version, health) within stall_timeout_s is replaced, in whatever phase
+    # the step is, and its requests sent again; max_restarts per engine (on average) bounds the
+    # replacements of a run.
     generate_timeout_s: float | None = None
+    stall_timeout_s: float = 120.0
     max_restarts: int = 2
     hf: HFEngineOptions = field(default_factory=HFEngineOptions)
     sglang: SGLangOptions = field(default_factory=SGLangOptions)
@@ -57,6 +61,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.generate_timeout_s is not None and not self.generate_timeout_s > 0:
             raise ValueError(f"rollout.generate_timeout_s must be > 0 (or null: no limit), got {self.generate_timeout_s}")
+        if not (self.stall_timeout_s > 0 and math.isfinite(self.stall_timeout_s)):
+            raise ValueError(f"rollout.stall_timeout_s must be > 0 seconds, got {self.stall_timeout_s}")
         if self.max_restarts < 0:
             raise ValueError(f"rollout.max_restarts must be >= 0, got {self.max_restarts}")
 

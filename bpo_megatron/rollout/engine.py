@@ -32,6 +32,10 @@ class EngineLost(RuntimeError):
     then send its requests again. Never answered by sampling from the initial weights."""
 
 
+class EngineUnresponsive(RuntimeError):
+    """The engine's backend (its server) did not answer a liveness probe in time."""
+
+
 class RolloutEngine(abc.ABC):
     """Generates samples from the current policy and takes new weights from the trainer.
 
@@ -71,6 +75,13 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def health(self) -> EngineHealth: ...
 
+    def progress(self) -> int | None:
+        """A count of work done that advances while the engine generates (decoding steps, say),
+        read while a generation is under way to tell a slow engine from a stuck one; None: the
+        engine counts nothing, and answering at all is its sign of life. Raises
+        :class:`EngineUnresponsive` when the engine's own backend (a server) does not answer."""
+        return None
+
     @abc.abstractmethod
     def shutdown(self) -> None: ...
 
@@ -85,6 +96,7 @@ class EngineContext:
     threads: int = 1  # torch threads of an in-process engine
     colocated: bool = False  # shares the trainer's devices: must be able to hand its memory back
     devices: tuple[int, ...] = ()  # GPU ids (on its node) a server process uses; () : as placed
+    node_address: str = "127.0.0.1"  # its node's address as other nodes reach it (a server binds it)
 
 
 @dataclass(frozen=True)
@@ -96,6 +108,9 @@ class EngineProfile:
     # share of a GPU the engine reserves for weights and KV cache (SGLang's mem_fraction_static);
     # None: the whole GPU less the reserved allowance
     pool_fraction: float | None = None
+    # the engine admits requests while its KV pool (pool_fraction, less the weights) holds them
+    # and queues the rest itself (SGLang): the pool, not the sequences in flight, bounds its memory
+    admits_by_pool: bool = False
 
 
 def _no_check(_options: Any) -> None:

@@ -66,6 +66,12 @@ class Sample:
     # [R] int64: the weights version that sampled each response token, where the engine records it
     # (a partial rollout, paused for a weight update and continued, spans two or more)
     token_versions: torch.Tensor | None = None
+    # [R] bool: whether ``routed_experts`` holds, for every position a response token was sampled
+    # from, the experts that sampled it. False where the engine recomputed that routing with other
+    # weights after the token was sampled (SGLang re-prefills a request a weight update paused,
+    # rollout/sglang/protocol.py); R3 must not train such a token, as the trainer would replay
+    # experts that did not produce its μ. None: every token's routing is its own.
+    routing_valid: torch.Tensor | None = None
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -77,6 +83,14 @@ class Sample:
         if self.rollout_logprobs.shape != (r,):
             raise ValueError(f"sample {self.request_id}/{self.index}: {self.rollout_logprobs.numel()} "
                              f"log-probs for {r} response tokens")
+        for name in ("token_versions", "routing_valid"):
+            value = getattr(self, name)
+            if value is not None and value.shape != (r,):
+                raise ValueError(f"sample {self.request_id}/{self.index}: {name} has shape {tuple(value.shape)} for "
+                                 f"{r} response tokens")
+        if self.routing_valid is not None and self.routing_valid.dtype != torch.bool:
+            raise ValueError(f"sample {self.request_id}/{self.index}: routing_valid must be bool, got "
+                             f"{self.routing_valid.dtype}")
         if self.routed_experts is not None:
             want = (self.prompt_tokens.numel() + r - 1, num_moe_layers, topk)
             got = tuple(self.routed_experts.shape)

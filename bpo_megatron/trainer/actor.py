@@ -22,7 +22,7 @@ from bpo_megatron.ops import vocab_parallel_logprobs
 from bpo_megatron.parallel import ParallelConfig, initialize_parallel, layout_record
 from bpo_megatron.trainer import checkpoint
 from bpo_megatron.trainer.config import TrainerConfig
-from bpo_megatron.trainer.offload import MemoryOffload, trainer_tensors
+from bpo_megatron.trainer.offload import MemoryOffload, gradient_tensors, release_host_cache, trainer_tensors
 from bpo_megatron.trainer.optimizer import (
     OptimizerSettings,
     build_optimizer,
@@ -41,8 +41,11 @@ from bpo_megatron.trainer.samples import (
 
 
 def minibatch_totals(minibatch: list[TrainSample]) -> BatchTotals:
-    """What the loss of a minibatch is normalised by, however it is split."""
-    return BatchTotals(tokens=float(sum(s.num_response_tokens for s in minibatch)), sequences=float(len(minibatch)))
+    """What the loss of a minibatch is normalised by, however it is split: the tokens it trains
+    on and the responses holding one (tokens left out by a sample's ``train_mask`` count nowhere,
+    as ``BatchTotals.of`` counts a mask)."""
+    trained = [s.num_train_tokens for s in minibatch]
+    return BatchTotals(tokens=float(sum(trained)), sequences=float(sum(count > 0 for count in trained)))
 
 
 def check_batch(samples: list[TrainSample], hf: HFModelConfig, *, replaying: bool, dp_size: int,
@@ -52,8 +55,8 @@ def check_batch(samples: list[TrainSample], hf: HFModelConfig, *, replaying: boo
     log-probs a mismatch ``correction`` (other than none) is computed from."""
     check_samples(samples, vocab_size=hf.vocab_size)
     if correction != "none" and samples[0].old_logprobs is None:
-        raise ValueError(f"loss.correction={correction} needs each sample's old_logprobs (the trainer's log-probs of "
-                         "the weights that sampled it): set train.recompute_old_logprobs=true")
+        raise ValueError(f"loss.correction={correction} needs each sample's old_logprobs (the trainer's log-probs under "
+                         "the weights at the step's start): set train.recompute_old_logprobs=true")
     if replaying:
         check_routed_experts(samples, num_moe_layers=len(hf.moe_layers), topk=hf.num_experts_per_tok,
                              num_experts=hf.num_experts)
@@ -103,6 +106,9 @@ class TrainActor:
                                 num_attention_heads=hf.num_attention_heads,
                                 num_query_groups=hf.num_key_value_heads)
         initialize_parallel(parallel, seed=trainer.seed)
+        # An unset params_dtype is this rank's platform default (bf16 with a GPU), decided here
+        # where the model lives, not by a driver that may have no GPU.
+        model = model.resolved()
 
         self.hf, self.parallel, self.model_options = hf, parallel, model
         self.loss_cfg, self.trainer_cfg = loss, trainer
@@ -123,7 +129,8 @@ class TrainActor:
             if model.routing_replay else None
         )
         self.step = 0
-        self._offload = MemoryOffload(lambda: trainer_tensors(self.ddp, self.optimizer))
+        self._offload = MemoryOffload(lambda: trainer_tensors(self.ddp, self.optimizer),
+                                      discard=lambda: gradient_tensors(self.ddp, self.optimizer))
         self._tp_group = ps.get_tensor_model_parallel_group()
         self._dp_group = ps.get_data_parallel_group()
         self._pp_group = ps.get_pipeline_model_parallel_group()
@@ -220,7 +227,7 @@ class TrainActor:
             logp = vocab_parallel_logprobs(
                 logits, micro.targets, self._tp_group, temperature=self.trainer_cfg.temperature,
                 inplace=True, vocab_size=self.hf.vocab_size)
-            loss, stats = policy_loss(logp, micro.rollout_logprobs, micro.advantages, micro.loss_mask,
+            loss, stats = policy_loss(logp, micro.rollout_logprobs, micro.advantages, micro.train_mask,
                                       self.loss_cfg, totals=totals, old_logprobs=micro.old_logprobs)
             return loss * scale, {"loss": loss.detach().clone(), "stats": stats}
 
@@ -240,11 +247,21 @@ class TrainActor:
         """Atomically write model, optimizer, RNG and ``trainer_state`` (e.g. the data cursor).
 
         The checkpoint is named after ``step`` (e.g. the RL step), by default the optimizer step.
+        The host buffers offloading keeps for its next round are dropped first, so the optimizer
+        state the save gathers in host memory (``bpo_megatron.planner.host``) does not come on
+        top of them; the next offload pins fresh ones. Refused while offloaded.
         """
+        if self._offload.offloaded:
+            raise RuntimeError("the trainer's memory is offloaded (engines hold the device): call onload() "
+                               "before save()")
         # the HF config travels with the weights, so the checkpoint can be exported to HF alone
         state = {"actor_step": self.step, "hf_config": self.hf.to_hf_dict(), **(trainer_state or {})}
-        return str(checkpoint.save(root, self.step if step is None else step, self.model, self.optimizer,
-                                   state, layout=self._layout(), keep_last=keep_last))
+        self._offload.drop_spares()
+        try:
+            return str(checkpoint.save(root, self.step if step is None else step, self.model, self.optimizer,
+                                       state, layout=self._layout(), keep_last=keep_last))
+        finally:
+            release_host_cache()  # the pinned copies the writer staged the weights in
 
     def load(self, path: str, *, load_optimizer: bool = True, verify: bool = True) -> dict[str, Any]:
         """Load a checkpoint saved under any layout; returns its trainer state. ``verify``
@@ -277,12 +294,14 @@ class TrainActor:
         return self._offload.offloaded
 
     def offload(self) -> int:
-        """Move parameters, gradients and optimizer state to host memory and free the device
-        memory they held (colocated engines use it meanwhile); returns the bytes moved."""
+        """Move parameters and optimizer state to host memory and free the device memory they
+        and the gradient buffers held (colocated engines use it meanwhile; gradients are dead
+        between steps and come back zeroed); returns the bytes moved."""
         return self._offload.offload()
 
     def onload(self) -> int:
-        """Bring back what :meth:`offload` moved, bit for bit; returns the bytes moved."""
+        """Bring back what :meth:`offload` moved, bit for bit, and zeroed gradient buffers;
+        returns the bytes moved."""
         return self._offload.onload()
 
     def close(self) -> None:

@@ -15,6 +15,11 @@ point leaves the previous checkpoint loadable. The newest step directory is the 
 root, whatever ``latest`` says; a damaged one (checksums, torn state) is refused by name, never
 skipped. Model and optimizer tensors are saved with their global shapes, so a checkpoint loads
 under a different TP/EP/PP layout.
+
+The distributed optimizer (GPUs) is saved in Megatron's fully reshardable format with its state
+gathered on DP rank 0 of each inner optimizer alone, and made compact before the writer sees it
+(:mod:`bpo_megatron.trainer.optimizer_state`): a node then holds at most what
+``bpo-megatron plan`` prints as its host memory at a checkpoint save.
 """
 
 from __future__ import annotations

@@ -15,6 +15,21 @@ the run's config (a resumed run with ``--override-resume optimizer.lr`` gets the
 The mixed-precision and distributed optimizers of the GPU path keep Megatron's own format; it
 reshards across TP, PP and DP, and across EP as long as expert parallelism stays on or stays
 off (the number of inner optimizers is recorded and a change is refused by name).
+
+Host memory of a save (the distributed optimizer). Megatron's ``fully_reshardable`` format
+rebuilds, for each parameter, its fp32 master weight and moments whole (not sharded over data
+parallelism): it gathers every DP rank's shard into host tensors of the whole model shard,
+12 bytes per parameter. By default every DP rank gathers (an NCCL all-gather) and holds all of
+it; with ``distrib_optim_fully_reshardable_mem_efficient`` (megatron-core 0.16 through 0.19) only
+DP rank 0 of each inner optimizer gathers (over gloo) and writes, the other ranks only send their
+shards. Both write the same checkpoint contents and either loads the other's. ``dp_reshardable``
+(each rank writes its own shard, no gather) would need far less, but its tensors follow the
+optimizer's internal buckets and reshard only across DP, not TP or PP. The gathered state is
+per-parameter slices of the gathered tensors, which Megatron's writer copies whole before writing
+(``FileSystemWriterAsync`` clones a CPU tensor whose storage is larger than itself): that would
+hold the state twice. :func:`compact_host_views` copies the slices out one gathered tensor at a
+time, freeing each as soon as it is copied, so the state is held once. The arithmetic of what a
+node then holds is :mod:`bpo_megatron.planner.host`'s.
 """
 
 from __future__ import annotations
@@ -24,6 +39,15 @@ from typing import Any
 import torch
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+
+# What Megatron's distributed optimizer is asked for (its ``sharded_state_dict(metadata=...)``):
+# the per-parameter format that reshards across TP/PP/DP, gathered on DP rank 0 alone. The
+# default (``fully_sharded_model_space``) is deprecated and refused by Megatron 0.16's own
+# checkpoint mapping ("ShardedTensor.flattened_range is not supported", seen on an H100).
+DISTRIBUTED_OPTIMIZER_METADATA = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "distrib_optim_fully_reshardable_mem_efficient": True,
+}
 
 
 def inner_optimizers(optimizer) -> list:
@@ -56,12 +80,10 @@ class OptimizerState:
         self._targets: dict[str, torch.Tensor] = {}
         self._params: list[dict] = []
         if not self.per_parameter:
-            # Megatron 0.16's default format for the distributed optimizer
-            # (fully_sharded_model_space) is deprecated and refused by its own checkpoint mapping
-            # ("ShardedTensor.flattened_range is not supported", seen on an H100); the canonical
-            # per-parameter format reshards across TP, PP and DP.
-            self.sharded = optimizer.sharded_state_dict(
-                model_state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+            self.sharded = optimizer.sharded_state_dict(model_state, is_loading=is_loading,
+                                                        metadata=dict(DISTRIBUTED_OPTIMIZER_METADATA))
+            if not is_loading:  # at load Megatron reads into these tensors: they stay as they are
+                compact_host_views(self.sharded)
             return
         tensors = {}
         step: Any = 0
@@ -95,6 +117,46 @@ class OptimizerState:
         step = loaded["step"]
         for state in self._params:
             state["step"] = step.clone() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
+
+
+def compact_host_views(sharded: dict) -> int:
+    """Give every host tensor of ``sharded`` (a sharded state dict about to be saved) that is a
+    slice of a larger host tensor its own compact copy, one underlying tensor at a time, so each
+    is freed as soon as its last slice is copied; returns the bytes copied.
+
+    Megatron's writer would otherwise copy each such slice itself, all of them before writing,
+    while the tensors they slice stay alive. Factories (tensors a writer splits further, e.g.
+    SwiGLU's two halves) are built first, as ``dist_checkpointing.save`` would, so that their
+    halves are compact too. Device tensors are left alone: the writer copies exactly their
+    elements to the host.
+    """
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+
+    apply_factories(sharded)
+    slices = _host_slices(sharded)
+    copied = 0
+    for key in list(slices):
+        for item in slices.pop(key):
+            item.data = item.data.clone()
+            copied += item.data.numel() * item.data.element_size()
+    return copied
+
+
+def _host_slices(sharded: dict) -> dict[int, list]:
+    """The sharded tensors whose data is a slice of a larger host tensor, by that tensor's memory
+    (a function of its own, so that no local variable outlives it holding one)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    slices: dict[int, list] = {}
+    for item in nested_values(sharded):
+        data = item.data if isinstance(item, ShardedTensor) else None
+        if data is None or data.device.type != "cpu":
+            continue
+        storage = data.untyped_storage()
+        if storage.nbytes() != data.numel() * data.element_size():
+            slices.setdefault(storage.data_ptr(), []).append(item)
+    return slices
 
 
 def _restore_megatron_format(optimizer, loaded: dict) -> None:

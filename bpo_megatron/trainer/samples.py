@@ -8,6 +8,9 @@ the engine routed exactly those n−1 input positions (the last sampled token is
 Micro-batches are right-padded to a common length (a multiple of the TP size, for sequence
 parallelism). Padding sits after every real token, so causal attention never lets it influence a
 real position; its loss mask is False and its routing is a fixed valid expert set.
+
+A sample may also exclude some of its response tokens from training (``train_mask``): they are
+scored like the others but contribute nothing to the loss, its gradient or its normalisation.
 """
 
 from __future__ import annotations
@@ -25,13 +28,23 @@ class TrainSample:
     rollout_logprobs: torch.Tensor  # [n - response_start] log μ of each response token
     advantage: float
     routed_experts: torch.Tensor | None = None  # [n - 1, num_moe_layers, topk] int
-    # [n - response_start] the trainer's own log π_old of each response token under the weights
-    # that sampled it (train.recompute_old_logprobs), for the mismatch corrections
+    # [n - response_start] the trainer's own log π_old of each response token
+    # (train.recompute_old_logprobs): under the weights of the step's start, which sampled it in
+    # the synchronous loop and are newer under train.async (decoupled PPO); for the corrections
     old_logprobs: torch.Tensor | None = None
+    # [n - response_start] bool: the response tokens the loss trains on; None: all of them. R3
+    # leaves out the tokens whose replayed routing is not the one they were sampled with
+    # (rollout.types.Sample.routing_valid)
+    train_mask: torch.Tensor | None = None
 
     @property
     def num_response_tokens(self) -> int:
         return self.tokens.numel() - self.response_start
+
+    @property
+    def num_train_tokens(self) -> int:
+        """The response tokens the loss trains on."""
+        return self.num_response_tokens if self.train_mask is None else int(self.train_mask.sum())
 
 
 def check_samples(samples: list[TrainSample], *, vocab_size: int) -> None:
@@ -66,6 +79,10 @@ def check_samples(samples: list[TrainSample], *, vocab_size: int) -> None:
                              f"({n - s.response_start}), got shape {tuple(s.old_logprobs.shape)}")
         if not math.isfinite(s.advantage):
             raise ValueError(f"{where}: advantage must be finite, got {s.advantage}")
+        if s.train_mask is not None and (s.train_mask.dtype != torch.bool
+                                         or s.train_mask.shape != (n - s.response_start,)):
+            raise ValueError(f"{where}: train_mask must be bool, one per response token ({n - s.response_start}), "
+                             f"got {s.train_mask.dtype} {tuple(s.train_mask.shape)}")
 
 
 @dataclass
@@ -76,6 +93,7 @@ class MicroBatch:
     position_ids: torch.Tensor  # [b, s]
     targets: torch.Tensor  # [b, s] token at position t+1
     loss_mask: torch.Tensor  # [b, s] bool: the target is a response token
+    train_mask: torch.Tensor  # [b, s] bool: the target is a response token the loss trains on
     rollout_logprobs: torch.Tensor  # [b, s] log μ of the target (0 off the mask)
     advantages: torch.Tensor  # [b]
     lengths: torch.Tensor  # [b] real input positions per row (n − 1)
@@ -99,6 +117,7 @@ def collate(samples: list[TrainSample], *, pad_to_multiple: int = 1, with_routin
     input_ids = torch.zeros(b, seq, dtype=torch.long)
     targets = torch.zeros(b, seq, dtype=torch.long)
     loss_mask = torch.zeros(b, seq, dtype=torch.bool)
+    train_mask = torch.zeros(b, seq, dtype=torch.bool)
     rollout_logprobs = torch.zeros(b, seq, dtype=torch.float32)
     old_logprobs = torch.zeros(b, seq, dtype=torch.float32) if samples[0].old_logprobs is not None else None
     routed = None
@@ -113,6 +132,7 @@ def collate(samples: list[TrainSample], *, pad_to_multiple: int = 1, with_routin
         targets[row, :n] = tokens[1:]
         first = s.response_start - 1  # the position whose target is the first response token
         loss_mask[row, first:n] = True
+        train_mask[row, first:n] = True if s.train_mask is None else s.train_mask
         rollout_logprobs[row, first:n] = s.rollout_logprobs.float()
         if old_logprobs is not None:
             old_logprobs[row, first:n] = s.old_logprobs.float()
@@ -123,6 +143,7 @@ def collate(samples: list[TrainSample], *, pad_to_multiple: int = 1, with_routin
         position_ids=torch.arange(seq).expand(b, seq).clone(),
         targets=targets,
         loss_mask=loss_mask,
+        train_mask=train_mask,
         rollout_logprobs=rollout_logprobs,
         advantages=torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32),
         lengths=torch.tensor(lengths),

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bpo_megatron.rollout.sglang.http import ServerUnavailable, request_json
+from bpo_megatron.rollout.sglang.endpoint import ServerEndpoint
+from bpo_megatron.rollout.sglang.http import ServerUnavailable
 from bpo_megatron.rollout.sglang.weights import flattened_bucket, ipc_payload, ipc_update_body
 from bpo_megatron.rollout.weight_buckets import tensor_bytes
 
@@ -46,16 +47,17 @@ class CudaIpc:
     whole_group = False  # engines are updated one by one (a restarted one alone)
 
     def __init__(self, serializer=None) -> None:
-        self.serializer = serializer  # tests only: replaces SGLang's serializer (see ipc_payload)
+        self.serializer = serializer  # tests only: replaces the IPC pickler (see ipc_payload)
 
     @staticmethod
-    def destinations(engines, indices: list[int]) -> list[tuple[str, tuple[int, ...]]]:
-        """Each engine's base URL and the trainer ranks beside its TP ranks."""
+    def destinations(engines, indices: list[int]) -> list[tuple[ServerEndpoint, tuple[int, ...]]]:
+        """Each engine's server and the trainer ranks beside its TP ranks."""
         tp, ranks = engines.cfg.rollout.options.tp_size, engines.cfg.cluster.trainer_ranks
-        urls = [url for url, _ in engines.call("endpoint", only=indices)]
-        return [(url, colocated_ranks(i, tp, ranks)) for i, url in zip(indices, urls)]
+        servers = engines.call("endpoint", only=indices)
+        return [(server, colocated_ranks(i, tp, ranks)) for i, server in zip(indices, servers)]
 
-    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], targets: list[tuple[str, tuple[int, ...]]],
+    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
+             targets: list[tuple[ServerEndpoint, tuple[int, ...]]],
              version: int) -> dict[str, Any]:
         """Runs on every trainer rank with the same ``targets``; every rank returns the same
         report (bytes sent, positions of the engines whose server was lost)."""
@@ -69,9 +71,9 @@ class CudaIpc:
             dist.all_gather_object(payloads, mine)
             outcome: dict[int, str] = {}  # engine position -> "lost" or the refusal
             for i in alive:
-                url, ranks = targets[i]
+                server, ranks = targets[i]
                 if ranks[0] == rank:
-                    outcome.update(_post(i, url, ipc_update_body([payloads[r] for r in ranks], version)))
+                    outcome.update(_post(i, server, ipc_update_body([payloads[r] for r in ranks], version)))
             outcomes: list[dict[int, str]] = [{}] * world
             dist.all_gather_object(outcomes, outcome)  # also keeps every buffer alive until all servers answered
             del flat, payloads
@@ -89,13 +91,13 @@ class CudaIpc:
         pass
 
 
-def _post(index: int, url: str, body: dict) -> dict[int, str]:
+def _post(index: int, server: ServerEndpoint, body: dict) -> dict[int, str]:
     try:
-        reply = request_json("POST", f"{url}/update_weights_from_tensor", body, timeout=UPDATE_TIMEOUT_S)
+        reply = server.post("update_weights_from_tensor", body, timeout=UPDATE_TIMEOUT_S)
     except ServerUnavailable:
         return {index: "lost"}
     except Exception as exc:  # noqa: BLE001 - reported with the server it came from, on every rank
-        return {index: f"{url}: {exc}"}
+        return {index: f"{server.url}: {exc}"}
     if isinstance(reply, dict) and reply.get("success") is False:
-        return {index: f"{url} refused the bucket: {reply.get('message')}"}
+        return {index: f"{server.url} refused the bucket: {reply.get('message')}"}
     return {}

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from bpo_megatron.rollout.sglang.http import request_json
+from bpo_megatron.rollout.sglang.endpoint import ServerEndpoint
 from bpo_megatron.rollout.sglang.weights import DistributedWeightSender
 from bpo_megatron.rollout.weight_buckets import tensor_bytes
 
@@ -35,8 +35,8 @@ class NcclBroadcast:
     whole_group = True  # a broadcast reaches every member: all engines, in one group
 
     @staticmethod
-    def destinations(engines, indices: list[int]) -> list[str]:
-        return [url for url, _ in engines.call("endpoint", only=indices)]
+    def destinations(engines, indices: list[int]) -> list[ServerEndpoint]:
+        return engines.call("endpoint", only=indices)
 
     def __init__(self) -> None:
         self.sender: DistributedWeightSender | None = None
@@ -47,18 +47,18 @@ class NcclBroadcast:
         self.close()
         self.sender = DistributedWeightSender(master_address, master_port, world_size, backend, GROUP_NAME)
 
-    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], servers: list[str], version: int
+    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], servers: list[ServerEndpoint], version: int
              ) -> dict[str, Any]:
-        """``servers``: the base URL of every engine in the group (all of them: a broadcast needs
-        every member)."""
+        """``servers``: every engine's server in the group (all of them: a broadcast needs every
+        member)."""
         if self.sender is None:
             raise RuntimeError("the weight group is not open: the driver forms it before the first sync")
         sent = 0
         for bucket in buckets:
             body = {**self.sender.metadata(bucket), "weight_version": str(version)}
             errors: list[str] = []
-            announcements = [threading.Thread(target=_announce, args=(url, body, errors), daemon=True)
-                             for url in servers]
+            announcements = [threading.Thread(target=_announce, args=(server, body, errors), daemon=True)
+                             for server in servers]
             for thread in announcements:
                 thread.start()
             self.sender.broadcast(bucket)
@@ -76,11 +76,11 @@ class NcclBroadcast:
             self.sender = None
 
 
-def _announce(url: str, body: dict, errors: list[str]) -> None:
+def _announce(server: ServerEndpoint, body: dict, errors: list[str]) -> None:
     try:
-        reply = request_json("POST", f"{url}/update_weights_from_distributed", body, timeout=ANNOUNCE_TIMEOUT_S)
+        reply = server.post("update_weights_from_distributed", body, timeout=ANNOUNCE_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - reported with the server it came from
-        errors.append(f"{url}: {exc}")
+        errors.append(f"{server.url}: {exc}")
         return
     if isinstance(reply, dict) and reply.get("success") is False:
-        errors.append(f"{url} refused the bucket: {reply.get('message')}")
+        errors.append(f"{server.url} refused the bucket: {reply.get('message')}")

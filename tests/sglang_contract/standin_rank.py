@@ -8,9 +8,15 @@ deserialises its own entry of ``serialized_named_tensors`` with ``Multiprocessin
 
 What is ours, because it needs a GPU or a real model: the model is a dict of the checkpoint's
 tensors by Hugging Face name whose ``load_weights`` checks names, shapes and dtypes (a real
-model would shard them); the loader's quantisation hooks (restore/postprocess) and the memory
-saver are no-ops, and so is the device synchronisation; the rank's process group has this rank
-alone (real ranks share one).
+model would shard them); the loader's quantisation hooks (restore/postprocess) are no-ops, and so
+is the device synchronisation; the rank's process group has this rank alone (real ranks share
+one). The memory saver (``--enable-memory-saver``) does to host storages what torch_memory_saver
+does to device pages: a released tag's memory is gone (the weights' storages are freed, a load
+into them kills the rank, as a write to unmapped device memory kills a real one) and a resumed
+tag gets fresh memory whose content is undefined (NaN weights here: a resume without a sync
+shows in the fingerprints). SGLang's own updater decides the rest: which tags are released
+(``offload_tags``, a ``KeyError`` for resuming one that was not) and that a release needs an idle
+server (its assertion, fed with whether requests are running).
 """
 
 from __future__ import annotations
@@ -32,8 +38,12 @@ class CheckpointModel(torch.nn.Module):
         from safetensors.torch import load_file
 
         self.weights = load_file(f"{model_dir}/model.safetensors")
+        self.released = False
 
     def load_weights(self, named) -> None:
+        if self.released:
+            raise RuntimeError("illegal memory access: weights loaded into released memory "
+                               "(release_memory_occupation freed them; resume them first)")
         for name, tensor in named:
             if name not in self.weights:
                 raise KeyError(f"{name} is not a weight of the served model")
@@ -52,14 +62,47 @@ class CheckpointModel(torch.nn.Module):
         return out
 
 
+class ReleasableMemory:
+    """torch_memory_saver's effect, on host storages: ``pause(tag)`` frees the tag's memory,
+    ``resume(tag)`` allocates it again with undefined content (the interface of SGLang's
+    ``TorchMemorySaverAdapter`` that its weight updater calls)."""
+
+    enabled = True
+
+    def __init__(self, model: CheckpointModel) -> None:
+        self.model = model
+        self.kv_cache = torch.zeros(1 << 16, dtype=torch.uint8)  # stands for the KV pool
+        self.shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+
+    def check_validity(self, caller_name) -> None:
+        pass
+
+    def pause(self, tag: str) -> None:
+        if tag == "weights":
+            self.shapes = {name: (tuple(t.shape), t.dtype) for name, t in self.model.weights.items()}
+            self.model.weights = {name: torch.empty(0, dtype=dtype) for name, (_, dtype) in self.shapes.items()}
+            self.model.released = True
+        elif tag == "kv_cache":
+            self.kv_cache = torch.empty(0, dtype=torch.uint8)
+
+    def resume(self, tag: str) -> None:
+        if tag == "weights":
+            self.model.weights = {name: torch.full(shape, float("nan"), dtype=dtype) if dtype.is_floating_point
+                                  else torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in self.shapes.items()}
+            self.model.released = False
+        elif tag == "kv_cache":
+            self.kv_cache = torch.empty(1 << 16, dtype=torch.uint8)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def build(tp_rank: int, model_dir: str):
-    """The rank's SGLang weight-update manager around a :class:`CheckpointModel`."""
+def build(tp_rank: int, model_dir: str, memory_saver: bool, activity: dict):
+    """The rank's SGLang weight-update manager around a :class:`CheckpointModel`; ``activity``
+    says whether requests are running (what SGLang's idle check reads)."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.managers import tp_worker as tpw
     from sglang.srt.managers.scheduler_components import weight_updater as swu
@@ -97,21 +140,25 @@ def build(tp_rank: int, model_dir: str):
     scheduler = types.SimpleNamespace(_engine_paused=False, disaggregation_mode=DisaggregationMode.NULL,
                                       record_weight_version_change=lambda new_version: state.update(
                                           version=new_version if new_version is not None else state["version"]))
+    memory = ReleasableMemory(model) if memory_saver else TorchMemorySaverAdapter.create(enable=False)
     manager = swu.SchedulerWeightUpdaterManager(
-        tp_worker=worker, draft_worker=None, memory_saver_adapter=TorchMemorySaverAdapter.create(enable=False),
-        flush_cache=lambda empty_cache=True: True, is_fully_idle=lambda **kwargs: True, scheduler=scheduler)
+        tp_worker=worker, draft_worker=None, memory_saver_adapter=memory,
+        flush_cache=lambda empty_cache=True: True, scheduler=scheduler,
+        # SGLang: waiting requests do not count while the engine is paused; running ones always do
+        is_fully_idle=lambda ignore_waiting=False: not activity["running"])
     state["origins"] = origins
     return manager, model, state
 
 
-def rank_main(tp_rank: int, model_dir: str, conn) -> None:
+def rank_main(tp_rank: int, model_dir: str, conn, memory_saver: bool = False) -> None:
     """Serve the HTTP process's calls until it closes the pipe. An exception in SGLang's code
     ends this process, as it ends a real scheduler (the server then dies)."""
     from sglang.srt.utils import kill_itself_when_parent_died
 
     kill_itself_when_parent_died()  # as SGLang's schedulers do: a rank never outlives its server
     torch.set_num_threads(1)
-    manager, model, state = build(tp_rank, model_dir)
+    activity = {"running": False}
+    manager, model, state = build(tp_rank, model_dir, memory_saver, activity)
     conn.send(("ready", None))
     while True:
         try:
@@ -125,6 +172,11 @@ def rank_main(tp_rank: int, model_dir: str, conn) -> None:
                 result = state["version"]
             elif method == "origins":
                 result = state["origins"]
+            elif method == "offload_tags":  # SGLang's own record of the released tags
+                result = sorted(manager.offload_tags)
+            elif method == "set_running":
+                activity["running"] = bool(request)
+                result = None
             else:
                 out = getattr(manager, method)(request)
                 result = (getattr(out, "success", True), getattr(out, "message", ""))

@@ -23,12 +23,42 @@ finished request's ``meta_info.weight_versions`` spans come from SGLang's
 ``compute_weight_version_spans`` and ``add_weight_versions_to_meta_info``. The made-up log-prob of
 a token carries the version that sampled it (``-0.1·(i+1) − 0.01·version``), so a client's
 alignment of log-probs and versions can be checked. What is ours here: that decoding stops at a
-token boundary when paused (SGLang retracts at a scheduler step), and that the routed experts are
-random (under ``retract`` SGLang re-prefills the prefix with the new weights).
+token boundary when paused (SGLang retracts at a scheduler step), and that a position's routed
+experts are made up from (request, position, the version that routed it): under ``retract`` every
+position reports the request's last version (SGLang re-prefills the prefix with the new weights),
+under ``in_place`` the version that processed it.
+
+What this stand-in does not do that SGLang does (so nothing here proves it): real generation and
+kernels, CUDA IPC and NCCL, TP ranks in one process group, SGLang's own retraction of requests when
+its KV pool overflows (admission here reserves each response's true length), its tokenizer
+manager's request state machine (ours answers a finished request in one piece), streaming, and the
+memory saver's device pages (host storages stand for them).
+
+What hurts, as in SGLang: ``/health`` is SGLang's own handler, which generates a token unless
+``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`` is false in the server's environment; with
+``--enable-memory-saver``, a forward pass (a generation, the health check's included) while any
+memory tag is released kills the server (an illegal memory access on unmapped pages), a release
+while requests run fails SGLang's own idle assertion (the scheduler, and so the server, dies),
+and resuming a tag that was not released raises SGLang's ``KeyError``. The server binds exactly
+``--host`` (another loopback address of this machine reaches nothing) and, with ``--api-key``,
+SGLang's own middleware refuses every call without the key (health probes excepted, as SGLang
+does).
 
 Test controls (``--standin-*``, removed before SGLang parses the rest): ``--standin-die-after N``
 exits on the N-th ``/generate`` (once per ``--standin-marker-dir``); ``--standin-token-delay S``
-sleeps S seconds after each decoding step (a generation long enough to be paused).
+sleeps S seconds after each decoding step (a generation long enough to be paused), and
+``--standin-seq-delay S`` S more per running sequence (a batch costs more the larger it is);
+``--standin-kv-tokens N`` gives the KV pool N tokens (0: unbounded); ``--standin-call-log PATH``
+appends every control call received to PATH (JSON lines); ``--standin-lengths longtail``
+draws response lengths as long-tailed as RL's (30% at ``max_new_tokens``, the rest log-uniform
+below it) instead of 3–7 tokens.
+
+Scheduling, as SGLang's scheduler does it in outline: every request waits in one queue, is admitted
+while the KV pool holds its prompt and its response (this stand-in knows each response's length in
+advance, SGLang estimates it and retracts on overflow), and one decoding step advances every
+running request at once. ``/standin/state`` reports the KV pool's use and the running sequences
+averaged over decoding steps, and ``/server_info`` the pool's capacity and the most requests the
+scheduler runs at once, as SGLang reports them.
 """
 
 from __future__ import annotations
@@ -37,6 +67,7 @@ import argparse
 import asyncio
 import base64
 import json
+import math
 import multiprocessing as mp
 import os
 import random
@@ -72,8 +103,16 @@ def _parse() -> tuple[argparse.Namespace, argparse.Namespace]:
     controls.add_argument("--standin-die-after", type=int, default=0)
     controls.add_argument("--standin-marker-dir", default="")
     controls.add_argument("--standin-token-delay", type=float, default=0.0)
+    controls.add_argument("--standin-seq-delay", type=float, default=0.0)
+    controls.add_argument("--standin-kv-tokens", type=int, default=0)
+    controls.add_argument("--standin-lengths", choices=("short", "longtail"), default="short")
+    controls.add_argument("--standin-call-log", default="")
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)  # SGLang's own flags: ours must be among them
+    if "--config" in theirs:  # SGLang's own merge of a --config file into the flags
+        from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+        theirs = ConfigArgumentMerger(parser).merge_config_with_args(theirs)
     args = parser.parse_args(theirs)
     args.device = "cpu"  # the stand-in's ranks compute nothing on a device
     return args, controls.parse_args(ours)
@@ -82,7 +121,17 @@ def _parse() -> tuple[argparse.Namespace, argparse.Namespace]:
 ARGS, CONTROLS = _parse()
 MODEL = json.loads((Path(ARGS.model_path) / "config.json").read_text())
 LOCK = threading.Lock()
-STATE = {"generate_calls": 0, "calls": [], "paused": False, "tokens": 0}
+STATE = {"generate_calls": 0, "calls": [], "paused": False, "pause_mode": None, "tokens": 0, "released": []}
+
+
+def _record(call: dict, *, keep: bool = True) -> None:
+    """A call received (under LOCK): kept for /standin/state (``keep``) and, with
+    ``--standin-call-log``, appended to that file (it outlives the server)."""
+    if keep:
+        STATE["calls"].append(call)
+    if CONTROLS.standin_call_log:
+        with open(CONTROLS.standin_call_log, "a") as log:
+            log.write(json.dumps({"host": ARGS.host, "port": ARGS.port, **call}) + "\n")
 
 
 def _once(name: str) -> bool:
@@ -106,7 +155,8 @@ class Ranks:
         self.pipes, self.processes = [], []
         for rank in range(tp_size):
             ours, theirs = ctx.Pipe()
-            process = ctx.Process(target=rank_main, args=(rank, model_dir, theirs), daemon=True)
+            process = ctx.Process(target=rank_main, args=(rank, model_dir, theirs, ARGS.enable_memory_saver),
+                                  daemon=True)
             process.start()
             self.pipes.append(ours)
             self.processes.append(process)
@@ -131,14 +181,30 @@ class Ranks:
         return all(ok for ok, _ in replies), " | ".join(message for _, message in replies)
 
 
-def _routed_experts(rows: int, rng: random.Random) -> str:
+def _routed_experts(rid: str, prompt_len: int, spans: list[dict]) -> str:
+    """What SGLang reports for a finished request: int32 ``[prompt + output − 1, every hidden layer,
+    top-k]``, dense layers zero. The experts of a position are made up from (request id, position,
+    the weights version that routed it), so they change with the weights as a real router's do.
+    Which version routed a position depends on the pause a weight update came with: ``retract``
+    frees the request's KV cache and SGLang prefills prompt + output again with the weights of the
+    continue, so every position reports the request's last version (its last token's, from its
+    ``weight_versions`` spans); ``in_place`` keeps the cache, so a position keeps the version that
+    processed it (the prompt: the prefill's, token 0's; position q ≥ P − 1: token q − P + 1's)."""
     experts = MODEL.get("num_experts") or MODEL["num_local_experts"]  # transformers 5 writes the latter
     layers, topk = MODEL["num_hidden_layers"], MODEL["num_experts_per_tok"]
     dense = set(MODEL.get("mlp_only_layers") or [])
+    versions = [_version_number(span["version"]) for span in spans for _ in range(span["start"], span["end"])]
+    last = _version_number(spans[-1]["version"])
+    with LOCK:
+        pauses = [call["mode"] for call in STATE["calls"] if call["call"] == "pause_generation"]
+    in_place = bool(pauses) and pauses[-1] == "in_place"
+    rows = prompt_len + len(versions) - 1
     out = np.zeros((rows, layers, topk), dtype=np.int32)
-    for layer in range(layers):
-        if layer not in dense:
-            for row in range(rows):
+    for row in range(rows):
+        version = versions[max(0, row - prompt_len + 1)] if in_place and versions else last
+        rng = random.Random(f"{rid}/{row}/{version}")
+        for layer in range(layers):
+            if layer not in dense:
                 out[row, layer] = rng.sample(range(experts), topk)
     return base64.b64encode(out.tobytes()).decode()
 
@@ -151,6 +217,14 @@ def _logprob(position: int, version: str) -> float:
     return -0.1 * (position + 1) - 0.01 * _version_number(version)
 
 
+def _response_length(cap: int, rng: random.Random) -> int:
+    if CONTROLS.standin_lengths == "short":
+        return min(cap, 3 + rng.randrange(5))
+    if rng.random() < 0.3:
+        return cap
+    return max(1, min(cap, int(math.exp(rng.uniform(0.0, math.log(cap))))))
+
+
 class Request:
     """One request decoding: what SGLang's ``Req`` holds that the version rule reads."""
 
@@ -158,7 +232,7 @@ class Request:
         seed = params.get("sampling_seed")
         self.rid, self.prompt = rid, prompt
         self.rng = random.Random(seed if seed is not None else rid)
-        self.budget = min(params.get("max_new_tokens") or 16, 3 + self.rng.randrange(5))
+        self.budget = _response_length(params.get("max_new_tokens") or 16, self.rng)
         self.stops = set(params.get("stop_token_ids") or [])
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
@@ -186,11 +260,101 @@ class Request:
                                              num_output_tokens=len(tokens))
         add_weight_versions_to_meta_info(meta, spans, len(tokens))
         if want_routing and ARGS.enable_return_routed_experts:  # without the flag SGLang silently omits it
-            meta["routed_experts"] = _routed_experts(len(self.prompt) + len(tokens) - 1, self.rng)
+            meta["routed_experts"] = _routed_experts(self.rid, len(self.prompt), meta["weight_versions"])
         return {"output_ids": tokens, "meta_info": meta}
 
 
 LIVE: set = set()  # requests decoding (or paused), for the version rule
+
+
+class Scheduler:
+    """One queue, admission by the KV pool's tokens, one decoding step for every running request."""
+
+    def __init__(self) -> None:
+        self.waiting: list[tuple[Request, asyncio.Event]] = []
+        self.running: list[tuple[Request, asyncio.Event]] = []
+        self.capacity = CONTROLS.standin_kv_tokens
+        self.used = 0  # KV tokens held by the running requests
+        self.steps = 0
+        self.kv_sum = self.running_sum = 0.0  # sums over decoding steps, for the averages
+        self.trace: list[tuple[float, float, bool]] = []  # per step: time, KV pool use, a request waiting
+        self.last_arrival = 0.0
+        self.task: asyncio.Task | None = None
+
+    @staticmethod
+    def _tokens(request: Request) -> int:
+        return len(request.prompt) + request.budget
+
+    async def run(self, requests: list[Request]) -> None:
+        """Queue ``requests`` and return when every one is finished."""
+        events = [asyncio.Event() for _ in requests]
+        with LOCK:
+            LIVE.update(requests)
+            self.waiting += list(zip(requests, events))
+            self.last_arrival = time.monotonic()
+        if self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self._loop())
+        try:
+            for event in events:
+                await event.wait()
+        finally:
+            with LOCK:
+                LIVE.difference_update(requests)
+
+    def _admit(self) -> None:
+        while self.waiting:
+            request, event = self.waiting[0]
+            need = self._tokens(request)
+            if self.capacity and self.running and self.used + need > self.capacity:
+                return
+            self.waiting.pop(0)
+            self.running.append((request, event))
+            self.used += need
+
+    async def _loop(self) -> None:
+        while True:
+            if STATE["paused"] or not (self.running or self.waiting):
+                await asyncio.sleep(0.005)  # SGLang holds new requests and stops decoding while paused
+                continue
+            self._admit()
+            _forward_pass()
+            with LOCK:  # one decoding step of every running request, under one version
+                for request, _ in self.running:
+                    request.step(STATE["version"])
+                    STATE["tokens"] += 0 if str(request.rid).startswith("HEALTH_CHECK") else 1
+                self.steps += 1
+                self.kv_sum += self.used / self.capacity if self.capacity else 0.0
+                self.running_sum += len(self.running)
+                self.trace.append((time.monotonic(), self.used / self.capacity if self.capacity else 0.0,
+                                   bool(self.waiting)))
+            for request, event in [item for item in self.running if item[0].done]:
+                self.running.remove((request, event))
+                self.used -= self._tokens(request)
+                event.set()
+            delay = CONTROLS.standin_token_delay + CONTROLS.standin_seq_delay * len(self.running)
+            await asyncio.sleep(delay)
+
+    def stats(self) -> dict:
+        """Averages over decoding steps; ``supplied_kv_use`` over the steps during which the client
+        still had requests to send or a request waited (before the run's drain, which no client
+        can fill)."""
+        steps = max(1, self.steps)
+        supplied = [use for t, use, waiting in self.trace if waiting or t <= self.last_arrival]
+        return {"kv_capacity_tokens": self.capacity, "mean_kv_use": self.kv_sum / steps,
+                "mean_running": self.running_sum / steps, "steps": self.steps,
+                "supplied_kv_use": sum(supplied) / max(1, len(supplied)), "supplied_steps": len(supplied)}
+
+
+SCHEDULER = Scheduler()
+
+
+def _forward_pass() -> None:
+    """A forward pass reads the weights and writes the KV cache: on released memory (the pages
+    unmapped by the memory saver) the real server dies of an illegal memory access."""
+    if ARGS.enable_memory_saver and STATE["released"]:
+        print(f"stand-in: forward pass with {STATE['released']} released: illegal memory access, server "
+              "exits", flush=True)
+        os._exit(1)
 
 
 class TokenizerManager:
@@ -199,10 +363,12 @@ class TokenizerManager:
     gracefully_exit = False
     is_generation = True
 
-    def __init__(self, ranks: Ranks) -> None:
+    def __init__(self, ranks: Ranks, server_args) -> None:
         from sglang.srt.managers.tokenizer_manager import ServerStatus
 
         self.ranks = ranks
+        self.server_args = server_args  # what /server_info reports
+        self.startup_time = time.time()
         self.server_status = ServerStatus.Up
         self.last_receive_tstamp = 0.0  # the health route waits for an answer newer than its start
         self.rid_to_state: dict = {}
@@ -210,9 +376,16 @@ class TokenizerManager:
     def is_ready(self) -> bool:
         return True
 
+    async def get_internal_state(self):
+        """A round trip through every rank, as SGLang's asks its schedulers (a stopped rank
+        never answers)."""
+        versions = await asyncio.to_thread(self.ranks.call, "version")
+        return [{"weight_version": versions[0], "effective_max_running_requests_per_dp": self.server_args.max_running_requests
+                 or 4096, "memory_usage": {"token_capacity": CONTROLS.standin_kv_tokens or None}}]
+
     async def _all(self, method: str, obj, log: dict | None = None):
         with LOCK:
-            STATE["calls"].append({"call": method, **(log or {})})
+            _record({"call": method, **(log or {})})
         return await asyncio.to_thread(self.ranks.merged, method, obj)
 
     async def begin_weight_update(self, obj, request=None):
@@ -251,27 +424,36 @@ class TokenizerManager:
     async def destroy_weights_update_group(self, obj, request=None):
         return await self._all("destroy_weights_update_group", obj, {"group_name": obj.group_name})
 
+    async def _memory(self, method: str, obj) -> None:
+        with LOCK:  # SGLang's idle check: requests retracted by a pause wait; any other is running
+            running = bool(LIVE) and not (STATE["paused"] and STATE["pause_mode"] == "retract")
+        await asyncio.to_thread(self.ranks.call, "set_running", running)
+        await self._all(method, obj, {"tags": obj.tags})
+        released = (await asyncio.to_thread(self.ranks.call, "offload_tags"))[0]
+        with LOCK:
+            STATE["released"] = released
+
     async def release_memory_occupation(self, obj, request=None):
-        await self._all("release_memory_occupation", obj, {"tags": obj.tags})
+        await self._memory("release_memory_occupation", obj)
 
     async def resume_memory_occupation(self, obj, request=None):
-        await self._all("resume_memory_occupation", obj, {"tags": obj.tags})
+        await self._memory("resume_memory_occupation", obj)
 
     async def pause_generation(self, obj):
         with LOCK:
-            STATE["calls"].append({"call": "pause_generation", "mode": obj.mode})
-            STATE["paused"] = True
+            _record({"call": "pause_generation", "mode": obj.mode})
+            STATE["paused"], STATE["pause_mode"] = True, obj.mode
 
     async def continue_generation(self, obj):
         with LOCK:
-            STATE["calls"].append({"call": "continue_generation"})
-            STATE["paused"] = False
+            _record({"call": "continue_generation"})
+            STATE["paused"], STATE["pause_mode"] = False, None
 
     async def flush_cache(self, timeout_s=None):
         from sglang.srt.managers.io_struct import FlushCacheReqOutput
 
         with LOCK:
-            STATE["calls"].append({"call": "flush_cache"})
+            _record({"call": "flush_cache"})
         return FlushCacheReqOutput(success=True)
 
     def abort_request(self, **kwargs) -> None:
@@ -283,11 +465,10 @@ class TokenizerManager:
     def generate_request(self, obj, request=None):
         async def answer():
             health = str(obj.rid).startswith("HEALTH_CHECK")  # SGLang's /health generates too: not counted
-            while STATE["paused"] and not health:  # SGLang holds new requests while paused
-                await asyncio.sleep(0.01)
             with LOCK:
                 STATE["generate_calls"] += 0 if health else 1
                 calls = STATE["generate_calls"]
+                _record({"call": "generate", "health": health, "released": list(STATE["released"])}, keep=False)
             if not health and CONTROLS.standin_die_after and calls >= CONTROLS.standin_die_after and _once("died"):
                 os._exit(1)  # mid-batch: the requests in flight get no answer
             batch = isinstance(obj.rid, list)
@@ -295,22 +476,7 @@ class TokenizerManager:
             prompts = obj.input_ids if batch else [obj.input_ids]
             params = obj.sampling_params if batch else [obj.sampling_params]
             requests = [Request(r, p, s or {}) for r, p, s in zip(rids, prompts, params)]
-            with LOCK:
-                LIVE.update(requests)
-            try:
-                while not all(r.done for r in requests):
-                    while STATE["paused"]:  # retracted or held in place: decoding resumes on continue
-                        await asyncio.sleep(0.01)
-                    with LOCK:  # one decoding step of every unfinished request, under one version
-                        for r in requests:
-                            if not r.done:
-                                r.step(STATE["version"])
-                                STATE["tokens"] += 0 if health else 1
-                    if CONTROLS.standin_token_delay:
-                        await asyncio.sleep(CONTROLS.standin_token_delay)
-            finally:
-                with LOCK:
-                    LIVE.difference_update(requests)
+            await SCHEDULER.run(requests)
             outs = [r.answer(obj.return_routed_experts, STATE["version"]) for r in requests]
             self.last_receive_tstamp = time.time()
             yield outs if batch else outs[0]
@@ -325,11 +491,19 @@ def main() -> None:
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import ServerArgs
 
-    publish(ServerArgs.from_cli_args(ARGS), role="tokenizer")  # as SGLang's tokenizer process does
+    from sglang.srt.entrypoints.engine import _server_args_for_logging
+
+    server_args = ServerArgs.from_cli_args(ARGS)
+    print(f"server_args={_server_args_for_logging(server_args)}", flush=True)  # as SGLang logs them at start
+    publish(server_args, role="tokenizer")  # as SGLang's tokenizer process does
     ranks = Ranks(ARGS.tp_size, ARGS.model_path)
     STATE["version"] = ranks.call("version")[0]
-    http_server.set_global_state(http_server._GlobalState(tokenizer_manager=TokenizerManager(ranks),
+    http_server.set_global_state(http_server._GlobalState(tokenizer_manager=TokenizerManager(ranks, server_args),
                                                           template_manager=None, scheduler_info={}))
+    if ARGS.api_key or ARGS.admin_api_key:  # as SGLang's launcher does (single tokenizer worker)
+        from sglang.srt.utils.auth import add_api_key_middleware
+
+        add_api_key_middleware(http_server.app, api_key=ARGS.api_key, admin_api_key=ARGS.admin_api_key)
 
     @http_server.app.get("/standin/state")
     async def standin_state():  # ours: what the ranks hold, and the calls received
@@ -337,6 +511,7 @@ def main() -> None:
         with LOCK:
             return {"fingerprints": fingerprints, "versions": versions, "origins": origins,
                     "calls": list(STATE["calls"]), "tokens": STATE["tokens"], "paused": STATE["paused"],
+                    "released": list(STATE["released"]), "scheduler": SCHEDULER.stats(),
                     "args": {"memory_saver": ARGS.enable_memory_saver, "tp_size": ARGS.tp_size}}
 
     print(f"sglang stand-in on {ARGS.host}:{ARGS.port}, tp {ARGS.tp_size}, model {ARGS.model_path}", flush=True)

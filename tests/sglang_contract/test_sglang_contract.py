@@ -71,7 +71,7 @@ def pushed(checkpoints) -> list[tuple[str, torch.Tensor]]:
 def start(model_dir: Path, layout: RoutingLayout, work: Path, *controls: str, **options) -> SGLangEngine:
     cfg = SGLangConfig(model_path=str(model_dir), launcher=(str(SGLANG_PYTHON), str(STANDIN)), tp_size=TP,
                        extra_args=("--standin-marker-dir", str(work), *controls), startup_timeout_s=180,
-                       request_timeout_s=60, requests_per_post=3, concurrent_posts=2, weight_bucket_bytes=4096,
+                       request_timeout_s=60, max_inflight=4, weight_bucket_bytes=4096,
                        **options)
     return SGLangEngine(cfg, routing=layout, serializer=inline_serializer)
 
@@ -84,7 +84,7 @@ def engine(checkpoints, layout, tmp_path_factory):
 
 
 def state(engine: SGLangEngine) -> dict:
-    return request_json("GET", f"{engine.base_url}/standin/state", timeout=30)
+    return engine.endpoint().get("standin/state", timeout=30)
 
 
 def requests(count: int = 4, n: int = 2) -> list[GenerationRequest]:
@@ -98,8 +98,8 @@ def test_routing_from_every_layer_is_cut_to_the_moe_layers(engine, layout):
     2 MoE layers' rows, as bytes, exactly as the server sent them."""
     samples = engine.generate(requests())
     assert [(s.request_id, s.index) for s in samples] == [(f"q{i}", j) for i in range(4) for j in range(2)]
-    raw = request_json("POST", f"{engine.base_url}/generate",
-                       generate_body(response_slots(requests()), capture_routing=True), timeout=60)
+    raw = engine.endpoint().post("generate", generate_body(response_slots(requests()), capture_routing=True),
+                                 timeout=60)
     for sample, answer in zip(samples, raw):
         every_layer = np.frombuffer(base64.b64decode(answer["meta_info"]["routed_experts"]), "<i4").reshape(
             -1, 3, layout.topk)
@@ -201,7 +201,7 @@ def test_host_tensors_never_travel_as_ipc_handles(engine, pushed, checkpoints, l
 # ---------------------------------------------------------------------------------- memory
 def test_memory_is_released_and_resumed_by_sglangs_tags(engine, pushed):
     """The colocated order: release everything, resume the weights, sync, resume the rest."""
-    from bpo_megatron.orchestration.phases import AFTER_SYNC, WEIGHTS
+    from bpo_megatron.orchestration.phases import WEIGHTS
 
     before = len(state(engine)["calls"])
     engine.release_memory()
@@ -209,10 +209,10 @@ def test_memory_is_released_and_resumed_by_sglangs_tags(engine, pushed):
     engine.begin_weight_update(4)
     engine.update_weights(iter(pushed))
     engine.end_weight_update()
-    engine.resume_memory(AFTER_SYNC)
+    engine.resume_memory(())  # the rest of what it released
     assert len(engine.generate(requests(count=1))) == 2
     memory = [c for c in state(engine)["calls"][before:] if "memory" in c["call"]]
-    assert memory == [{"call": "release_memory_occupation", "tags": None},
+    assert memory == [{"call": "release_memory_occupation", "tags": ["kv_cache", "weights", "cuda_graph"]},
                       {"call": "resume_memory_occupation", "tags": ["weights"]},
                       {"call": "resume_memory_occupation", "tags": ["kv_cache", "cuda_graph"]}]
 
@@ -221,8 +221,10 @@ def test_resuming_memory_that_was_not_released_kills_sglangs_scheduler(checkpoin
     """SGLang's own rule, which the colocation phases must never break."""
     engine = start(checkpoints[0], layout, tmp_path)
     try:
-        with pytest.raises(Exception):
-            engine.resume_memory(("kv_cache",))
+        engine.resume_memory(("kv_cache",))  # the client names only tags it released: no call
+        assert engine.health().healthy and not [c for c in state(engine)["calls"] if "memory" in c["call"]]
+        with pytest.raises(Exception):  # what the client never sends
+            engine._post("resume_memory_occupation", {"tags": ["kv_cache"]})
         time.sleep(1.0)
         assert not engine.health().healthy
     finally:
@@ -277,7 +279,7 @@ def test_a_lost_engine_is_replaced_and_given_the_current_weights_before_its_requ
         f"rollout.sglang.launcher=[{SGLANG_PYTHON}, {STANDIN}]", f"rollout.sglang.tp_size={TP}",
         f"rollout.sglang.extra_args=[--standin-marker-dir, {tmp_path}, --standin-die-after, '2']",
         "rollout.sglang.startup_timeout_s=180",
-        "rollout.sglang.requests_per_post=3"], check_model=True)
+        "rollout.sglang.max_inflight=3"], check_model=True)
     group = EngineGroup(cfg, str(checkpoints[0]))
     given: list[tuple[list[int], int]] = []
 
@@ -332,8 +334,7 @@ def test_trainer_rank_0_broadcasts_each_bucket_to_every_engine_rank_at_once(ray_
         want = fingerprints(pushed_of(pushed_dir).items())
 
         def states():
-            urls = [url for url, _ in engines.call("endpoint")]
-            return [request_json("GET", f"{url}/standin/state", timeout=30) for url in urls]
+            return [server.get("standin/state", timeout=30) for server in engines.call("endpoint")]
 
         assert transport == "nccl_broadcast" and all(s["fingerprints"][0] != want for s in states())
         report = sync_weights(trainer, engines, transport=transport, version=1, bucket_bytes=8192)
@@ -397,8 +398,7 @@ def test_colocated_engine_ranks_each_map_the_trainer_rank_beside_them(ray_sessio
         trainer.call("load_hf", str(pushed_dir))
         ray.get([w.__ray_call__.remote(_tag_ipc_payloads) for w in trainer.workers])
         report = sync_weights(trainer, engines, transport=transport, version=1, bucket_bytes=8192)
-        url = engines.call("endpoint")[0][0]
-        after = request_json("GET", f"{url}/standin/state", timeout=30)
+        after = engines.call("endpoint")[0].get("standin/state", timeout=30)
         want = fingerprints(pushed_of(pushed_dir).items())
         assert transport == "cuda_ipc"
         assert report["sync_bytes"] == sum(t.numel() * t.element_size() for t in pushed_of(pushed_dir).values())

@@ -96,6 +96,7 @@ class HFEngine(RolloutEngine):
         # it continues with the new weights, each token recording the version that sampled it).
         self._gate = threading.Condition()
         self._in_forward = False
+        self._forwards = 0  # forward passes done: the progress a stall watch reads
         self._generating = threading.Lock()  # one generation at a time
         self._shared: SharedWeights | None = None
 
@@ -150,7 +151,12 @@ class HFEngine(RolloutEngine):
     def _forward_done(self) -> None:
         with self._gate:
             self._in_forward = False
+            self._forwards += 1
             self._gate.notify_all()
+
+    def progress(self) -> int:
+        """Forward passes done so far: it advances at every decoding step."""
+        return self._forwards
 
     def _live_model(self) -> nn.Module:
         if self._model is None:

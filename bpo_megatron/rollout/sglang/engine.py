@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import torch
 
 from bpo_megatron.models.routing import RoutingLayout
-from bpo_megatron.rollout.engine import EngineCapabilities, EngineLost, RolloutEngine
+from bpo_megatron.rollout.engine import EngineCapabilities, EngineLost, EngineUnresponsive, RolloutEngine
+from bpo_megatron.rollout.sglang.client import GenerationClient, RolloutFailed  # noqa: F401 - raised through generate
+from bpo_megatron.rollout.sglang.endpoint import ServerEndpoint
+from bpo_megatron.rollout.sglang.nccl import UNKNOWN, server_nccl_version
 from bpo_megatron.rollout.sglang.options import SGLangConfig
 from bpo_megatron.rollout.sglang.http import (
     RequestTimeout,
@@ -16,21 +19,15 @@ from bpo_megatron.rollout.sglang.http import (
     ServerUnavailable,
     request_json,
 )
-from bpo_megatron.rollout.sglang.protocol import decode_sample, generate_body
 from bpo_megatron.rollout.sglang.server import ServerProcess
 from bpo_megatron.rollout.sglang.weights import flattened_bucket, ipc_payload, ipc_update_body
 from bpo_megatron.rollout.types import (
     EngineHealth,
     GenerationRequest,
-    ResponseSlot,
     Sample,
     response_slots,
 )
 from bpo_megatron.rollout.weight_buckets import buckets, tensor_bytes
-
-
-class RolloutFailed(RuntimeError):
-    """Generation could not be completed (a request kept timing out or the server kept dying)."""
 
 
 class WeightUpdateRefused(RuntimeError):
@@ -40,6 +37,12 @@ class WeightUpdateRefused(RuntimeError):
 # keep in-flight requests and their output (SGLang's default "abort" would end them); unlike
 # "in_place" it frees their KV cache, so the cache flush after the update succeeds
 PAUSE_MODE = "retract"
+# SGLang's memory tags (``--enable-memory-saver``): what release_memory hands back
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+DEFAULT_INFLIGHT = (256, 1024)  # bounds of the requests in flight taken from the server's own limit
+LIVENESS_TIMEOUT_S = 10.0  # /health without generation answers at once from a live server
+# /health_generate waits up to SGLang's own 20 s for a token before it answers 503
+GENERATING_CHECK_TIMEOUT_S = 40.0
 
 
 class SGLangEngine(RolloutEngine):
@@ -54,6 +57,12 @@ class SGLangEngine(RolloutEngine):
         self.server = None if cfg.url else ServerProcess(cfg)
         self._serializer = serializer
         self._paused = False
+        self._generating = 0  # generate calls under way (health checks never generate beside them)
+        self._count_lock = threading.Lock()
+        # the memory tags this server has handed back and not resumed: resuming any other would
+        # raise in SGLang's scheduler and take the server down
+        self.released: set[str] = set()
+        self._max_inflight: int | None = None
         self.weight_version = self._pending_version = 0
         if self.server is not None:
             self.server.start()
@@ -62,6 +71,22 @@ class SGLangEngine(RolloutEngine):
     def base_url(self) -> str:
         return (self.cfg.url or self.server.base_url).rstrip("/")
 
+    @property
+    def api_key(self) -> str | None:
+        return None if self.server is None else self.server.api_key
+
+    def nccl_version(self):
+        """The NCCL version the server's interpreter runs (asked once; ``UNKNOWN`` for a server
+        attached by URL): a weight group refuses members of different versions."""
+        if not hasattr(self, "_nccl_version"):
+            self._nccl_version = (UNKNOWN if self.server is None
+                                  else server_nccl_version(self.cfg.launcher, self.cfg.visible_devices))
+        return self._nccl_version
+
+    def endpoint(self) -> ServerEndpoint:
+        """Where the trainer reaches this server (its node's address) and with which key."""
+        return ServerEndpoint(self.base_url, self.cfg.tp_size, self.api_key)
+
     # ------------------------------------------------------------------------------ generation
     def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
         """Responses to ``requests``. It may run while another thread updates the weights
@@ -69,48 +94,37 @@ class SGLangEngine(RolloutEngine):
         decoding the others at the pause (``retract``: their output is kept) and finishes them all
         with the new weights after ``continue_generation``; each sample's ``token_versions`` say
         which weights sampled each token."""
-        items = response_slots(requests)
-        chunks = [tuple(items[i : i + self.cfg.requests_per_post])
-                  for i in range(0, len(items), self.cfg.requests_per_post)]
-        results: dict[str, Sample] = {}
-        attempts = {chunk: 0 for chunk in chunks}
-        pending = chunks
-        while pending:
-            failed, server_down = [], False
-            with ThreadPoolExecutor(max_workers=self.cfg.concurrent_posts) as pool:
-                futures = {pool.submit(self._post_generate, chunk): chunk for chunk in pending}
-                for future in as_completed(futures):
-                    chunk = futures[future]
-                    try:
-                        for sample, item in zip(future.result(), chunk):
-                            if item.rid in results:
-                                raise RolloutFailed(f"request {item.rid} was answered twice")
-                            results[item.rid] = sample
-                    except ServerUnavailable:
-                        server_down = True
-                        failed.append(chunk)
-                    except (RequestTimeout, ServerError) as exc:
-                        if isinstance(exc, ServerError) and not exc.retryable:
-                            raise RolloutFailed(f"SGLang refused a request: {exc}") from exc
-                        attempts[chunk] += 1
-                        if attempts[chunk] > self.cfg.max_retries:
-                            raise RolloutFailed(
-                                f"requests {chunk[0].rid}..{chunk[-1].rid} failed {attempts[chunk]} times "
-                                f"(last: {exc}); raise rollout.sglang.request_timeout_s or max_retries"
-                            ) from exc
-                        failed.append(chunk)
-            if server_down or (self.server is not None and not self.server.alive()):
-                self._lost()
-            pending = failed
-        return [results[item.rid] for item in items]
+        with self._count_lock:
+            self._generating += 1
+        try:
+            return self._generate(requests)
+        finally:
+            with self._count_lock:
+                self._generating -= 1
 
-    def _post_generate(self, chunk: tuple[ResponseSlot, ...]) -> list[Sample]:
-        body = generate_body(list(chunk), capture_routing=self.cfg.capture_routed_experts)
-        response = request_json("POST", f"{self.base_url}/generate", body, timeout=self.cfg.request_timeout_s)
-        if not isinstance(response, list) or len(response) != len(chunk):
-            raise ServerError(f"/generate returned {type(response).__name__} for {len(chunk)} requests",
-                              retryable=True)
-        return [decode_sample(item, answer, routing=self.routing) for item, answer in zip(chunk, response)]
+    def _generate(self, requests: list[GenerationRequest]) -> list[Sample]:
+        client = GenerationClient(self.base_url, self.api_key, max_inflight=self.max_inflight,
+                                  request_timeout_s=self.cfg.request_timeout_s, max_retries=self.cfg.max_retries,
+                                  capture_routing=self.cfg.capture_routed_experts, routing=self.routing,
+                                  pause_mode=PAUSE_MODE)
+        try:
+            return client.generate(response_slots(requests))
+        except ServerUnavailable:
+            self._lost()
+            raise  # not reached: _lost raises
+
+    @property
+    def max_inflight(self) -> int:
+        """Requests posted at once: ``rollout.sglang.max_inflight``, else the server's own limit of
+        running requests (SGLang sizes it from its KV pool) within [256, 1024] (asked once)."""
+        if self.cfg.max_inflight is not None:
+            return self.cfg.max_inflight
+        if self._max_inflight is None:
+            info = request_json("GET", f"{self.base_url}/server_info", timeout=LIVENESS_TIMEOUT_S, api_key=self.api_key)
+            states = (info.get("internal_states") if isinstance(info, dict) else None) or [{}]
+            running = states[0].get("effective_max_running_requests_per_dp") or DEFAULT_INFLIGHT[0]
+            self._max_inflight = min(max(int(running), DEFAULT_INFLIGHT[0]), DEFAULT_INFLIGHT[1])
+        return self._max_inflight
 
     def _lost(self) -> None:
         """A server that died took its weights along: a restart would serve the initial ones."""
@@ -164,27 +178,55 @@ class SGLangEngine(RolloutEngine):
 
     # ------------------------------------------------------------------------------- control
     def release_memory(self) -> None:
-        """The server hands all of its GPU memory back (``--enable-memory-saver``)."""
-        self._post("release_memory_occupation", {})
+        """The server hands the GPU memory it still holds back (``--enable-memory-saver``); a
+        server that already released everything is not asked again."""
+        tags = [tag for tag in MEMORY_TAGS if tag not in self.released]
+        if tags:
+            self._post("release_memory_occupation", {"tags": tags})
+            self.released.update(tags)
 
     def resume_memory(self, tags: tuple[str, ...] = ()) -> None:
-        self._post("resume_memory_occupation", {"tags": list(tags)} if tags else {})
+        """Take back ``tags`` (() all) of what was released; a tag this server holds is left
+        out of the call (SGLang refuses to resume it and its scheduler dies)."""
+        wanted = [tag for tag in (tags or MEMORY_TAGS) if tag in self.released]
+        if wanted:
+            self._post("resume_memory_occupation", {"tags": wanted})
+            self.released.difference_update(wanted)
 
     def health(self) -> EngineHealth:
+        """Alive and answering. The server runs a one-token generation for it only when that is
+        safe and meaningful: it holds all its memory (a forward pass on a released KV cache kills
+        it), is not paused (a paused server holds the check's request) and generates nothing for
+        us (a busy server answers from the work under way)."""
         if self.server is not None and not self.server.alive():
             return EngineHealth(False, f"process exited ({self.server.process and self.server.process.returncode})")
+        generating = not self.released and not self._paused and not self._generating
+        route, timeout = ("health_generate", GENERATING_CHECK_TIMEOUT_S) if generating else ("health", LIVENESS_TIMEOUT_S)
         try:
-            request_json("GET", f"{self.base_url}/health", timeout=10.0)
+            request_json("GET", f"{self.base_url}/{route}", timeout=timeout, api_key=self.api_key)
             return EngineHealth(True)
         except (ServerUnavailable, RequestTimeout, ServerError) as exc:
             return EngineHealth(False, str(exc))
+
+    def progress(self) -> None:
+        """A round trip through the server's scheduler (``/server_info`` asks it for its state
+        between two forward passes): a stopped or wedged server does not answer. SGLang reports
+        no token count, so the answer itself is the sign of progress."""
+        if self.server is not None and not self.server.alive():
+            raise EngineUnresponsive(f"the SGLang server at {self.base_url} exited")
+        try:
+            request_json("GET", f"{self.base_url}/server_info", timeout=LIVENESS_TIMEOUT_S, api_key=self.api_key)
+        except (ServerUnavailable, RequestTimeout, ServerError) as exc:
+            raise EngineUnresponsive(f"the SGLang server at {self.base_url} did not answer /server_info: {exc}") from exc
+        return None
 
     def shutdown(self) -> None:
         if self.server is not None:
             self.server.stop()
 
     def _post(self, endpoint: str, body: dict | None):
-        return request_json("POST", f"{self.base_url}/{endpoint}", body, timeout=self.cfg.request_timeout_s)
+        return request_json("POST", f"{self.base_url}/{endpoint}", body, timeout=self.cfg.request_timeout_s,
+                            api_key=self.api_key)
 
     def _checked(self, endpoint: str, body: dict):
         """A call whose reply says ``success``; a refusal raises naming the endpoint."""

@@ -26,10 +26,14 @@ class ServerError(RuntimeError):
         self.retryable = retryable
 
 
-def request_json(method: str, url: str, body: Any = None, *, timeout: float) -> Any:
+def request_json(method: str, url: str, body: Any = None, *, timeout: float, api_key: str | None = None) -> Any:
+    """``api_key``: the server's ``--api-key`` (SGLang refuses every call but its health probes
+    without it), sent as a bearer token."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             payload = response.read()

@@ -11,14 +11,18 @@ from dataclasses import dataclass, field, replace
 class SGLangOptions:
     """How to start (or reach) the SGLang servers and talk to them (``rollout.sglang``).
 
-    ``url`` attaches to a running server instead of starting one. ``port``: engine ``i`` listens on
-    ``port + i``; None (the default): on a port found free each time a server starts. How weights
+    ``url`` attaches to a running server instead of starting one. ``host``: the address a started
+    server binds; None (the default): its node's address as the cluster reaches it (what Ray
+    knows the engine's node by), which is also the address the trainer is given. ``0.0.0.0``
+    binds every interface and advertises the node's address; a loopback address is reachable from
+    its own node only. ``port``: engine ``i`` listens on ``port + i``; None (the default): on a
+    port found free each time a server starts. How weights
     reach the servers follows the placement (``cluster.colocate``), not a setting here: CUDA IPC
     handles on the trainer's GPUs, an NCCL broadcast on their own (:mod:`bpo_megatron.weight_sync`).
     """
 
     url: str | None = None
-    host: str = "127.0.0.1"
+    host: str | None = None
     port: int | None = None
     tp_size: int = 1
     mem_fraction_static: float | None = None
@@ -28,15 +32,21 @@ class SGLangOptions:
     request_timeout_s: float = 1800.0
     max_retries: int = 2  # per request chunk, after the first attempt
     weight_bucket_bytes: int = 512 * 1024 * 1024  # tensors sent per weight-update call
-    requests_per_post: int = 64  # requests sent in one /generate call
-    concurrent_posts: int = 8
+    # requests posted at once, one per sample (SGLang admits them as its KV pool allows and queues
+    # the rest); None: the server's own limit of running requests, within [256, 1024]
+    max_inflight: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tp_size", "requests_per_post", "concurrent_posts", "weight_bucket_bytes"):
+        if self.max_inflight is not None and self.max_inflight < 1:
+            raise ValueError("rollout.sglang.max_inflight must be >= 1 (or null: from the server)")
+        for name in ("tp_size", "weight_bucket_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.sglang.{name} must be >= 1")
         if self.max_retries < 0:
             raise ValueError("rollout.sglang.max_retries must be >= 0")
+        if "--config" in self.extra_args or "--api-key" in self.extra_args:
+            raise ValueError("rollout.sglang.extra_args: --config and --api-key are set by the engine (a per-server "
+                             "secret passed in a private config file); remove them")
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,7 @@ class SGLangConfig(SGLangOptions):
     """One engine: the options, the checkpoint it serves and whether it captures routed experts."""
 
     model_path: str = ""
+    node_address: str = "127.0.0.1"  # the address other nodes reach the engine's node at
     capture_routed_experts: bool = True
     memory_saver: bool = False  # colocated: the server can release and resume its GPU memory
     visible_devices: tuple[int, ...] = ()  # the GPUs of its placement slots (the server's CUDA_VISIBLE_DEVICES)
@@ -56,9 +67,18 @@ class SGLangConfig(SGLangOptions):
     def with_port(self, port: int) -> SGLangConfig:
         return replace(self, port=port)
 
+    @property
+    def bind_address(self) -> str:
+        return self.host or self.node_address
+
+    @property
+    def advertised_address(self) -> str:
+        """Where other processes, on any node, reach the server."""
+        return self.node_address if self.bind_address in ("0.0.0.0", "::") else self.bind_address
+
     def launch_command(self, port: int | None = None) -> list[str]:
         """The server command line: token ids in and out, routed experts when capturing."""
-        cmd = [*self.launcher, "--model-path", self.model_path, "--host", self.host,
+        cmd = [*self.launcher, "--model-path", self.model_path, "--host", self.bind_address,
                "--port", str(port or self.port), "--tp-size", str(self.tp_size), "--skip-tokenizer-init"]
         if self.capture_routed_experts:
             cmd.append("--enable-return-routed-experts")

@@ -7,6 +7,10 @@ out ``[prompt + response − 1, num_hidden_layers, top-k]`` — every layer of t
 included — ``meta_info.finish_reason.type``, and ``meta_info.weight_versions``: spans
 ``{"version", "start", "end"}`` over the output tokens, more than one when a weight update reached
 the request while it decoded).
+
+A request paused for a weight update (``/pause_generation``) and continued may report routed
+experts that did not sample its earlier tokens, depending on the pause mode
+(:data:`REPREFILLED_BY_PAUSE`); :func:`routing_valid` marks which tokens keep their own.
 """
 
 from __future__ import annotations
@@ -55,6 +59,37 @@ class ProtocolError(ValueError):
     """A response that does not match what was asked (never trained on)."""
 
 
+# Whether a ``/pause_generation`` mode makes SGLang recompute the routed experts of a request it
+# paused, once generation continues (SGLang 0.5.23). ``retract`` frees the request's KV cache
+# (``Req.reset_for_retract`` in managers/schedule_batch.py drops its recorded experts too) and
+# prefills prompt + output again with the weights of that moment, so every position reports the
+# experts of the request's last weights version. ``in_place`` keeps the cache, so each position
+# keeps the experts of the weights that processed it (but SGLang's cache flush after a weight
+# update fails while requests sit in place, so the engine pauses with ``retract``).
+REPREFILLED_BY_PAUSE = {"retract": True, "in_place": False}
+
+
+def reprefills(pause_mode: str) -> bool:
+    """Whether continuing after a pause in ``pause_mode`` recomputes a request's routed experts."""
+    if pause_mode not in REPREFILLED_BY_PAUSE:
+        raise ValueError(f"pause mode {pause_mode!r}: what it does to routed experts is known for "
+                         f"{sorted(REPREFILLED_BY_PAUSE)} only")
+    return REPREFILLED_BY_PAUSE[pause_mode]
+
+
+def routing_valid(versions: torch.Tensor, pause_mode: str) -> torch.Tensor | None:
+    """For each output token (``versions``: the weights version that sampled it), whether the
+    routed experts SGLang reports are those it was sampled with; None when all are.
+
+    Under a re-prefilling pause every update a request spans re-prefills it, so a token sampled by
+    version v saw the routing of v at every earlier position; the response reports the routing of
+    the last version only, which did not sample the tokens of older versions."""
+    if not reprefills(pause_mode) or not versions.numel():
+        return None
+    valid = versions == versions[-1]
+    return None if bool(valid.all()) else valid
+
+
 def _version(reported) -> int:
     """SGLang's ``meta_info.weight_version``: the version string our updates send, or
     ``"default"`` (the server's flag default) for the checkpoint it started from (version 0)."""
@@ -85,9 +120,11 @@ def token_versions(meta: dict, length: int, rid: str) -> torch.Tensor | None:
     return versions
 
 
-def decode_sample(item: ResponseSlot, response: dict, *, routing: RoutingLayout | None) -> Sample:
+def decode_sample(item: ResponseSlot, response: dict, *, routing: RoutingLayout | None,
+                  pause_mode: str = "retract") -> Sample:
     """A ``Sample`` from one element of SGLang's ``/generate`` response (with routed experts,
-    as ``routing`` lays them out, when it is given)."""
+    as ``routing`` lays them out, when it is given, and which tokens they sampled, for a server
+    paused with ``pause_mode``: by default the engine's ``PAUSE_MODE``, which a test holds equal)."""
     meta = response.get("meta_info") or {}
     if meta.get("id") not in (None, item.rid):
         raise ProtocolError(f"response for {meta.get('id')!r} where {item.rid!r} was expected")
@@ -124,6 +161,13 @@ def decode_sample(item: ResponseSlot, response: dict, *, routing: RoutingLayout 
             sample.routed_experts = routing.decode_int32(base64.b64decode(encoded), where=f"{item.rid}: routed_experts")
         except RoutingError as exc:
             raise ProtocolError(str(exc)) from exc
+        if versions is None and reprefills(pause_mode):
+            raise ProtocolError(
+                f"{item.rid}: routed experts without meta_info.weight_versions: a request paused with "
+                f"{pause_mode!r} reports the routing of its last weights for every token, and without each token's "
+                "version the tokens sampled with other routing cannot be told apart (SGLang >= 0.5.23 sends them)")
+        if versions is not None:
+            sample.routing_valid = routing_valid(versions, pause_mode)
     try:
         sample.check(num_moe_layers=routing and routing.num_moe_layers, topk=routing and routing.topk)
     except ValueError as exc:

@@ -3,11 +3,20 @@
 The server is started through :mod:`bpo_megatron.rollout.sglang.supervise`, so it never outlives
 the process that started it (a killed engine actor takes its server along), on a port found free
 at each start (a port a dead server may still hold is never reused).
+
+Each start gets a fresh secret (SGLang's ``--api-key``): a server reachable from the cluster
+network would otherwise take weight updates from anyone on it. The key reaches SGLang in a
+private config file (``--config``, mode 0600, removed once the server answers), so it is never on
+a command line, in the run directory or in a message: the server's log, which SGLang writes its
+arguments into, is shown with the key blanked. ``/health`` runs no generation
+(``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false`` in the server's environment): a generation
+while the server's KV cache is released would kill it.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -15,6 +24,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import yaml
 
 from bpo_megatron.rollout.sglang.options import SGLangConfig
 from bpo_megatron.rollout.sglang.http import RequestTimeout, ServerError, ServerUnavailable, request_json
@@ -25,6 +36,9 @@ class ServerStartError(RuntimeError):
 
 
 STOP_GRACE_S = 20.0  # the server's time to exit on SIGTERM before it is killed
+# what the server's own environment must say (SGLang reads these, we never do)
+SERVER_ENVIRONMENT = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
+REDACTED = "<api-key>"
 
 
 def _free_port(host: str) -> int:
@@ -40,19 +54,35 @@ class ServerProcess:
         self.process: subprocess.Popen | None = None
         self.port = cfg.port
         self.starts = 0
+        self.api_key: str | None = None
+        self._key_file: Path | None = None
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.cfg.host}:{self.port}"
+        return f"http://{self.cfg.advertised_address}:{self.port}"
 
     def command(self) -> list[str]:
-        """The supervised server command line."""
+        """The supervised server command line (the key is in the config file, not here)."""
+        config = [] if self._key_file is None else ["--config", str(self._key_file)]
         return [sys.executable, "-m", "bpo_megatron.rollout.sglang.supervise", "--parent", str(os.getpid()),
-                "--grace", str(STOP_GRACE_S), "--", *self.cfg.launch_command(self.port)]
+                "--grace", str(STOP_GRACE_S), "--", *self.cfg.launch_command(self.port), *config]
+
+    def _write_key(self) -> None:
+        self.api_key = secrets.token_urlsafe(32)
+        handle, path = tempfile.mkstemp(prefix="sglang-key-", suffix=".yaml")
+        with os.fdopen(handle, "w") as out:  # mkstemp: readable by this user only
+            yaml.safe_dump({"api-key": self.api_key}, out)  # the flag's own spelling
+        self._key_file = Path(path)
+
+    def _remove_key_file(self) -> None:
+        if self._key_file is not None:
+            self._key_file.unlink(missing_ok=True)
+            self._key_file = None
 
     def start(self) -> None:
-        self.port = self.cfg.port or _free_port(self.cfg.host)
-        env = dict(os.environ)
+        self.port = self.cfg.port or _free_port(self.cfg.bind_address)
+        self._write_key()
+        env = {**os.environ, **SERVER_ENVIRONMENT}
         if self.cfg.visible_devices:
             # Ray shows the engine's actor only the GPU share it was given; the server runs on every
             # GPU of the engine's slots, as TP ranks 0..t-1 (its base GPU id is then 0)
@@ -63,7 +93,10 @@ class ServerProcess:
             self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)
         self.starts += 1
-        self.wait_healthy()
+        try:
+            self.wait_healthy()
+        finally:
+            self._remove_key_file()  # read at start-up only
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -75,7 +108,7 @@ class ServerProcess:
                 raise ServerStartError(f"SGLang server exited with code {self.process.returncode} while "
                                        f"starting; last output:\n{self.log_tail()}")
             try:
-                request_json("GET", f"{self.base_url}/health", timeout=5.0)
+                request_json("GET", f"{self.base_url}/health", timeout=5.0, api_key=self.api_key)
                 return
             except (ServerUnavailable, RequestTimeout, ServerError):
                 time.sleep(0.2)
@@ -84,6 +117,7 @@ class ServerProcess:
                                f"last output:\n{self.log_tail()}")
 
     def stop(self) -> None:
+        self._remove_key_file()
         if self.process is None:
             return
         if self.process.poll() is None:
@@ -97,6 +131,9 @@ class ServerProcess:
 
     def log_tail(self, lines: int = 20) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            text = self.log_path.read_text(errors="replace")
         except OSError:
             return "(no log)"
+        if self.api_key:  # SGLang logs its arguments, the key among them
+            text = text.replace(self.api_key, REDACTED)
+        return "\n".join(text.splitlines()[-lines:])

@@ -13,7 +13,7 @@ def engine_config(options: SGLangOptions, context: EngineContext) -> SGLangConfi
     and memory saver as the run decides."""
     return SGLangConfig(**asdict(options), model_path=context.model_dir,
                         capture_routed_experts=context.routing is not None,
-                        memory_saver=context.colocated,
+                        memory_saver=context.colocated, node_address=context.node_address,
                         visible_devices=context.devices).with_port(
                             None if options.port is None else options.port + context.index)
 
@@ -25,10 +25,11 @@ def _build(options: SGLangOptions, context: EngineContext) -> RolloutEngine:
 
 
 def _profile(options: SGLangOptions, requests: int, gpus_per_engine: float) -> EngineProfile:
-    # at most requests_per_post × concurrent_posts sequences are in flight (the client's concurrency)
-    return EngineProfile(tp=options.tp_size,
-                         sequences=min(options.requests_per_post * options.concurrent_posts, requests),
-                         pool_fraction=options.mem_fraction_static)
+    # requests in flight: max_inflight (the server's own limit when unset: at least 256); the
+    # server admits them as its KV pool holds them and queues the rest
+    inflight = options.max_inflight or 256
+    return EngineProfile(tp=options.tp_size, sequences=min(inflight, requests),
+                         pool_fraction=options.mem_fraction_static, admits_by_pool=True)
 
 
 SPEC = EngineSpec(

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import base64
 import datetime
-import pickle
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+
+from bpo_megatron.rollout.sglang import ipc_pickle
+from bpo_megatron.rollout.sglang.nccl import NcclVersion, nccl_version
 
 _DEVICE_PREFIX = {"gloo": "cpu", "nccl": "cuda"}
 
@@ -38,6 +40,12 @@ class DistributedWeightSender:
             self._group = dist.ProcessGroupGloo(store, 0, world_size, timeout)
         else:
             self._group = dist.ProcessGroupNCCL(store, 0, world_size)
+
+    @staticmethod
+    def nccl_version() -> NcclVersion | None:
+        """The NCCL this process (trainer rank 0) loads, None without one: what every engine's
+        server must load too (:func:`~bpo_megatron.rollout.sglang.nccl.check_nccl_versions`)."""
+        return nccl_version()
 
     def metadata(self, bucket: list[tuple[str, torch.Tensor]]) -> dict:
         return {
@@ -77,27 +85,21 @@ def flattened_bucket(bucket: list[tuple[str, torch.Tensor]]) -> dict:
 
 
 def ipc_payload(bucket: dict, serializer=None) -> str:
-    """A flattened bucket as one entry of ``serialized_named_tensors``: SGLang's
-    ``MultiprocessingSerializer`` (with SGLang's device-UUID tensor reductions, as its receiver
-    uses) turns the device buffer into a CUDA IPC handle, so the server maps the sender's memory.
+    """A flattened bucket as one entry of ``serialized_named_tensors``: the device buffer becomes a
+    CUDA IPC handle named by its device's UUID (:mod:`~bpo_megatron.rollout.sglang.ipc_pickle`,
+    what SGLang's serializer with its patched reductions makes), so the server maps the sender's
+    memory; SGLang itself is not needed beside the trainer.
 
-    Only device memory may travel this way: a host tensor would travel as a file descriptor of
-    this process tree, which the server (another tree, another authkey) cannot open, and its
-    scheduler dies. Host tensors are refused. ``serializer`` (tests only) replaces SGLang's.
+    Only device memory may travel this way: host memory would travel inside the request, a copy of
+    every weight per TP rank and per bucket, where the route exists to share memory. Host tensors
+    are refused. ``serializer`` (tests only) replaces the pickler, e.g. :func:`inline_serializer`.
     """
     if serializer is None:
         if not bucket["flattened_tensor"].is_cuda:
             raise ValueError("CUDA IPC hands the server device memory; these weights are in host memory, which "
                              "another process cannot map: colocated SGLang engines receive weights from the "
                              "trainer's GPUs (cluster.colocate=false sends them by NCCL broadcast instead)")
-        try:  # GPU-only extra
-            from sglang.srt.utils import MultiprocessingSerializer
-            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-        except ImportError as exc:
-            raise RuntimeError("colocated SGLang engines need the sglang package beside the trainer (pip install "
-                               "'bpo-megatron[sglang]')") from exc
-        monkey_patch_torch_reductions()
-        serializer = lambda obj: MultiprocessingSerializer.serialize(obj, output_str=True)  # noqa: E731
+        serializer = ipc_pickle.dumps
     payload = serializer(bucket)
     return base64.b64encode(payload).decode() if isinstance(payload, bytes) else payload
 
@@ -109,6 +111,7 @@ def ipc_update_body(payloads: list[str], version: int) -> dict:
 
 
 def inline_serializer(bucket: dict) -> bytes:
-    """A flattened bucket pickled by value (its bytes inside the payload), which SGLang's safe
-    unpickler accepts: for CPU tests of the IPC route only, never for real transfers."""
-    return pickle.dumps({**bucket, "flattened_tensor": bucket["flattened_tensor"].detach().cpu()})
+    """A flattened bucket pickled by value (its bytes inside the payload) by the IPC route's own
+    pickler, which SGLang's safe unpickler accepts: for CPU tests of the route only, never for
+    real transfers."""
+    return ipc_pickle.dumps({**bucket, "flattened_tensor": bucket["flattened_tensor"].detach().cpu()})

@@ -1,0 +1,354 @@
+"""The rollout engines as a group of Ray actors.
+
+Requests are spread over the engines in contiguous slices. An engine that dies (its process
+killed or crashed), loses its server (:class:`~bpo_megatron.rollout.engine.EngineLost`), stalls
+(requests outstanding and no progress for ``rollout.stall_timeout_s``: a stopped or wedged process),
+runs past ``rollout.generate_timeout_s`` or does not answer any other call within
+``rollout.stall_timeout_s`` is killed and replaced, whatever the step is doing; its unfinished
+requests are sent again to the replacement, once it holds the current weights.
+
+Every call reaches an engine through one of three concurrency groups of its actor, so no kind of
+call waits behind another: ``liveness`` (health, progress, version, address: answered while the
+engine generates), ``update`` (weights and memory) and ``generate`` (as many at once as the
+batches a step may have under way, ``train.async.max_staleness`` + 1). An engine that cannot take
+a weight update while it generates (no partial rollouts) gets its updates in the ``generate``
+group, one call at a time, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from bpo_megatron.orchestration.placement import Placement
+from bpo_megatron.orchestration.stall_watch import StallWatch
+from bpo_megatron.orchestration.workers import EngineWorker
+from bpo_megatron.rollout.engine import EngineLost, EngineUnresponsive
+
+log = logging.getLogger(__name__)
+
+LIVENESS, UPDATE, GENERATE = "liveness", "update", "generate"
+_LIVENESS_CALLS = frozenset({"healthy", "progress", "weight_version", "endpoint", "captures_routing"})
+LIVENESS_TIMEOUT_S = 30.0  # an engine that cannot say whether it is healthy in this time is not
+PROBE_INTERVAL_S = 2.0  # how often a generating engine's progress is read
+START_ALLOWANCE_S = 300.0  # an engine's start: its own start-up bound (a server's) plus this
+
+
+class EnginesFailed(RuntimeError):
+    """Rollout engines kept dying or hanging beyond their restart budget."""
+
+
+def _cause(exc: Exception) -> Exception:
+    return getattr(exc, "cause", None) or exc
+
+
+def _lost_engine(exc: Exception) -> bool:
+    """A call that failed because the engine is gone or unresponsive, not because it refused."""
+    return isinstance(_cause(exc), (EngineLost, EngineUnresponsive))
+
+
+class PendingGeneration:
+    """Requests shared out over the engines, generating; :meth:`result` gathers the samples (a
+    dead, hung or stalled engine is replaced and its share re-sent, to the engines of that
+    moment). ``rollout.generate_timeout_s`` counts from the moment a share is sent."""
+
+    def __init__(self, engines: EngineGroup, requests: list) -> None:
+        self._engines = engines
+        self._shares = _split(requests, len(engines.workers))
+        self._results: list[list | None] = [[] if not share else None for share in self._shares]
+        self._sent: dict[int, tuple[Any, Any]] = {}  # engine -> (its generate call, the actor it went to)
+        self._deadline: float | None = None
+        self._send([i for i, share in enumerate(self._shares) if share])
+        self._samples: list | None = None
+
+    def _send(self, indices: list[int]) -> None:
+        timeout = self._engines.generate_timeout_s
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        for i in indices:
+            worker = self._engines.workers[i]
+            self._sent[i] = (self._engines.remote(worker, "generate", self._shares[i]), worker)
+
+    def result(self) -> list:
+        """All samples, in request order (waits for them the first time)."""
+        while self._samples is None:
+            failed = self._engines._collect(self._sent, self._results, self._deadline)
+            if failed:
+                self._engines.replace_failed({i: self._sent[i][1] for i in failed})
+                self._send(failed)
+            else:
+                self._samples = [sample for part in self._results for sample in part]
+        return self._samples
+
+
+class EngineGroup:
+    """``rollout.num_engines`` engines. ``on_restart`` is called with the indices of engines
+    replaced while their requests wait (to give them the current weights) before the requests are
+    sent again; other replacements are recorded in :attr:`unsynced` for the next weight sync.
+    ``start_hook(indices, start)`` (set by the device phases) runs ``start()``, which brings the
+    new engines up, at a moment their devices are free, and leaves them in their peers' memory
+    state. ``max_restarts`` per engine, on average, bounds the replacements over the group's life.
+    """
+
+    def __init__(self, cfg, model_dir: str, *, max_restarts: int | None = None,
+                 generate_timeout_s: float | None = None, placement: Placement | None = None) -> None:
+        import ray
+
+        if generate_timeout_s is not None and not generate_timeout_s > 0:
+            raise ValueError(f"generate_timeout_s must be > 0 (or None: wait forever), got {generate_timeout_s}")
+        self.cfg, self.model_dir, self.placement = cfg, model_dir, placement
+        self.max_restarts = cfg.rollout.max_restarts if max_restarts is None else max_restarts
+        self.generate_timeout_s = cfg.rollout.generate_timeout_s if generate_timeout_s is None else generate_timeout_s
+        self.stall_timeout_s = cfg.rollout.stall_timeout_s
+        self.restarts = 0
+        self.on_restart: Callable[[list[int]], None] | None = None  # reload weights into new engines
+        self.start_hook: Callable[[list[int], Callable[[], None]], None] | None = None
+        self.unsynced: set[int] = set()  # replaced engines that hold the initial weights
+        self.weight_group: tuple[str, ...] | None = None  # the engines (actor ids) a weight group joined
+        generating = cfg.train.asynchronous.max_staleness + 1 if self.partial_rollouts else 1
+        self._actor = ray.remote(concurrency_groups={LIVENESS: 2, UPDATE: 1, GENERATE: generating})(EngineWorker)
+        self._start_timeout_s = getattr(cfg.rollout.options, "startup_timeout_s", 0.0) + START_ALLOWANCE_S
+        self.workers: list = []
+        self.workers = self._start(list(range(cfg.rollout.num_engines)))
+
+    # ------------------------------------------------------------------------------- calls
+    def _group_of(self, method: str) -> str:
+        if method in _LIVENESS_CALLS:
+            return LIVENESS
+        if method == "generate" or not self.partial_rollouts:
+            return GENERATE
+        return UPDATE
+
+    def remote(self, worker, method: str, *args: Any):
+        """Start ``method`` on one engine, in its concurrency group; returns the call's reference."""
+        return getattr(worker, method).options(concurrency_group=self._group_of(method)).remote(*args)
+
+    def call_surviving(self, method: str, *args: Any, only: list[int]) -> tuple[dict[int, Any], list[int]]:
+        """``method`` on the engines ``only``: the answers of those that gave one, and those found
+        dead, lost or silent for ``rollout.stall_timeout_s`` (killed: a silent engine is as
+        useless as a dead one). Nothing is replaced here."""
+        import ray
+
+        futures = {i: (self.remote(self.workers[i], method, *args), self.workers[i]) for i in only}
+        deadline = time.monotonic() + self.stall_timeout_s
+        answers, lost = {}, []
+        for i, (future, worker) in futures.items():
+            try:
+                answers[i] = ray.get(future, timeout=max(0.0, deadline - time.monotonic()))
+            except ray.exceptions.GetTimeoutError:
+                log.warning("rollout engine %d did not answer %s within %.0f s (rollout.stall_timeout_s); "
+                            "replacing it", i, method, self.stall_timeout_s)
+                ray.kill(worker, no_restart=True)
+                lost.append(i)
+            except ray.exceptions.RayActorError:
+                log.warning("rollout engine %d died (during %s); replacing it", i, method)
+                lost.append(i)
+            except ray.exceptions.RayTaskError as exc:
+                if not _lost_engine(exc):
+                    raise
+                log.warning("rollout engine %d lost its server during %s (%s); replacing it", i, method,
+                            str(_cause(exc)).splitlines()[0])
+                lost.append(i)
+        return answers, lost
+
+    def call(self, method: str, *args: Any, only: list[int] | None = None) -> list[Any]:
+        """``method`` on every engine (``only``: those); an engine found dead or silent is
+        replaced (its peers' memory state, the initial weights: see :attr:`unsynced`) and asked
+        again. The answers, in the order of ``only``."""
+        indices = list(range(len(self.workers))) if only is None else list(only)
+        answers, lost = self.call_surviving(method, *args, only=indices)
+        while lost:
+            self.replace(lost, load_weights=False)
+            more, lost = self.call_surviving(method, *args, only=lost)
+            answers.update(more)
+        return [answers[i] for i in indices]
+
+    # ------------------------------------------------------------------------------ engines
+    def _start(self, indices: list[int]) -> list:
+        """New engines for ``indices``, started side by side: each spends seconds importing its
+        libraries and loading the model, mostly waiting on the disk."""
+        import ray
+
+        workers = [self._actor.options(**self._options(i)).remote(self.cfg, self.model_dir, i, self._devices(i))
+                   for i in indices]
+        try:  # raise here if an engine cannot start
+            ray.get([self.remote(w, "captures_routing") for w in workers], timeout=self._start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            for w in workers:
+                ray.kill(w, no_restart=True)
+            raise EnginesFailed(f"rollout engines {indices} did not start within {self._start_timeout_s:.0f} s "
+                                "(the engine's start-up bound plus placement); see the engines' logs") from None
+        return workers
+
+    def _options(self, index: int) -> dict[str, Any]:
+        if self.placement is not None:  # on its slots of the run's placement (shared or its own)
+            return self.placement.engine_options(index)
+        return {"num_cpus": self.cfg.cluster.cpus_per_actor, "num_gpus": self.cfg.cluster.gpus_per_engine}
+
+    @property
+    def partial_rollouts(self) -> bool:
+        """Whether the engines pause a generation under way for a weight update (train.async with
+        an engine that can): their updates then run beside their generations."""
+        return bool(self.cfg.train.asynchronous.max_staleness) and self.cfg.rollout.spec.partial_rollouts
+
+    def _devices(self, index: int) -> tuple[int, ...]:
+        return self.placement.engine_gpus(index) if self.placement is not None else ()
+
+    def actor_ids(self) -> tuple[str, ...]:
+        return tuple(w._actor_id.hex() for w in self.workers)
+
+    def captures_routing(self) -> bool:
+        return all(self.call("captures_routing"))
+
+    def replace(self, indices: list[int], *, load_weights: bool = True) -> None:
+        """New engines for ``indices``; ``load_weights``: give them the current weights
+        (``on_restart``) at once; otherwise they are recorded in :attr:`unsynced` (the caller, or
+        the next weight sync, gives them the weights)."""
+        import ray
+
+        if self.restarts + len(indices) > self.max_restarts * max(1, len(self.workers)):
+            raise EnginesFailed(f"rollout engines {indices} died, hung or stalled again after {self.restarts} "
+                                f"restarts (at most rollout.max_restarts={self.max_restarts} per engine)")
+        for i in indices:
+            ray.kill(self.workers[i], no_restart=True)  # a hung or unhealthy one must not linger
+
+        def start() -> None:
+            for i, worker in zip(indices, self._start(indices)):
+                self.workers[i] = worker
+
+        self.restarts += len(indices)
+        if self.start_hook is not None:
+            self.start_hook(indices, start)
+        else:
+            start()
+        if load_weights and self.on_restart is not None:
+            self.on_restart(indices)
+        else:
+            self.unsynced.update(indices)
+
+    def replace_failed(self, failed: dict[int, Any]) -> None:
+        """Engines whose call failed, each with the actor the call went to: those still in place
+        are replaced (and given the weights); one already replaced meanwhile (by another
+        generation or a sync) is not replaced again, only given the weights if it lacks them."""
+        current = [i for i, actor in failed.items() if self.workers[i]._actor_id == actor._actor_id]
+        if current:
+            self.replace(current)
+        behind = sorted(i for i in failed if i not in current and i in self.unsynced)
+        if behind and self.on_restart is not None:
+            self.on_restart(behind)
+            self.unsynced.difference_update(behind)
+
+    def replace_unhealthy(self) -> list[int]:
+        """Replace the engines that died, or report themselves unhealthy (or do not answer
+        within ``LIVENESS_TIMEOUT_S``), since the last call; returns their indices. The new
+        engines hold the initial weights: call this right before a weight sync."""
+        import ray
+
+        checks = [(self.remote(w, "healthy"), w) for w in self.workers]
+        deadline = time.monotonic() + LIVENESS_TIMEOUT_S
+        unhealthy = []
+        for i, (check, worker) in enumerate(checks):
+            try:
+                if not ray.get(check, timeout=max(0.0, deadline - time.monotonic())):
+                    unhealthy.append(i)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                unhealthy.append(i)
+        if unhealthy:
+            log.warning("rollout engines %s died or are unhealthy; replacing them", unhealthy)
+            self.replace(unhealthy, load_weights=False)
+        return unhealthy
+
+    # --------------------------------------------------------------------------- generation
+    def generate(self, requests: list) -> list:
+        """All samples, in request order; a dead, hung or stalled engine is replaced and its share re-sent."""
+        return self.submit(requests).result()
+
+    def submit(self, requests: list) -> PendingGeneration:
+        """Start generating ``requests`` on the engines and return at once; ``.result()`` waits."""
+        return PendingGeneration(self, requests)
+
+    def _collect(self, sent: dict[int, tuple[Any, Any]], results: list[list | None],
+                 deadline: float | None) -> list[int]:
+        """Store every engine's answer; return the engines that died, lost their server, stalled
+        or ran past ``deadline`` (each killed). A generating engine's progress is read every
+        ``PROBE_INTERVAL_S``."""
+        import ray
+
+        pending = {i: ref for i, (ref, _) in sent.items() if results[i] is None}
+        actors = {i: actor for i, (_, actor) in sent.items()}
+        watch, probes, failed = StallWatch(self.stall_timeout_s), {}, []
+        now = time.monotonic()
+        for i in pending:
+            watch.start(i, now)
+        interval = min(PROBE_INTERVAL_S, self.stall_timeout_s / 4)
+
+        def fail(i: int, message: str, *args: Any) -> None:
+            log.warning(message, i, *args)
+            ray.kill(actors[i], no_restart=True)
+            failed.append(i)
+            pending.pop(i)
+            watch.stop(i)
+
+        while pending:
+            wait_s = interval if deadline is None else max(0.0, min(interval, deadline - time.monotonic()))
+            ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=wait_s)
+            for ref in ready:
+                i = next(j for j, r in pending.items() if r == ref)
+                pending.pop(i)
+                watch.stop(i)
+                try:
+                    results[i] = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    log.warning("rollout engine %d died; replacing it", i)
+                    failed.append(i)
+                except ray.exceptions.RayTaskError as exc:
+                    if not _lost_engine(exc):
+                        raise
+                    log.warning("rollout engine %d lost its server (%s); replacing it", i,
+                                str(_cause(exc)).splitlines()[0])
+                    failed.append(i)
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                for i in list(pending):
+                    fail(i, "rollout engine %d did not answer within %.0f s (rollout.generate_timeout_s); "
+                            "replacing it", self.generate_timeout_s)
+                break
+            self._read_progress(pending, actors, probes, watch, now)
+            for i in watch.stalled(now):
+                fail(i, "rollout engine %d made no progress for %.0f s with requests outstanding "
+                        "(rollout.stall_timeout_s=%.0f: a stopped or wedged process); replacing it",
+                     watch.quiet_for(i, now), self.stall_timeout_s)
+        return failed
+
+    def _read_progress(self, pending: dict, actors: dict, probes: dict, watch: StallWatch, now: float) -> None:
+        """Ask every engine still generating for its progress (one probe at a time each) and
+        record the answers that came."""
+        import ray
+
+        for i in pending:
+            if i not in probes:
+                probes[i] = self.remote(actors[i], "progress")
+        answered, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=0)
+        for ref in answered:
+            i = next(j for j, r in probes.items() if r == ref)
+            probes.pop(i)
+            try:
+                watch.answered(i, ray.get(ref), now)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+                pass  # no answer: a dead engine's generate call fails on its own; a silent one stalls
+
+    def shutdown(self) -> None:
+        import ray
+
+        for w in self.workers:
+            try:  # bounded: a hung engine must not hang the shutdown; it is killed either way
+                ray.get(w.shutdown.options(concurrency_group=UPDATE).remote(), timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+            ray.kill(w)
+
+
+def _split(items: list, parts: int) -> list[list]:
+    size, extra = divmod(len(items), parts)
+    bounds = [i * size + min(i, extra) for i in range(parts + 1)]
+    return [items[bounds[i] : bounds[i + 1]] for i in range(parts)]

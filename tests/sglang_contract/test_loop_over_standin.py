@@ -1,0 +1,130 @@
+"""The RL loop end to end over SGLang stand-in servers (SGLang 0.5.23's own HTTP server, request
+types, weight-update manager and memory-tag rules per TP rank; our generation): every health
+check, release, resume and weight update in an order a real server accepts — the stand-in dies
+of a generation on released memory, of a release while requests run and of resuming a tag it
+holds, and refuses a caller without its key. Each run is a process of its own with its own Ray
+(``run_loop.py``), whose workers send the colocated transport's buckets by value (no GPU here:
+``standin_hooks.py``). The cluster runs are scaled to this machine: 2 trainer ranks and engines of
+TP 2 (the recipes' 4 nodes × 8 GPUs would need ~40 GB of processes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_sglang_contract import SGLANG_PYTHON, STANDIN
+
+HERE = Path(__file__).resolve().parent
+
+pytestmark = [
+    pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason="SGLang's environment is missing: bash tools/setup.sh --sglang"),
+    pytest.mark.timeout(900),
+]
+
+SMALL = ("train.steps=3", "train.sft_warmup_steps=2", "train.sft_batch_size=8", "train.prompts_per_step=4",
+         "rollout.group_size=4", "train.minibatches_per_step=2", "train.micro_batch_size=4", "eval.every=3",
+         "eval.limit=8", "eval.k=2", "checkpoint.every=3", "logging.tensorboard=false", "rollout.engine=sglang",
+         f"rollout.sglang.launcher=[{SGLANG_PYTHON}, {STANDIN}]", "rollout.sglang.tp_size=2",
+         "rollout.sglang.max_inflight=16", "rollout.sglang.startup_timeout_s=180")
+
+
+def _run(tmp_path: Path, *overrides: str, nodes: str | None = None) -> tuple[list[dict], list[dict], str]:
+    log = tmp_path / "calls.jsonl"
+    run_dir = tmp_path / "run"
+    command = [sys.executable, str(HERE / "run_loop.py"), *(["--nodes", nodes] if nodes else []), str(run_dir),
+               *SMALL, f"rollout.sglang.extra_args=[--standin-call-log, {log}, --standin-token-delay, '0.01']",
+               *overrides]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=850)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["step"] == 3
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    return metrics, calls, output
+
+
+def _servers(calls: list[dict]) -> dict[int, list[dict]]:
+    by_port: dict[int, list[dict]] = {}
+    for call in calls:
+        by_port.setdefault(call["port"], []).append(call)
+    return by_port
+
+
+def _check_order(calls: list[dict], *, memory_saver: bool) -> None:
+    """SGLang's rules, replayed: resume only what was released; no generation on released
+    memory; weight updates inside a session."""
+    released: set[str] = set()
+    in_session = False
+    for call in calls:
+        kind = call["call"]
+        if kind == "release_memory_occupation":
+            assert not released & set(call["tags"]), call
+            released |= set(call["tags"])
+        elif kind == "resume_memory_occupation":
+            assert set(call["tags"]) <= released, (call, released)
+            released -= set(call["tags"])
+        elif kind == "generate":
+            assert not (memory_saver and call["released"]), call
+        elif kind == "begin_weight_update":
+            in_session = True
+        elif kind == "end_weight_update":
+            in_session = False
+        elif kind.startswith("update_weights"):
+            assert in_session and "weights" not in released, call
+
+
+def test_a_colocated_run_hands_the_devices_back_and_forth_in_an_order_sglang_accepts(tmp_path):
+    """cluster.colocate: 2 trainer ranks and one engine of TP 2 on the same (declared) devices;
+    3 RL steps and 2 evaluations, with every release, resume, health check and weight update of
+    the offload phases going to a server that dies of any wrong one."""
+    metrics, calls, output = _run(tmp_path, "cluster.colocate=true", "rollout.num_engines=1")
+    assert "replacing" not in output, "no engine was lost"
+    assert [m["step"] for m in metrics if m["step"] > 0] == [1, 2, 3] and "eval/mean_avg@2" in metrics[-1]
+    (server,) = _servers(calls).values()
+    _check_order(server, memory_saver=True)
+    memory = [(c["call"], tuple(c["tags"])) for c in server if "memory" in c["call"]]
+    assert memory[0] == ("release_memory_occupation", ("kv_cache", "weights", "cuda_graph"))
+    assert memory[1:4] == [("resume_memory_occupation", ("weights",)),
+                           ("resume_memory_occupation", ("kv_cache", "cuda_graph")),
+                           ("release_memory_occupation", ("kv_cache", "weights", "cuda_graph"))]
+    assert sum(1 for c in server if c["call"] == "generate" and not c["health"]) > 0
+    assert not any(c["call"] == "generate" and c["health"] for c in server), "no health check generated"
+
+
+def test_engines_on_another_node_are_reached_at_its_address(tmp_path):
+    """Engines apart, on a second Ray node (127.0.0.3) beside the trainer's (127.0.0.2): each server
+    binds and is advertised by its node's address, trainer rank 0 (the other node) announces every
+    bucket there with the server's key and broadcasts it over the weight group it hosts."""
+    metrics, calls, output = _run(tmp_path, "cluster.colocate=false", "rollout.num_engines=2", "cluster.trainer_ranks=2",
+                                  nodes="2,2")
+    assert "replacing" not in output
+    assert [m["step"] for m in metrics if m["step"] > 0] == [1, 2, 3]
+    servers = _servers(calls)
+    assert len(servers) == 2
+    for server in servers.values():
+        _check_order(server, memory_saver=False)
+        joins = [c for c in server if c["call"] == "init_weights_update_group"]
+        assert len(joins) == 1 and joins[0]["world_size"] == 5
+        assert sum(c["call"] == "update_weights_from_distributed" for c in server) >= 3
+    assert {call["host"] for call in calls} == {"127.0.0.3"}, "every server bound its node's address"
+
+
+def test_an_async_run_four_steps_ahead_keeps_its_engines(tmp_path):
+    """train.async.max_staleness=4: up to five batches under way per engine while the trainer
+    trains and weights are pushed (partial rollouts: pause, update, continue); no engine is taken
+    for a hung one, and every sample is at most 4 updates stale."""
+    metrics, calls, output = _run(tmp_path, "cluster.colocate=false", "rollout.num_engines=1",
+                                  "train.async.max_staleness=4")
+    assert "replacing" not in output
+    steps = [m for m in metrics if m["step"] > 0]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert all(m["async/staleness_max"] <= 4 for m in steps)
+    (server,) = _servers(calls).values()
+    _check_order(server, memory_saver=False)
+    pauses = [c for c in server if c["call"] == "pause_generation"]
+    assert pauses and {c["mode"] for c in pauses} == {"retract"}

@@ -1,0 +1,98 @@
+"""Colocated device phases when an engine dies: the replacement starts while the trainer is off
+the devices, is brought to its peers' memory state and gets the current weights before it
+generates, in whatever phase the step was (it used to end the run with a raw ActorDiedError at
+the next rollout phase: the memory calls went to every engine before any liveness check).
+
+The session's embedded Ray, the demo's trainer (2 ranks, EP=2) and two embedded engines sharing
+its (declared) devices; the phases, groups and weight sync are the loop's own.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bpo_megatron.rollout import GenerationRequest, SamplingParams
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture
+def colocated(ray_session, small_run, tmp_path):
+    from bpo_megatron.loop.run_dir import initial_hf_dir
+    from bpo_megatron.orchestration.groups import EngineGroup, TrainerGroup, run_placement
+    from bpo_megatron.orchestration.phases import DevicePhases
+    from bpo_megatron.orchestration.weight_sync import sync_weights
+
+    cfg = small_run(tmp_path, "cluster.colocate=true", "rollout.num_engines=2")
+    model_dir = initial_hf_dir(cfg)
+    placement = run_placement(cfg)
+    engines = EngineGroup(cfg, model_dir, placement=placement)
+    trainer = None
+    transport = cfg.rollout.spec.transport(cfg.rollout.options, True)
+
+    def push(only, version):
+        return sync_weights(trainer, engines, transport=transport, version=version, bucket_bytes=1 << 20,
+                            verify=True, only=only, dtype=cfg.rollout.sync_dtype)
+
+    phases = DevicePhases(engines, push, shared=True)
+    trainer = TrainerGroup(cfg, placement=placement)
+    phases.attach_trainer(trainer)
+    engines.on_restart = phases.resync
+    trainer.call("load_hf", model_dir)
+    yield phases, engines, trainer
+    engines.shutdown()
+    trainer.shutdown()
+    placement.remove()
+
+
+def _events(monkeypatch, engines, trainer) -> list[str]:
+    """What the trainer was told and when engines started, in order."""
+    events: list[str] = []
+    call, start = trainer.call, engines._start
+
+    def traced_call(method, *args):
+        events.append(method)
+        return call(method, *args)
+
+    def traced_start(indices):
+        events.append(f"start {indices}")
+        return start(indices)
+
+    monkeypatch.setattr(trainer, "call", traced_call)
+    monkeypatch.setattr(engines, "_start", traced_start)
+    return events
+
+
+REQUESTS = [GenerationRequest(f"q{i}", (3, 4, 5 + i), SamplingParams(max_new_tokens=3, n=2, seed=i)) for i in range(4)]
+
+
+def test_an_engine_killed_while_the_colocated_trainer_trains_is_replaced_and_synced(colocated, monkeypatch):
+    phases, engines, trainer = colocated
+    phases.weights_changed(1)
+    phases.rollout()
+    assert {s.weight_version for s in engines.generate(REQUESTS)} == {1}
+    phases.train()  # the trainer holds the devices, the engines hold nothing
+    victim = engines.workers[0]
+    ray.kill(victim)
+    events = _events(monkeypatch, engines, trainer)
+    phases.weights_changed(2)
+    phases.rollout()  # with verify=True every engine's weights are compared with what was sent
+    assert engines.workers[0] is not victim and engines.restarts == 1 and not engines.unsynced
+    # the replacement started with the trainer offloaded, then the trainer came back for the sync
+    assert events == ["offload", "start [0]", "onload", "push_weights", "offload"], events
+    assert engines.call("weight_version") == [2, 2]
+    assert {s.weight_version for s in engines.generate(REQUESTS)} == {2}
+
+
+def test_an_engine_killed_while_it_generates_is_replaced_and_resynced_in_the_rollout_phase(colocated, monkeypatch):
+    phases, engines, trainer = colocated
+    phases.weights_changed(3)
+    phases.rollout()  # the engines hold the devices
+    ray.kill(engines.workers[1])
+    events = _events(monkeypatch, engines, trainer)
+    samples = engines.generate(REQUESTS)
+    assert {s.weight_version for s in samples} == {3} and len(samples) == 8
+    assert engines.restarts == 1
+    # started while the trainer was offloaded (no offload needed), then one full sync: the trainer
+    # onloads, pushes to every engine, offloads again
+    assert events[0] == "start [1]" and events[1:] == ["onload", "push_weights", "offload"], events
