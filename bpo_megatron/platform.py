@@ -48,6 +48,15 @@ def distributed_backend() -> DistributedBackend:
     return "nccl" if has_cuda() else "gloo"
 
 
+def release_cached_memory() -> None:
+    """Hand the caching allocator's free blocks back to the device and reclaim blocks other
+    processes mapped by CUDA IPC and have let go of: a colocated engine is about to take the
+    device memory this process no longer uses. Nothing to do without CUDA."""
+    if has_cuda():
+        torch.cuda.empty_cache()
+        torch.cuda.ipc_collect()
+
+
 @functools.cache
 def has_transformer_engine() -> bool:
     """True when transformer-engine is installed.

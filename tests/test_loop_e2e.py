@@ -218,3 +218,50 @@ def test_the_demo_learns_one_step_off_policy(tmp_path, ray_session):
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.05, (first, last)
     assert evals[-1] > evals[0], evals
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("colocate", ["true", "false"])
+def test_a_stopped_engine_is_replaced_with_default_settings_and_the_run_goes_on(tmp_path, ray_session, small_run,
+                                                                                colocate):
+    """SIGSTOP the engine's process during step 2 of a run with default settings (no generate
+    timeout; rollout.stall_timeout_s 120 s): whatever call finds it silent — a generation that
+    makes no progress or a memory, version or weight call — it is replaced within the stall
+    timeout, given the current weights, and the run finishes with every step trained once."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    from bpo_megatron.loop.rl_loop import run
+    from bpo_megatron.rollout.config import RolloutConfig
+
+    stall_s = RolloutConfig().stall_timeout_s
+    stopped: list[tuple[int, float]] = []
+
+    def stop_engine() -> None:
+        for process in psutil.process_iter(["pid", "cmdline"]):
+            if "EngineWorker" in " ".join(process.info["cmdline"] or []):
+                os.kill(process.info["pid"], signal.SIGSTOP)
+                stopped.append((process.info["pid"], time.monotonic()))
+                return
+
+    lines: list[str] = []
+
+    def echo(line: str) -> None:
+        lines.append((time.monotonic(), line))
+        if " step 1/" in line and not stopped:
+            threading.Thread(target=stop_engine, daemon=True).start()
+
+    cfg = small_run(tmp_path, "train.steps=4", f"cluster.colocate={colocate}", "eval.every=2")
+    result = run(cfg, echo=lambda line: echo(line))
+    assert result["step"] == 4 and stopped
+    steps = [r["step"] for r in read_metrics(tmp_path) if r["step"] > 0]
+    assert steps == [1, 2, 3, 4], "every step trained once"
+    pid, at = stopped[0]
+    after = [t for t, line in lines if " step 2/" in line]
+    assert after and after[0] - at < stall_s + 60, f"step 2 ended {after[0] - at:.0f} s after the stop"
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

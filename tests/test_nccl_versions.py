@@ -75,9 +75,9 @@ group = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", dist.PrefixStore(name + "
                               1, 2, timeout)
 print("joined", flush=True)
 if sys.stdin.readline().strip() == "receive":
-    weights = torch.zeros(8)
-    group.broadcast(weights, 0).wait()
-    print("received " + json.dumps(weights.tolist()), flush=True)
+    flat = torch.zeros(32, dtype=torch.uint8)  # the bucket packed as SGLang's flattened_bucket receives it
+    group.broadcast(flat, 0).wait()
+    print("received " + json.dumps(flat.view(torch.float32).tolist()), flush=True)
 else:
     print("received nothing", flush=True)
 '''

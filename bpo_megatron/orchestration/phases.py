@@ -65,6 +65,9 @@ class DevicePhases:
                 full = self._stale or self.shared
                 if self.shared:
                     self.train()  # a sync reads the trainer's weights where they live
+                    # the trainer's allocator still caches the step's activations: free them
+                    # before the engines take back their weights' memory beside it
+                    self._trainer.call("release_cached_memory")
                     self._engines_hold(WEIGHTS_ONLY)
                 metrics.update(self._push(None if full else sorted(self._engines.unsynced), self.version))
                 self._stale = False

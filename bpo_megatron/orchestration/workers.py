@@ -73,6 +73,11 @@ class TrainWorker:
     def offload(self) -> int:
         return self.actor.offload()
 
+    def release_cached_memory(self) -> None:
+        """Free blocks of the caching allocator back to the device (before colocated engines
+        resume their weights beside this rank)."""
+        platform.release_cached_memory()
+
     def onload(self) -> int:
         return self.actor.onload()
 

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bpo_megatron import platform
+
 from bpo_megatron.rollout.sglang.endpoint import ServerEndpoint
 from bpo_megatron.rollout.sglang.http import ServerUnavailable
 from bpo_megatron.rollout.sglang.weights import flattened_bucket, ipc_payload, ipc_update_body
@@ -85,6 +87,7 @@ class CudaIpc:
             alive = [i for i in alive if i not in lost]
             failed += lost
             sent += sum(tensor_bytes(t) for _, t in bucket)
+        platform.release_cached_memory()  # the buckets' buffers, which the servers mapped and let go
         return {"bytes": sent, "failed": failed}
 
     def close(self) -> None:

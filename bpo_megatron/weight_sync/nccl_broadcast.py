@@ -30,7 +30,7 @@ class BroadcastFailed(RuntimeError):
 
 class NcclBroadcast:
     host_tensors = False  # buckets stay where the trainer holds them (its GPU)
-    views = True  # broadcast straight from the parameters where the layout allows
+    views = True  # buckets may hold views of the parameters: each is packed into one buffer (one copy)
     every_rank = False  # rank 0 sends
     whole_group = True  # a broadcast reaches every member: all engines, in one group
 

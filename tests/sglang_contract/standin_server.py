@@ -415,11 +415,13 @@ class TokenizerManager:
 
     async def update_weights_from_distributed(self, obj, request=None):
         return await self._update("update_weights_from_distributed", obj,
-                                  {"tensors": len(obj.names), "version": obj.weight_version})
+                                  {"tensors": len(obj.names), "version": obj.weight_version,
+                                   "load_format": obj.load_format})
 
     async def init_weights_update_group(self, obj, request=None):
         return await self._all("init_weights_update_group", obj, {"rank_offset": obj.rank_offset,
-                                                                   "world_size": obj.world_size})
+                                                                   "world_size": obj.world_size,
+                                                                   "master_address": obj.master_address})
 
     async def destroy_weights_update_group(self, obj, request=None):
         return await self._all("destroy_weights_update_group", obj, {"group_name": obj.group_name})

@@ -342,6 +342,9 @@ def test_trainer_rank_0_broadcasts_each_bucket_to_every_engine_rank_at_once(ray_
         after = states()
         assert all(ranks == want for s in after for ranks in s["fingerprints"])
         assert [s["versions"] for s in after] == [["1"] * TP] * 2
+        announced = [c for s in after for c in s["calls"] if c["call"] == "update_weights_from_distributed"]
+        # one broadcast per bucket: SGLang receives it into one flattened buffer and loads from there
+        assert announced and {c["load_format"] for c in announced} == {"flattened_bucket"}
         joins = [[c for c in s["calls"] if c["call"] == "init_weights_update_group"] for s in after]
         assert [j[0]["rank_offset"] for j in joins] == [1, 1 + TP] and {j[0]["world_size"] for j in joins} == {5}
 

@@ -47,18 +47,32 @@ class DistributedWeightSender:
         server must load too (:func:`~bpo_megatron.rollout.sglang.nccl.check_nccl_versions`)."""
         return nccl_version()
 
+    @staticmethod
+    def packed(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """The bucket in the order it is packed: by element size, largest first, so every
+        tensor starts at a multiple of its own element size with no padding between them (SGLang's
+        receiving bucket is packed so, and refuses a misaligned tensor)."""
+        return sorted(bucket, key=lambda item: -item[1].element_size())
+
     def metadata(self, bucket: list[tuple[str, torch.Tensor]]) -> dict:
+        """``/update_weights_from_distributed``'s body for ``bucket``, in :meth:`packed` order:
+        SGLang allocates one buffer of this layout (``flattened_bucket``) and receives the
+        bucket in a single broadcast."""
+        ordered = self.packed(bucket)
         return {
-            "names": [name for name, _ in bucket],
-            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-            "shapes": [list(t.shape) for _, t in bucket],
+            "names": [name for name, _ in ordered],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in ordered],
+            "shapes": [list(t.shape) for _, t in ordered],
             "group_name": self.group_name,
+            "load_format": "flattened_bucket",
             "flush_cache": False,  # once, when the update ends
         }
 
     def broadcast(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        for _, tensor in bucket:
-            self._group.broadcast(tensor.contiguous(), 0).wait()
+        """One broadcast of the whole bucket, packed as :meth:`metadata` describes it."""
+        ordered = self.packed(bucket)
+        flat = torch.cat([tensor.detach().contiguous().view(-1).view(torch.uint8) for _, tensor in ordered])
+        self._group.broadcast(flat, 0).wait()
 
     def close(self) -> None:
         self._group = None
