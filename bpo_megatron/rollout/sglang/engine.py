@@ -17,7 +17,6 @@ from bpo_megatron.rollout.sglang.http import (
     RequestTimeout,
     ServerError,
     ServerUnavailable,
-    request_json,
 )
 from bpo_megatron.rollout.sglang.server import ServerProcess
 from bpo_megatron.rollout.sglang.weights import flattened_bucket, ipc_payload, ipc_update_body
@@ -43,6 +42,7 @@ DEFAULT_INFLIGHT = (256, 1024)  # bounds of the requests in flight taken from th
 LIVENESS_TIMEOUT_S = 10.0  # /health without generation answers at once from a live server
 # /health_generate waits up to SGLang's own 20 s for a token before it answers 503
 GENERATING_CHECK_TIMEOUT_S = 40.0
+_NOT_ASKED = object()
 
 
 class SGLangEngine(RolloutEngine):
@@ -63,6 +63,8 @@ class SGLangEngine(RolloutEngine):
         # raise in SGLang's scheduler and take the server down
         self.released: set[str] = set()
         self._max_inflight: int | None = None
+        self._nccl_version = _NOT_ASKED  # asked of the server's interpreter at the first weight group
+        # (an answer may be None: an interpreter without NCCL)
         self.weight_version = self._pending_version = 0
         if self.server is not None:
             self.server.start()
@@ -78,7 +80,7 @@ class SGLangEngine(RolloutEngine):
     def nccl_version(self):
         """The NCCL version the server's interpreter runs (asked once; ``UNKNOWN`` for a server
         attached by URL): a weight group refuses members of different versions."""
-        if not hasattr(self, "_nccl_version"):
+        if self._nccl_version is _NOT_ASKED:
             self._nccl_version = (UNKNOWN if self.server is None
                                   else server_nccl_version(self.cfg.launcher, self.cfg.visible_devices))
         return self._nccl_version
@@ -120,7 +122,7 @@ class SGLangEngine(RolloutEngine):
         if self.cfg.max_inflight is not None:
             return self.cfg.max_inflight
         if self._max_inflight is None:
-            info = request_json("GET", f"{self.base_url}/server_info", timeout=LIVENESS_TIMEOUT_S, api_key=self.api_key)
+            info = self.endpoint().get("server_info", timeout=LIVENESS_TIMEOUT_S)
             states = (info.get("internal_states") if isinstance(info, dict) else None) or [{}]
             running = states[0].get("effective_max_running_requests_per_dp") or DEFAULT_INFLIGHT[0]
             self._max_inflight = min(max(int(running), DEFAULT_INFLIGHT[0]), DEFAULT_INFLIGHT[1])
@@ -203,7 +205,7 @@ class SGLangEngine(RolloutEngine):
         generating = not self.released and not self._paused and not self._generating
         route, timeout = ("health_generate", GENERATING_CHECK_TIMEOUT_S) if generating else ("health", LIVENESS_TIMEOUT_S)
         try:
-            request_json("GET", f"{self.base_url}/{route}", timeout=timeout, api_key=self.api_key)
+            self.endpoint().get(route, timeout=timeout)
             return EngineHealth(True)
         except (ServerUnavailable, RequestTimeout, ServerError) as exc:
             return EngineHealth(False, str(exc))
@@ -215,7 +217,7 @@ class SGLangEngine(RolloutEngine):
         if self.server is not None and not self.server.alive():
             raise EngineUnresponsive(f"the SGLang server at {self.base_url} exited")
         try:
-            request_json("GET", f"{self.base_url}/server_info", timeout=LIVENESS_TIMEOUT_S, api_key=self.api_key)
+            self.endpoint().get("server_info", timeout=LIVENESS_TIMEOUT_S)
         except (ServerUnavailable, RequestTimeout, ServerError) as exc:
             raise EngineUnresponsive(f"the SGLang server at {self.base_url} did not answer /server_info: {exc}") from exc
         return None
@@ -224,9 +226,8 @@ class SGLangEngine(RolloutEngine):
         if self.server is not None:
             self.server.stop()
 
-    def _post(self, endpoint: str, body: dict | None):
-        return request_json("POST", f"{self.base_url}/{endpoint}", body, timeout=self.cfg.request_timeout_s,
-                            api_key=self.api_key)
+    def _post(self, route: str, body: dict | None):
+        return self.endpoint().post(route, body, timeout=self.cfg.request_timeout_s)
 
     def _checked(self, endpoint: str, body: dict):
         """A call whose reply says ``success``; a refusal raises naming the endpoint."""
