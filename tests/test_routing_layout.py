@@ -31,7 +31,9 @@ def test_layout_of_a_model_with_dense_layers(tiny_moe_config):
     hf = HFModelConfig.load({**tiny_moe_config, "num_hidden_layers": 4, "mlp_only_layers": [0, 2]})
     layout = RoutingLayout.of(hf)
     assert layout.moe_layers == (1, 3) and layout.num_hidden_layers == 4 and layout.dtype == torch.uint8
-    full = np.random.default_rng(0).integers(0, hf.num_experts, size=(5, 4, hf.num_experts_per_tok), dtype=np.int32)
+    # a router's top-k: distinct experts per position and layer
+    full = np.argsort(np.random.default_rng(0).random((5, 4, hf.num_experts)), axis=-1)[..., :hf.num_experts_per_tok]
+    full = full.astype(np.int32)
     picked = layout.select(full)
     assert picked.dtype == torch.uint8 and picked.shape == (5, 2, hf.num_experts_per_tok)
     assert torch.equal(picked.long(), torch.from_numpy(full[:, [1, 3]]).long())
@@ -51,7 +53,18 @@ def test_routing_of_another_shape_is_refused_naming_both(tiny_moe_config, shape,
 
 def test_expert_ids_outside_the_model_are_refused():
     layout = RoutingLayout(num_hidden_layers=2, moe_layers=(0, 1), topk=2, num_experts=4)
-    with pytest.raises(RoutingError, match=r"expert ids in \[0, 4\], the model has 4 experts"):
+    with pytest.raises(RoutingError, match=r"ids must lie in \[0, 4\), got \[0, 4\]; the model has 4 experts"):
         layout.select(torch.tensor([[[0, 4], [1, 2]]]))
     with pytest.raises(RoutingError, match="not a multiple of 4 x 2 layers x top-2"):
         layout.decode_int32(b"\0" * 12)
+
+
+def test_a_position_naming_an_expert_twice_is_refused_on_arrival():
+    """A router's top-k never repeats an expert: routing that does is refused where it enters,
+    once (the trainer reads only its shape afterwards). Dense layers, which SGLang reports as
+    zeros, are dropped before the check."""
+    layout = RoutingLayout(num_hidden_layers=3, moe_layers=(0, 2), topk=2, num_experts=4)
+    good = torch.tensor([[[0, 3], [0, 0], [2, 1]]], dtype=torch.int32)
+    assert layout.select(good).tolist() == [[[0, 3], [2, 1]]]
+    with pytest.raises(RoutingError, match="position 7: routed experts repeat an expert"):
+        layout.select(torch.tensor([[[0, 3], [0, 0], [1, 1]]]), where="position 7")

@@ -227,3 +227,43 @@ def test_the_contract_tests_run_the_sglang_the_extra_names():
     pins = dict(line.split("==") for line in (root / "tools/constraints-sglang.txt").read_text().splitlines()
                 if "==" in line and not line.startswith("#"))
     assert pins["sglang"] == lower == "0.5.23"
+
+
+def test_a_control_call_to_a_server_that_is_gone_reports_the_engine_lost(monkeypatch):
+    """The colocated trainer trains while the engine's server dies: the next memory, version or
+    weight call finds nothing at its address. That is the engine lost (its group replaces it and
+    gives it the weights), never a refusal that ends the run; what it had released stays recorded."""
+    import socket
+
+    from bpo_megatron.rollout.engine import EngineLost
+    from bpo_megatron.rollout.sglang import engine as engine_module
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    class GoneServer:
+        base_url, api_key = f"http://127.0.0.1:{port}", "k"
+
+        def __init__(self, cfg):
+            self.stopped = False
+
+        def start(self):
+            pass
+
+        def alive(self):
+            return False
+
+        def log_tail(self):
+            return "Killed"
+
+        def stop(self):
+            self.stopped = True
+
+    monkeypatch.setattr(engine_module, "ServerProcess", GoneServer)
+    engine = SGLangEngine(SGLangConfig(model_path="/m", capture_routed_experts=False))
+    engine.released = {"kv_cache", "weights", "cuda_graph"}
+    for call in (lambda: engine.resume_memory(("weights",)), lambda: engine.begin_weight_update(3)):
+        with pytest.raises(EngineLost, match="the SGLang server died"):
+            call()
+    assert engine.released == {"kv_cache", "weights", "cuda_graph"} and engine.server.stopped

@@ -136,3 +136,17 @@ def test_duplicate_experts_in_one_top_k_are_refused():
     routed = torch.tensor([[[1, 1]], [[0, 2]]])
     with pytest.raises(ValueError, match="repeat an expert"):
         check_routed_experts([sample([1, 2, 3], 1, routed=routed)], num_moe_layers=1, topk=2, num_experts=4)
+
+
+def test_routing_from_an_engine_is_checked_for_shape_only_after_arrival():
+    """The driver and the ranks see every sample again (π_old, each minibatch): they check its
+    routing's shape and dtype, never its ids (an engine's routing was checked on arrival). Routing
+    on the meta device has a shape but no values: reading them fails."""
+    routed = torch.empty((2, 1, 2), dtype=torch.uint8, device="meta")
+    check_routed_experts([sample([1, 2, 3], 1, routed=routed)], num_moe_layers=1, topk=2, num_experts=4,
+                         contents=False)
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        check_routed_experts([sample([1, 2, 3], 1, routed=routed)], num_moe_layers=1, topk=2, num_experts=4)
+    with pytest.raises(ValueError, match=r"shape \(2, 1, 3\), expected \(2, 1, 2\)"):
+        check_routed_experts([sample([1, 2, 3], 1, routed=torch.zeros((2, 1, 3), dtype=torch.uint8, device="meta"))],
+                             num_moe_layers=1, topk=2, num_experts=4, contents=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from bpo_megatron.data.problems import Rejected
 from bpo_megatron.tasks.prompts import Encoded, PromptFormat, load_eval_set, requests, stop_tokens
 from bpo_megatron.tasks.scoring import score
 from bpo_megatron.tasks.stream import usable
+
+if TYPE_CHECKING:
+    from bpo_megatron.rollout import GenerationRequest
 
 Counts = dict[str, tuple[int, int]]  # dataset -> (correct responses, responses)
 
@@ -83,18 +87,26 @@ def load_eval_sets(ev, root: str, fmt: PromptFormat, *, skip_bad: bool) -> list[
     return sets
 
 
+def eval_requests(sets: list[EvalSet], tokenizer, cfg, step: int) -> list[GenerationRequest]:
+    """The requests of an evaluation at ``step``: every dataset's, in order, ``eval.k`` responses
+    each. They do not ask for routed experts (``capture_routing=False``): nothing replays an
+    evaluation's routing, and at long responses it would be gigabytes per evaluation."""
+    ev = cfg.eval
+    return [request for index, eval_set in enumerate(sets)
+            for request in requests(eval_set.prompts, tag=f"eval{step}-{eval_set.name}", n=ev.k,
+                                    temperature=ev.temperature, top_p=ev.top_p, top_k=0,
+                                    max_new_tokens=ev.max_new_tokens or cfg.rollout.max_new_tokens,
+                                    stop_token_ids=stop_tokens(tokenizer, cfg.rollout.stop_token_ids),
+                                    seed=cfg.train.seed + 7 * step + index, capture_routing=False)]
+
+
 def evaluate(generate, sets: list[EvalSet], tokenizer, reward_fn, cfg, step: int) -> EvalResult:
     """``generate(requests) -> samples``: any engine or engine group."""
     ev = cfg.eval
     counts: Counts = {}
     # every dataset in one generation: the engines work through all of them at once instead of
     # idling at the tail of each (each request keeps its own seed, so the samples are the same)
-    batches = [requests(eval_set.prompts, tag=f"eval{step}-{eval_set.name}", n=ev.k, temperature=ev.temperature,
-                        top_p=ev.top_p, top_k=0, max_new_tokens=ev.max_new_tokens or cfg.rollout.max_new_tokens,
-                        stop_token_ids=stop_tokens(tokenizer, cfg.rollout.stop_token_ids),
-                        seed=cfg.train.seed + 7 * step + index)
-               for index, eval_set in enumerate(sets)]
-    generated = generate([request for batch in batches for request in batch])
+    generated = generate(eval_requests(sets, tokenizer, cfg, step))
     offset = 0
     for eval_set in sets:
         answers = [e.problem.answer for e in eval_set.prompts for _ in range(ev.k)]

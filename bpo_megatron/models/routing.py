@@ -33,6 +33,22 @@ class RoutingError(ValueError):
     """Routing an engine returned does not fit the model (never trained on)."""
 
 
+def check_expert_ids(experts: torch.Tensor, *, num_experts: int, where: str, hint: str = "") -> None:
+    """Expert ids ``[..., top-k]`` lie in ``[0, num_experts)`` and no position names an expert
+    twice: what every router's top-k satisfies, so anything else is routing of another model or
+    damaged data. One pass for the range and one sort of ``top-k`` ids per position."""
+    if not experts.numel():
+        return
+    low, high = int(experts.min()), int(experts.max())
+    if low < 0 or high >= num_experts:
+        raise RoutingError(f"{where}: routed expert ids must lie in [0, {num_experts}), got [{low}, {high}]"
+                           + (f"; {hint}" if hint else ""))
+    if experts.shape[-1] > 1:
+        ordered = experts.sort(dim=-1).values
+        if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
+            raise RoutingError(f"{where}: routed experts repeat an expert within one position's top-k")
+
+
 @dataclass(frozen=True)
 class RoutingLayout:
     """The model's MoE layers among its layers, its top-k and number of experts."""
@@ -65,9 +81,8 @@ class RoutingLayout:
                                f"layers (or its {self.num_moe_layers} MoE layers), top-{self.topk}]")
         if array.shape[1] != self.num_moe_layers:  # the full layer axis: keep the MoE layers' rows
             array = array[:, list(self.moe_layers)]
-        if array.numel() and (int(array.min()) < 0 or int(array.max()) >= self.num_experts):
-            raise RoutingError(f"{where}: expert ids in [{int(array.min())}, {int(array.max())}], the model has "
-                               f"{self.num_experts} experts")
+        check_expert_ids(array, num_experts=self.num_experts, where=where,
+                         hint=f"the model has {self.num_experts} experts")
         return array.to(self.dtype).contiguous()
 
     def decode_int32(self, raw: bytes, *, where: str = "routed experts") -> torch.Tensor:

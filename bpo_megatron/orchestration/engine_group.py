@@ -231,6 +231,8 @@ class EngineGroup:
         are replaced (and given the weights); one already replaced meanwhile (by another
         generation or a sync) is not replaced again, only given the weights if it lacks them."""
         current = [i for i, actor in failed.items() if self.workers[i]._actor_id == actor._actor_id]
+        for i in current:  # once per engine, however many of its generations failed with it
+            log.warning("rollout engine %d: replacing it and sending its requests again", i)
         if current:
             self.replace(current)
         behind = sorted(i for i in failed if i not in current and i in self.unsynced)
@@ -299,24 +301,24 @@ class EngineGroup:
                 try:
                     results[i] = ray.get(ref)
                 except ray.exceptions.RayActorError:
-                    log.warning("rollout engine %d died; replacing it", i)
+                    log.warning("rollout engine %d died while generating", i)
                     failed.append(i)
                 except ray.exceptions.RayTaskError as exc:
                     if not _lost_engine(exc):
                         raise
-                    log.warning("rollout engine %d lost its server (%s); replacing it", i,
+                    log.warning("rollout engine %d lost its server while generating (%s)", i,
                                 str(_cause(exc)).splitlines()[0])
                     failed.append(i)
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 for i in list(pending):
-                    fail(i, "rollout engine %d did not answer within %.0f s (rollout.generate_timeout_s); "
-                            "replacing it", self.generate_timeout_s)
+                    fail(i, "rollout engine %d did not answer within %.0f s (rollout.generate_timeout_s)",
+                         self.generate_timeout_s)
                 break
             self._read_progress(pending, actors, probes, watch, now)
             for i in watch.stalled(now):
                 fail(i, "rollout engine %d made no progress for %.0f s with requests outstanding "
-                        "(rollout.stall_timeout_s=%.0f: a stopped or wedged process); replacing it",
+                        "(rollout.stall_timeout_s=%.0f: a stopped or wedged process)",
                      watch.quiet_for(i, now), self.stall_timeout_s)
         return failed
 

@@ -107,7 +107,7 @@ class TrainerGroup:
         from bpo_megatron.trainer.actor import check_batch, minibatch_totals
 
         check_batch(minibatch, self.hf, replaying=self.replaying, dp_size=self.dp_size,
-                    correction=self.correction)
+                    correction=self.correction, routing_ids=False)
         shares, totals = self._put_shares(minibatch), minibatch_totals(minibatch)
         return self._collect([w.train_share.remote(shares[dp], totals)
                               for w, (dp, _, _) in zip(self.workers, self.layout)], "train_step")[-1]
@@ -117,7 +117,8 @@ class TrainerGroup:
         ``samples``, as host tensors in sample order, each share's from one rank."""
         from bpo_megatron.trainer.actor import ScoredSamples, check_batch
 
-        check_batch(samples, self.hf, replaying=self.replaying and not record_routing, dp_size=self.dp_size)
+        check_batch(samples, self.hf, replaying=self.replaying and not record_routing, dp_size=self.dp_size,
+                    routing_ids=False)
         shares = self._put_shares(samples)
         results = self._collect([w.logprobs_of_share.remote(shares[dp], record_routing)
                                  for w, (dp, _, _) in zip(self.workers, self.layout)], "compute_logprobs")

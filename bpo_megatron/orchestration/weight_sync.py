@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 from bpo_megatron.rollout.checksums import compare
+
+log = logging.getLogger(__name__)
 
 
 def sync_weights(trainer, engines, *, transport: str, version: int, bucket_bytes: int, verify: bool = False,
@@ -38,6 +42,9 @@ def sync_weights(trainer, engines, *, transport: str, version: int, bucket_bytes
         opened = [i for i in targets if i not in lost]
         destinations = sender.destinations(engines, opened)
         report = trainer.call("push_weights", transport, destinations, version, bucket_bytes, verify, dtype)[0]
+        for j in report["failed"]:
+            log.warning("rollout engine %d lost its server while receiving weights version %d; replacing it",
+                        opened[j], version)
         lost += [opened[j] for j in report["failed"]]
         _, died = engines.call_surviving("end_weight_update", only=[i for i in opened if i not in lost])
         lost += died

@@ -42,9 +42,16 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerationRequest:
+    """``capture_routing``: whether the engine should return this request's routed experts. An
+    engine returns them only when it was itself started with capture
+    (``rollout.capture_routed_experts``, R3) and the request asks; the samples of a request that
+    does not ask carry ``routed_experts=None``. Training rollouts ask; evaluation, whose routing
+    nothing replays, does not (at long responses that routing is gigabytes per evaluation)."""
+
     request_id: str
     prompt_tokens: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    capture_routing: bool = True
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:

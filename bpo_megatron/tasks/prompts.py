@@ -71,9 +71,13 @@ def stop_tokens(tokenizer, extra: tuple[int, ...] = ()) -> tuple[int, ...]:
 
 
 def requests(encoded: list[Encoded], *, tag: str, n: int, temperature: float, top_p: float, top_k: int,
-             max_new_tokens: int, stop_token_ids: tuple[int, ...], seed: int) -> list[GenerationRequest]:
+             max_new_tokens: int, stop_token_ids: tuple[int, ...], seed: int,
+             capture_routing: bool = True) -> list[GenerationRequest]:
+    """``capture_routing``: whether an engine that captures routed experts returns them for these
+    requests (training rollouts, which R3 replays; evaluation's are thrown away)."""
     return [GenerationRequest(f"{tag}-{i}", e.prompt_tokens,
                               SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                              max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
-                                             seed=seed * 1_000_003 + i * 1009, n=n))
+                                             seed=seed * 1_000_003 + i * 1009, n=n),
+                              capture_routing=capture_routing)
             for i, e in enumerate(encoded)]

@@ -49,17 +49,19 @@ def minibatch_totals(minibatch: list[TrainSample]) -> BatchTotals:
 
 
 def check_batch(samples: list[TrainSample], hf: HFModelConfig, *, replaying: bool, dp_size: int,
-                correction: str = "none") -> None:
+                correction: str = "none", routing_ids: bool = True) -> None:
     """Refuse samples the model cannot take (token ids, routing when ``replaying``), a batch
     that ``dp_size`` data-parallel ranks cannot share evenly, and one without the behaviour
-    log-probs a mismatch ``correction`` (other than none) is computed from."""
+    log-probs a mismatch ``correction`` (other than none) is computed from. ``routing_ids``:
+    also read the expert ids (see :func:`~bpo_megatron.trainer.replay.check_routed_experts`:
+    false where the routing came from an engine, which checked it on arrival)."""
     check_samples(samples, vocab_size=hf.vocab_size)
     if correction != "none" and samples[0].old_logprobs is None:
         raise ValueError(f"loss.correction={correction} needs each sample's old_logprobs (the trainer's log-probs under "
                          "the weights at the step's start): set train.recompute_old_logprobs=true")
     if replaying:
         check_routed_experts(samples, num_moe_layers=len(hf.moe_layers), topk=hf.num_experts_per_tok,
-                             num_experts=hf.num_experts)
+                             num_experts=hf.num_experts, contents=routing_ids)
     if len(samples) % dp_size:
         raise ValueError(
             f"{len(samples)} samples cannot be split evenly over {dp_size} data-parallel "
@@ -320,9 +322,10 @@ class TrainActor:
                training: bool = False) -> None:
         if self._offload.offloaded:
             raise RuntimeError("the trainer's memory is offloaded (engines hold the device): call onload() first")
+        # a share comes from a driver that checked the whole batch: its routing ids are not read again
         check_batch(samples, self.hf, replaying=self.replay is not None and replaying,
                     dp_size=self.ranks.dp_size if whole_batch else 1,
-                    correction=self.loss_cfg.correction if training else "none")
+                    correction=self.loss_cfg.correction if training else "none", routing_ids=whole_batch)
 
     def _micro_batches(self, samples: list[TrainSample], *, with_routing: bool = True) -> list[MicroBatch]:
         pad = self.ranks.tp_size if self.parallel.sequence_parallel else 1

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bpo_megatron.models.routing import check_expert_ids
 from bpo_megatron.trainer.samples import MicroBatch, TrainSample
 
 CAPTURE_SETTING = "rollout.capture_routed_experts"
@@ -28,8 +29,16 @@ class RoutingReplayError(RuntimeError):
     """Replay data and the model disagree (a bug upstream, never silently ignored)."""
 
 
-def check_routed_experts(samples: list[TrainSample], *, num_moe_layers: int, topk: int, num_experts: int) -> None:
-    """Refuse samples whose routing cannot be replayed, before any compute."""
+def check_routed_experts(samples: list[TrainSample], *, num_moe_layers: int, topk: int, num_experts: int,
+                         contents: bool = True) -> None:
+    """Refuse samples whose routing cannot be replayed, before any compute.
+
+    The shape and dtype are checked always (constant time per sample). The expert ids themselves
+    (range, no expert twice within a token's top-k) are read only with ``contents``: where
+    routing enters the trainer from outside, once. Routing from a rollout engine was checked as it
+    arrived (:meth:`bpo_megatron.models.routing.RoutingLayout.select`), so the driver and the
+    ranks, which see every sample again for π_old and for each minibatch, check its shape only
+    (reading the ids again costs a pass over ``tokens × MoE layers × top-k`` per rank and call)."""
     for i, s in enumerate(samples):
         experts = s.routed_experts
         if experts is None:
@@ -46,15 +55,10 @@ def check_routed_experts(samples: list[TrainSample], *, num_moe_layers: int, top
             )
         if experts.dtype.is_floating_point or experts.dtype == torch.bool:
             raise ValueError(f"sample {i}: routed experts must be integer ids, got {experts.dtype}")
-        if experts.numel() and (int(experts.min()) < 0 or int(experts.max()) >= num_experts):
-            raise ValueError(
-                f"sample {i}: routed expert ids must lie in [0, {num_experts}), got "
-                f"[{int(experts.min())}, {int(experts.max())}]; was {CAPTURE_SETTING} recorded "
-                f"with another model than the one trained with {REPLAY_SETTING}?"
-            )
-        ordered = experts.sort(dim=-1).values
-        if topk > 1 and bool((ordered[..., 1:] == ordered[..., :-1]).any()):
-            raise ValueError(f"sample {i}: routed experts repeat an expert within one token's top-k")
+        if contents:
+            check_expert_ids(experts, num_experts=num_experts, where=f"sample {i}",
+                             hint=f"was {CAPTURE_SETTING} recorded with another model than the one trained with "
+                                  f"{REPLAY_SETTING}?")
 
 
 @dataclass

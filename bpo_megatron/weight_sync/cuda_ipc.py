@@ -2,7 +2,9 @@
 
 Engine ``e``'s TP rank ``t`` shares a GPU with trainer rank ``e × tp + t`` (the colocated placement
 puts engine ``e`` on trainer bundles ``e × tp …``). Every trainer rank receives each bucket on its
-own GPU, flattens it into one buffer (SGLang's ``flattened_bucket`` format) and turns it into a
+own GPU straight into one buffer in SGLang's ``flattened_bucket`` layout (the export's
+:class:`~bpo_megatron.rollout.flat_bucket.FlatBucket`: rank 0 packs its tensors into it, the
+bucket's one copy, and one broadcast fills it elsewhere) and turns that buffer, uncopied, into a
 CUDA IPC handle; the handles are gathered, and the trainer rank beside each engine's TP rank 0
 posts that engine one ``/update_weights_from_tensor`` whose entry ``t`` is the handle from TP rank
 ``t``'s own GPU. Buffers stay alive until every engine has answered (each server copies out of
@@ -24,6 +26,7 @@ from bpo_megatron.rollout.sglang.endpoint import ServerEndpoint
 from bpo_megatron.rollout.sglang.http import ServerUnavailable
 from bpo_megatron.rollout.sglang.weights import flattened_bucket, ipc_payload, ipc_update_body
 from bpo_megatron.rollout.weight_buckets import tensor_bytes
+from bpo_megatron.rollout.flat_bucket import FlatBucket
 
 UPDATE_TIMEOUT_S = 600.0  # a server answers once its ranks loaded the bucket
 
@@ -44,7 +47,7 @@ def colocated_ranks(engine: int, tp_size: int, trainer_ranks: int) -> tuple[int,
 
 class CudaIpc:
     host_tensors = False  # each rank keeps its copy on its own GPU
-    views = True  # each bucket is copied into one flat buffer
+    views = True  # the export packs each bucket into one flat buffer before it is sent
     every_rank = True  # every trainer rank receives the buckets and hands its GPU's copy over
     whole_group = False  # engines are updated one by one (a restarted one alone)
 
@@ -58,11 +61,13 @@ class CudaIpc:
         servers = engines.call("endpoint", only=indices)
         return [(server, colocated_ranks(i, tp, ranks)) for i, server in zip(indices, servers)]
 
-    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
+    def send(self, buckets: Iterable[FlatBucket | list[tuple[str, torch.Tensor]]],
              targets: list[tuple[ServerEndpoint, tuple[int, ...]]],
              version: int) -> dict[str, Any]:
         """Runs on every trainer rank with the same ``targets``; every rank returns the same
-        report (bytes sent, positions of the engines whose server was lost)."""
+        report (bytes sent, positions of the engines whose server was lost). A
+        :class:`FlatBucket` (what ``export_weights(all_ranks=True)`` yields) is handed over in its
+        own buffer; a list of named tensors is packed into one first."""
         rank, world = dist.get_rank(), dist.get_world_size()
         beside_an_engine = {r for _, ranks in targets for r in ranks}
         alive, failed, sent = list(range(len(targets))), [], 0

@@ -10,19 +10,22 @@ import torch.distributed as dist
 from bpo_megatron.convert import ExportPlan, StreamedTensor, weight_stream
 from bpo_megatron.convert.local_weights import unwrap
 from bpo_megatron.rollout.weight_buckets import buckets
+from bpo_megatron.rollout.flat_bucket import FlatBucket
 from bpo_megatron.weight_sync.host_staging import HostStaging
 
 
 def export_weights(actor, bucket_bytes: int, *, dtype: torch.dtype | None = None, host: bool = False,
                    all_ranks: bool = False, views: bool = False, plan: ExportPlan | None = None,
-                   staging: HostStaging | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                   staging: HostStaging | None = None) -> Iterator[list[tuple[str, torch.Tensor]] | FlatBucket]:
     """Buckets of at most ``bucket_bytes`` of the actor's model under Hugging Face on-disk names,
     in ``dtype`` when given. Every rank must iterate (each takes part in gathering the shards onto
-    global rank 0); only rank 0 gets buckets, or every rank with ``all_ranks`` (each bucket is
-    then broadcast from rank 0 as one buffer per dtype). ``host`` copies them to host memory
-    through ``staging`` (a bucket is then valid until the next is asked for); otherwise they lie
-    where the model does. With ``views`` a tensor may be a view of a parameter (no copy), for a
-    consumer that copies it before the model changes. ``plan``: the model's
+    global rank 0); only rank 0 gets buckets, or every rank with ``all_ranks``: each bucket is then
+    a :class:`~bpo_megatron.rollout.flat_bucket.FlatBucket` on the model's device, packed by
+    rank 0 and broadcast to the others in one buffer (:func:`broadcast_bucket`), which a transport
+    hands on without copying it again. ``host`` copies them to host memory through ``staging`` (a
+    bucket is then valid until the next is asked for); otherwise they lie where the model does.
+    With ``views`` a tensor may be a view of a parameter (no copy), for a consumer that copies it
+    before the model changes (a FlatBucket is such a copy). ``plan``: the model's
     :class:`~bpo_megatron.convert.ExportPlan`, built once and reused."""
     stream = weight_stream(actor.model, actor.hf, dst=0, dtype=dtype, plan=plan, views=views)
     if all_ranks:
@@ -34,23 +37,13 @@ def export_weights(actor, bucket_bytes: int, *, dtype: torch.dtype | None = None
     yield from (staging or HostStaging()).buckets(named, bucket_bytes) if host else buckets(named, bucket_bytes)
 
 
-def broadcast_bucket(bucket: list[StreamedTensor], device: torch.device, src: int = 0
-                     ) -> list[tuple[str, torch.Tensor]]:
-    """Rank ``src``'s tensors of the bucket on every rank: one broadcast per dtype of one flat
-    buffer (every rank knows the names, shapes and dtypes from the stream), views of it elsewhere."""
-    rank = dist.get_rank()
-    received: dict[str, torch.Tensor] = {}
-    for dtype in dict.fromkeys(item.dtype for item in bucket):
-        items = [item for item in bucket if item.dtype == dtype]
-        if rank == src:
-            flat = torch.cat([item.tensor.reshape(-1) for item in items])
-        else:
-            flat = torch.empty(sum(torch.Size(item.shape).numel() for item in items), dtype=dtype, device=device)
-        dist.broadcast(flat, src=src)
-        if rank != src:
-            offset = 0
-            for item in items:
-                numel = torch.Size(item.shape).numel()
-                received[item.name] = flat[offset:offset + numel].view(item.shape)
-                offset += numel
-    return [(item.name, item.tensor if rank == src else received[item.name]) for item in bucket]
+def broadcast_bucket(bucket: list[StreamedTensor], device: torch.device, src: int = 0) -> FlatBucket:
+    """Rank ``src``'s tensors of the bucket on every rank, in one buffer on ``device`` laid out as
+    :func:`~bpo_megatron.rollout.flat_bucket.layout` says (every rank knows the names, shapes
+    and dtypes from the stream): rank ``src`` packs its tensors into it (their one copy) and one
+    broadcast fills it on the others, whatever the dtypes."""
+    flat = FlatBucket.empty([(item.name, item.shape, item.dtype) for item in bucket], device)
+    if dist.get_rank() == src:
+        flat.fill(item.tensor for item in bucket)
+    dist.broadcast(flat.buffer, src=src)
+    return flat

@@ -13,7 +13,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
-NODES_FLAG = "--nodes"  # --nodes A_CPUS,B_CPUS: two Ray nodes of this machine, 127.0.0.2 and 127.0.0.3
+NODES_FLAG = "--nodes"  # --nodes A_CPUS,B_CPUS,...: Ray nodes of this machine at 127.0.0.2, 127.0.0.3, ...
 
 
 def main(argv: list[str]) -> int:
@@ -31,13 +31,14 @@ def main(argv: list[str]) -> int:
     if nodes is None:
         ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
                  object_store_memory=384 * 2**20, logging_level="ERROR", runtime_env=runtime_env)
-    else:  # the trainer's bundles fill the first node, the engines' the second (Ray packs them in order)
+    else:  # Ray packs the bundles into the nodes in order: a node's CPUs decide what lands there
         from ray.cluster_utils import Cluster
 
         cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": nodes[0], "node_ip_address": "127.0.0.2", "include_dashboard": False,
             "object_store_memory": 256 * 2**20})
-        cluster.add_node(num_cpus=nodes[1], node_ip_address="127.0.0.3", object_store_memory=256 * 2**20)
+        for i, cpus in enumerate(nodes[1:], start=3):
+            cluster.add_node(num_cpus=cpus, node_ip_address=f"127.0.0.{i}", object_store_memory=256 * 2**20)
         ray.init(address=cluster.address, logging_level="ERROR", runtime_env=runtime_env)
     from bpo_megatron.experiment import load_experiment
     from bpo_megatron.loop.rl_loop import run

@@ -45,7 +45,9 @@ SGLang's own middleware refuses every call without the key (health probes except
 does).
 
 Test controls (``--standin-*``, removed before SGLang parses the rest): ``--standin-die-after N``
-exits on the N-th ``/generate`` (once per ``--standin-marker-dir``); ``--standin-token-delay S``
+exits on the N-th ``/generate`` (once per ``--standin-marker-dir``), ``--standin-die-after-release N``
+``--standin-die-delay S`` S seconds after its N-th memory release (once too: while a colocated
+trainer holds the devices); ``--standin-token-delay S``
 sleeps S seconds after each decoding step (a generation long enough to be paused), and
 ``--standin-seq-delay S`` S more per running sequence (a batch costs more the larger it is);
 ``--standin-kv-tokens N`` gives the KV pool N tokens (0: unbounded); ``--standin-call-log PATH``
@@ -101,6 +103,8 @@ def _parse() -> tuple[argparse.Namespace, argparse.Namespace]:
     ours, theirs = _split_argv(sys.argv[1:])
     controls = argparse.ArgumentParser()
     controls.add_argument("--standin-die-after", type=int, default=0)
+    controls.add_argument("--standin-die-after-release", type=int, default=0)
+    controls.add_argument("--standin-die-delay", type=float, default=0.0)
     controls.add_argument("--standin-marker-dir", default="")
     controls.add_argument("--standin-token-delay", type=float, default=0.0)
     controls.add_argument("--standin-seq-delay", type=float, default=0.0)
@@ -121,7 +125,7 @@ def _parse() -> tuple[argparse.Namespace, argparse.Namespace]:
 ARGS, CONTROLS = _parse()
 MODEL = json.loads((Path(ARGS.model_path) / "config.json").read_text())
 LOCK = threading.Lock()
-STATE = {"generate_calls": 0, "calls": [], "paused": False, "pause_mode": None, "tokens": 0, "released": []}
+STATE = {"generate_calls": 0, "releases": 0, "calls": [], "paused": False, "pause_mode": None, "tokens": 0, "released": []}
 
 
 def _record(call: dict, *, keep: bool = True) -> None:
@@ -437,6 +441,11 @@ class TokenizerManager:
 
     async def release_memory_occupation(self, obj, request=None):
         await self._memory("release_memory_occupation", obj)
+        with LOCK:
+            STATE["releases"] += 1
+            dies = STATE["releases"] == CONTROLS.standin_die_after_release and _once("died")
+        if dies:  # the colocated trainer holds the devices now: the process dies under it
+            threading.Timer(CONTROLS.standin_die_delay, os._exit, args=(1,)).start()
 
     async def resume_memory_occupation(self, obj, request=None):
         await self._memory("resume_memory_occupation", obj)

@@ -32,12 +32,15 @@ SMALL = ("train.steps=3", "train.sft_warmup_steps=2", "train.sft_batch_size=8", 
          "rollout.sglang.max_inflight=16", "rollout.sglang.startup_timeout_s=180")
 
 
-def _run(tmp_path: Path, *overrides: str, nodes: str | None = None) -> tuple[list[dict], list[dict], str]:
+def _run(tmp_path: Path, *overrides: str, nodes: str | None = None, standin: tuple[str, ...] = ()
+         ) -> tuple[list[dict], list[dict], str]:
+    """The loop over stand-in servers; ``standin``: more of the stand-in's test controls."""
     log = tmp_path / "calls.jsonl"
     run_dir = tmp_path / "run"
+    controls = ", ".join(["--standin-call-log", str(log), "--standin-token-delay", "'0.01'",
+                          "--standin-marker-dir", str(tmp_path), *standin])
     command = [sys.executable, str(HERE / "run_loop.py"), *(["--nodes", nodes] if nodes else []), str(run_dir),
-               *SMALL, f"rollout.sglang.extra_args=[--standin-call-log, {log}, --standin-token-delay, '0.01']",
-               *overrides]
+               *SMALL, f"rollout.sglang.extra_args=[{controls}]", *overrides]
     done = subprocess.run(command, capture_output=True, text=True, timeout=850)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]
@@ -96,6 +99,28 @@ def test_a_colocated_run_hands_the_devices_back_and_forth_in_an_order_sglang_acc
     assert not any(c["call"] == "generate" and c["health"] for c in server), "no health check generated"
 
 
+def test_a_colocated_run_over_four_nodes_keeps_each_engine_beside_its_trainer_rank(tmp_path):
+    """cluster.colocate over four Ray nodes (127.0.0.2 … 127.0.0.5, one device each: the recipes'
+    4 nodes, with one device per node where they have 8, as this machine holds ~10 GB of processes,
+    not the ~50 GB of 32 trainer ranks and 32 TP ranks): four engines, each bound to and advertised
+    at its own node's address, each given every bucket through the IPC route, and every
+    release, resume, health check and weight update of the offload phases in an order SGLang
+    accepts, on every server."""
+    metrics, calls, output = _run(tmp_path, "cluster.colocate=true", "rollout.num_engines=4", "cluster.trainer_ranks=4",
+                                  "rollout.sglang.tp_size=1", nodes="1,1,1,1")
+    assert "replacing" not in output
+    assert [m["step"] for m in metrics if m["step"] > 0] == [1, 2, 3] and "eval/mean_avg@2" in metrics[-1]
+    servers = _servers(calls)
+    assert len(servers) == 4
+    assert {server[0]["host"] for server in servers.values()} == {f"127.0.0.{i}" for i in (2, 3, 4, 5)}
+    for server in servers.values():
+        _check_order(server, memory_saver=True)
+        assert {c["host"] for c in server} == {server[0]["host"]}
+        assert sum(1 for c in server if c["call"] == "generate" and not c["health"]) > 0
+        assert not any(c["call"] == "generate" and c["health"] for c in server)
+        assert sum(c["call"] == "update_weights_from_tensor" for c in server) >= 3
+
+
 def test_engines_on_another_node_are_reached_at_its_address(tmp_path):
     """Engines apart, on one Ray node of this machine (127.0.0.2 or 127.0.0.3) and the trainer on
     the other: each server binds and is advertised by its node's address, trainer rank 0 (the other
@@ -134,3 +159,46 @@ def test_an_async_run_four_steps_ahead_keeps_its_engines(tmp_path):
     _check_order(server, memory_saver=False)
     pauses = [c for c in server if c["call"] == "pause_generation"]
     assert pauses and {c["mode"] for c in pauses} == {"retract"}
+
+
+def _trained_once(metrics: list[dict]) -> None:
+    """Steps 1, 2, 3 each trained once, on a whole batch (its 4 prompts)."""
+    steps = [m for m in metrics if m["step"] > 0]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert all(m["num_groups"] == 4 for m in steps), [m["num_groups"] for m in steps]
+
+
+def test_an_engine_that_dies_while_the_colocated_trainer_trains_is_replaced(tmp_path):
+    """cluster.colocate: the server dies 0.05 s after its second release (the trainer has the
+    devices and trains step 1). The next rollout phase finds it dead before asking anything of it,
+    starts one replacement while the trainer is still offloaded, brings it to its peers' memory
+    state and the current weights, and the run trains steps 2 and 3 on it; the replacement, too,
+    gets every call in an order SGLang accepts."""
+    metrics, calls, output = _run(tmp_path, "cluster.colocate=true", "rollout.num_engines=1",
+                                  standin=("--standin-die-after-release", "'2'", "--standin-die-delay", "'0.05'"))
+    assert output.count("replacing it") + output.count("replacing them") == 1, output[-3000:]
+    _trained_once(metrics)
+    first, second = _servers(calls).values()
+    assert sum(c["call"] == "release_memory_occupation" for c in first) == 2
+    assert first[-1]["call"] == "release_memory_occupation", "it died under the trainer, before the next sync"
+    for server in (first, second):
+        _check_order(server, memory_saver=True)
+    # the replacement received the weights before it generated anything
+    updates = [i for i, c in enumerate(second) if c["call"].startswith("update_weights")]
+    generations = [i for i, c in enumerate(second) if c["call"] == "generate" and not c["health"]]
+    assert updates and generations and updates[0] < generations[0]
+
+
+def test_an_async_engine_killed_once_mid_generation_costs_one_restart(tmp_path):
+    """train.async.max_staleness=1, engines apart: the server exits on its 20th /generate (step 2's
+    batch, requests in flight). It is replaced once — one death, one restart — the lost requests
+    are sent to the replacement, and every step trains once on a whole batch."""
+    metrics, calls, output = _run(tmp_path, "cluster.colocate=false", "rollout.num_engines=1",
+                                  "train.async.max_staleness=1", "rollout.max_restarts=1",
+                                  standin=("--standin-die-after", "'20'"))
+    assert output.count("replacing it") + output.count("replacing them") == 1, output[-3000:]
+    assert "restarts (at most" not in output
+    _trained_once(metrics)
+    assert len(_servers(calls)) == 2
+    for server in _servers(calls).values():
+        _check_order(server, memory_saver=False)

@@ -109,6 +109,36 @@ def test_routing_from_every_layer_is_cut_to_the_moe_layers(engine, layout):
         assert sample.weight_version == 0  # SGLang's "default": the checkpoint it started from
 
 
+def test_requests_that_do_not_ask_for_routing_get_none_over_the_wire(engine, layout, monkeypatch):
+    """Evaluation's requests (``capture_routing=False``) beside training's in one generation: their
+    bodies do not ask SGLang for routed experts, its answers carry none, and their samples have
+    none; the others' routing is what a capturing request always got."""
+    import bpo_megatron.rollout.sglang.client as client_module
+
+    posted = {}
+
+    def recording(items, *, capture_routing):
+        body = generate_body(items, capture_routing=capture_routing)
+        posted.update({rid: body["return_routed_experts"] for rid in body["rid"]})
+        return body
+
+    monkeypatch.setattr(client_module, "generate_body", recording)
+    mixed = [GenerationRequest(r.request_id, r.prompt_tokens, r.sampling, capture_routing=i % 2 == 0)
+             for i, r in enumerate(requests())]
+    samples = engine.generate(mixed)
+    assert posted == {f"q{i}#{j}": i % 2 == 0 for i in range(4) for j in range(2)}
+    reference = engine.generate(requests())
+    assert all(posted.values())
+    for sample, other in zip(samples, reference):
+        if int(sample.request_id[1:]) % 2:
+            assert sample.routed_experts is None
+        else:
+            assert torch.equal(sample.routed_experts, other.routed_experts)
+    raw = engine.endpoint().post("generate", generate_body(response_slots(mixed[1:2]), capture_routing=True),
+                                 timeout=60)
+    assert all("routed_experts" not in answer["meta_info"] for answer in raw)
+
+
 def test_a_generation_paused_for_a_weight_update_continues_and_dates_every_token(checkpoints, layout, pushed,
                                                                                 tmp_path):
     """Partial rollouts (train.async): a weight update reaches the engine while it generates. The

@@ -4,7 +4,8 @@ transformers 5's ``Qwen3MoeTopKRouter`` (``layer.mlp.gate``) returns ``(logits, 
 with ``indices`` ``[tokens, top_k]``: the experts the layer actually dispatches each token to. A hook
 writes them, without a host sync, into a per-batch buffer ``[rows, columns, moe_layers, top_k]``
 whose columns are the left-padded token positions of the batch; the engine cuts each sample's real
-positions out at the end.
+positions out at the end. Rows are those of the batch's requests that want their routing
+(``GenerationRequest.capture_routing``): a forward's other rows are not recorded.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class RoutingCapture:
         self._dtype = expert_id_dtype(num_experts)
         self._buffer: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None  # None: every row of the buffer, in order
+        self._select: torch.Tensor | None = None  # the forward's rows recorded; None: all of them
         self._columns = slice(0, 0)
         self._calls = 0
         self._handles = [router.register_forward_hook(self._hook(layer)) for layer, router in enumerate(routers)]
@@ -41,9 +43,11 @@ class RoutingCapture:
     def open(self, rows: int, columns: int, device: torch.device) -> None:
         self._buffer = torch.zeros(rows, columns, self.num_layers, self.topk, dtype=self._dtype, device=device)
 
-    def target(self, rows: torch.Tensor | None, first_column: int, width: int) -> None:
-        """Where the tokens of the next forward go: buffer rows ``rows``, columns from ``first_column``."""
-        self._rows = rows
+    def target(self, rows: torch.Tensor | None, first_column: int, width: int,
+               select: torch.Tensor | None = None) -> None:
+        """Where the tokens of the next forward go: the forward's rows ``select`` (None: all) to
+        buffer rows ``rows`` (None: every row, in order), columns from ``first_column``."""
+        self._rows, self._select = rows, select
         self._columns = slice(first_column, first_column + width)
         self._calls = 0
 
@@ -54,7 +58,7 @@ class RoutingCapture:
                                "forward; the model's experts bypass `mlp.gate`")
 
     def close(self) -> torch.Tensor:
-        buffer, self._buffer, self._rows = self._buffer, None, None
+        buffer, self._buffer, self._rows, self._select = self._buffer, None, None, None
         return buffer
 
     def remove(self) -> None:
@@ -67,7 +71,10 @@ class RoutingCapture:
             if self._buffer is None:  # a forward outside generation (e.g. a recompute): not ours
                 return
             width = self._columns.stop - self._columns.start
-            indices = outputs[2].view(-1, width, self.topk).to(self._dtype)
+            indices = outputs[2].view(-1, width, self.topk)
+            if self._select is not None:
+                indices = indices[self._select]
+            indices = indices.to(self._dtype)
             if self._rows is None:
                 self._buffer[:, self._columns, layer] = indices
             else:

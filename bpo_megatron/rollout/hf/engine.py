@@ -5,7 +5,9 @@ step, fp32 logits / temperature → log-softmax = log μ (before top-k/top-p), t
 (see :mod:`hf_sampling`). All rows of all requests decode together with one KV cache: prompts are
 left-padded, masked and given their own position ids, so every row computes what a single unpadded
 forward computes (up to float summation order). Rows leave the batch (and the cache) as they finish.
-With capture on, the experts each MoE router picks for every processed token are recorded (R3).
+With capture on, the experts each MoE router picks for every processed token are recorded (R3), for
+the requests that want them (``GenerationRequest.capture_routing``); a batch none of whose requests
+wants them is decoded without capture.
 
 The KV cache lives only inside one :meth:`HFEngine.generate` call, so no cache ever outlives a
 weight update.
@@ -51,7 +53,8 @@ class _Batch:
     logprobs: torch.Tensor  # [b, T] log μ
     lengths: list[int]  # response length of each row
     stopped: list[bool]  # ended on a stop token
-    routing: torch.Tensor | None  # [b, P + T − 1, moe layers, top-k], left-padded columns
+    routing: torch.Tensor | None  # [rows recorded, P + T − 1, moe layers, top-k], left-padded columns
+    routing_rows: list[int | None]  # each row's row of ``routing``; None: not recorded
     width: int  # P, the padded prompt width
     versions: torch.Tensor  # [b, T] the weights version each token was sampled with
 
@@ -238,9 +241,12 @@ class HFEngine(RolloutEngine):
         logprobs = torch.zeros(len(rows), steps, dtype=torch.float32, device=device)
         versions = torch.zeros(len(rows), steps, dtype=torch.int64, device=device)
         lengths, stopped = [0] * len(rows), [False] * len(rows)
-        capture = self._capture
+        # each row's row of the capture buffer: only the requests that want their routing have one
+        routing_rows = _routing_rows([r.request.capture_routing for r in rows])
+        capture = self._capture if any(row is not None for row in routing_rows) else None
         if capture is not None:
-            capture.open(len(rows), width + steps - 1, device)
+            capture.open(sum(row is not None for row in routing_rows), width + steps - 1, device)
+            select, targets = _recorded(routing_rows, None, device)
 
         cache = DynamicCache(config=model.config)
         live = torch.arange(len(rows), device=device)  # batch rows still decoding
@@ -249,8 +255,7 @@ class HFEngine(RolloutEngine):
         try:
             for step in range(steps):
                 if capture is not None:  # prefill fills columns [0, width); step s feeds column width+s-1
-                    capture.target(None if live.numel() == len(rows) else live,
-                                   0 if step == 0 else width + step - 1, step_ids.shape[1])
+                    capture.target(targets, 0 if step == 0 else width + step - 1, step_ids.shape[1], select)
                 version = self._forward_may_start()
                 try:
                     logits = model(input_ids=step_ids, attention_mask=mask, position_ids=step_positions,
@@ -277,22 +282,24 @@ class HFEngine(RolloutEngine):
                     cache.batch_select_indices(keep)
                     live, mask, sampled, next_position = live[keep], mask[keep], sampled[keep], next_position[keep]
                     sampler.keep(keep)
+                    if capture is not None:
+                        select, targets = _recorded(routing_rows, live, device)
                 step_ids, step_positions = sampled[:, None], next_position[:, None]
                 next_position = next_position + 1
                 mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         finally:
             routing = capture.close() if capture is not None else None
-        return _Batch(tokens, logprobs, lengths, stopped, routing, width, versions)
+        return _Batch(tokens, logprobs, lengths, stopped, routing, routing_rows, width, versions)
 
     def _sample(self, row: _Row, batch: _Batch, i: int) -> Sample:
         prompt = torch.tensor(row.request.prompt_tokens, dtype=torch.long)
         length = batch.lengths[i]
         versions = batch.versions[i, :length].cpu().clone()
         routed = None
-        if batch.routing is not None:
+        if batch.routing is not None and batch.routing_rows[i] is not None:
             # real positions only: after the row's left padding, up to the last token fed back
             first = batch.width - prompt.numel()
-            routed = batch.routing[i, first:batch.width + length - 1].to("cpu", copy=True)
+            routed = batch.routing[batch.routing_rows[i], first:batch.width + length - 1].to("cpu", copy=True)
         return Sample(
             request_id=row.request.request_id,
             index=row.index,
@@ -304,6 +311,29 @@ class HFEngine(RolloutEngine):
             weight_version=int(versions.min()),  # the oldest weights that sampled a token of it
             token_versions=versions,
         )
+
+
+def _routing_rows(wanted: list[bool]) -> list[int | None]:
+    """The capture-buffer row of each batch row whose request wants its routing (None: it does not)."""
+    rows, count = [], 0
+    for want in wanted:
+        rows.append(count if want else None)
+        count += want
+    return rows
+
+
+def _recorded(routing_rows: list[int | None], live: torch.Tensor | None, device: torch.device
+              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """For a forward over batch rows ``live`` (None: every row, in order), which of its rows the
+    capture records (None: all) and their buffer rows (None: every buffer row, in order). Called at
+    the prefill and whenever rows leave the batch (a step that synchronises with the host anyway)."""
+    if all(row is not None for row in routing_rows):  # every row recorded, buffer rows = batch rows
+        return None, live
+    forward_rows = range(len(routing_rows)) if live is None else live.tolist()
+    picked = [(j, routing_rows[r]) for j, r in enumerate(forward_rows) if routing_rows[r] is not None]
+    select = torch.tensor([j for j, _ in picked], dtype=torch.long, device=device)
+    targets = torch.tensor([row for _, row in picked], dtype=torch.long, device=device)
+    return select, targets
 
 
 def _left_padded(prompts: list[tuple[int, ...]], device: torch.device

@@ -227,7 +227,13 @@ class SGLangEngine(RolloutEngine):
             self.server.stop()
 
     def _post(self, route: str, body: dict | None):
-        return self.endpoint().post(route, body, timeout=self.cfg.request_timeout_s)
+        """A control call; nothing answering at the server's address means the engine is lost
+        (whatever it held went with the server), which its group replaces, not a refusal."""
+        try:
+            return self.endpoint().post(route, body, timeout=self.cfg.request_timeout_s)
+        except ServerUnavailable:
+            self._lost()
+            raise  # not reached: _lost raises
 
     def _checked(self, endpoint: str, body: dict):
         """A call whose reply says ``success``; a refusal raises naming the endpoint."""

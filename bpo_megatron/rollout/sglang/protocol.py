@@ -42,15 +42,24 @@ def sampling_params(params: SamplingParams, seed: int | None) -> dict:
     return body
 
 
+def returns_routing(item: ResponseSlot, capture_routing: bool) -> bool:
+    """Whether ``item``'s routed experts are asked of the server: the engine captures
+    (``capture_routing``) and the request wants them (evaluation's do not)."""
+    return capture_routing and item.request.capture_routing
+
+
 def generate_body(items: list[ResponseSlot], *, capture_routing: bool) -> dict:
-    """One batched ``/generate`` request body."""
+    """One batched ``/generate`` request body. ``capture_routing``: the engine captures routed
+    experts; they are asked for when some item's request wants them (SGLang takes one flag per
+    body; the client posts one item per body, so each request gets exactly what it asked for, and
+    :func:`decode_sample` ignores routing sent for an item that did not ask)."""
     return {
         "rid": [item.rid for item in items],
         "input_ids": [list(item.request.prompt_tokens) for item in items],
         "sampling_params": [sampling_params(item.request.sampling, item.seed) for item in items],
         "return_logprob": True,
         "logprob_start_len": -1,  # output tokens only
-        "return_routed_experts": capture_routing,
+        "return_routed_experts": any(returns_routing(item, capture_routing) for item in items),
         "routed_experts_start_len": 0,  # routing of the whole sequence, prompt included
     }
 
@@ -123,8 +132,11 @@ def token_versions(meta: dict, length: int, rid: str) -> torch.Tensor | None:
 def decode_sample(item: ResponseSlot, response: dict, *, routing: RoutingLayout | None,
                   pause_mode: str = "retract") -> Sample:
     """A ``Sample`` from one element of SGLang's ``/generate`` response (with routed experts,
-    as ``routing`` lays them out, when it is given, and which tokens they sampled, for a server
-    paused with ``pause_mode``: by default the engine's ``PAUSE_MODE``, which a test holds equal)."""
+    as ``routing`` lays them out, when it is given and the item's request asked for them
+    (``GenerationRequest.capture_routing``), and which tokens they sampled, for a server paused
+    with ``pause_mode``: by default the engine's ``PAUSE_MODE``, which a test holds equal)."""
+    if not item.request.capture_routing:
+        routing = None  # not asked for: none is required, and any sent is not kept
     meta = response.get("meta_info") or {}
     if meta.get("id") not in (None, item.rid):
         raise ProtocolError(f"response for {meta.get('id')!r} where {item.rid!r} was expected")

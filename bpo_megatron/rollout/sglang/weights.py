@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import base64
 import datetime
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from bpo_megatron.rollout.sglang import ipc_pickle
 from bpo_megatron.rollout.sglang.nccl import NcclVersion, nccl_version
+from bpo_megatron.rollout.flat_bucket import ALIGN, FlatBucket
 
 _DEVICE_PREFIX = {"gloo": "cpu", "nccl": "cuda"}
 
@@ -69,33 +69,23 @@ class DistributedWeightSender:
         }
 
     def broadcast(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        """One broadcast of the whole bucket, packed as :meth:`metadata` describes it."""
-        ordered = self.packed(bucket)
-        flat = torch.cat([tensor.detach().contiguous().view(-1).view(torch.uint8) for _, tensor in ordered])
-        self._group.broadcast(flat, 0).wait()
+        """One broadcast of the whole bucket, packed (one copy) as :meth:`metadata` describes it:
+        no padding (``align=1``), as SGLang's receiving bucket allocates it."""
+        self._group.broadcast(FlatBucket.pack(self.packed(bucket), align=1).buffer, 0).wait()
 
     def close(self) -> None:
         self._group = None
         self._store = None
 
 
-ALIGN = 16  # bytes: every tensor of a flattened bucket starts where any dtype's view may start
-
-
-def flattened_bucket(bucket: list[tuple[str, torch.Tensor]]) -> dict:
+def flattened_bucket(bucket: list[tuple[str, torch.Tensor]] | FlatBucket) -> dict:
     """SGLang's ``flattened_bucket`` load format: one uint8 buffer on the tensors' device holding
-    them back to back, and per tensor its name, shape, dtype and byte range. The entries are
-    ``SimpleNamespace``s: SGLang's safe unpickler admits them, so neither side imports the other."""
-    entries, offset = [], 0
-    for name, tensor in bucket:
-        nbytes = tensor.numel() * tensor.element_size()
-        entries.append(SimpleNamespace(name=name, shape=tensor.shape, dtype=tensor.dtype, start_idx=offset,
-                                       end_idx=offset + nbytes, numel=nbytes))
-        offset += -(-nbytes // ALIGN) * ALIGN
-    flat = torch.empty(offset, dtype=torch.uint8, device=bucket[0][1].device)
-    for entry, (_, tensor) in zip(entries, bucket):
-        flat[entry.start_idx:entry.end_idx].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
-    return {"flattened_tensor": flat, "metadata": entries}
+    them back to back, each at a multiple of :data:`ALIGN` bytes, and per tensor its name, shape,
+    dtype and byte range (:mod:`bpo_megatron.rollout.flat_bucket` defines the layout). A
+    :class:`FlatBucket` is in this layout already: its buffer is handed over as is, not copied;
+    named tensors are copied into a new one."""
+    flat = bucket if isinstance(bucket, FlatBucket) else FlatBucket.pack(bucket, align=ALIGN)
+    return {"flattened_tensor": flat.buffer, "metadata": flat.entries}
 
 
 def ipc_payload(bucket: dict, serializer=None) -> str:

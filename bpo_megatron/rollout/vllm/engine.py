@@ -14,7 +14,9 @@ seeds ``seed + index``, as with SGLang), and come back as samples:
   end tokens already); the stop token stays in the response, as in the other engines.
 * **R3**: engine argument ``enable_return_routed_experts``; each ``CompletionOutput.routed_experts``
   is a numpy array ``[prompt + response − 1, MoE layers, top-k]`` (uint8 with ≤ 256 experts). It
-  needs vLLM's GPU model runner; vLLM on CPU generates but records nothing.
+  needs vLLM's GPU model runner; vLLM on CPU generates but records nothing. The capture is
+  engine-wide: a request that does not ask for its routing (``capture_routing=False``, evaluation)
+  gets ``routed_experts=None``.
 * **Weights**: Hugging Face on-disk names go to every worker through ``LLM.collective_rpc`` into
   the model's own ``load_weights`` (which fuses q/k/v, gate/up and the experts the way vLLM lays
   them out), then the prefix cache is reset so no KV computed with old weights is reused. vLLM on
@@ -114,7 +116,12 @@ def decode_routed_experts(array: Any, *, positions: int, routing: RoutingLayout,
 
 
 def decode_output(row: ResponseSlot, output: Any, *, routing: RoutingLayout | None) -> Sample:
-    """A ``Sample`` from one ``vllm.RequestOutput`` (its single ``CompletionOutput``)."""
+    """A ``Sample`` from one ``vllm.RequestOutput`` (its single ``CompletionOutput``), with its
+    routed experts as ``routing`` lays them out when it is given and the request asked for them
+    (``GenerationRequest.capture_routing``: vLLM records routing for every request of an engine
+    started with it, so what a request did not ask for is neither required nor kept)."""
+    if not row.request.capture_routing:
+        routing = None
     where = f"request {row.request.request_id}/{row.index}"
     if len(output.outputs) != 1:
         raise ProtocolError(f"{where}: {len(output.outputs)} completions for one response")
