@@ -267,3 +267,22 @@ def test_a_control_call_to_a_server_that_is_gone_reports_the_engine_lost(monkeyp
         with pytest.raises(EngineLost, match="the SGLang server died"):
             call()
     assert engine.released == {"kv_cache", "weights", "cuda_graph"} and engine.server.stopped
+
+
+def test_every_api_key_is_read_by_sglangs_argument_parser_as_a_value(monkeypatch):
+    """SGLang merges the key's config file into its argv (``--api-key VALUE``): a value starting
+    with "-" would be read as a flag and the server would refuse to start (1 start in 64 with a
+    URL-safe token). Every key is hex, and an argparse parser like SGLang's takes it as the value."""
+    import argparse
+
+    from bpo_megatron.rollout.sglang.server import ServerProcess
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--api-key", type=str)
+    server = ServerProcess.__new__(ServerProcess)
+    for _ in range(2000):
+        server._key_file = None
+        server._write_key()
+        server._remove_key_file()
+        assert parser.parse_args(["--api-key", server.api_key]).api_key == server.api_key
+        assert len(server.api_key) == 64 and int(server.api_key, 16) >= 0

@@ -68,7 +68,9 @@ class ServerProcess:
                 "--grace", str(STOP_GRACE_S), "--", *self.cfg.launch_command(self.port), *config]
 
     def _write_key(self) -> None:
-        self.api_key = secrets.token_urlsafe(32)
+        # hex: SGLang merges the config file into its argv, where a value starting with "-" (as a
+        # URL-safe token may) is read as a flag and the server refuses to start
+        self.api_key = secrets.token_hex(32)
         handle, path = tempfile.mkstemp(prefix="sglang-key-", suffix=".yaml")
         with os.fdopen(handle, "w") as out:  # mkstemp: readable by this user only
             yaml.safe_dump({"api-key": self.api_key}, out)  # the flag's own spelling
