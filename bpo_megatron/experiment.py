@@ -102,6 +102,11 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
     if cfg.train.overlong_buffer >= cfg.rollout.max_new_tokens:
         raise ConfigError(f"train.overlong_buffer={cfg.train.overlong_buffer} must be below rollout.max_new_tokens="
                           f"{cfg.rollout.max_new_tokens}: the penalty starts that many tokens before the limit")
+    if cfg.loss.agg == "seq-mean-token-sum-norm" and cfg.loss.norm_length is None:
+        raise ConfigError("loss.agg=seq-mean-token-sum-norm divides each response's token sum by loss.norm_length, which "
+                          "is unset: the divisor would be each micro-batch's padded width, so the loss would depend on "
+                          f"how samples are grouped; set loss.norm_length (Dr. GRPO's constant: rollout.max_new_tokens="
+                          f"{cfg.rollout.max_new_tokens})")
     if cfg.loss.correction != "none" and not cfg.train.recompute_old_logprobs:
         raise ConfigError(f"loss.correction={cfg.loss.correction} corrects by the trainer's own log-probs under the weights "
                           "at the step's start (those that sampled each response when train.async.max_staleness=0): set "
@@ -109,6 +114,7 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
     if cfg.train.verify_weight_sync and not spec.exposes_weights:
         raise ConfigError(f"train.verify_weight_sync=true reads the engine's weights back, which rollout.engine="
                           f"{spec.name} does not allow (rollout.engine=hf does)")
+    _check_token_budget(cfg)
     try:
         spec.check(cfg.rollout.options)
     except ValueError as exc:
@@ -128,6 +134,17 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
     if cfg.model.routing_replay and not hf.num_experts:
         raise ConfigError("model.routing_replay=true needs a Mixture-of-Experts model; model.path is dense")
     _check_context_budget(cfg, hf)
+
+
+def _check_token_budget(cfg: ExperimentConfig) -> None:
+    """The longest sample a rollout can produce must fit one packed micro-batch."""
+    budget = cfg.train.max_tokens_per_micro_batch
+    longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens - 1  # input positions: tokens[:-1]
+    if budget and longest > budget:
+        raise ConfigError(
+            f"train.max_tokens_per_micro_batch={budget} cannot hold the longest sample: data.max_prompt_tokens="
+            f"{cfg.data.max_prompt_tokens} + rollout.max_new_tokens={cfg.rollout.max_new_tokens} − 1 = {longest} "
+            "input positions; raise the budget (or lower those limits)")
 
 
 def _check_context_budget(cfg: ExperimentConfig, hf: HFModelConfig) -> None:

@@ -85,6 +85,8 @@ def test_resolved_config_round_trips(tmp_path):
         (["rollout.hf.max_rows=4"], "unknown key rollout.hf.max_rows; valid keys of rollout.hf: dtype, max_batch_rows"),
         (["rollout.hf.max_batch_rows=0"], "rollout.hf.max_batch_rows must be >= 1"),
         (["data.fields.question=prompt.0.content"], "data.fields.question is not a problem field"),
+        # a loss that would depend on how samples are grouped into micro-batches
+        (["loss.agg=seq-mean-token-sum-norm"], "set loss.norm_length .*rollout.max_new_tokens=4"),
         # missing model
         (["model.path=/nonexistent/model"], "model.path='/nonexistent/model'"),
     ],

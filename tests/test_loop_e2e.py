@@ -265,3 +265,27 @@ def test_a_stopped_engine_is_replaced_with_default_settings_and_the_run_goes_on(
     after = [t for t, line in lines if " step 2/" in line]
     assert after and after[0] - at < stall_s + 60, f"step 2 ended {after[0] - at:.0f} s after the stop"
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.timeout(600)
+def test_packed_micro_batches_train_the_loop_as_padded_ones_do(tmp_path, ray_session, small_run):
+    """train.max_tokens_per_micro_batch through Ray: the warm start and the first RL step, packed
+    into micro-batches of at most 20 positions (the longest sample has 19), give the padded run's
+    numbers: the warm start's losses and gradient norms, and the first step's log-probs under the
+    trainer (|log π − log μ|, the k3 KL, the importance weights) and routing agreement on the same
+    rollout batch."""
+    _run(small_run(tmp_path / "padded", "train.steps=1", "eval.every=0"))
+    _run(small_run(tmp_path / "packed", "train.steps=1", "eval.every=0", "train.max_tokens_per_micro_batch=20"))
+    padded, packed = read_metrics(tmp_path / "padded"), read_metrics(tmp_path / "packed")
+    assert [r["step"] for r in padded] == [r["step"] for r in packed]
+    keys = {"sft/nll", "sft/grad_norm", "reward_mean", "abs_logp_diff_mean", "kl_k3", "weight_mean", "weight_max",
+            "routing_agreement", "loss"}
+    compared = set()
+    for a, b in zip(padded, packed):
+        for key in keys & set(a):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+            compared.add(key)
+    assert compared == keys
+    first = [r for r in padded if "reward_mean" in r][0], [r for r in packed if "reward_mean" in r][0]
+    assert first[0]["abs_logp_diff_mean"] > 1e-4  # the trainer's log-probs are not μ's: a real comparison
+    assert first[1]["num_micro_batches"] > first[0]["num_micro_batches"], "the packed path ran"

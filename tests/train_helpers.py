@@ -46,10 +46,11 @@ def make_samples(count: int, *, seed: int, routing: bool = False, hf=None) -> li
 
 
 def build_actor(hf=None, *, tp=1, pp=1, ep=1, etp=None, replay=False, recompute="none", lr=1e-3, loss="bpo",
-                micro_batch_size=2, grad_clip=1.0, temperature=1.0, weights: str | None = None):
+                micro_batch_size=2, grad_clip=1.0, temperature=1.0, weights: str | None = None,
+                max_tokens_per_micro_batch=0):
     """A train actor of ``hf`` (an ``HFModelConfig``, a config dict or path; the tiny MoE by
-    default) in the current gloo world; ``weights``: a Hugging Face directory to load. Release
-    it with ``actor.close()``."""
+    default) in the current gloo world; ``loss``: a loss name or a ``PolicyLossConfig``;
+    ``weights``: a Hugging Face directory to load. Release it with ``actor.close()``."""
     from bpo_megatron.convert import load_hf_weights
     from bpo_megatron.losses import PolicyLossConfig
     from bpo_megatron.models import HFModelConfig, ModelOptions
@@ -63,9 +64,10 @@ def build_actor(hf=None, *, tp=1, pp=1, ep=1, etp=None, replay=False, recompute=
         hf,
         parallel=ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp),
         model=ModelOptions(routing_replay=replay, recompute=recompute),
-        loss=PolicyLossConfig(name=loss),
+        loss=loss if isinstance(loss, PolicyLossConfig) else PolicyLossConfig(name=loss),
         optimizer=OptimizerSettings(lr=lr, grad_clip=grad_clip),
-        trainer=TrainerConfig(micro_batch_size=micro_batch_size, temperature=temperature),
+        trainer=TrainerConfig(micro_batch_size=micro_batch_size, temperature=temperature,
+                              max_tokens_per_micro_batch=max_tokens_per_micro_batch),
     )
     if weights is not None:
         load_hf_weights(actor.model, hf, weights)

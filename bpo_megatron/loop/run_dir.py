@@ -36,7 +36,7 @@ LOCK_FILE = ".lock"
 # engines, threads, buckets), what it reports, how long it runs and how often it saves. None of
 # them changes the sequence of updates beyond floating-point summation order.
 RESUME_SAFE = (
-    "name", "train.steps", "train.micro_batch_size", "train.verify_weight_sync",
+    "name", "train.steps", "train.micro_batch_size", "train.max_tokens_per_micro_batch", "train.verify_weight_sync",
     "train.routing_agreement_samples", "parallel.", "cluster.", "logging.", "checkpoint.every",
     "checkpoint.keep_last", "checkpoint.resume", "rollout.num_engines", "rollout.threads_per_engine",
     "rollout.weight_bucket_mb", "rollout.hf.max_batch_rows", "rollout.generate_timeout_s",

@@ -8,6 +8,7 @@ functions, so importing this package does not pull in Megatron (callers silence 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch.nn.functional as F
@@ -20,6 +21,7 @@ from bpo_megatron.parallel.config import ParallelConfig
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 
@@ -153,8 +155,9 @@ def _moe_fields(hf: HFModelConfig, options: ModelOptions, *, te: bool) -> dict[s
 
 def layer_spec(hf: HFModelConfig, config: TransformerConfig) -> TransformerBlockSubmodules:
     """The decoder's module spec: transformer-engine modules on GPUs with TE, Megatron's local
-    torch modules otherwise. ``config.moe_layer_freq`` picks a dense or MoE spec per layer, and
-    only this pipeline stage's layers are kept."""
+    torch modules otherwise, with the local core attention extended to packed sequences.
+    ``config.moe_layer_freq`` picks a dense or MoE spec per layer, and only this pipeline stage's
+    layers are kept."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -168,7 +171,24 @@ def layer_spec(hf: HFModelConfig, config: TransformerConfig) -> TransformerBlock
         # The local block's final norm is apex's FusedLayerNorm whenever apex is installed, and
         # that refuses RMSNorm; use the same torch RMSNorm as the layers.
         spec.layer_norm = WrappedTorchNorm
+        # Megatron's local core attention refuses packed sequences (TE's takes them natively).
+        spec.layer_specs = [_with_packed_attention(layer) for layer in spec.layer_specs]
     return spec
+
+
+def _with_packed_attention(layer: ModuleSpec) -> ModuleSpec:
+    """``layer`` with :class:`~bpo_megatron.models.packed_attention.PackedDotProductAttention`
+    as its core attention (copies: the specs Megatron returns may be shared between layers)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from bpo_megatron.models.packed_attention import PackedDotProductAttention
+
+    attention = layer.submodules.self_attention
+    if attention.submodules.core_attention is not DotProductAttention:
+        raise RuntimeError(f"the local layer spec's core attention is {attention.submodules.core_attention!r}, "
+                           "not the DotProductAttention that packed attention extends")
+    attention = replace(attention, submodules=replace(attention.submodules, core_attention=PackedDotProductAttention))
+    return replace(layer, submodules=replace(layer.submodules, self_attention=attention))
 
 
 def _check_process_groups(parallel: ParallelConfig) -> None:

@@ -38,8 +38,9 @@ class TrainWorker:
         self._staging = None  # the pinned host buffer weights pass through on their way to host memory
         self.actor = TrainActor(
             self.hf, parallel=cfg.parallel, model=cfg.model.options(), loss=cfg.loss, optimizer=cfg.optimizer,
-            trainer=TrainerConfig(micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature,
-                                  seed=cfg.train.seed),
+            trainer=TrainerConfig(micro_batch_size=cfg.train.micro_batch_size,
+                                  max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
+                                  temperature=cfg.rollout.temperature, seed=cfg.train.seed),
         )
 
     def ready(self) -> tuple[int, int, bool]:

@@ -29,6 +29,7 @@ from bpo_megatron.trainer.optimizer import (
     wrap_ddp,
     zero_grad,
 )
+from bpo_megatron.trainer.packing import PackedMicroBatch, check_fits, pack, packs_in_lockstep
 from bpo_megatron.trainer.replay import RoutingReplay, check_routed_experts
 from bpo_megatron.trainer.samples import (
     MicroBatch,
@@ -38,6 +39,9 @@ from bpo_megatron.trainer.samples import (
     collate,
     split,
 )
+
+# What the schedule runs: right-padded rows, or samples packed end to end (train.max_tokens_per_micro_batch).
+Batch = MicroBatch | PackedMicroBatch
 
 
 def minibatch_totals(minibatch: list[TrainSample]) -> BatchTotals:
@@ -176,14 +180,15 @@ class TrainActor:
         if record_routing and self.replay is None:
             raise ValueError("record_routing needs a model built with model.routing_replay=true")
         self._check(share, replaying=not record_routing, whole_batch=False)
-        micro_batches = self._micro_batches(share, with_routing=not record_routing)
+        micro_batches, groups = self._micro_batches(share, with_routing=not record_routing)
         recorded: list[torch.Tensor] = []
 
-        def loss_func(micro: MicroBatch, logits: torch.Tensor):
+        def loss_func(micro: Batch, logits: torch.Tensor):
             logp, entropy = vocab_parallel_logprobs(
                 logits, micro.targets, self._tp_group, temperature=self.trainer_cfg.temperature,
                 with_entropy=True, inplace=True, vocab_size=self.hf.vocab_size)
-            return logp.sum() * 0.0, {"logp": logp, "entropy": entropy, "micro": micro}
+            return logp.sum() * 0.0, {"logp": micro.as_padded(logp), "entropy": micro.as_padded(entropy),
+                                      "micro": micro.padded}
 
         for module in self.ddp:
             module.eval()
@@ -192,17 +197,18 @@ class TrainActor:
                                 record_into=recorded if record_routing else None)
         for module in self.ddp:
             module.train()
-        routing = self._assemble_routing(micro_batches, recorded) if record_routing else None
+        routing = self._assemble_routing(micro_batches, groups, recorded) if record_routing else None
         if not self.ranks.is_last_stage:
             return None
-        logps, entropies = [], []
-        for out in outputs:
+        logps: list[torch.Tensor] = [torch.empty(0)] * len(share)
+        entropies: list[torch.Tensor] = [torch.empty(0)] * len(share)
+        for out, group in zip(outputs, groups, strict=True):
             micro = out["micro"]
-            for row, n in enumerate(micro.lengths.tolist()):
+            for row, (index, n) in enumerate(zip(group, micro.lengths.tolist(), strict=True)):
                 start = int(micro.loss_mask[row].nonzero()[0])
                 # results leave the trainer as host tensors: a driver may have no GPU at all
-                logps.append(out["logp"][row, start:n].to("cpu", copy=True))
-                entropies.append(out["entropy"][row, start:n].to("cpu", copy=True))
+                logps[index] = out["logp"][row, start:n].to("cpu", copy=True)
+                entropies[index] = out["entropy"][row, start:n].to("cpu", copy=True)
         return ScoredSamples(logprobs=logps, entropies=entropies, routed_experts=routing)
 
     def train_step(self, minibatch: list[TrainSample]) -> dict[str, float]:
@@ -220,17 +226,19 @@ class TrainActor:
         minibatch's ``totals`` (every rank calls it with its own share at once)."""
         self._check(share, whole_batch=False, training=True)
         start = time.perf_counter()
-        micro_batches = self._micro_batches(share)
+        micro_batches, _ = self._micro_batches(share)
         # Megatron's schedule divides each micro-batch loss by their number and DDP divides the
         # gradients by the DP size; the losses here are already shares of the whole minibatch.
         scale = len(micro_batches) * self.ranks.dp_size
 
-        def loss_func(micro: MicroBatch, logits: torch.Tensor):
+        def loss_func(micro: Batch, logits: torch.Tensor):
             logp = vocab_parallel_logprobs(
                 logits, micro.targets, self._tp_group, temperature=self.trainer_cfg.temperature,
                 inplace=True, vocab_size=self.hf.vocab_size)
-            loss, stats = policy_loss(logp, micro.rollout_logprobs, micro.advantages, micro.train_mask,
-                                      self.loss_cfg, totals=totals, old_logprobs=micro.old_logprobs)
+            # the padded layout whatever the model read: one loss, aggregation and statistics
+            logp, view = micro.as_padded(logp), micro.padded
+            loss, stats = policy_loss(logp, view.rollout_logprobs, view.advantages, view.train_mask,
+                                      self.loss_cfg, totals=totals, old_logprobs=view.old_logprobs)
             return loss * scale, {"loss": loss.detach().clone(), "stats": stats}
 
         zero_grad(self.ddp, self.optimizer)
@@ -326,28 +334,42 @@ class TrainActor:
         check_batch(samples, self.hf, replaying=self.replay is not None and replaying,
                     dp_size=self.ranks.dp_size if whole_batch else 1,
                     correction=self.loss_cfg.correction if training else "none", routing_ids=whole_batch)
+        # Every rank has the whole batch and refuses alike; a share's samples are checked against
+        # the budget collectively (packs_in_lockstep), so no rank is left waiting for another that refused.
+        if whole_batch and self.trainer_cfg.max_tokens_per_micro_batch:
+            check_fits(samples, self.trainer_cfg.max_tokens_per_micro_batch)
 
-    def _micro_batches(self, samples: list[TrainSample], *, with_routing: bool = True) -> list[MicroBatch]:
+    def _micro_batches(self, samples: list[TrainSample], *, with_routing: bool = True
+                       ) -> tuple[list[Batch], list[list[int]]]:
+        """The micro-batches of ``samples`` and, for each, the indices of the samples it holds
+        (their rows of its padded layout, in order)."""
         pad = self.ranks.tp_size if self.parallel.sequence_parallel else 1
         with_routing = with_routing and self.replay is not None
-        return [collate(group, pad_to_multiple=pad, with_routing=with_routing)
-                for group in chunk(samples, self.trainer_cfg.micro_batch_size)]
+        if self.trainer_cfg.max_tokens_per_micro_batch:
+            groups = packs_in_lockstep(samples, self.trainer_cfg.max_tokens_per_micro_batch,
+                                       group=self._dp_group if self.ranks.dp_size > 1 else None)
+            return [pack([samples[i] for i in group], pad_to_multiple=pad, with_routing=with_routing)
+                    for group in groups], groups
+        groups = chunk(list(range(len(samples))), self.trainer_cfg.micro_batch_size)
+        return [collate([samples[i] for i in group], pad_to_multiple=pad, with_routing=with_routing)
+                for group in groups], groups
 
-    def _run(self, micro_batches: list[MicroBatch],
-             loss_func: Callable[[MicroBatch, torch.Tensor], tuple], *, forward_only: bool,
+    def _run(self, micro_batches: list[Batch],
+             loss_func: Callable[[Batch, torch.Tensor], tuple], *, forward_only: bool,
              record_into: list[torch.Tensor] | None = None) -> list[dict]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         device = platform.device()
         replay = self.replay
 
-        def forward_step(data: Iterator[MicroBatch], model: torch.nn.Module):
+        def forward_step(data: Iterator[Batch], model: torch.nn.Module):
             micro = next(data).to(device)
             if record_into is not None:
                 replay.start_recording()
             elif replay is not None:
                 replay.load(micro)
-            output = model(micro.input_ids, micro.position_ids, attention_mask=None)
+            output = model(micro.input_ids, micro.position_ids, attention_mask=None,
+                           packed_seq_params=micro.packed_seq_params())
             if record_into is not None:
                 record_into.append(replay.take_recorded(micro.shape[0]))
             elif replay is not None:
@@ -388,10 +410,11 @@ class TrainActor:
             metrics = box[0]
         return metrics
 
-    def _assemble_routing(self, micro_batches: list[MicroBatch], recorded: list[torch.Tensor]
-                          ) -> list[torch.Tensor]:
-        """Per-sample ``[n − 1, MoE layers, K]`` routing from every rank's sequence shard and
-        pipeline stage's layers (recorded as ``[s_local, b, local layers, K]`` per micro-batch)."""
+    def _assemble_routing(self, micro_batches: list[Batch], groups: list[list[int]],
+                          recorded: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-sample ``[n − 1, MoE layers, K]`` routing, in sample order, from every rank's
+        sequence shard and pipeline stage's layers (recorded as ``[s_local, b, local layers, K]``
+        per micro-batch; a packed one's single row is cut into its samples by their positions)."""
         if self.parallel.sequence_parallel:
             shards: list = [None] * self.ranks.tp_size
             dist.all_gather_object(shards, recorded, group=self._tp_group)
@@ -402,10 +425,12 @@ class TrainActor:
             order = [index for layers, _ in stages for index in layers]
             merged = [torch.cat(parts, dim=2) for parts in zip(*(r for _, r in stages))]
             recorded = [m[:, :, sorted(range(len(order)), key=order.__getitem__)] for m in merged]
-        per_sample = []
-        for micro, routing in zip(micro_batches, recorded):
-            for row, n in enumerate(micro.lengths.tolist()):
-                per_sample.append(routing[:n, row].to("cpu", expert_id_dtype(self.hf.num_experts), copy=True))
+        per_sample: list[torch.Tensor] = [torch.empty(0)] * sum(map(len, groups))
+        dtype = expert_id_dtype(self.hf.num_experts)
+        for micro, group, routing in zip(micro_batches, groups, recorded, strict=True):
+            rows = micro.as_padded(routing.transpose(0, 1))  # [b, s, layers, K] in the padded layout
+            for row, (index, n) in enumerate(zip(group, micro.padded.lengths.tolist(), strict=True)):
+                per_sample[index] = rows[row, :n].to("cpu", dtype, copy=True)
         return per_sample
 
     def _gather_over_dp(self, local: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -10,6 +10,11 @@ from dataclasses import dataclass
 class TrainerConfig:
     """How the train actor batches and scores samples.
 
+    ``max_tokens_per_micro_batch`` 0 cuts a share into micro-batches of ``micro_batch_size``
+    samples, right-padded to the longest; a positive budget packs samples end to end instead
+    (``trainer/packing.py``), at most that many input positions per micro-batch, and
+    ``micro_batch_size`` is not used. Every sample must fit the budget on its own.
+
     ``temperature`` must be the rollout engine's sampling temperature: the trainer's log π is
     computed from logits / temperature, the same distribution the engine's log μ comes from.
     """
@@ -17,9 +22,14 @@ class TrainerConfig:
     micro_batch_size: int = 1  # samples per forward/backward micro-batch on each DP rank
     temperature: float = 1.0
     seed: int = 1234
+    max_tokens_per_micro_batch: int = 0  # > 0: packed micro-batches of at most this many positions
 
     def __post_init__(self) -> None:
         if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
             raise ValueError(f"train.micro_batch_size must be a positive integer, got {self.micro_batch_size!r}")
+        budget = self.max_tokens_per_micro_batch
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise ValueError("train.max_tokens_per_micro_batch must be a non-negative integer (0: padded micro-batches "
+                             f"of train.micro_batch_size samples), got {budget!r}")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(f"train.temperature must be > 0, got {self.temperature}")

@@ -7,7 +7,9 @@ the engine routed exactly those n−1 input positions (the last sampled token is
 
 Micro-batches are right-padded to a common length (a multiple of the TP size, for sequence
 parallelism). Padding sits after every real token, so causal attention never lets it influence a
-real position; its loss mask is False and its routing is a fixed valid expert set.
+real position; its loss mask is False and its routing is a fixed valid expert set. Under a token
+budget the trainer packs samples end to end instead (``trainer/packing.py``); the loss still reads
+this padded layout.
 
 A sample may also exclude some of its response tokens from training (``train_mask``): they are
 scored like the others but contribute nothing to the loss, its gradient or its normalisation.
@@ -103,6 +105,19 @@ class MicroBatch:
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.input_ids.shape)  # type: ignore[return-value]
+
+    # The loss reads the padded layout; a packed micro-batch (trainer/packing.py) scatters its
+    # row into it. Here the model's input already is that layout.
+    @property
+    def padded(self) -> "MicroBatch":
+        return self
+
+    def as_padded(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+    def packed_seq_params(self) -> None:
+        """Rows are separate sequences: no packed-sequence parameters."""
+        return None
 
     def to(self, device: torch.device) -> "MicroBatch":
         moved = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in vars(self).items()}

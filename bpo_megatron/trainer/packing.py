@@ -1,0 +1,191 @@
+"""Packed micro-batches: samples laid end to end in one row under a token budget.
+
+A padded micro-batch (:func:`~bpo_megatron.trainer.samples.collate`) spends compute on padding up
+to its longest sample; a packed one holds only real input positions. Each sample contributes its
+n − 1 input positions (``tokens[:-1]``), and samples go into bins of at most
+``train.max_tokens_per_micro_batch`` positions by first fit in the given order (deterministic;
+samples keep their relative order inside a bin; the trainer returns results in sample order).
+
+The model sees one row ``[1, T]`` with Megatron's ``thd`` packed-sequence parameters: the
+segment bounds ``cu_seqlens`` keep attention inside each sample and restart RoPE at every
+sample's first position. With sequence parallelism ``T`` is rounded up to a multiple of the TP
+size by a trailing padding segment of its own, trained on by nothing (a budget that is a multiple
+of TP keeps ``T`` within it). Context parallelism would split each segment, not the row, into
+2 × CP chunks (every rank taking a chunk from each end of every sample, as Megatron's ``thd``
+path expects), so segments would be padded to multiples of 2 × CP here.
+
+The loss never reads the packed row directly: each pack also carries the padded ``[b, s]``
+tensors ``collate`` builds for its samples and, for every padded cell, the packed position it
+comes from. The trainer scatters the packed log-probs into that layout and calls the same policy
+loss as the padded path, so every aggregation, correction and statistic is the padded path's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from bpo_megatron import platform
+from bpo_megatron.trainer.samples import MicroBatch, TrainSample, collate
+
+BUDGET_SETTING = "train.max_tokens_per_micro_batch"
+
+
+def input_positions(sample: TrainSample) -> int:
+    """What a sample costs a pack: the positions the model reads (all tokens but the last)."""
+    return sample.tokens.numel() - 1
+
+
+def check_fits(samples: list[TrainSample], budget: int) -> None:
+    """Refuse, before any compute, a sample that no pack of ``budget`` positions can hold."""
+    for i, sample in enumerate(samples):
+        length = input_positions(sample)
+        if length > budget:
+            raise ValueError(f"sample {i} has {length} input positions (len(tokens) − 1 = {length}), more than "
+                             f"{BUDGET_SETTING}={budget}: raise the budget to at least the longest sample")
+
+
+def first_fit(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices of ``lengths`` in bins of at most ``budget`` in total: each item, in order, goes
+    into the first bin it fits. Items never exceed the budget (see :func:`check_fits`)."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for index, length in enumerate(lengths):
+        if length > budget:
+            raise ValueError(f"item {index} of length {length} exceeds the budget {budget}")
+        for b, free in enumerate(room):
+            if length <= free:
+                bins[b].append(index)
+                room[b] -= length
+                break
+        else:
+            bins.append([index])
+            room.append(budget - length)
+    return bins
+
+
+def split_to_count(bins: list[list[int]], lengths: list[int], count: int) -> list[list[int]]:
+    """``bins`` cut until there are ``count`` of them, so that every data-parallel rank runs the
+    same number of micro-batches: the bin with the most positions among those holding two or more
+    items is cut where its two parts are closest in positions (the parts keep the item order and
+    take the bin's place). A rank with fewer items than ``count`` cannot get there."""
+    bins = [list(b) for b in bins]
+    if count < len(bins):
+        raise ValueError(f"cannot cut {len(bins)} bins into fewer ({count})")
+    while len(bins) < count:
+        splittable = [i for i, b in enumerate(bins) if len(b) > 1]
+        if not splittable:
+            raise ValueError(f"{sum(map(len, bins))} samples cannot fill {count} micro-batches (every data-parallel "
+                             "rank must run as many as the rank with the most): give every rank as many samples")
+        largest = max(splittable, key=lambda i: sum(lengths[j] for j in bins[i]))
+        items = bins[largest]
+        total, before, best, cut = sum(lengths[j] for j in items), 0, None, 1
+        for k in range(1, len(items)):
+            before += lengths[items[k - 1]]
+            gap = abs(total - 2 * before)
+            if best is None or gap < best:
+                best, cut = gap, k
+        bins[largest : largest + 1] = [items[:cut], items[cut:]]
+    return bins
+
+
+def packs_in_lockstep(samples: list[TrainSample], budget: int, *, group: dist.ProcessGroup | None
+                      ) -> list[list[int]]:
+    """First-fit packs of this rank's ``samples`` (indices), as many as on every rank of the
+    data-parallel ``group`` (None: this rank alone). Pipeline schedules, MoE all-to-alls and DDP's
+    gradient reduction run micro-batch by micro-batch in lockstep, so ranks with fewer packs cut
+    their largest (:func:`split_to_count`) until they have as many as the rank with the most. One
+    collective agrees on that count and on every sample fitting the budget: a rank never refuses
+    alone and leaves the others waiting."""
+    lengths = [input_positions(s) for s in samples]
+    bins = first_fit(lengths, budget) if max(lengths) <= budget else []
+    # maxima over the ranks: packs, the longest sample, and (negated) the fewest samples
+    agreed = torch.tensor([len(bins), max(lengths), -len(samples)], device=platform.device())
+    if group is not None:
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    count, longest, fewest = int(agreed[0]), int(agreed[1]), -int(agreed[2])
+    if longest > budget:
+        check_fits(samples, budget)  # the rank holding the sample names it
+        raise ValueError(f"a sample of {longest} input positions on another data-parallel rank exceeds "
+                         f"{BUDGET_SETTING}={budget}: raise the budget to at least the longest sample")
+    if count > fewest:
+        raise ValueError(f"a data-parallel rank packed its share into {count} micro-batches but another holds only "
+                         f"{fewest} samples: every rank must run as many micro-batches; give each rank as many samples")
+    return split_to_count(bins, lengths, count)
+
+
+@dataclass
+class PackedMicroBatch:
+    """A few samples end to end in one row, the segment bounds Megatron needs, and the padded
+    layout of the same samples that the loss reads."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T] 0, 1, … restarting at every segment
+    targets: torch.Tensor  # [1, T] token at position t+1 of the same sample (0 in padding)
+    cu_seqlens: torch.Tensor  # [segments + 1] int32: segment starts, then T (the samples, then padding)
+    max_seqlen: int  # the longest segment
+    routed_experts: torch.Tensor | None  # [1, T, num_moe_layers, topk] or None
+    padded: MicroBatch  # collate of the same samples (loss tensors; without routing)
+    source: torch.Tensor  # [b, s] long: packed position of each padded cell; T where the cell is padding
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.input_ids.shape)  # type: ignore[return-value]
+
+    def packed_seq_params(self):
+        """Megatron's ``thd`` parameters: attention and RoPE per segment."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+                               max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+
+    def as_padded(self, values: torch.Tensor) -> torch.Tensor:
+        """``[1, T, …]`` values per packed position → ``[b, s, …]`` in :attr:`padded`'s layout,
+        zero in padding cells (indexing, so gradients flow back to the packed positions)."""
+        flat = torch.cat([values[0], values.new_zeros((1, *values.shape[2:]))])
+        return flat[self.source]
+
+    def to(self, device: torch.device) -> PackedMicroBatch:
+        moved = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in vars(self).items()}
+        moved["padded"] = self.padded.to(device)
+        return PackedMicroBatch(**moved)
+
+
+def pack(samples: list[TrainSample], *, pad_to_multiple: int = 1, with_routing: bool = False) -> PackedMicroBatch:
+    """``samples`` end to end in one row, ``T`` rounded up to ``pad_to_multiple`` by a trailing
+    padding segment (loss-masked; routed to experts 0..k−1 as :func:`collate` routes padding)."""
+    lengths = [input_positions(s) for s in samples]
+    real = sum(lengths)
+    total = -(-real // pad_to_multiple) * pad_to_multiple
+    segments = lengths + ([total - real] if total > real else [])
+    bounds = [0]
+    for length in segments:
+        bounds.append(bounds[-1] + length)
+    input_ids = torch.zeros(1, total, dtype=torch.long)
+    targets = torch.zeros(1, total, dtype=torch.long)
+    position_ids = torch.cat([torch.arange(length) for length in segments]).unsqueeze(0)
+    padded = collate(samples)
+    source = torch.full(padded.shape, total, dtype=torch.long)
+    routed = None
+    if with_routing:
+        layers, topk = samples[0].routed_experts.shape[1:]
+        routed = torch.arange(topk, dtype=samples[0].routed_experts.dtype).expand(1, total, layers, topk).clone()
+    for row, (sample, start, n) in enumerate(zip(samples, bounds, lengths)):
+        tokens = sample.tokens.long()
+        input_ids[0, start : start + n] = tokens[:-1]
+        targets[0, start : start + n] = tokens[1:]
+        source[row, :n] = torch.arange(start, start + n)
+        if routed is not None:
+            routed[0, start : start + n] = sample.routed_experts
+    return PackedMicroBatch(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        targets=targets,
+        cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
+        max_seqlen=max(segments),
+        routed_experts=routed,
+        padded=padded,
+        source=source,
+    )
