@@ -1,6 +1,6 @@
 """Packed micro-batches (single process): the packed row, its segments and the padded layout the
-loss reads, first-fit order, cutting packs to a common count, budget refusals; and the packed
-core attention against per-sample causal attention computed independently."""
+loss reads, budget refusals; and the packed core attention against per-sample causal attention
+computed independently. Which samples share a pack is tested in tests/test_balance.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from bpo_megatron.config import ConfigError
 from bpo_megatron.loop.config import LoopConfig
 from bpo_megatron.parallel.local_world import run_gloo_world
 from bpo_megatron.trainer.config import TrainerConfig
-from bpo_megatron.trainer.packing import check_fits, first_fit, pack, split_to_count
+from bpo_megatron.trainer.packing import check_fits, pack
 from bpo_megatron.trainer.samples import TrainSample, collate
 
 TIMEOUT = 120
@@ -89,30 +89,7 @@ def test_moving_a_pack_moves_its_padded_layout():
     assert micro.padded.input_ids.tolist() == [[1, 2]] and micro.cu_seqlens.tolist() == [0, 2]
 
 
-# ------------------------------------------------------------------------------ packing order
-def test_first_fit_takes_samples_in_order_into_the_first_bin_with_room():
-    # 6 opens bin 0, 5 opens bin 1, 3 joins bin 0 (9), 4 bin 1 (9), 2 fits neither and opens
-    # bin 2, 1 fills bin 0: bins keep their samples in order, and appear in the order opened
-    assert first_fit([6, 5, 3, 4, 2, 1], 10) == [[0, 2, 5], [1, 3], [4]]
-    assert first_fit([10, 10], 10) == [[0], [1]]
-    assert first_fit([1] * 4, 10) == [[0, 1, 2, 3]]
-    with pytest.raises(ValueError, match="exceeds the budget"):
-        first_fit([11], 10)
-
-
-def test_ranks_with_fewer_packs_cut_their_largest_pack_where_it_halves():
-    lengths = [3, 3, 3, 1, 5]
-    bins = [[0, 1, 2, 3], [4]]  # 10 and 5 positions
-    assert split_to_count(bins, lengths, 2) == bins
-    # the 10-position bin is cut at 6 | 4 (the most even cut), keeping order and its place
-    assert split_to_count(bins, lengths, 3) == [[0, 1], [2, 3], [4]]
-    # then the 6-position bin, then one with 2+ samples (single-sample bins are never cut)
-    assert split_to_count(bins, lengths, 4) == [[0], [1], [2, 3], [4]]
-    assert split_to_count(bins, lengths, 5) == [[0], [1], [2], [3], [4]]
-    with pytest.raises(ValueError, match="cannot fill 6 micro-batches"):
-        split_to_count(bins, lengths, 6)
-
-
+# ------------------------------------------------------------------------------ refusals
 def test_a_sample_over_the_budget_is_refused_naming_the_setting_the_sample_and_its_length():
     samples = [sample([1, 2, 3], 1), sample(list(range(12)), 4)]
     check_fits(samples, 11)

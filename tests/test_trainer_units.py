@@ -150,3 +150,23 @@ def test_routing_from_an_engine_is_checked_for_shape_only_after_arrival():
     with pytest.raises(ValueError, match=r"shape \(2, 1, 3\), expected \(2, 1, 2\)"):
         check_routed_experts([sample([1, 2, 3], 1, routed=torch.zeros((2, 1, 3), dtype=torch.uint8, device="meta"))],
                              num_moe_layers=1, topk=2, num_experts=4, contents=False)
+
+
+@pytest.mark.parametrize("recompute, queued", [(False, 0), (True, 3)])
+def test_replayed_ids_are_queued_for_backward_only_when_recomputation_will_take_them(recompute, queued):
+    """Megatron's RouterReplay queues each micro-batch's int64 ids for activation recomputation;
+    without it (forward-only log-prob passes, training with recompute none) nothing would take
+    them off before the pass ends, so the whole share's ids would pile up: none stay queued."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from bpo_megatron.trainer.replay import RoutingReplay, _Router
+
+    replay = RoutingReplay.__new__(RoutingReplay)
+    replay._tp_rank, replay._tp_size, replay._sp = 0, 1, False
+    replay._routers = [_Router(0, RouterReplay())]
+    routed = torch.tensor([[[3, 1]], [[2, 0]]])
+    micro = collate([sample([1, 2, 3], 1, routed=routed)], with_routing=True)
+    for _ in range(3):
+        replay.load(micro, recompute=recompute)
+        assert replay._routers[0].replay.target_topk_idx.tolist() == [[3, 1], [2, 0]]
+    assert len(replay._routers[0].replay.replay_backward_list) == queued

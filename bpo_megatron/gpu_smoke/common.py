@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import math
 import socket
 import time
 from collections.abc import Iterator
@@ -96,6 +97,29 @@ def train_samples(samples: list, advantages: torch.Tensor) -> list:
 
     return [TrainSample(tokens=s.tokens, response_start=s.prompt_tokens.numel(), rollout_logprobs=s.rollout_logprobs,
                         advantage=float(a), routed_experts=s.routed_experts) for s, a in zip(samples, advantages.tolist())]
+
+
+def long_tailed(samples: list, *, seed: int, at_cap: float = 0.3, shortest: float = 1 / 16) -> list:
+    """``samples`` (training samples) with their responses cut to RL's long-tailed lengths: a
+    share ``at_cap`` keeps its whole response, the rest keep a log-uniform length between
+    ``shortest`` of it and all of it (log μ and routing cut alike)."""
+    from dataclasses import replace
+
+    gen = torch.Generator().manual_seed(seed)
+    cut = []
+    for s in samples:
+        full = s.num_response_tokens
+        if float(torch.rand((), generator=gen)) < at_cap:
+            keep = full
+        else:
+            low = math.log(max(1.0, full * shortest))
+            keep = max(1, min(full, round(math.exp(low + float(torch.rand((), generator=gen)) * (math.log(full) - low)))))
+        end = s.response_start + keep
+        cut.append(replace(s, tokens=s.tokens[:end], rollout_logprobs=s.rollout_logprobs[:keep],
+                           routed_experts=None if s.routed_experts is None else s.routed_experts[:end - 1],
+                           old_logprobs=None if s.old_logprobs is None else s.old_logprobs[:keep],
+                           train_mask=None if s.train_mask is None else s.train_mask[:keep]))
+    return cut
 
 
 def random_tokens(count: int, length: int, vocab: int, *, seed: int) -> list[tuple[int, ...]]:

@@ -78,6 +78,8 @@ class TrainerGroup:
     def __init__(self, cfg, *, threads_per_rank: int = 1, placement: Placement | None = None) -> None:
         import ray
 
+        from bpo_megatron.trainer.balance import CostModel
+
         ranks = cfg.cluster.trainer_ranks
         self.workers: list = []
         self._owns_placement = placement is None
@@ -98,48 +100,73 @@ class TrainerGroup:
         self.dp_size = self.layout[0][1]
         self.hf, self.replaying = cfg.hf_config(), cfg.model.routing_replay
         self.correction = cfg.loss.correction
+        self.budget = cfg.train.max_tokens_per_micro_batch  # > 0: packed micro-batches, shares balanced by cost
+        self.cost = CostModel.of(self.hf)
         self.sent_bytes = 0  # written into the object store for the ranks (see take_sent_bytes)
 
     # ---------------------------------------------------------------------------- the algorithm
     def train_step(self, minibatch: list) -> dict[str, float]:
         """One optimizer step on ``minibatch``: checked here once, each data-parallel share put
-        into the object store once and read by its ranks only; the step's metrics."""
-        from bpo_megatron.trainer.actor import check_batch, minibatch_totals
+        into the object store once and read by its ranks only; the step's metrics, with packed
+        micro-batches also ``dp_imbalance``: the costliest share's estimated cost over the mean
+        share's (:func:`~bpo_megatron.trainer.balance.imbalance`; 1.0 is perfect balance)."""
+        from bpo_megatron.trainer.actor import minibatch_totals
+        from bpo_megatron.trainer.balance import imbalance
 
-        check_batch(minibatch, self.hf, replaying=self.replaying, dp_size=self.dp_size,
-                    correction=self.correction, routing_ids=False)
-        shares, totals = self._put_shares(minibatch), minibatch_totals(minibatch)
-        return self._collect([w.train_share.remote(shares[dp], totals)
-                              for w, (dp, _, _) in zip(self.workers, self.layout)], "train_step")[-1]
+        self._check(minibatch, replaying=self.replaying, correction=self.correction)
+        shares = self._shares(minibatch)
+        refs, totals = self._put_shares(minibatch, shares), minibatch_totals(minibatch)
+        metrics = self._collect([w.train_share.remote(refs[dp], totals)
+                                 for w, (dp, _, _) in zip(self.workers, self.layout)], "train_step")[-1]
+        if self.budget:
+            metrics["dp_imbalance"] = imbalance(minibatch, shares, self.cost)
+        return metrics
 
     def compute_logprobs(self, samples: list, *, record_routing: bool = False):
         """log π and entropies (and, with ``record_routing``, the routers' free choices) of
         ``samples``, as host tensors in sample order, each share's from one rank."""
-        from bpo_megatron.trainer.actor import ScoredSamples, check_batch
+        from bpo_megatron.trainer.actor import ScoredSamples
+        from bpo_megatron.trainer.balance import in_sample_order
 
-        check_batch(samples, self.hf, replaying=self.replaying and not record_routing, dp_size=self.dp_size,
-                    routing_ids=False)
-        shares = self._put_shares(samples)
-        results = self._collect([w.logprobs_of_share.remote(shares[dp], record_routing)
+        self._check(samples, replaying=self.replaying and not record_routing)
+        shares = self._shares(samples)
+        refs = self._put_shares(samples, shares)
+        results = self._collect([w.logprobs_of_share.remote(refs[dp], record_routing)
                                  for w, (dp, _, _) in zip(self.workers, self.layout)], "compute_logprobs")
         by_share = {dp: scored for (dp, _, returns), scored in zip(self.layout, results) if returns}
         parts = [by_share[dp] for dp in range(self.dp_size)]
         return ScoredSamples(
-            logprobs=[t for part in parts for t in part.logprobs],
-            entropies=[t for part in parts for t in part.entropies],
-            routed_experts=None if parts[0].routed_experts is None else [t for p in parts for t in p.routed_experts])
+            logprobs=in_sample_order([p.logprobs for p in parts], shares),
+            entropies=in_sample_order([p.entropies for p in parts], shares),
+            routed_experts=None if parts[0].routed_experts is None
+            else in_sample_order([p.routed_experts for p in parts], shares))
 
     def take_sent_bytes(self) -> int:
         """Bytes put into the object store for the ranks since the last call."""
         sent, self.sent_bytes = self.sent_bytes, 0
         return sent
 
-    def _put_shares(self, samples: list) -> list:
+    def _check(self, samples: list, *, replaying: bool, correction: str = "none") -> None:
+        """Refuse, before anything is sent, what every rank would refuse."""
+        from bpo_megatron.trainer.actor import check_batch
+        from bpo_megatron.trainer.packing import check_fits
+
+        check_batch(samples, self.hf, replaying=replaying, dp_size=self.dp_size, correction=correction,
+                    routing_ids=False)
+        if self.budget:
+            check_fits(samples, self.budget)
+
+    def _shares(self, samples: list) -> list[list[int]]:
+        """The samples (indices) each data-parallel rank takes: the choice the ranks' own
+        whole-batch calls make, so results map back to sample order alike."""
+        from bpo_megatron.trainer.balance import data_parallel_shares
+
+        return data_parallel_shares(samples, self.dp_size, budget=self.budget, cost=self.cost)
+
+    def _put_shares(self, samples: list, shares: list[list[int]]) -> list:
         import ray
 
-        from bpo_megatron.trainer.samples import split
-
-        refs = [ray.put(share) for share in split(samples, self.dp_size)]
+        refs = [ray.put([samples[i] for i in share]) for share in shares]
         sizes = ray.experimental.get_object_locations(refs)
         self.sent_bytes += sum(sizes[ref]["object_size"] or 0 for ref in refs)
         return refs

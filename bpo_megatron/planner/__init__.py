@@ -5,7 +5,8 @@
 
 Modules: :mod:`.params` (parameters per rank), :mod:`.precision` (bytes of weights, gradients and
 optimizer states), :mod:`.activations`, :mod:`.rollout` (engine weights and KV cache),
-:mod:`.layout` (checks), :mod:`.plan`, :mod:`.search` (``--sweep``), :mod:`.report`.
+:mod:`.layout` (checks), :mod:`.batches` (micro-batches per rank, imbalance and useful tokens for a
+length distribution), :mod:`.plan`, :mod:`.search` (``--sweep``), :mod:`.report`.
 """
 
 from bpo_megatron.planner.layout import Allocation, Check, layout_checks

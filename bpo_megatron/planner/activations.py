@@ -22,11 +22,25 @@ added once. The MoE all-to-all adds send and receive buffers of the dispatched t
 
 With pipeline parallelism, 1F1B keeps ``pp − stage`` micro-batches in flight on a stage (at most
 the number of micro-batches).
+
+A micro-batch's ``tokens`` are its input positions as the model reads them: padded, the
+micro-batch size × its longest sample; packed (``train.max_tokens_per_micro_batch``), at most the
+budget; either rounded up to a multiple of TP under sequence parallelism
+(:func:`micro_batch_positions`).
+
+R3 (routing replay) adds, per micro-batch, its routed experts ``[T, MoE layers, top-k]`` moved
+whole to every rank (the smallest integer dtype that holds an expert id), and the int64 ids each
+router of the stage is handed for its sequence shard (``T / tp`` under sequence parallelism).
+Megatron's ``RouterReplay`` keeps those ids until activation recomputation pops them in backward,
+so with ``recompute`` they live as long as their micro-batch's activations; a pass without
+recomputation (training with ``recompute: none``, and every forward-only pass) keeps the ids of
+all its micro-batches until the trainer clears them after the pass.
 """
 
 from __future__ import annotations
 
 from bpo_megatron.models.hf_config import HFModelConfig
+from bpo_megatron.models.routing import expert_id_dtype
 from bpo_megatron.ops.vocab_parallel import _CHUNK_BYTES
 from bpo_megatron.parallel import ParallelConfig
 
@@ -74,3 +88,51 @@ def logits_bytes(vocab_rows: int, tokens: int, act_bytes: int) -> float:
     place and writes the gradient into the same buffer) plus its fp32 row-chunk scratch on a GPU
     (two chunks while the entropy is computed too)."""
     return tokens * vocab_rows * act_bytes + 2 * _CHUNK_BYTES["cuda"]
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def micro_batch_positions(parallel: ParallelConfig, *, longest: int, micro_batch_size: int, budget: int) -> int:
+    """Input positions of the largest micro-batch the trainer builds: ``budget`` when packing
+    (> 0), otherwise ``micro_batch_size`` rows of the ``longest`` sample; rounded up to a
+    multiple of TP under sequence parallelism, as the trainer pads them."""
+    pad = parallel.tp if parallel.sequence_parallel else 1
+    if budget:
+        return round_up(budget, pad)
+    return micro_batch_size * round_up(longest, pad)
+
+
+def replay_id_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, layers: tuple[int, ...]) -> float:
+    """R3: the int64 top-k ids the routers of a stage holding ``layers`` are handed, per token
+    of a micro-batch (each TP rank its sequence shard under sequence parallelism)."""
+    moe_layers = set(hf.moe_layers)
+    local = sum(1 for layer in layers if layer in moe_layers)
+    shard = parallel.tp if parallel.sequence_parallel else 1
+    return local * hf.num_experts_per_tok * 8 / shard
+
+
+def routed_experts_bytes_per_token(hf: HFModelConfig) -> int:
+    """R3: a micro-batch's routed experts on the device, every MoE layer and top-k slot."""
+    return len(hf.moe_layers) * hf.num_experts_per_tok * expert_id_dtype(hf.num_experts).itemsize
+
+
+def stage_replay_bytes(hf: HFModelConfig, parallel: ParallelConfig, layers: tuple[int, ...], *,
+                       tokens: int, held_tokens: float) -> float:
+    """R3 memory of a stage: the routed experts of the micro-batch being loaded (``tokens``
+    positions) and the router ids of ``held_tokens`` positions (those of the micro-batches in
+    flight with recomputation; of the running one without)."""
+    if not hf.is_moe:
+        return 0.0
+    return tokens * routed_experts_bytes_per_token(hf) + held_tokens * replay_id_bytes_per_token(hf, parallel, layers)
+
+
+def forward_only_activation_bytes(hf: HFModelConfig, parallel: ParallelConfig, layers: tuple[int, ...], *,
+                                  tokens: int, act_bytes: int) -> float:
+    """A forward-only pass (no autograd): one layer's activations live at a time, plus the MoE
+    dispatch buffers."""
+    if not layers:
+        return 0.0
+    per_layer = max(layer_bytes_per_token(hf, parallel, layer, act_bytes) for layer in layers)
+    return tokens * (per_layer + dispatch_bytes_per_token(hf, parallel, act_bytes))

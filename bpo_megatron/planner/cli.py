@@ -1,8 +1,9 @@
 """``bpo-megatron plan CONFIG [section.key=value ...]``: check a layout and estimate memory per GPU.
 
 Prints the layout checks, the per-GPU memory of training (per pipeline stage) and of the rollout
-engines, the host memory of the busiest trainer node at a checkpoint save and at a load, and a
-verdict against the GPU's and the node's memory. ``--sweep`` lists every trainer layout that fits
+engines, the micro-batches per data-parallel rank with their load imbalance and useful tokens for
+a stated length distribution (``--lengths``), the host memory of the busiest trainer node at a
+checkpoint save and at a load, and a verdict against the GPU's and the node's memory. ``--sweep`` lists every trainer layout that fits
 the allocation instead. The model's architecture comes from ``model.path`` (a checkpoint
 directory or just its ``config.json``) or ``--hf-config``; no weights are read.
 
@@ -15,6 +16,7 @@ import argparse
 import dataclasses
 import sys
 
+from bpo_megatron.planner.batches import LENGTH_DISTRIBUTIONS
 from bpo_megatron.planner.host import DEFAULT_NODE_HOST_MEMORY_GB
 
 
@@ -36,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
                              f"{DEFAULT_NODE_HOST_MEMORY_GB:g})")
     parser.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
                         help="shard optimizer states over DP (default: on for GPUs, as the trainer does)")
+    parser.add_argument("--lengths", choices=sorted(LENGTH_DISTRIBUTIONS), default="paper",
+                        help="prompt and response lengths to estimate micro-batches per DP rank, imbalance and "
+                             "useful tokens for, padded against packed (default: paper; max: every sample at "
+                             "the caps); see bpo_megatron/planner/batches.py")
     parser.add_argument("--sweep", action="store_true", help="list the trainer layouts that fit")
     parser.add_argument("--limit", type=int, default=20, help="layouts shown by --sweep (default 20)")
     return parser
@@ -78,6 +84,6 @@ def main(argv: list[str]) -> int:
         result = sweep(cfg, hf, allocation)
         print(format_sweep(result, allocation, limit=args.limit))
         return 0 if result.plans else 1
-    plan = make_plan(cfg, hf, allocation, distributed_optimizer=args.distributed_optimizer)
+    plan = make_plan(cfg, hf, allocation, distributed_optimizer=args.distributed_optimizer, lengths=args.lengths)
     print(format_plan(plan))
     return 0 if plan.fits else 1

@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING
 
 from bpo_megatron.models.hf_config import HFModelConfig, parameter_counts
 from bpo_megatron.models.qwen3 import model_vocab_size
-from bpo_megatron.planner.activations import logits_bytes, micro_batches_in_flight, stage_activation_bytes
+from bpo_megatron.planner.activations import (forward_only_activation_bytes, logits_bytes, micro_batch_positions,
+                                              micro_batches_in_flight, stage_activation_bytes, stage_replay_bytes)
+from bpo_megatron.planner.batches import BatchEstimate, estimate_batches, lockstep_groups
 from bpo_megatron.planner.host import NodeHost, trainer_node_host
 from bpo_megatron.planner.layout import Allocation, Check, layout_checks
 from bpo_megatron.planner.params import StageParams, rank_parameters
@@ -32,10 +34,19 @@ class StagePlan:
     logits: float
     in_flight: int
     reserved: float  # RESERVED_BYTES on GPUs, nothing on a CPU allocation
+    routing: float = 0.0  # R3 ids and routed experts held at the training pass's peak
+    # the log-prob pass's peak beyond the static memory (forward only: one layer's activations,
+    # logits and, with R3, the router ids of every micro-batch of the step's share); 0 when
+    # train.recompute_old_logprobs is off
+    logprob_pass: float = 0.0
+
+    @property
+    def training_pass(self) -> float:
+        return self.activations + self.logits + self.routing
 
     @property
     def total(self) -> float:
-        return self.static.total + self.activations + self.logits + self.reserved
+        return self.static.total + max(self.training_pass, self.logprob_pass) + self.reserved
 
 
 @dataclass(frozen=True)
@@ -48,11 +59,12 @@ class Plan:
     distributed_optimizer: bool
     dp: int
     expert_dp: int
-    tokens_per_micro_batch: int
-    micro_batches: int  # per DP rank and optimizer step
+    tokens_per_micro_batch: int  # input positions of the largest micro-batch (memory is sized for it)
+    micro_batches: int  # per DP rank and optimizer step; packed: at most (one sample each)
     stages: list[StagePlan]
     rollout: RolloutMemory | None  # None on a CPU allocation
     host: NodeHost | None = None  # the busiest trainer node's host memory; None on a CPU allocation
+    batches: BatchEstimate | None = None  # micro-batch counts for a length distribution (make_plan's lengths)
 
     @property
     def layout_ok(self) -> bool:
@@ -107,10 +119,39 @@ def _splits(cfg: ExperimentConfig, hf: HFModelConfig) -> bool:
     return True
 
 
+def _replay_and_logprob_pass(cfg: ExperimentConfig, hf: HFModelConfig, params: StageParams, *, tokens: int,
+                             in_flight: int, logits: float, dp: int, act_bytes: int) -> tuple[float, float]:
+    """R3 memory at the training pass's peak, and the log-prob pass's peak beyond the static
+    memory (0 when ``train.recompute_old_logprobs`` is off)."""
+    p = cfg.parallel
+
+    def replay(micro_batches_held: int) -> float:
+        """R3 bytes: the routed experts of the micro-batch being loaded and the router ids of
+        ``micro_batches_held`` micro-batches."""
+        if not cfg.model.routing_replay:
+            return 0.0
+        return stage_replay_bytes(hf, p, params.layers, tokens=tokens, held_tokens=micro_batches_held * tokens)
+
+    # The router ids of a micro-batch stay queued until recomputation replays them in backward;
+    # without recomputation (and in a forward-only pass) the trainer drops them once its forward
+    # has them (trainer/replay.py), so only the running micro-batch's are held.
+    training = replay(in_flight if cfg.model.recompute != "none" else 1)
+    if not cfg.train.recompute_old_logprobs:
+        return training, 0.0
+    forward = forward_only_activation_bytes(hf, p, params.layers, tokens=tokens, act_bytes=act_bytes)
+    return training, forward + logits + replay(1)
+
+
 def make_plan(cfg: ExperimentConfig, hf: HFModelConfig, allocation: Allocation | None = None, *,
-              distributed_optimizer: bool | None = None) -> Plan:
+              distributed_optimizer: bool | None = None, lengths: str | None = None) -> Plan:
     """Plan ``cfg`` on ``allocation`` (default: the cluster section's). The distributed optimizer
-    is what the trainer uses on GPUs (default: on for a GPU allocation, off for a CPU one)."""
+    is what the trainer uses on GPUs (default: on for a GPU allocation, off for a CPU one).
+    ``lengths`` names a length distribution (:data:`~bpo_megatron.planner.batches.LENGTH_DISTRIBUTIONS`)
+    to estimate micro-batches per rank, imbalance and useful tokens for; None skips it.
+
+    Memory is sized for the largest micro-batch (every sample at the caps): activations, logits
+    and R3 per micro-batch scale with its input positions, ``micro_batch_size ×`` the longest
+    sample padded, the token budget packed."""
     allocation = allocation or Allocation.of(cfg)
     if distributed_optimizer is None:
         distributed_optimizer = allocation.gpus_per_node > 0
@@ -121,13 +162,20 @@ def make_plan(cfg: ExperimentConfig, hf: HFModelConfig, allocation: Allocation |
     world_ok = _splits(cfg, hf)  # the memory model needs a layout the model can be cut into
     dp = ranks // (p.tp * p.pp) if world_ok else 1
     expert_dp = ranks // p.pp // (p.ep * p.expert_tp) if world_ok else 1
-    tokens = cfg.train.micro_batch_size * (cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
-    micro_batches = max(1, cfg.minibatch_size // max(dp, 1) // cfg.train.micro_batch_size)
+    longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens - 1  # input positions: tokens[:-1]
+    budget = cfg.train.max_tokens_per_micro_batch
+    tokens = micro_batch_positions(p, longest=longest, micro_batch_size=cfg.train.micro_batch_size, budget=budget)
+    share = max(1, cfg.minibatch_size // max(dp, 1))  # samples per DP rank and optimizer step
+    # packed, a rank may run as many micro-batches as it has samples (one each, at the caps)
+    micro_batches = share if budget else max(1, share // cfg.train.micro_batch_size)
     stages = []
     if world_ok:
         vocab_rows = model_vocab_size(hf, p, cfg.model) // p.tp
         for params in rank_parameters(hf, p, cfg.model):
             in_flight = micro_batches_in_flight(p.pp, params.stage, micro_batches)
+            logits = logits_bytes(vocab_rows, tokens, precision.param_bytes) if params.stage == p.pp - 1 else 0.0
+            routing, logprob_pass = _replay_and_logprob_pass(cfg, hf, params, tokens=tokens, in_flight=in_flight,
+                                                            logits=logits, dp=dp, act_bytes=precision.param_bytes)
             stages.append(StagePlan(
                 params=params,
                 static=static_memory(params, precision, dp=dp, expert_dp=expert_dp,
@@ -135,17 +183,53 @@ def make_plan(cfg: ExperimentConfig, hf: HFModelConfig, allocation: Allocation |
                 activations=stage_activation_bytes(hf, p, params.layers, tokens=tokens,
                                                    recompute=cfg.model.recompute,
                                                    act_bytes=precision.param_bytes, in_flight=in_flight),
-                logits=logits_bytes(vocab_rows, tokens, precision.param_bytes)
-                if params.stage == p.pp - 1 else 0.0,
+                logits=logits,
                 in_flight=in_flight,
                 reserved=RESERVED_BYTES if allocation.gpus_per_node else 0.0,
+                routing=routing,
+                logprob_pass=logprob_pass,
             ))
     rollout = (rollout_memory(cfg, hf, parameter_counts(hf)[0], allocation.gpu_bytes)
                if allocation.gpus_per_node else None)
+    batches = None
+    if lengths is not None and world_ok:
+        groups = lockstep_groups(p, cfg.cluster.trainer_ranks, moe=hf.is_moe)
+        batches = estimate_batches(cfg, dp=dp, groups=groups, lengths=lengths)
     plan = Plan(cfg=cfg, hf=hf, allocation=allocation, checks=checks, precision=precision,
                 distributed_optimizer=distributed_optimizer, dp=dp, expert_dp=expert_dp,
-                tokens_per_micro_batch=tokens, micro_batches=micro_batches, stages=stages, rollout=rollout)
+                tokens_per_micro_batch=tokens, micro_batches=micro_batches, stages=stages, rollout=rollout,
+                batches=batches)
     return dataclasses.replace(plan, host=trainer_node_host(plan, allocation.host_memory_gb))
+
+
+def largest_budget(plan: Plan) -> int | None:
+    """The largest ``train.max_tokens_per_micro_batch`` (a multiple of TP under sequence
+    parallelism) whose training memory still fits ``plan``'s GPUs, everything else as planned;
+    None on a CPU allocation, or when not even the longest sample's fits. Activations, logits and
+    R3 per micro-batch grow with the budget, so a bisection over the budget finds it."""
+    cfg, allocation = plan.cfg, plan.allocation
+    if not allocation.gpus_per_node or not plan.stages:
+        return None
+    pad = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
+
+    def fits(units: int) -> bool:
+        train = dataclasses.replace(cfg.train, max_tokens_per_micro_batch=units * pad)
+        trial = make_plan(dataclasses.replace(cfg, train=train), plan.hf, allocation,
+                          distributed_optimizer=plan.distributed_optimizer)
+        return trial.train_peak <= allocation.gpu_bytes
+
+    low = -(-(cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens - 1) // pad)  # the longest sample
+    if not fits(low):
+        return None
+    high = 2 * low
+    while fits(high):
+        low, high = high, 2 * high
+        if high * pad > 2**30:  # memory that never runs out would be a bug elsewhere; stop anyway
+            return low * pad
+    while high - low > 1:  # fits(low), not fits(high)
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low * pad
 
 
 def node_memory_gib(cfg: ExperimentConfig) -> int | None:

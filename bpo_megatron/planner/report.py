@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bpo_megatron.planner.layout import Allocation
-from bpo_megatron.planner.plan import RESERVED_BYTES, Plan, StagePlan
+from bpo_megatron.planner.plan import RESERVED_BYTES, Plan, StagePlan, largest_budget
 from bpo_megatron.planner.search import SweepResult
 
 _DTYPE_NAMES = {2: "bf16", 4: "fp32"}
@@ -60,8 +60,7 @@ def _header(plan: Plan) -> list[str]:
         f"trainer: {cfg.cluster.trainer_ranks} ranks = tp {p.tp} × pp {p.pp} × dp {plan.dp}; ep {p.ep}, "
         f"etp {p.expert_tp} (expert dp {plan.expert_dp}); sequence parallel {'on' if p.sequence_parallel else 'off'}; "
         f"recompute {cfg.model.recompute}; {_DTYPE_NAMES[plan.precision.param_bytes]} weights, {optimizer}",
-        f"         micro-batches of {cfg.train.micro_batch_size} × {plan.tokens_per_micro_batch} tokens, "
-        f"{plan.micro_batches} per DP rank and optimizer step",
+        f"         {_micro_batches(plan)}",
     ]
     if plan.rollout:
         r = plan.rollout
@@ -69,6 +68,18 @@ def _header(plan: Plan) -> list[str]:
         lines.append(f"rollout: {cfg.rollout.num_engines} {cfg.rollout.engine} engine(s) × tp {r.profile.tp} "
                      f"({placement}), {r.profile.sequences} sequences in flight each")
     return lines
+
+
+def _micro_batches(plan: Plan) -> str:
+    cfg = plan.cfg
+    budget = cfg.train.max_tokens_per_micro_batch
+    b = cfg.train.micro_batch_size
+    if not budget:
+        return (f"micro-batches of {b} × {plan.tokens_per_micro_batch // b} tokens, {plan.micro_batches} per DP rank "
+                "and optimizer step")
+    padded = f" (padded to {plan.tokens_per_micro_batch})" if plan.tokens_per_micro_batch != budget else ""
+    return (f"packed micro-batches of ≤ {budget} input positions{padded} (train.max_tokens_per_micro_batch; memory sized "
+            f"for a full one), up to {plan.micro_batches} per DP rank and optimizer step")
 
 
 def _training(plan: Plan) -> list[str]:
@@ -92,12 +103,33 @@ def _training(plan: Plan) -> list[str]:
         [f"activations (recompute {plan.cfg.model.recompute}, micro-batches in flight: "
          f"{'/'.join(str(s.in_flight) for s in stages)})", *[fmt(s.activations) for s in stages]],
         ["logits (last stage, in place)", *[fmt(s.logits) for s in stages]],
+    ]
+    if plan.cfg.model.routing_replay:
+        held = ("the micro-batches in flight" if plan.cfg.model.recompute != "none"
+                else "every micro-batch of the pass: no recompute pops them")
+        rows.append([f"R3 routed experts and router ids ({held})", *[fmt(s.routing) for s in stages]])
+    if plan.cfg.train.recompute_old_logprobs:
+        ids = ", R3 ids of the running micro-batch" if plan.cfg.model.routing_replay else ""
+        rows.append([f"log-prob pass instead of the above (forward only: one layer, logits{ids})",
+                     *[fmt(s.logprob_pass) for s in stages]])
+    rows += [
         ["reserved (CUDA context, NCCL, fragmentation)", *[fmt(s.reserved) for s in stages]],
         ["total", *[fmt(s.total) for s in stages]],
     ]
     header = [f"training memory per {'GPU' if plan.allocation.gpus_per_node else 'rank'} ({unit})", *[f"stage {s.params.stage}" for s in stages]]
     peak = max(s.total for s in plan.stages)
-    return [*_table(header, rows), f"  → {_verdict(peak, plan.allocation)}"]
+    return [*_table(header, rows), f"  → {_verdict(peak, plan.allocation)}", *_budget_room(plan)]
+
+
+def _budget_room(plan: Plan) -> list[str]:
+    """How far the token budget could go: choosing it is trading memory for fewer micro-batches."""
+    if not plan.allocation.gpus_per_node:
+        return []
+    largest = largest_budget(plan)
+    longest = plan.cfg.data.max_prompt_tokens + plan.cfg.rollout.max_new_tokens - 1
+    if largest is None:
+        return [f"  → no token budget fits: not even one of the longest sample ({longest} positions) does"]
+    return [f"  → memory allows train.max_tokens_per_micro_batch up to {largest} (the longest sample needs {longest})"]
 
 
 def _rollout(plan: Plan) -> list[str]:
@@ -124,6 +156,38 @@ def _rollout(plan: Plan) -> list[str]:
                      + ("" if ok else " (fewer sequences in flight, or more engine TP)" if r.resident_sequences is None
                         else " (it holds no full-length sequence: raise mem_fraction_static or engine TP)"))
     return lines
+
+
+def _pass_cells(stats) -> list[str]:
+    if stats is None:
+        return ["-", "-", "-"]
+    if stats.micro_batches == stats.most_micro_batches:  # the same in every simulated pass
+        count = f"{stats.most_micro_batches}"
+    else:
+        count = f"{stats.micro_batches:.1f} (≤ {stats.most_micro_batches})"
+    return [count, f"{stats.imbalance:.2f}", f"{stats.useful:.1%}"]
+
+
+def _batches(plan: Plan) -> list[str]:
+    estimate = plan.batches
+    if estimate is None:
+        return []
+    cfg = plan.cfg
+    budget = cfg.train.max_tokens_per_micro_batch
+    runs = "runs" if cfg.train.recompute_old_logprobs else "off: train.recompute_old_logprobs"
+    rows = [
+        [f"minibatch of {estimate.minibatch.samples} ({cfg.train.minibatches_per_step} per step)",
+         *_pass_cells(estimate.minibatch.padded), *_pass_cells(estimate.minibatch.packed)],
+        [f"log-prob pass over the step's {estimate.logprob.samples} ({runs})",
+         *_pass_cells(estimate.logprob.padded), *_pass_cells(estimate.logprob.packed)],
+    ]
+    packed = f"packed (≤ {budget})" if budget else "packed (off)"
+    header = [f"micro-batches per DP rank, lengths {estimate.lengths}", f"padded (b={cfg.train.micro_batch_size})",
+              "imbalance", "useful", packed, "imbalance", "useful"]
+    return [*_table(header, rows),
+            f"  → lengths {estimate.lengths}: {estimate.description}; mean {estimate.mean_positions:,.0f} "
+            f"positions a sample; means of {estimate.steps} simulated steps (seed {estimate.seed}); imbalance = "
+            "busiest DP rank / mean, useful = real / paid positions (the model: bpo_megatron/planner/batches.py)"]
 
 
 def _writers(ranks) -> str:
@@ -191,6 +255,8 @@ def format_plan(plan: Plan) -> str:
     lines += [f"  {'ok  ' if c.ok else 'FAIL'}  {c.message}" for c in plan.checks]
     if plan.stages:
         lines += ["", *_training(plan)]
+    if plan.batches:
+        lines += ["", *_batches(plan)]
     if plan.rollout:
         lines += ["", *_rollout(plan)]
     if plan.host:

@@ -2,7 +2,8 @@
 
 Plain Python (the orchestration layer wraps it in a Ray actor). Every rank of the trainer world
 calls the same methods: with the whole batch (each rank takes its data-parallel share itself), or,
-as a driver that sends each share once does, with this rank's share alone (``*_share``).
+as a driver that sends each share once does, with this rank's share alone (``*_share``). Both
+choose the shares with :func:`~bpo_megatron.trainer.balance.data_parallel_shares`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from bpo_megatron.trainer.optimizer import (
     wrap_ddp,
     zero_grad,
 )
-from bpo_megatron.trainer.packing import PackedMicroBatch, check_fits, pack, packs_in_lockstep
+from bpo_megatron.trainer.balance import CostModel, data_parallel_shares, in_sample_order, packs_in_lockstep
+from bpo_megatron.trainer.packing import PackedMicroBatch, check_fits, pack
 from bpo_megatron.trainer.replay import RoutingReplay, check_routed_experts
 from bpo_megatron.trainer.samples import (
     MicroBatch,
@@ -37,7 +39,6 @@ from bpo_megatron.trainer.samples import (
     check_samples,
     chunk,
     collate,
-    split,
 )
 
 # What the schedule runs: right-padded rows, or samples packed end to end (train.max_tokens_per_micro_batch).
@@ -134,6 +135,8 @@ class TrainActor:
                           tp_size=self.ranks.tp_size, sequence_parallel=parallel.sequence_parallel)
             if model.routing_replay else None
         )
+        # what a sample costs to run, for balancing packed work over ranks and micro-batches
+        self.cost = CostModel.of(hf)
         self.step = 0
         self._offload = MemoryOffload(lambda: trainer_tensors(self.ddp, self.optimizer),
                                       discard=lambda: gradient_tensors(self.ddp, self.optimizer))
@@ -163,14 +166,14 @@ class TrainActor:
         order on the ranks of the last pipeline stage; None elsewhere.
         """
         self._check(samples, replaying=not record_routing)
-        mine = self.logprobs_of_share(split(samples, self.ranks.dp_size)[self.ranks.dp],
-                                      record_routing=record_routing)
+        shares = self._shares(samples)
+        mine = self.logprobs_of_share([samples[i] for i in shares[self.ranks.dp]], record_routing=record_routing)
         if mine is None:
             return None
         return ScoredSamples(
-            logprobs=self._gather_over_dp(mine.logprobs),
-            entropies=self._gather_over_dp(mine.entropies),
-            routed_experts=None if mine.routed_experts is None else self._gather_over_dp(mine.routed_experts),
+            logprobs=self._gather_over_dp(mine.logprobs, shares),
+            entropies=self._gather_over_dp(mine.entropies, shares),
+            routed_experts=None if mine.routed_experts is None else self._gather_over_dp(mine.routed_experts, shares),
         )
 
     def logprobs_of_share(self, share: list[TrainSample], *, record_routing: bool = False
@@ -219,7 +222,8 @@ class TrainActor:
         loss statistics, the grad norm (pre-clip) and timings, identical on every rank.
         """
         self._check(minibatch, training=True)
-        return self.train_share(split(minibatch, self.ranks.dp_size)[self.ranks.dp], minibatch_totals(minibatch))
+        share = [minibatch[i] for i in self._shares(minibatch)[self.ranks.dp]]
+        return self.train_share(share, minibatch_totals(minibatch))
 
     def train_share(self, share: list[TrainSample], totals: BatchTotals) -> dict[str, float]:
         """:meth:`train_step` given this rank's data-parallel share of the minibatch and the
@@ -335,9 +339,14 @@ class TrainActor:
                     dp_size=self.ranks.dp_size if whole_batch else 1,
                     correction=self.loss_cfg.correction if training else "none", routing_ids=whole_batch)
         # Every rank has the whole batch and refuses alike; a share's samples are checked against
-        # the budget collectively (packs_in_lockstep), so no rank is left waiting for another that refused.
+        # the budget collectively (balance.packs_in_lockstep), so no rank waits for another that refused.
         if whole_batch and self.trainer_cfg.max_tokens_per_micro_batch:
             check_fits(samples, self.trainer_cfg.max_tokens_per_micro_batch)
+
+    def _shares(self, samples: list[TrainSample]) -> list[list[int]]:
+        """The samples (indices) each data-parallel rank takes, as a driver chooses them."""
+        return data_parallel_shares(samples, self.ranks.dp_size, budget=self.trainer_cfg.max_tokens_per_micro_batch,
+                                    cost=self.cost)
 
     def _micro_batches(self, samples: list[TrainSample], *, with_routing: bool = True
                        ) -> tuple[list[Batch], list[list[int]]]:
@@ -346,7 +355,7 @@ class TrainActor:
         pad = self.ranks.tp_size if self.parallel.sequence_parallel else 1
         with_routing = with_routing and self.replay is not None
         if self.trainer_cfg.max_tokens_per_micro_batch:
-            groups = packs_in_lockstep(samples, self.trainer_cfg.max_tokens_per_micro_batch,
+            groups = packs_in_lockstep(samples, self.trainer_cfg.max_tokens_per_micro_batch, self.cost,
                                        group=self._dp_group if self.ranks.dp_size > 1 else None)
             return [pack([samples[i] for i in group], pad_to_multiple=pad, with_routing=with_routing)
                     for group in groups], groups
@@ -361,13 +370,15 @@ class TrainActor:
 
         device = platform.device()
         replay = self.replay
+        # activation recomputation re-runs the routers in backward, replaying what forward replayed
+        recompute = self.model_options.recompute != "none" and not forward_only
 
         def forward_step(data: Iterator[Batch], model: torch.nn.Module):
             micro = next(data).to(device)
             if record_into is not None:
                 replay.start_recording()
             elif replay is not None:
-                replay.load(micro)
+                replay.load(micro, recompute=recompute)
             output = model(micro.input_ids, micro.position_ids, attention_mask=None,
                            packed_seq_params=micro.packed_seq_params())
             if record_into is not None:
@@ -389,7 +400,7 @@ class TrainActor:
             )
         finally:
             if replay is not None:
-                replay.finish(recompute=self.model_options.recompute != "none" and not forward_only)
+                replay.finish(recompute=recompute)
         return outputs
 
     def _step_metrics(self, outputs: list[dict]) -> dict[str, float]:
@@ -433,9 +444,10 @@ class TrainActor:
                 per_sample[index] = rows[row, :n].to("cpu", dtype, copy=True)
         return per_sample
 
-    def _gather_over_dp(self, local: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _gather_over_dp(self, local: list[torch.Tensor], shares: list[list[int]]) -> list[torch.Tensor]:
+        """Every rank's results of its share (``shares[dp]``), in sample order."""
         if self.ranks.dp_size == 1:
             return local
         parts: list[list[torch.Tensor] | None] = [None] * self.ranks.dp_size
         dist.all_gather_object(parts, local, group=self._dp_group)
-        return [t for part in parts for t in part]
+        return in_sample_order(parts, shares)

@@ -10,10 +10,12 @@ from dataclasses import dataclass
 class TrainerConfig:
     """How the train actor batches and scores samples.
 
-    ``max_tokens_per_micro_batch`` 0 cuts a share into micro-batches of ``micro_batch_size``
-    samples, right-padded to the longest; a positive budget packs samples end to end instead
-    (``trainer/packing.py``), at most that many input positions per micro-batch, and
-    ``micro_batch_size`` is not used. Every sample must fit the budget on its own.
+    ``max_tokens_per_micro_batch`` 0 splits a batch over the data-parallel ranks by count and
+    cuts each share into micro-batches of ``micro_batch_size`` samples, right-padded to the
+    longest; a positive budget packs samples end to end instead (``trainer/packing.py``), at most
+    that many input positions per micro-batch, with the shares and the micro-batches balanced by
+    estimated cost (``trainer/balance.py``), and ``micro_batch_size`` is not used. Every sample
+    must fit the budget on its own.
 
     ``temperature`` must be the rollout engine's sampling temperature: the trainer's log π is
     computed from logits / temperature, the same distribution the engine's log μ comes from.

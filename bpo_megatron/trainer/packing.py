@@ -2,9 +2,10 @@
 
 A padded micro-batch (:func:`~bpo_megatron.trainer.samples.collate`) spends compute on padding up
 to its longest sample; a packed one holds only real input positions. Each sample contributes its
-n − 1 input positions (``tokens[:-1]``), and samples go into bins of at most
-``train.max_tokens_per_micro_batch`` positions by first fit in the given order (deterministic;
-samples keep their relative order inside a bin; the trainer returns results in sample order).
+n − 1 input positions (``tokens[:-1]``), and a pack holds at most
+``train.max_tokens_per_micro_batch`` of them. Which samples share a pack, and which rank runs it,
+is :mod:`bpo_megatron.trainer.balance`'s choice (balanced by estimated cost); inside a pack samples
+keep their relative order, and the trainer returns results in sample order.
 
 The model sees one row ``[1, T]`` with Megatron's ``thd`` packed-sequence parameters: the
 segment bounds ``cu_seqlens`` keep attention inside each sample and restart RoPE at every
@@ -25,9 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from bpo_megatron import platform
 from bpo_megatron.trainer.samples import MicroBatch, TrainSample, collate
 
 BUDGET_SETTING = "train.max_tokens_per_micro_batch"
@@ -45,75 +44,6 @@ def check_fits(samples: list[TrainSample], budget: int) -> None:
         if length > budget:
             raise ValueError(f"sample {i} has {length} input positions (len(tokens) − 1 = {length}), more than "
                              f"{BUDGET_SETTING}={budget}: raise the budget to at least the longest sample")
-
-
-def first_fit(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices of ``lengths`` in bins of at most ``budget`` in total: each item, in order, goes
-    into the first bin it fits. Items never exceed the budget (see :func:`check_fits`)."""
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for index, length in enumerate(lengths):
-        if length > budget:
-            raise ValueError(f"item {index} of length {length} exceeds the budget {budget}")
-        for b, free in enumerate(room):
-            if length <= free:
-                bins[b].append(index)
-                room[b] -= length
-                break
-        else:
-            bins.append([index])
-            room.append(budget - length)
-    return bins
-
-
-def split_to_count(bins: list[list[int]], lengths: list[int], count: int) -> list[list[int]]:
-    """``bins`` cut until there are ``count`` of them, so that every data-parallel rank runs the
-    same number of micro-batches: the bin with the most positions among those holding two or more
-    items is cut where its two parts are closest in positions (the parts keep the item order and
-    take the bin's place). A rank with fewer items than ``count`` cannot get there."""
-    bins = [list(b) for b in bins]
-    if count < len(bins):
-        raise ValueError(f"cannot cut {len(bins)} bins into fewer ({count})")
-    while len(bins) < count:
-        splittable = [i for i, b in enumerate(bins) if len(b) > 1]
-        if not splittable:
-            raise ValueError(f"{sum(map(len, bins))} samples cannot fill {count} micro-batches (every data-parallel "
-                             "rank must run as many as the rank with the most): give every rank as many samples")
-        largest = max(splittable, key=lambda i: sum(lengths[j] for j in bins[i]))
-        items = bins[largest]
-        total, before, best, cut = sum(lengths[j] for j in items), 0, None, 1
-        for k in range(1, len(items)):
-            before += lengths[items[k - 1]]
-            gap = abs(total - 2 * before)
-            if best is None or gap < best:
-                best, cut = gap, k
-        bins[largest : largest + 1] = [items[:cut], items[cut:]]
-    return bins
-
-
-def packs_in_lockstep(samples: list[TrainSample], budget: int, *, group: dist.ProcessGroup | None
-                      ) -> list[list[int]]:
-    """First-fit packs of this rank's ``samples`` (indices), as many as on every rank of the
-    data-parallel ``group`` (None: this rank alone). Pipeline schedules, MoE all-to-alls and DDP's
-    gradient reduction run micro-batch by micro-batch in lockstep, so ranks with fewer packs cut
-    their largest (:func:`split_to_count`) until they have as many as the rank with the most. One
-    collective agrees on that count and on every sample fitting the budget: a rank never refuses
-    alone and leaves the others waiting."""
-    lengths = [input_positions(s) for s in samples]
-    bins = first_fit(lengths, budget) if max(lengths) <= budget else []
-    # maxima over the ranks: packs, the longest sample, and (negated) the fewest samples
-    agreed = torch.tensor([len(bins), max(lengths), -len(samples)], device=platform.device())
-    if group is not None:
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-    count, longest, fewest = int(agreed[0]), int(agreed[1]), -int(agreed[2])
-    if longest > budget:
-        check_fits(samples, budget)  # the rank holding the sample names it
-        raise ValueError(f"a sample of {longest} input positions on another data-parallel rank exceeds "
-                         f"{BUDGET_SETTING}={budget}: raise the budget to at least the longest sample")
-    if count > fewest:
-        raise ValueError(f"a data-parallel rank packed its share into {count} micro-batches but another holds only "
-                         f"{fewest} samples: every rank must run as many micro-batches; give each rank as many samples")
-    return split_to_count(bins, lengths, count)
 
 
 @dataclass

@@ -101,14 +101,22 @@ class RoutingReplay:
             per_layer = per_layer[self._tp_rank * shard : (self._tp_rank + 1) * shard]
         return per_layer.reshape(-1, per_layer.shape[-1]).long()  # routers index with int64
 
-    def load(self, micro: MicroBatch) -> None:
-        """Hand ``micro``'s routing to every router (call right before its forward)."""
+    def load(self, micro: MicroBatch, *, recompute: bool) -> None:
+        """Hand ``micro``'s routing to every router (call right before its forward).
+
+        ``recompute``: activation recomputation will re-run the routers in backward. Megatron's
+        ``RouterReplay`` also queues every micro-batch's ids (int64) for that; without
+        recomputation nothing takes them off the queue until :meth:`finish`, so a forward-only
+        pass would hold the int64 ids of its whole share (gigabytes at paper lengths): they are
+        taken off at once instead."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         if micro.routed_experts is None:
             raise RoutingReplayError(f"micro-batch without routed experts while {REPLAY_SETTING}=true")
         for router in self._routers:
             router.replay.set_target_indices(self._local_indices(micro.routed_experts, router.moe_index))
+            if not recompute:
+                router.replay.replay_backward_list.pop()
             router.replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             router.loaded += 1
 

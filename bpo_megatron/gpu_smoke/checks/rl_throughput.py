@@ -2,6 +2,12 @@
 (embedded engine), log-prob recompute and a training step with R3 replay (Megatron, one optimizer
 step over all samples), the weight sync into the engine, and the trainer's offload/onload.
 
+Padded against packed micro-batches: the same samples, cut to RL's long-tailed response lengths
+(30% whole, the rest log-uniform down to 1/16), are scored and trained padded
+(``rl_micro_batch`` samples per micro-batch) and packed (a budget of ``rl_micro_batch`` full-length
+samples), on the same weights: both tokens per second, and the packed log-probs against the
+padded ones.
+
 Throughput is tokens per second; model FLOPs utilisation counts the matrix products a token
 needs (2 FLOPs per active weight, the output layer included, the input embedding excluded) plus
 causal attention, ×3 for forward + backward, against the device's data-sheet bf16 peak.
@@ -9,6 +15,7 @@ causal attention, ×3 for forward + backward, against the device's data-sheet bf
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -17,6 +24,7 @@ from bpo_megatron import platform
 from bpo_megatron.gpu_smoke.common import (
     build_actor,
     device_name,
+    long_tailed,
     random_tokens,
     single_rank_world,
     timed,
@@ -91,6 +99,18 @@ def run(profile: Profile, workdir: Path) -> Outcome:
         with timed(times, "train_s"):
             metrics = actor.train_step(train)
         peak_train = torch.cuda.max_memory_allocated() if platform.has_cuda() else 0
+        varied = long_tailed(train, seed=1)
+        budget = profile.rl_micro_batch * (profile.rl_prompt_tokens + profile.rl_new_tokens)
+        batching = {"padded": actor.trainer_cfg, "packed": replace(actor.trainer_cfg, max_tokens_per_micro_batch=budget)}
+        scored, varied_metrics = {}, {}
+        for name, trainer_cfg in batching.items():  # both scored on the same weights
+            actor.trainer_cfg = trainer_cfg
+            scored[name] = actor.compute_logprobs(varied)
+        for name, trainer_cfg in batching.items():  # then one step each, timed
+            actor.trainer_cfg = trainer_cfg
+            with timed(times, f"{name}_train_s"):
+                varied_metrics[name] = actor.train_step(varied)
+        actor.trainer_cfg = batching["padded"]
         with timed(times, "sync_s"):
             synced = engine.update_weights(iter_hf_weights(actor.model, hf, dst=0))
         with timed(times, "offload_s"):
@@ -104,6 +124,8 @@ def run(profile: Profile, workdir: Path) -> Outcome:
         actor.close()
     engine.shutdown()
 
+    varied_positions = sum(s.tokens.numel() - 1 for s in varied)
+    packed_gap = max(float((p - q).abs().max()) for p, q in zip(scored["packed"].logprobs, scored["padded"].logprobs))
     train_flops = 3.0 * forward_flops(hf, positions, active_params)
     logprob_flops = forward_flops(hf, positions, active_params)
     mfu = (lambda flops, seconds: flops / seconds / peak) if peak else (lambda flops, seconds: float("nan"))
@@ -119,6 +141,13 @@ def run(profile: Profile, workdir: Path) -> Outcome:
         train_s=times["train_s"], train_tokens_per_s=sum(positions) / times["train_s"],
         train_mfu=mfu(train_flops, times["train_s"]), train_peak_allocated_gib=peak_train / 2**30,
         micro_batches=metrics["num_micro_batches"], loss=metrics["loss"], grad_norm=metrics["grad_norm"],
+        varied_positions=varied_positions,
+        padded_train_tokens_per_s=varied_positions / times["padded_train_s"],
+        packed_train_tokens_per_s=varied_positions / times["packed_train_s"],
+        packed_speedup=times["padded_train_s"] / times["packed_train_s"],
+        padded_micro_batches=varied_metrics["padded"]["num_micro_batches"],
+        packed_micro_batches=varied_metrics["packed"]["num_micro_batches"],
+        packed_logp_max_abs_diff=packed_gap,
         weight_sync_s=times["sync_s"], weight_sync_gb_per_s=synced / times["sync_s"] / 1e9,
         offload_gb=offloaded / 1e9, offload_s=times["offload_s"], onload_s=times["onload_s"],
         second_offload_s=times["second_offload_s"], second_onload_s=times["second_onload_s"],
@@ -127,6 +156,10 @@ def run(profile: Profile, workdir: Path) -> Outcome:
     out.require(generated == len(samples) * profile.rl_new_tokens,
                 f"every response ran to {profile.rl_new_tokens} tokens ({generated} generated)")
     out.require(finite(metrics["loss"], metrics["grad_norm"]), "the training step is finite")
+    out.require(finite(varied_metrics["packed"]["loss"], varied_metrics["padded"]["loss"]),
+                "padded and packed training steps are finite")
+    out.require(packed_gap <= profile.logp_mean_tol,
+                f"packed log-probs equal the padded ones (max |Δ| {packed_gap:.2e} ≤ {profile.logp_mean_tol})")
     out.require(synced > 0, f"the engine took the trainer's weights ({synced / 1e9:.2f} GB)")
     out.notes.append("Rollout: the embedded transformers engine (eager, batch of all responses), not SGLang; "
                      "training: Megatron's local spec (no transformer-engine on this machine), experts "
