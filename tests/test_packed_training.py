@@ -1,40 +1,86 @@
 """Packed micro-batches train exactly as padded ones: the same samples (varied lengths, R3 replay,
-π_old with a mismatch correction, tokens left out by ``train_mask``) scored and trained once with
-``train.max_tokens_per_micro_batch`` and once with padded micro-batches, from the same initial
+π_old with a mismatch correction, tokens left out by ``train_mask``) scored and trained with
+``train.max_tokens_per_micro_batch`` and with padded micro-batches, from the same initial
 weights, give the same log-probs, entropies, recorded routing, loss, loss statistics and
-gradients, under tensor + sequence, expert, pipeline and data parallelism.
+gradients for every registered policy loss × every aggregation (each mismatch correction several
+times, and once without π_old), under tensor + sequence, expert, pipeline and data parallelism.
 
-The data-parallel shares pack into different numbers of micro-batches (one pack of 15 positions
-against two), so the rank with fewer packs must cut its pack to run as many as the other."""
+Each world builds one padded and one packed actor and runs every loss on it in turn
+(``set_loss``), putting the initial weights back before each step: gradients, not updated
+weights, are compared (Adam's first update lr · g / (|g| + ε) turns the rounding of a near-zero
+gradient into an update of up to lr), so the optimizer's state never matters. Nothing here
+depends on which data-parallel rank holds which sample or pack: results are compared in sample
+order, and the loss, its statistics and the gradients are the whole minibatch's on every rank.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 
 import pytest
 import torch
 
 import train_helpers as th
-from bpo_megatron.losses import PolicyLossConfig
+from bpo_megatron.losses import AGGREGATIONS, POLICY_LOSSES, BatchTotals, PolicyLossConfig, policy_loss
+from bpo_megatron.losses.corrections import CORRECTIONS
 from bpo_megatron.parallel.local_world import run_gloo_world
 from bpo_megatron.trainer.samples import TrainSample
 
 TIMEOUT = 300
 BUDGET = 16
-# input positions (len(tokens) − 1) and prompt lengths: DP rank 0's share [3, 4, 5, 3] fits one
-# pack of 16; rank 1's [11, 4, 9, 6] needs two (11 + 4 and 9 + 6), odd totals padded for TP
+# input positions (len(tokens) − 1) and prompt lengths: 45 positions from 3 to 11 a sample, several
+# packs of up to 16 on each data-parallel rank; odd totals are padded for TP
 POSITIONS = (3, 4, 5, 3, 11, 4, 9, 6)
 PROMPTS = (2, 3, 2, 2, 5, 2, 4, 3)
-CASES = {
-    "bpo_token_mean_tis": PolicyLossConfig(name="bpo", agg="token-mean", correction="tis"),
-    "gspo_seq_mean_token_mean_icepop": PolicyLossConfig(name="gspo", agg="seq-mean-token-mean", correction="icepop"),
-}
+# seq-mean-token-sum-norm's constant divisor: the longest response (a padded length would differ
+# between a pack's samples and a padded micro-batch's)
+NORM_LENGTH = max(p + 1 - q for p, q in zip(POSITIONS, PROMPTS))
 LAYOUTS = {  # name -> (world size, layout); data parallelism 2 in each
     "tp2_sp_dp2": (4, dict(tp=2)),
     "ep2_pp2_dp2": (4, dict(ep=2, pp=2)),
     # experts split over TP and DP ranks, and R3 replayed again by activation recomputation
     "tp2_sp_ep2_dp2_recompute": (4, dict(tp=2, ep=2, recompute="full")),
 }
+MODES = (("padded", 0, 2), ("packed", BUDGET, 2))  # (name, token budget, train.micro_batch_size)
+# Tolerances, packed against padded (fp32). A packed sample's attention reduces over its own n
+# keys where a padded row reduces over the micro-batch's longest (the rest masked to 0), so the
+# two orders of summation round apart: log-probs and entropies differ by one float32 ulp at most
+# (measured 4.8e-7 at |log π| ≈ 5; padded micro-batches of 2 and of 4 samples agree bit for bit).
+LOGPROB_ATOL = 1e-6
+# the loss statistics and the gradient norm: relative (measured ≤ 5e-7)
+METRIC_RTOL = 1e-6
+# The loss: relative to its magnitude Σ_i |L_i|, the samples' contributions before those of
+# opposite advantages cancel (measured ≤ 2.4e-7). Relative to the loss itself the same rounding
+# reaches 6e-6 where it cancels to 1/90 of its magnitude (cispo/seq-mean-token-mean).
+LOSS_RTOL = 1e-6
+# Gradients: the largest difference relative to the tensor's largest entry. One-ulp differences
+# in the forward pass reach 1.3e-6 to 1.8e-6 of the max in small gradients summed over tokens
+# of either sign (router and norm weights); padded micro-batches of 2 against 4 samples, whose
+# forward passes agree bit for bit, differ by up to 3e-7. Packing errors move them by far more
+# (measured at TP=2): one segment for the whole pack, samples attending to each other, 2.4 (and
+# log-probs by 0.13); routing replayed one position late, 5.8 (log-probs 8.6e-3).
+GRAD_RTOL = 4e-6
+# The whole gradient of a rank, ‖g_packed − g_padded‖ / ‖g_padded‖: the acceptance's 1e-6.
+GRAD_NORM_RTOL = 1e-6
+
+
+def _cases() -> dict[str, tuple[PolicyLossConfig, bool]]:
+    """name -> (loss, with π_old): every loss × every aggregation, the corrections in turn (each
+    loss meets every correction, and so does each aggregation), and one loss without π_old."""
+    corrections = list(CORRECTIONS)
+    cases = {}
+    for i, (name, agg) in enumerate(itertools.product(POLICY_LOSSES, AGGREGATIONS)):
+        correction = corrections[i % len(corrections)]
+        norm = NORM_LENGTH if agg == "seq-mean-token-sum-norm" else None
+        cases[f"{name}/{agg}/{correction}"] = (
+            PolicyLossConfig(name=name, agg=agg, correction=correction, norm_length=norm), True)
+    cases["bpo/seq-mean-token-mean/no-old-logprobs"] = (PolicyLossConfig(name="bpo"), False)
+    return cases
+
+
+CASES = _cases()
 
 
 def _samples() -> list[TrainSample]:
@@ -56,69 +102,164 @@ def _samples() -> list[TrainSample]:
     return samples
 
 
-def _score_and_train(layout: dict) -> dict:
-    """For each loss and each batching: scores (R3 replay), the trainer's own routing, one train
-    step's metrics and the gradients it took (clipping off, so they are the raw ones). Gradients,
-    not updated weights, are compared: Adam's first update lr · g / (|g| + ε) turns the rounding
-    of a near-zero gradient into an update of up to lr."""
+def _loss_by_sample(loss: PolicyLossConfig, logprobs: list[torch.Tensor], with_old: bool) -> tuple[float, float]:
+    """The minibatch's loss recomputed in float64 from the trainer's log-probs of each response,
+    one sample at a time with the whole minibatch's denominators: (Σ_i L_i, Σ_i |L_i|). The
+    second is the loss's magnitude before the contributions of opposite advantages cancel, the
+    scale float32 rounding acts on."""
     samples = _samples()
-    results: dict = {}
-    for case, loss in CASES.items():
-        for mode, budget in (("padded", 0), ("packed", BUDGET)):
-            actor = th.build_actor(replay=True, loss=loss, micro_batch_size=2, grad_clip=math.inf,
-                                   max_tokens_per_micro_batch=budget, **layout)
-            scored = actor.compute_logprobs(samples)
-            free = actor.compute_logprobs(samples, record_routing=True)
-            metrics = actor.train_step(samples)
+    masks = [torch.ones(lp.numel(), dtype=torch.bool) if s.train_mask is None else s.train_mask
+             for s, lp in zip(samples, logprobs, strict=True)]
+    totals = BatchTotals(tokens=float(sum(int(m.sum()) for m in masks)),
+                         sequences=float(sum(bool(m.any()) for m in masks)))
+    parts = []
+    for sample, lp, mask in zip(samples, logprobs, masks, strict=True):
+        part, _ = policy_loss(lp.double()[None], sample.rollout_logprobs.double()[None],
+                              torch.tensor([sample.advantage], dtype=torch.float64), mask[None], loss, totals=totals,
+                              old_logprobs=sample.old_logprobs.double()[None] if with_old else None)
+        parts.append(float(part))
+    return sum(parts), sum(abs(p) for p in parts)
+
+
+def _set_params(actor, params: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, p in actor.model.named_parameters():
+            p.copy_(params[name])
+    actor.reload_optimizer_params()
+
+
+def _rel(a: float, b: float) -> float:
+    """|a − b| relative to the larger magnitude (0 when both are within 1e-9 of each other)."""
+    diff = abs(a - b)
+    return 0.0 if diff <= 1e-9 else diff / max(abs(a), abs(b))
+
+
+def _train_every_loss(layout: dict, modes=MODES) -> dict:
+    """Per batching: scores (R3 replay), the trainer's own routing, and for every case the step's
+    metrics and gradients (clipping off, so they are the raw ones), each step from the same
+    initial weights. Returns the packed run's deviations from the padded one, computed here so
+    the gradients do not cross process boundaries."""
+    samples = _samples()
+    without_old = [dataclasses.replace(s, old_logprobs=None) for s in samples]
+    initial = None
+    runs: dict = {}
+    for mode, budget, micro_batch_size in modes:
+        actor = th.build_actor(replay=True, micro_batch_size=micro_batch_size, grad_clip=math.inf,
+                               max_tokens_per_micro_batch=budget, **layout)
+        if initial is None:
+            initial = th.flat_params(actor)
+        _set_params(actor, initial)  # the same weights however each actor was initialised
+        scored = actor.compute_logprobs(samples)
+        free = actor.compute_logprobs(samples, record_routing=True)
+        steps = {}
+        for case, (loss, with_old) in CASES.items():
+            _set_params(actor, initial)
+            actor.set_loss(loss)
+            metrics = actor.train_step(samples if with_old else without_old)
             grads = {name: p.main_grad.detach().clone() for name, p in actor.model.named_parameters()}
-            results[(case, mode)] = {
-                "scored": scored, "routing": None if free is None else free.routed_experts,
-                "metrics": metrics, "grads": grads,
-            }
-            actor.close()
-    return results
+            steps[case] = (metrics, grads)
+        runs[mode] = {"scored": scored, "routing": None if free is None else free.routed_experts, "steps": steps}
+        actor.close()
 
-
-def _close(a: float, b: float, rel: float = 1e-6) -> bool:
-    return abs(a - b) <= rel * max(abs(a), abs(b)) + 1e-9
+    padded, packed = runs[modes[0][0]], runs[modes[1][0]]
+    report: dict = {"cases": {}, "scored": None}
+    for case in CASES:
+        (pad_metrics, pad_grads), (pack_metrics, pack_grads) = padded["steps"][case], packed["steps"][case]
+        keys = {k for k in pad_metrics if not k.endswith("_s") and k not in ("num_micro_batches", "step")}
+        metric_devs = {k: _rel(pack_metrics[k], pad_metrics[k]) for k in keys if k in pack_metrics}
+        scales = {param: float(grad.abs().max()) for param, grad in pad_grads.items()}
+        grad_devs = {param: float((pack_grads[param] - grad).abs().max()) / max(scales[param], 1e-12)
+                     for param, grad in pad_grads.items()}
+        # the whole gradient: ‖Δg‖ / ‖g‖ over every parameter of this rank
+        delta = sum(float((pack_grads[param] - grad).double().pow(2).sum()) for param, grad in pad_grads.items())
+        norm = sum(float(grad.double().pow(2).sum()) for grad in pad_grads.values())
+        grad_devs["‖Δg‖/‖g‖"] = (delta / max(norm, 1e-300)) ** 0.5
+        scales["‖Δg‖/‖g‖"] = norm ** 0.5
+        report["cases"][case] = {
+            "padded": pad_metrics, "packed": pack_metrics, "missing": sorted(keys - set(pack_metrics)),
+            "extra": sorted(set(pack_metrics) - set(pad_metrics)), "metric_devs": metric_devs,
+            "grad_devs": grad_devs, "grad_scales": scales,
+        }
+    if padded["scored"] is not None:  # the last pipeline stage
+        scored = {"padded_logprobs": padded["scored"].logprobs}
+        for key in ("logprobs", "entropies"):
+            mine, theirs = getattr(packed["scored"], key), getattr(padded["scored"], key)
+            responses = [(p + 1 - q,) for p, q in zip(POSITIONS, PROMPTS)]
+            scored[f"{key}_shapes"] = [tuple(t.shape) for t in mine] == responses
+            scored[f"{key}_same_shapes"] = [t.shape for t in mine] == [t.shape for t in theirs]
+            scored[key] = max(float((a - b).abs().max()) for a, b in zip(mine, theirs, strict=True))
+        scored["routing_equal"] = [torch.equal(a, b) for a, b in zip(packed["routing"], padded["routing"], strict=True)]
+        scored["routing_shapes"] = [t.shape[0] for t in packed["routing"]] == list(POSITIONS)
+        report["scored"] = scored
+    return report
 
 
 @pytest.mark.timeout(TIMEOUT * 2)
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_packed_micro_batches_train_exactly_as_padded_ones(name):
+def test_packed_micro_batches_train_every_loss_exactly_as_padded_ones(name):
     world, layout = LAYOUTS[name]
-    ranks = run_gloo_world(_score_and_train, world, layout, timeout=TIMEOUT)
-    scored_ranks = 0
-    for rank, results in enumerate(ranks):
-        for case in CASES:
-            padded, packed = results[(case, "padded")], results[(case, "packed")]
-            where = f"{name} rank {rank} {case}"
-            # every rank ran as many micro-batches: rank 0 cut its one pack of 15 positions in two
-            assert packed["metrics"]["num_micro_batches"] == 2.0, where
-            for key, value in padded["metrics"].items():
-                if key.endswith("_s") or key == "num_micro_batches":
-                    continue
-                assert _close(packed["metrics"][key], value), (where, key, packed["metrics"][key], value)
-            for param, grad in padded["grads"].items():
-                scale = float(grad.abs().max())
-                diff = float((packed["grads"][param] - grad).abs().max())
-                assert diff <= 1e-6 * scale + 1e-12, (where, param, diff, scale)
-            if padded["scored"] is None:  # not the last pipeline stage
-                continue
-            scored_ranks += 1
-            for key in ("logprobs", "entropies"):
-                for i, (mine, theirs) in enumerate(zip(getattr(packed["scored"], key), getattr(padded["scored"], key),
-                                                       strict=True)):
-                    assert mine.shape == (POSITIONS[i] + 1 - PROMPTS[i],), (where, key, i)
-                    torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6, msg=f"{where} {key} sample {i}")
-            for i, (mine, theirs) in enumerate(zip(packed["routing"], padded["routing"], strict=True)):
-                assert mine.shape[0] == POSITIONS[i] and torch.equal(mine, theirs), (where, "routing", i)
-    assert scored_ranks >= 2
-    # the step did train, and the correction and the masks acted
-    metrics = ranks[0][("bpo_token_mean_tis", "packed")]["metrics"]
+    ranks = run_gloo_world(_train_every_loss, world, layout, timeout=TIMEOUT)
+    outputs = [r["scored"] for r in ranks if r["scored"] is not None]
+    assert len(outputs) >= 2  # every data-parallel rank's last stage
+    logprobs = outputs[0]["padded_logprobs"]  # the same on every output rank: gathered in sample order
+    by_sample = {case: _loss_by_sample(loss, logprobs, with_old) for case, (loss, with_old) in CASES.items()}
+    worst: dict[str, tuple[float, str]] = {}
+
+    def check(kind: str, dev: float, tol: float, where: str, *detail) -> None:
+        assert dev <= tol, (kind, where, dev, *detail)
+        worst[kind] = max(worst.get(kind, (0.0, "")), (dev, where))
+
+    for rank, report in enumerate(ranks):
+        for case, got in report["cases"].items():
+            where = f"rank {rank} {case}"
+            padded, packed = got["padded"], got["packed"]
+            assert not got["missing"] and not got["extra"], (where, got["missing"], got["extra"])
+            # every rank ran as many micro-batches (the pipeline and DDP run them in lockstep)
+            assert packed["num_micro_batches"] == ranks[0]["cases"][case]["packed"]["num_micro_batches"], where
+            # the whole minibatch's loss on every rank, and the loss the trainer's log-probs give
+            assert padded["loss"] == ranks[0]["cases"][case]["padded"]["loss"], where
+            reference, magnitude = by_sample[case]
+            check("loss (of its magnitude)", abs(packed["loss"] - padded["loss"]) / magnitude, LOSS_RTOL, where,
+                  packed["loss"], padded["loss"], magnitude)
+            worst["loss (of itself)"] = max(worst.get("loss (of itself)", (0.0, "")),
+                                            (_rel(packed["loss"], padded["loss"]), where))
+            for mode, value in (("padded", padded["loss"]), ("packed", packed["loss"])):
+                check("loss against the float64 per-sample sum", abs(value - reference) / magnitude, LOSS_RTOL,
+                      f"{where} {mode}", value, reference)
+            for key, dev in got["metric_devs"].items():
+                if key != "loss":
+                    check("statistics", dev, METRIC_RTOL, f"{where} {key}", packed[key], padded[key])
+            for param, dev in got["grad_devs"].items():
+                if param == "‖Δg‖/‖g‖":
+                    check("gradient (relative norm)", dev, GRAD_NORM_RTOL, where, got["grad_scales"][param])
+                else:
+                    check("gradients (of the tensor max)", dev, GRAD_RTOL, f"{where} {param}", got["grad_scales"][param])
+        scored = report["scored"]
+        if scored is None:  # not the last pipeline stage
+            continue
+        for key in ("logprobs", "entropies"):
+            assert scored[f"{key}_shapes"] and scored[f"{key}_same_shapes"], (rank, key)
+            check(key, scored[key], LOGPROB_ATOL, f"rank {rank}")
+        assert all(scored["routing_equal"]) and scored["routing_shapes"], (rank, scored["routing_equal"])
+    print(f"\n{name}: packed against padded, {len(CASES)} losses on {world} ranks; largest deviations:")
+    for kind, (dev, where) in sorted(worst.items()):
+        print(f"  {kind:42s} {dev:.2e}  {where}")
+
+    # a real comparison: every case trained, no two losses alike, the masks and corrections acted
+    cases = ranks[0]["cases"]
     trained = sum(p + 1 - q for p, q in zip(POSITIONS, PROMPTS)) - sum(
         int((~s.train_mask).sum()) for s in _samples() if s.train_mask is not None)
-    assert metrics["num_tokens"] == trained and metrics["grad_norm"] > 0
+    for case, got in cases.items():
+        assert got["padded"]["num_tokens"] == trained and got["padded"]["grad_norm"] > 0, case
+    assert len({round(got["padded"]["loss"], 9) for got in cases.values()}) == len(cases), "every loss differs"
+    assert {case.split("/")[0] for case in cases} == set(POLICY_LOSSES)
+    assert {case.split("/")[1] for case in cases} == set(AGGREGATIONS)
+    assert {case.split("/")[2] for case in cases} >= set(CORRECTIONS)
+    assert any(got["padded"]["correction_drop_frac"] > 0 for case, got in cases.items() if case.endswith("/icepop"))
+    assert any(got["padded"]["correction_drop_frac"] > 0 for case, got in cases.items() if case.endswith("/mis"))
+    assert any(got["padded"]["correction_weight_mean"] != 1.0 for case, got in cases.items() if case.endswith("/tis"))
+    assert all(got["padded"]["clip_frac"] > 0 for case, got in cases.items() if case.startswith(("bpo", "grpo")))
+    assert "correction_weight_mean" not in cases["bpo/seq-mean-token-mean/no-old-logprobs"]["padded"]
 
 
 # ------------------------------------------------------------------------------ refusals
