@@ -34,6 +34,7 @@ def command(name: str, help: str) -> Callable[[Callable[[list[str]], int]], Call
 BENCHMARKS: dict[str, str] = {
     "async": "bpo_megatron.bench.asynchronous",
     "logprobs": "bpo_megatron.bench.logprobs",
+    "mechanism": "bpo_megatron.bench.mechanism",
     "packing": "bpo_megatron.bench.packing",
     "rollout": "bpo_megatron.bench.rollout",
     "sglang-concurrency": "bpo_megatron.bench.sglang_concurrency",

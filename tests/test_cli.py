@@ -1,5 +1,6 @@
 """The bpo-megatron command line: the command registry and refusals before any work."""
 
+import csv
 from pathlib import Path
 
 import pytest
@@ -33,8 +34,9 @@ def test_compare_refuses_a_bad_sweep(capsys):
 
 
 def test_compare_summarises_runs_into_the_papers_table(tmp_path, capsys):
-    """Peak (the best evaluation, the paper's checkpoint rule) and final accuracy, mean ± sample
-    standard deviation over seeds, the best peak in bold, and the overlaid curves."""
+    """One number per run (the mean of its last 3 evaluations by default, its peak with --stat
+    peak), mean ± sample standard deviation over seeds, each method against the first paired by
+    seed with a t-interval, the runs written to runs.csv, and the overlaid curves."""
     from bpo_megatron.observability.metrics import MetricsWriter
 
     curves = {  # (loss, seed) -> evaluation accuracy every 10 steps
@@ -49,33 +51,24 @@ def test_compare_summarises_runs_into_the_papers_table(tmp_path, capsys):
     assert main(["compare", DEMO, "--losses", "bpo,grpo", "--seeds", "1,2,3", "--out", str(tmp_path),
                  "--summarise-only"]) == 0
     table = (tmp_path / "results.md").read_text()
-    # BPO peaks 0.5, 0.6, 0.4 -> 50.0 ± 10.0; finals 0.4, 0.6, 0.2 -> 40.0 ± 20.0
-    assert "| BPO | **50.0 ± 10.0** | 40.0 ± 20.0 |" in table
-    assert "| GRPO-ClipHigher | 40.0 ± 10.0 | 40.0 ± 10.0 |" in table  # peaks 0.4, 0.3, 0.5
-    assert "over seeds 1, 2, 3" in table
-    assert (tmp_path / "curves.png").stat().st_size > 0
+    # BPO's runs average 0.4, 0.5, 0.3 over their 3 evaluations -> 40.0 ± 10.0
+    assert "| BPO | 3 | 40.0 ± 10.0 | reference | | | |" in table
+    assert "over seeds 1, 2, 3" in table and "last 3 evaluations (steps 0, 10, 20)" in table
+    assert (tmp_path / "curves.png").stat().st_size > 0 and (tmp_path / "runs.csv").is_file()
     assert table.strip() in capsys.readouterr().out
-
-
-def test_paired_bootstrap_interval_of_the_mean_difference():
-    from bpo_megatron.commands.compare import paired_delta
-
-    # equal differences: the interval collapses onto them
-    assert paired_delta([0.5, 0.6, 0.7], [0.4, 0.5, 0.6]) == pytest.approx((0.1, 0.1, 0.1))
-    values, reference = [0.50, 0.42, 0.61, 0.38, 0.55], [0.45, 0.44, 0.50, 0.36, 0.49]
-    mean, low, high = paired_delta(values, reference)
-    deltas = [v - r for v, r in zip(values, reference)]
-    assert mean == pytest.approx(sum(deltas) / 5)
-    assert min(deltas) <= low < mean < high <= max(deltas)
-    assert paired_delta(values, reference) == (mean, low, high)  # a fixed resampling seed
-    with pytest.raises(ValueError):
-        paired_delta([0.1, 0.2], [0.1])
+    assert main(["compare", DEMO, "--losses", "bpo,grpo", "--seeds", "1,2,3", "--out", str(tmp_path),
+                 "--summarise-only", "--stat", "peak"]) == 0
+    table = (tmp_path / "results.md").read_text()
+    # peaks: BPO 0.5, 0.6, 0.4; GRPO 0.4, 0.3, 0.5 -> differences -0.1, -0.3, +0.1: mean -10 points,
+    # sd 20, t(0.975, 2) = 4.302653 -> ±49.7 points; t = -0.866 on 2 degrees of freedom: p = 0.478
+    assert "| BPO | 3 | 50.0 ± 10.0 | reference | | | |" in table
+    assert "| GRPO-ClipHigher | 3 | 40.0 ± 10.0 | -10.0 [-59.7, +39.7] | 3 | 0.478 | 0.478 |" in table
 
 
 def test_compare_grows_a_staleness_axis_with_paired_differences(tmp_path, capsys):
-    """--staleness: one table per train.async.max_staleness, then each method's paired per-seed
-    difference of peak accuracy from the first method's with its bootstrap interval; GRPO + TIS
-    is one of the methods."""
+    """--staleness: one table per train.async.max_staleness, each method's paired per-seed
+    difference from the first method's with its t-interval; GRPO + TIS is one of the methods,
+    decoupled PPO at k > 0 (said under the tables)."""
     from bpo_megatron.observability.metrics import MetricsWriter
 
     peaks = {"bpo": (0.5, 0.6, 0.4), "grpo_tis": (0.4, 0.5, 0.3)}  # GRPO + TIS exactly 10 points lower
@@ -87,11 +80,13 @@ def test_compare_grows_a_staleness_axis_with_paired_differences(tmp_path, capsys
                     writer.write(10 * index, {"reward_mean": value, "eval/mean_avg@4": value})
                 writer.close()
     assert main(["compare", DEMO, "--losses", "bpo,grpo_tis", "--staleness", "0,1", "--seeds", "1,2,3",
-                 "--out", str(tmp_path), "--summarise-only"]) == 0
+                 "--out", str(tmp_path), "--summarise-only", "--stat", "peak"]) == 0
     table = (tmp_path / "results.md").read_text()
     assert "### train.async.max_staleness = 0" in table and "### train.async.max_staleness = 1" in table
-    assert "| BPO | **50.0 ± 10.0** | 20.0 ± 0.0 |" in table and "| BPO | **45.0 ± 10.0** | 20.0 ± 0.0 |" in table
-    assert "| GRPO + TIS | -10.0 [-10.0, -10.0] | -10.0 [-10.0, -10.0] |" in table
+    assert "| BPO | 3 | 50.0 ± 10.0 | reference |" in table and "| BPO | 3 | 45.0 ± 10.0 | reference |" in table
+    assert table.count("| GRPO + TIS | 3 | ") == 2 and table.count(" | -10.0 [-10.0, -10.0] | 3 | < 0.001 |") == 2
+    assert "Holm's method over the 2 contrasts of these tables" in table
+    assert "GRPO + TIS at train.async.max_staleness > 0: π_old is the trainer's weights" in table
 
 
 def test_compare_staleness_runs_are_checked_with_engines_apart(tmp_path, capsys):
@@ -110,7 +105,13 @@ def test_compare_runs_every_method_then_summarises(tmp_path, capsys, ray_session
              "train.micro_batch_size=4", "train.sft_warmup_steps=0", "eval.limit=8", "eval.k=2", "eval.every=1",
              "checkpoint.every=0", "logging.tensorboard=false"]
     assert main(["compare", DEMO, *small, "--losses", "bpo,grpo", "--staleness", "1", "--seeds", "1",
-                 "--out", str(tmp_path)]) == 0
+                 "--out", str(tmp_path), "--window", "2"]) == 0  # 2 evaluations: steps 0 and 1
     table = (tmp_path / "results.md").read_text()
     assert "### train.async.max_staleness = 1" in table and "| GRPO-ClipHigher |" in table
     assert (tmp_path / "bpo-k1-s1" / "metrics.jsonl").is_file() and (tmp_path / "grpo-k1-s1" / "metrics.jsonl").is_file()
+    with (tmp_path / "runs.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["run"], r["step"], r["total"], r["trained_steps"]) for r in rows] == [
+        ("bpo-k1-s1", "0", "16", "0"), ("bpo-k1-s1", "1", "16", "1"),  # 8 questions × 2 responses
+        ("grpo-k1-s1", "0", "16", "0"), ("grpo-k1-s1", "1", "16", "1")]
+    assert rows[1]["clip_frac"] != "" and rows[1]["async/staleness_mean"] != ""

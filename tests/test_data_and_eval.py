@@ -259,7 +259,10 @@ def test_evaluation_counts_a_truncated_response_wrong_whatever_the_training_rewa
 
     result = evaluate(generate, sets, CharTokenizer(), reward_fn("exact"), cfg, step=3)
     assert result.counts == {"procedural:add": (2, 4)} and result.scores == {"procedural:add": 0.5}
-    assert result.metrics(2) == {"eval/procedural:add_avg@2": 0.5, "eval/mean_avg@2": 0.5}
+    assert result.metrics(2) == {"eval/procedural:add_avg@2": 0.5, "eval/mean_avg@2": 0.5,
+                                 # the counts of the questions at even and at odd positions
+                                 "eval/procedural:add_correct_even": 1, "eval/procedural:add_responses_even": 2,
+                                 "eval/procedural:add_correct_odd": 1, "eval/procedural:add_responses_odd": 2}
 
 
 def test_evaluation_generates_every_dataset_at_once_and_scores_each_apart():

@@ -44,12 +44,23 @@ def binary_kl(q: float, p: float) -> float:
 def reference_weight_mask(name: str, p: float, q: float, adv: float, seq_ratio: float) -> tuple[float, int]:
     r = p / q
     pos, neg = adv > 0, adv < 0
+    omega = (1 + CFG.bpo_eps - q) / (1 + CFG.bpo_eps - p)
+    bpo_keep = int(not ((pos and omega > EPS_HI) or (neg and omega < EPS_LO)))
+    grpo_keep = int(not ((pos and r > EPS_HI) or (neg and r < EPS_LO)))
     if name == "bpo":
-        omega = (1 + CFG.bpo_eps - q) / (1 + CFG.bpo_eps - p)
-        dropped = (pos and omega > EPS_HI) or (neg and omega < EPS_LO)
-        return min(omega, CFG.bpo_cap), int(not dropped)
+        return min(omega, CFG.bpo_cap), bpo_keep
     if name == "grpo":
-        return r, int(not ((pos and r > EPS_HI) or (neg and r < EPS_LO)))
+        return r, grpo_keep
+    if name == "grpo_dualclip":
+        return r, int(grpo_keep and not (neg and r > CFG.dual_clip_c))
+    if name == "sapo":
+        tau = CFG.sapo_tau_pos if pos else CFG.sapo_tau_neg
+        gate = 1.0 / (1.0 + math.exp(-tau * (r - 1.0)))
+        return 4.0 * gate * (1.0 - gate) * r, 1
+    if name == "bpo_mask_r_weight":
+        return r, bpo_keep
+    if name == "omega_weight_grpo_mask":
+        return min(omega, CFG.bpo_cap), grpo_keep
     if name == "cispo":
         return min(r, CFG.cispo_cap), 1
     if name == "dppo_tv":
@@ -84,10 +95,16 @@ def boundary_tokens(name: str) -> list[tuple[float, float, float]]:
     ratio = lambda p, q: p / q  # noqa: E731
     shift = lambda p, q: p - q  # noqa: E731
     kl = lambda p, q: binary_kl(q, p)  # noqa: E731
-    if name == "bpo":
+    if name in ("bpo", "bpo_mask_r_weight"):
         measure, thresholds = omega, [(EPS_HI, +1.0), (EPS_LO, -1.0)]
-    elif name in ("grpo", "cispo"):
+    elif name in ("grpo", "cispo", "sapo", "omega_weight_grpo_mask"):
         measure, thresholds = ratio, [(EPS_HI, +1.0), (EPS_LO, -1.0)]
+    elif name == "grpo_dualclip":  # the dual bound c needs a small μ for p = c·μ to be a probability
+        tokens = []
+        for value, adv, q_edge in ((EPS_HI, +1.0, q), (EPS_LO, -1.0, q), (CFG.dual_clip_c, -1.0, 0.2)):
+            p_edge = value * q_edge
+            tokens += [(p_edge - NUDGE, q_edge, adv), (p_edge + NUDGE, q_edge, adv)]
+        return tokens
     elif name == "dppo_tv":
         measure, thresholds = shift, [(CFG.dppo_delta, +1.0), (-CFG.dppo_delta, -1.0)]
     elif name == "dppo_kl":
@@ -181,6 +198,101 @@ def test_boundary_tokens_fall_on_both_sides_of_the_mask(name):
     p = lp.detach()[0, :4].exp()
     assert p[0] < p[1] and p[2] < p[3]
     assert (row != 0).tolist() == [True, False, False, True]
+
+
+@pytest.mark.parametrize("name", ["bpo_mask_r_weight", "omega_weight_grpo_mask", "grpo_dualclip"])
+def test_decomposed_and_dual_clip_masks_fall_on_both_sides(name):
+    lp, lq, adv, mask = make_batch(name)
+    lp.requires_grad_()
+    compute_policy_loss(lp, lq, adv, mask, PolicyLossConfig(name=name, agg="token-sum"))[0].backward()
+    kept = (lp.grad[0] != 0).tolist()
+    # pairs straddle ε_high (Â>0), ε_low (Â<0) and, for dual-clip, c (Â<0: the larger p is dropped)
+    want = [True, False, False, True] + ([True, False] if name == "grpo_dualclip" else kept[4:])
+    assert kept == want
+
+
+def test_grpo_dualclip_is_gradient_equivalent_to_the_dual_clip_objective():
+    """For Â<0: −max(min(rÂ, clip(r)Â), cÂ); for Â≥0: GRPO's −min(rÂ, clip(r)Â)."""
+    gen = torch.Generator().manual_seed(8)
+    lq = torch.log(torch.rand(6, 8, generator=gen) * 0.5 + 0.02)
+    lp = (lq + torch.randn(6, 8, generator=gen) * 1.2).clamp(max=-1e-3).requires_grad_()
+    adv = torch.tensor([1.0, -0.5, -1.5, 0.7, -2.0, 0.0])
+    mask = torch.rand(6, 8, generator=gen) > 0.1
+    loss, _ = compute_policy_loss(lp, lq, adv, mask, PolicyLossConfig(name="grpo_dualclip", agg="token-mean"))
+    (ours,) = torch.autograd.grad(loss, lp)
+
+    lp_ref = lp.detach().clone().requires_grad_()
+    r = torch.exp(lp_ref - lq)
+    a = adv.unsqueeze(-1)
+    ppo = torch.minimum(r * a, r.clamp(1 - CFG.eps_low, 1 + CFG.eps_high) * a)
+    objective = torch.where(a < 0, torch.maximum(ppo, CFG.dual_clip_c * a), ppo)
+    (ref,) = torch.autograd.grad(-(objective * mask).sum() / mask.sum(), lp_ref)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-14)
+    beyond = mask & (a < 0) & (r.detach() > CFG.dual_clip_c)
+    assert beyond.any(), "the batch must hold negative-advantage tokens beyond c"
+    assert not ours[beyond].any()
+
+
+def test_sapo_is_gradient_equivalent_to_the_soft_gate_objective():
+    """SAPO: −f(r)·Â with f(r) = (4/τ)·σ(τ(r − 1)), τ by sign of Â."""
+    gen = torch.Generator().manual_seed(9)
+    lq = torch.log(torch.rand(5, 7, generator=gen) * 0.9 + 0.05)
+    lp = (lq + torch.randn(5, 7, generator=gen) * 0.6).clamp(max=-1e-3).requires_grad_()
+    adv = torch.tensor([1.0, -0.5, 2.0, -1.2, 0.0])
+    mask = torch.rand(5, 7, generator=gen) > 0.2
+    cfg = PolicyLossConfig(name="sapo", agg="seq-mean-token-mean", sapo_tau_pos=1.3, sapo_tau_neg=2.1)
+    loss, metrics = compute_policy_loss(lp, lq, adv, mask, cfg)
+    (ours,) = torch.autograd.grad(loss, lp)
+
+    lp_ref = lp.detach().clone().requires_grad_()
+    r = torch.exp(lp_ref - lq)
+    a = adv.unsqueeze(-1)
+    tau = torch.where(a > 0, 1.3, 2.1)
+    f = 4.0 / tau * torch.sigmoid(tau * (r - 1.0))
+    per_seq = (-(f * a) * mask).sum(-1) / mask.sum(-1)
+    (ref,) = torch.autograd.grad(per_seq.mean(), lp_ref)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-14)
+    assert metrics["clip_frac"] == 0.0
+
+
+def test_sapo_gate_values():
+    # r = 1: weight 1 for either sign; r = 2, τ = 1: 4σ(1)σ(−1)·2; the Â<0 side (τ_neg = 1.05) is lower
+    lq = torch.log(torch.tensor([[0.2, 0.2, 0.2, 0.2]]))
+    lp = torch.log(torch.tensor([[0.2, 0.4, 0.2, 0.4]])).requires_grad_()
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    _, metrics = compute_policy_loss(lp, lq, adv, torch.ones(1, 4), PolicyLossConfig(name="sapo", agg="token-sum"))
+    sig = lambda x: 1.0 / (1.0 + math.exp(-x))  # noqa: E731
+    pos, neg = 4 * sig(1.0) * sig(-1.0) * 2, 4 * sig(1.05) * sig(-1.05) * 2
+    assert neg < pos < 2.0
+    assert metrics["weight_mean"] == pytest.approx((1.0 + pos + 1.0 + neg) / 4, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_on_policy_every_loss_is_plain_policy_gradient(name):
+    """At π = μ every ratio is 1: each loss's weight is 1 and nothing is masked, so its gradient
+    is −Â·∇log π (what makes the mechanism experiment's one-update control a test)."""
+    gen = torch.Generator().manual_seed(10)
+    lp = torch.log(torch.rand(4, 5, generator=gen) * 0.9 + 0.05).requires_grad_()
+    adv = torch.tensor([1.0, -0.8, 0.3, -1.7])
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    mask[2, 3:] = False
+    loss, metrics = compute_policy_loss(lp, lp.detach(), adv, mask, PolicyLossConfig(name=name, agg="token-sum"))
+    (grad,) = torch.autograd.grad(loss, lp)
+    torch.testing.assert_close(grad, torch.where(mask, -adv.unsqueeze(-1), 0.0), rtol=0, atol=0)
+    assert metrics["clip_frac"] == 0.0 and metrics["weight_max"] == 1.0
+
+
+def test_bpo_with_a_large_eps_is_policy_gradient_without_mask():
+    """``bpo_eps=1e3`` is BPO without correction or mask: ω ∈ [1000/1001, 1001/1000] for any
+    p, q, inside the clip interval and below the cap, even far off-policy."""
+    lp, lq, adv, mask = make_batch("grpo", seed=11)
+    lp.requires_grad_()
+    loss, metrics = compute_policy_loss(lp, lq, adv, mask, PolicyLossConfig(name="bpo", bpo_eps=1e3, agg="token-sum"))
+    (grad,) = torch.autograd.grad(loss, lp)
+    plain = torch.where(mask, -adv, 0.0)
+    torch.testing.assert_close(grad, plain, rtol=1e-3, atol=0)
+    assert metrics["clip_frac"] == 0.0
+    assert abs(metrics["weight_max"] - 1.0) <= 1e-3
 
 
 def test_gspo_sequence_clip_on_both_sides():
@@ -359,6 +471,10 @@ def test_nonfinite_values_off_the_mask_are_ignored():
         (dict(dppo_ratio_cap=0.0), r"PolicyLossConfig.dppo_ratio_cap must be >= 1"),
         (dict(eps_low=1.0), r"PolicyLossConfig.eps_low must be in \[0, 1\)"),
         (dict(norm_length=0), "PolicyLossConfig.norm_length must be a positive"),
+        (dict(dual_clip_c=1.0), r"PolicyLossConfig.dual_clip_c must be > 1 \(it bounds the ratio"),
+        (dict(name="grpo_dualclip", dual_clip_c=0.5), r"PolicyLossConfig.dual_clip_c must be > 1"),
+        (dict(sapo_tau_pos=0.0), "PolicyLossConfig.sapo_tau_pos must be > 0"),
+        (dict(name="sapo", sapo_tau_neg=-1.05), "PolicyLossConfig.sapo_tau_neg must be > 0"),
     ],
 )
 def test_bad_config_is_refused_naming_the_field(kwargs, match):

@@ -163,12 +163,16 @@ def test_compare_notes_the_methods_whose_pi_old_is_decoupled():
     """``compare --staleness``: GRPO + TIS at k > 0 anchors to the weights at the step's start,
     which results.md states under its tables; BPO (no π_old) and k = 0 are not named."""
     from bpo_megatron.commands.compare import decoupled_methods, variants
+    from bpo_megatron.commands.runs_csv import EvalRow
     from bpo_megatron.experiment import load_experiment
 
-    def configs(staleness):
-        return {(variant, k, 1): load_experiment("configs/tiny_moe_cpu.yaml", [
-                    *variant.overrides, f"train.async.max_staleness={k}", "cluster.colocate=false"], check_model=False)
-                for variant in variants(["bpo", "grpo_tis"], None) for k in staleness}
+    def rows(staleness):  # one evaluation of each run, π_old recomputed as its config says
+        return [EvalRow(run=f"{variant.slug}-k{k}", method=variant.label, method_id=variant.slug, staleness=k, seed=1,
+                        recompute_old_logprobs=load_experiment("configs/tiny_moe_cpu.yaml", [
+                            *variant.overrides, f"train.async.max_staleness={k}", "cluster.colocate=false"],
+                            check_model=False).train.recompute_old_logprobs,
+                        step=0, dataset="procedural:add", eval_k=4, accuracy=0.0)
+                for variant in variants(["bpo", "grpo_tis"], None) for k in staleness]
 
-    assert decoupled_methods(configs([0, 2])) == ["GRPO + TIS"]
-    assert decoupled_methods(configs([0])) == []
+    assert decoupled_methods(rows([0, 2])) == ["GRPO + TIS"]
+    assert decoupled_methods(rows([0])) == []

@@ -89,7 +89,7 @@ new_venv .venv pyproject.toml tools/constraints-cpu.txt
 # torch first and exactly: a range would let pip choose a multi-GB CUDA build.
 echo "[setup] installing torch (CPU) and megatron-core"
 "${PIP[@]}" install -c tools/constraints-cpu.txt torch megatron-core
-echo "[setup] installing bpo-megatron (editable) with test tools"
-"${PIP[@]}" install -c tools/constraints-cpu.txt -e ".[dev]"
+echo "[setup] installing bpo-megatron (editable) with test tools and the experiment trackers"
+"${PIP[@]}" install -c tools/constraints-cpu.txt -e ".[dev,trackers]"
 "$VENV/bin/python" -m pip check
 finish_venv "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__)"

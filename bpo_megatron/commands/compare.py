@@ -1,19 +1,30 @@
 """``bpo-megatron compare CONFIG [overrides]``: the paper's comparison, at any scale.
 
 Runs BPO and the four baselines (or a sweep of one setting, e.g. ``--sweep loss.bpo_eps=0.05,0.1,0.2,0.3``)
-with otherwise identical settings over several seeds, then writes ``results.md`` (a table like the
-paper's Table 1: peak mean accuracy at the best checkpoint, final accuracy) and ``curves.png``.
-``--staleness 0,1,2,4`` repeats everything at each ``train.async.max_staleness`` (engines apart from
-the trainer) and adds, per staleness, each method's paired per-seed difference of peak accuracy
-from the first method's, with a bootstrap 95% interval over the seeds. ``grpo_tis`` is GRPO with
-truncated importance sampling by ρ = π_old/μ (``loss.correction=tis``), π_old the trainer's own
-log-probs of the weights at each step's start: in the synchronous loop the sampling weights, so ρ
-is the engine/trainer mismatch; at a staleness k > 0 newer weights (decoupled PPO), so ρ carries
-the responses' staleness too (results.md says so under its tables).
+with otherwise identical settings over several seeds, then writes ``runs.csv`` (every evaluation of
+every run, with its training metrics), ``results.md`` and ``curves.png``. ``--staleness 0,1,2,4``
+repeats everything at each ``train.async.max_staleness`` (engines apart from the trainer).
+
+The tables reduce each run to one number (``--stat``): the mean of its last ``--window``
+evaluations (``final-window``, the default), the area under its evaluation curve per step
+(``auc``), its best evaluation (``peak``, the paper's checkpoint rule, biased upward), or its
+accuracy on held-out questions at the step selected on others (``heldout-peak``: selected on the
+first evaluation dataset and reported on the mean of the others; with one dataset, selected on its
+questions at even positions and reported on those at odd positions). Each method is compared with
+the first one by its per-seed differences (every method of a seed starts from the same policy): the
+mean with a 95% Student t-interval over the n pairs, a paired t-test's p-value, and that p-value
+adjusted by Holm's method over every contrast of the tables, or over the contrasts ``--primary``
+declares before the runs (``grpo@4,cispo@4``: method and staleness; the rest is exploratory).
+
+``grpo_tis`` is GRPO with truncated importance sampling by ρ = π_old/μ (``loss.correction=tis``),
+π_old the trainer's own log-probs of the weights at each step's start: in the synchronous loop the
+sampling weights, so ρ is the engine/trainer mismatch; at a staleness k > 0 newer weights, so it is
+decoupled PPO and ρ carries the responses' staleness too (results.md says so under its tables).
 
     bpo-megatron compare configs/tiny_moe_cpu.yaml --seeds 1,2,3 --out runs/compare
-    bpo-megatron compare configs/tiny_moe_cpu.yaml --losses bpo,grpo,gspo,cispo,dppo_tv,grpo_tis \
+    bpo-megatron compare configs/tiny_moe_cpu.yaml --losses bpo,grpo,gspo,cispo,dppo_tv,grpo_tis \\
         --staleness 0,1,2,4 --seeds 1,2,3,4,5 --out runs/staleness
+    bpo-megatron compare --from-csv runs/staleness/runs.csv --stat auc --out runs/staleness_auc
 """
 
 from __future__ import annotations
@@ -24,12 +35,22 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from bpo_megatron.commands.runs_csv import EvalRow, read_csv, run_rows, write_csv
+from bpo_megatron.commands.statistics import (STATS, PairedDifference, area_under_curve, final_window, heldout_peak,
+                                              holm, paired_t, peak)
+
 PAPER_LOSSES = ("bpo", "grpo", "gspo", "cispo", "dppo_tv")
 LABELS = {"bpo": "BPO", "grpo": "GRPO-ClipHigher", "gspo": "GSPO", "cispo": "CISPO", "dppo_tv": "DPPO",
           "dppo_kl": "DPPO (binary KL)", "grpo_tis": "GRPO + TIS"}
 # methods that are more than a loss name
 METHOD_OVERRIDES = {"grpo_tis": ("loss.name=grpo", "loss.correction=tis", "train.recompute_old_logprobs=true")}
-BOOTSTRAP_RESAMPLES = 10_000
+# training metrics shown per method and setting, when the runs recorded them: (metric, heading)
+DIAGNOSTICS = (("async/staleness_mean", "staleness of trained responses (RL steps)"),
+               ("async/partial_frac", "responses spanning an update"),
+               ("abs_logp_diff_mean", "\\|log π − log μ\\|"),
+               ("routing_agreement", "routing agreement"),
+               ("clip_frac", "masked tokens"),
+               ("correction_weight_mean", "correction weight"))
 
 
 @dataclass(frozen=True)
@@ -49,101 +70,269 @@ def variants(losses: list[str], sweep: str | None) -> list[Variant]:
             for name in losses]
 
 
-def paired_delta(values: list[float], reference: list[float], *, resamples: int = BOOTSTRAP_RESAMPLES,
-                 seed: int = 0) -> tuple[float, float, float]:
-    """Mean of the per-seed differences ``values − reference`` and the percentile bootstrap 95%
-    interval of that mean (seeds resampled with replacement)."""
-    import random
-
-    deltas = [v - r for v, r in zip(values, reference, strict=True)]
-    rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(deltas, k=len(deltas))) for _ in range(resamples))
-    return statistics.fmean(deltas), means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+Contrast = tuple[str, "int | None"]  # (method id, staleness)
 
 
-def delta_table(peaks: dict[tuple[str, int], list[float]], labels: list[str], staleness: list[int]) -> str:
-    """Per staleness, each method's paired peak-accuracy difference from ``labels[0]``."""
-    base = labels[0]
-    lines = [f"Peak mean Avg@k minus {base}'s, in points, paired by seed: mean [bootstrap 95% interval].", "",
-             "| method | " + " | ".join(f"staleness {k}" for k in staleness) + " |",
-             "|---|" + "---:|" * len(staleness)]
-    for label in labels[1:]:
-        cells = []
-        for k in staleness:
-            mean, low, high = paired_delta(peaks[(label, k)], peaks[(base, k)])
-            cells.append(f"{100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+def parse_primary(spec: str | None, available: list[Contrast], reference: str) -> list[Contrast]:
+    """``--primary grpo@4,cispo@4`` (``grpo`` without --staleness) as contrasts that exist."""
+    if not spec:
+        return []
+    contrasts = []
+    for item in spec.split(","):
+        name, at, k = item.strip().partition("@")
+        if name == reference:
+            raise ValueError(f"--primary {item!r}: {reference} is the reference every method is compared with")
+        try:
+            contrast = (name, int(k) if at else None)
+        except ValueError:
+            raise ValueError(f"--primary {item!r}: the staleness after @ must be an integer") from None
+        if contrast not in available:
+            choices = ", ".join(m if k is None else f"{m}@{k}" for m, k in available)
+            raise ValueError(f"--primary {item!r} is not a contrast of this comparison; choose among {choices}")
+        contrasts.append(contrast)
+    return contrasts
+
+
+# ------------------------------------------------------------------------------ one number per run
+def _stat_text(stat: str, window: int, runs: dict) -> str:
+    if stat == "final-window":
+        steps = {tuple(step for step, _ in _evaluations(rows)[-window:]) for rows in runs.values()}
+        at = f" (steps {', '.join(map(str, next(iter(steps))))})" if len(steps) == 1 else ""
+        return f"final-window = the mean of each run's last {window} evaluations{at}"
+    if stat == "auc":
+        return ("auc = the area under each run's evaluation curve (trapezoids between evaluations) divided by the "
+                "steps it spans: its mean accuracy over training")
+    if stat == "peak":
+        return ("peak = each run's best evaluation (the paper's checkpoint rule; a maximum over noisy evaluations, "
+                "so biased upward)")
+    datasets = _datasets(next(iter(runs.values())))
+    if len(datasets) > 1:
+        return (f"heldout-peak = each run's mean accuracy on {', '.join(datasets[1:])} at the step of its best "
+                f"accuracy on {datasets[0]} (the earlier on ties)")
+    return (f"heldout-peak = each run's accuracy on the questions at odd positions of {datasets[0]} at the step of "
+            "its best accuracy on those at even positions (the earlier on ties)")
+
+
+def _datasets(rows: list[EvalRow]) -> list[str]:
+    return list(dict.fromkeys(row.dataset for row in rows))
+
+
+def _evaluations(rows: list[EvalRow]) -> list[tuple[int, list[EvalRow]]]:
+    by_step: dict[int, list[EvalRow]] = {}
+    for row in rows:
+        by_step.setdefault(row.step, []).append(row)
+    return sorted(by_step.items())
+
+
+def run_value(rows: list[EvalRow], stat: str, window: int) -> float:
+    """One run's number: its rows (every evaluation and dataset) reduced by ``stat``."""
+    evaluations = _evaluations(rows)
+    curve = [(step, statistics.fmean(r.accuracy for r in at)) for step, at in evaluations]
+    if stat == "final-window":
+        if len(curve) < window:
+            raise ValueError(f"--window {window}: run {rows[0].run} has {len(curve)} evaluations (steps "
+                             f"{', '.join(str(s) for s, _ in curve)}); lower --window")
+        return final_window(curve, window)
+    if stat == "auc":
+        return area_under_curve(curve)
+    if stat == "peak":
+        return peak(curve)
+    if len(_datasets(rows)) > 1:
+        selection = [(step, at[0].accuracy) for step, at in evaluations]
+        report = [(step, statistics.fmean(r.accuracy for r in at[1:])) for step, at in evaluations]
+    else:
+        selection = [(step, at[0].half_accuracy("even")) for step, at in evaluations]
+        report = [(step, at[0].half_accuracy("odd")) for step, at in evaluations]
+    return heldout_peak(selection, report)[1]
+
+
+# ------------------------------------------------------------------------------ the tables
+def _points(value: float) -> str:
+    return f"{100 * value:+.1f}"
+
+
+def _p(p: float | None) -> str:
+    if p is None:
+        return "—"
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _difference(d: PairedDifference) -> str:
+    if d.low is None:
+        return f"{_points(d.mean)} (one pair: no interval)"
+    return f"{_points(d.mean)} [{_points(d.low)}, {_points(d.high)}]"
+
+
+def summary(rows: list[EvalRow], *, stat: str = "final-window", window: int = 3, primary: str | None = None) -> str:
+    """The results tables of ``rows`` (``runs.csv``'s), in ``compare``'s order: settings and
+    methods as they first appear; the first method is the reference."""
+    if stat not in STATS:
+        raise ValueError(f"--stat {stat!r} is unknown; choose one of {', '.join(STATS)}")
+    runs: dict[tuple[str, int | None, int], list[EvalRow]] = {}
+    for row in rows:
+        runs.setdefault((row.method_id, row.staleness, row.seed), []).append(row)
+    labels = {row.method_id: row.method for row in rows}
+    methods = list(labels)
+    settings = list(dict.fromkeys(row.staleness for row in rows))
+    seeds = sorted({row.seed for row in rows})
+    values = {key: run_value(run, stat, window) for key, run in runs.items()}
+    reference = methods[0]
+    contrasts: dict[Contrast, PairedDifference] = {}
+    for k in settings:
+        for method in methods[1:]:
+            paired = [seed for seed in seeds if (method, k, seed) in values and (reference, k, seed) in values]
+            if paired:
+                contrasts[(method, k)] = paired_t([values[(method, k, s)] for s in paired],
+                                                  [values[(reference, k, s)] for s in paired])
+    declared = parse_primary(primary, list(contrasts), reference)
+    family = [c for c in (declared or contrasts) if contrasts[c].p is not None]
+    adjusted = dict(zip(family, holm([contrasts[c].p for c in family])))
+    k_eval = sorted({row.eval_k for row in rows})
+    avg = f"Avg@{k_eval[0]}" if len(k_eval) == 1 else "Avg@k"
+    if declared:
+        named = ", ".join(f"{labels[m]}" + ("" if k is None else f" at staleness {k}") for m, k in declared)
+        scope = (f"the {_count(len(family), 'contrast')} declared primary ({named}); the others are exploratory, "
+                 "without an adjusted p-value")
+    else:
+        scope = f"the {_count(len(family), 'contrast')} of these tables"
+    sections = [
+        f"{_stat_text(stat, window, runs)}. Mean {avg} (%) over seeds {', '.join(map(str, seeds))} ± sample standard "
+        f"deviation; runs = seeds of the method. Against {labels[reference]}: the per-seed differences in points, "
+        "paired by seed, as mean [95% Student t-interval over the pairs, pairs − 1 degrees of freedom]; p: two-sided "
+        f"paired t-test; p (Holm): p adjusted by Holm's method over {scope}."]
+    for k in settings:
+        lines = [f"| method | runs | {stat} | − {labels[reference]} [95% t-interval] | pairs | p | p (Holm) |",
+                 "|---|---:|---:|---:|---:|---:|---:|"]
+        for method in methods:
+            run_values = [values[(method, k, s)] for s in seeds if (method, k, s) in values]
+            if not run_values:
+                continue
+            mean = 100 * statistics.fmean(run_values)
+            cell = f"{mean:.1f} ± {100 * statistics.stdev(run_values):.1f}" if len(run_values) > 1 else f"{mean:.1f}"
+            if method == reference:
+                lines.append(f"| {labels[method]} | {len(run_values)} | {cell} | reference | | | |")
+                continue
+            d = contrasts.get((method, k))
+            if d is None:
+                lines.append(f"| {labels[method]} | {len(run_values)} | {cell} | no seed in common | | | |")
+                continue
+            holm_p = _p(adjusted[(method, k)]) if (method, k) in adjusted else "—"
+            lines.append(f"| {labels[method]} | {len(run_values)} | {cell} | {_difference(d)} | {d.n} | {_p(d.p)} "
+                         f"| {holm_p} |")
+        heading = "" if k is None else f"### train.async.max_staleness = {k}\n\n"
+        sections.append(heading + "\n".join(lines))
+    diagnostics = diagnostics_table(runs, labels, methods, settings, seeds)
+    if diagnostics:
+        sections.append(diagnostics)
+    decoupled = decoupled_methods(rows)
+    if decoupled:
+        sections.append(f"{', '.join(decoupled)} at train.async.max_staleness > 0: π_old is the trainer's weights at "
+                        "each step's start, newer than those that sampled the responses (decoupled PPO), so the "
+                        "correction's ρ = π_old/μ carries staleness as well as the engine/trainer mismatch.")
+    return "\n\n".join(sections)
+
+
+def decoupled_methods(rows: list[EvalRow]) -> list[str]:
+    """The methods whose π_old, at some staleness k > 0, is not the sampling weights."""
+    return list(dict.fromkeys(row.method for row in rows if row.staleness and row.recompute_old_logprobs))
+
+
+def diagnostics_table(runs: dict, labels: dict, methods: list[str], settings: list, seeds: list[int]) -> str:
+    """Each run's training metrics averaged over its RL steps, then over seeds (empty when the
+    runs recorded none of :data:`DIAGNOSTICS`)."""
+    per_run: dict[tuple, dict[str, float]] = {}
+    for key, rows in runs.items():
+        sums: dict[str, list[float]] = {}
+        for _, at in _evaluations(rows):
+            row = at[0]  # a row per dataset, all with the same training metrics
+            for metric, value in row.training.items():
+                total = sums.setdefault(metric, [0.0, 0.0])
+                total[0] += value * row.trained_steps
+                total[1] += row.trained_steps
+        per_run[key] = {metric: num / steps for metric, (num, steps) in sums.items() if steps}
+    shown = [(metric, heading) for metric, heading in DIAGNOSTICS if any(metric in m for m in per_run.values())]
+    if not shown:
+        return ""
+    staleness = settings != [None]
+    lines = ["Training diagnostics: each run's mean over its RL steps, then the mean over seeds.", "",
+             "| " + ("staleness | " if staleness else "") + "method | " + " | ".join(h for _, h in shown) + " |",
+             "|" + ("---:|" if staleness else "") + "---|" + "---:|" * len(shown)]
+    for k in settings:
+        for method in methods:
+            keys = [(method, k, s) for s in seeds if (method, k, s) in per_run]
+            if not keys:
+                continue
+            cells = []
+            for metric, _ in shown:
+                present = [per_run[key][metric] for key in keys if metric in per_run[key]]
+                cells.append(f"{statistics.fmean(present):.4g}" if present else "—")
+            lines.append("| " + (f"{k} | " if staleness else "") + f"{labels[method]} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def decoupled_methods(configs: dict) -> list[str]:
-    """The methods whose π_old, at some staleness k > 0, is not the sampling weights (``configs``:
-    (variant, k, seed) -> experiment)."""
-    labels = []
-    for (variant, k, _), cfg in configs.items():
-        if k and cfg.train.recompute_old_logprobs and variant.label not in labels:
-            labels.append(variant.label)
-    return labels
+def check_evaluations(cfg, stat: str, window: int) -> None:
+    """A run about to start must evaluate, and often enough for ``--window``."""
+    ev = cfg.eval
+    if not ev.every:
+        raise ValueError(f"{cfg.name}: eval.every=0 never evaluates, and compare compares evaluations; set "
+                         "eval.every > 0")
+    count = int(ev.at_start) + cfg.train.steps // ev.every
+    if stat == "final-window" and count < window:
+        raise ValueError(f"--window {window}: {cfg.name} will evaluate {count} times (eval.at_start={ev.at_start}, "
+                         f"then every eval.every={ev.every} of train.steps={cfg.train.steps} steps); lower --window "
+                         "or evaluate more often")
 
 
-def summarise(run_dirs: list[Path]) -> tuple[list[float], list[float]]:
-    """(peak mean accuracy, final accuracy) per run."""
-    from bpo_megatron.observability.metrics import read_metrics
-    from bpo_megatron.observability.plot import eval_key
-
-    peaks, finals = [], []
-    for run_dir in run_dirs:
-        records = read_metrics(run_dir)
-        key = eval_key(records)
-        if key is None:
-            raise ValueError(f"{run_dir} has no evaluation results; set eval.every > 0")
-        curve = [r[key] for r in records if key in r]
-        peaks.append(max(curve))
-        finals.append(curve[-1])
-    return peaks, finals
-
-
-def table(rows: list[tuple[str, list[float], list[float]]], seeds: list[int]) -> str:
-    def cell(values: list[float]) -> str:
-        mean = 100 * statistics.fmean(values)
-        return f"{mean:.1f} ± {100 * statistics.stdev(values):.1f}" if len(values) > 1 else f"{mean:.1f}"
-
-    lines = [f"Mean Avg@k (%) over seeds {', '.join(map(str, seeds))}: peak = best evaluation of the run "
-             "(the paper's checkpoint rule), final = last evaluation.", "",
-             "| method | peak | final |", "|---|---:|---:|"]
-    best_peak = max(statistics.fmean(p) for _, p, _ in rows)
-    for label, peaks, finals in rows:
-        peak = cell(peaks)
-        if statistics.fmean(peaks) == best_peak:
-            peak = f"**{peak}**"
-        lines.append(f"| {label} | {peak} | {cell(finals)} |")
-    return "\n".join(lines)
-
-
+# ------------------------------------------------------------------------------ the command
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="bpo-megatron compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config")
+    parser.add_argument("config", nargs="?", help="the experiment (not with --from-csv)")
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--losses", default=",".join(PAPER_LOSSES))
     parser.add_argument("--sweep", default=None, help="one setting's values instead of --losses")
-    parser.add_argument("--seeds", default="1,2,3", help="comma-separated; the table shows mean ± std over them")
+    parser.add_argument("--seeds", default="1,2,3", help="comma-separated; the methods are paired by seed")
     parser.add_argument("--staleness", default=None,
                         help="comma-separated train.async.max_staleness values: the whole grid at each")
     parser.add_argument("--out", default="runs/compare")
-    parser.add_argument("--summarise-only", action="store_true", help="only rebuild the table and the plot")
+    parser.add_argument("--stat", default="final-window", choices=STATS, help="the number each run is reduced to")
+    parser.add_argument("--window", type=int, default=3, help="final-window: how many last evaluations it averages")
+    parser.add_argument("--primary", default=None,
+                        help="pre-declared contrasts, e.g. grpo@4,cispo@4 (method@staleness): Holm adjusts over these")
+    parser.add_argument("--summarise-only", action="store_true", help="only rebuild runs.csv, the tables and the plot")
+    parser.add_argument("--from-csv", default=None, metavar="PATH",
+                        help="rebuild the tables from a runs.csv alone (no config, no run directories)")
     parser.add_argument("--check", action="store_true", help="check every run's config, data and directory, then exit")
     args = parser.parse_args(argv)
+
+    out = Path(args.out)
+    if args.window < 1:
+        return _refuse(f"--window {args.window} must be >= 1")
+    if args.from_csv:
+        if args.config or args.overrides:
+            return _refuse("--from-csv rebuilds the tables from the CSV alone: drop CONFIG and its overrides")
+        try:
+            text = summary(read_csv(Path(args.from_csv)), stat=args.stat, window=args.window, primary=args.primary)
+        except (FileNotFoundError, ValueError) as exc:
+            return _refuse(str(exc))
+        return _write(text, out, note=f"wrote {out / 'results.md'} (curves.png needs the run directories)")
+    if not args.config:
+        return _refuse("name the experiment CONFIG (or rebuild the tables from a runs.csv with --from-csv PATH)")
 
     from bpo_megatron.config import ConfigError
     from bpo_megatron.experiment import load_experiment
     from bpo_megatron.observability.plot import plot_variants
 
-    seeds = [int(s) for s in args.seeds.split(",")]
-    out = Path(args.out)
     try:
+        seeds = [int(s) for s in args.seeds.split(",")]
         staleness = [int(k) for k in args.staleness.split(",")] if args.staleness else [None]
         methods = variants(args.losses.split(","), args.sweep)
+        # the pre-declared contrasts are checked before any run starts
+        parse_primary(args.primary, [(v.slug, k) for k in staleness for v in methods[1:]], methods[0].slug)
         configs = {}
         for k in staleness:
             lag = () if k is None else (f"train.async.max_staleness={k}", "cluster.colocate=false")
@@ -154,10 +343,14 @@ def main(argv: list[str]) -> int:
                         *args.overrides, *variant.overrides, *lag, f"name={name}", f"train.seed={seed}",
                         f"rollout.seed={seed}", f"logging.run_dir={out / name}"])
     except (ConfigError, FileNotFoundError, ValueError) as exc:
-        print(f"bpo-megatron compare: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(str(exc))
     if not args.summarise_only:
-        from bpo_megatron.loop.preflight import prepare, summary
+        try:  # runs that could not be summarised as asked are refused before any starts
+            for cfg in configs.values():
+                check_evaluations(cfg, args.stat, args.window)
+        except ValueError as exc:
+            return _refuse(str(exc))
+        from bpo_megatron.loop.preflight import prepare, summary as plan_summary
         from bpo_megatron.loop.rl_loop import execute
         from bpo_megatron.orchestration.groups import EnginesFailed, TrainerFailed
 
@@ -166,10 +359,9 @@ def main(argv: list[str]) -> int:
             for key, cfg in configs.items():
                 plans[key] = prepare(cfg)
         except ConfigError as exc:
-            print(f"bpo-megatron compare: {exc}", file=sys.stderr)
-            return 2
+            return _refuse(str(exc))
         if args.check:
-            print("\n".join(summary(run_plan) for run_plan in plans.values()))
+            print("\n".join(plan_summary(run_plan) for run_plan in plans.values()))
             return 0
         for (variant, k, seed), run_plan in plans.items():
             at = "" if k is None else f", staleness {k}"
@@ -180,31 +372,35 @@ def main(argv: list[str]) -> int:
                 from bpo_megatron.commands.common import report_failure
 
                 return report_failure("bpo-megatron compare", exc, ["bpo-megatron", "compare", *argv])
-    sections, curves, all_peaks = [], {}, {}
-    for k in staleness:
-        rows = []
-        for variant in methods:
-            dirs = [configs[(variant, k, seed)].run_dir for seed in seeds]
-            try:
-                peaks, finals = summarise(dirs)
-            except (FileNotFoundError, ValueError) as exc:
-                print(f"bpo-megatron compare: {exc}", file=sys.stderr)
-                return 2
-            rows.append((variant.label, peaks, finals))
-            all_peaks[(variant.label, k)] = peaks
-            curves[variant.label if k is None else f"{variant.label}, k={k}"] = dirs
-        heading = "" if k is None else f"### train.async.max_staleness = {k}\n\n"
-        sections.append(heading + table(rows, seeds))
-    if staleness != [None] and len(methods) > 1:
-        sections.append(delta_table(all_peaks, [v.label for v in methods], staleness))
-    decoupled = decoupled_methods(configs)
-    if decoupled:
-        sections.append(f"{', '.join(decoupled)} at train.async.max_staleness > 0: π_old is the trainer's weights at "
-                        "each step's start, newer than those that sampled the responses (decoupled PPO), so the "
-                        "correction's ρ = π_old/μ carries staleness as well as the engine/trainer mismatch.")
-    text = "\n\n".join(sections)
-    (out / "results.md").write_text(text + "\n")
+    from bpo_megatron.observability.metrics import read_metrics
+
+    rows, curves = [], {}
+    try:
+        for (variant, k, seed), cfg in configs.items():
+            rows += run_rows(read_metrics(cfg.run_dir), run=cfg.run_dir.name, method=variant.label,
+                             method_id=variant.slug, staleness=k, seed=seed,
+                             recompute_old_logprobs=cfg.train.recompute_old_logprobs)
+            curves.setdefault(variant.label if k is None else f"{variant.label}, k={k}", []).append(cfg.run_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        return _refuse(str(exc))
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, out / "runs.csv")  # first: whatever the tables ask, the runs' numbers are kept
+    try:
+        text = summary(rows, stat=args.stat, window=args.window, primary=args.primary)
+    except ValueError as exc:
+        return _refuse(f"{exc} (the runs are in {out / 'runs.csv'}: summarise them again with --from-csv)")
     plot_variants(curves, out / "curves.png")
+    return _write(text, out, note=f"wrote {out / 'results.md'}, {out / 'runs.csv'} and {out / 'curves.png'}")
+
+
+def _refuse(message: str) -> int:
+    print(f"bpo-megatron compare: {message}", file=sys.stderr)
+    return 2
+
+
+def _write(text: str, out: Path, *, note: str) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(text + "\n")
     print(text)
-    print(f"wrote {out / 'results.md'} and {out / 'curves.png'}")
+    print(note)
     return 0

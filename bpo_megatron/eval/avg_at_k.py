@@ -3,7 +3,9 @@
 The paper reports Avg@32 on AIME 2024/2025/2026 and their arithmetic mean, and picks the
 checkpoint with the highest mean (the earlier one on ties). Every question has k responses, so a
 dataset's Avg@k is its correct responses over all its responses; evaluations keep those counts
-and compare means as exact fractions of them.
+and compare means as exact fractions of them. They are also kept for two fixed halves of each
+dataset, its questions at even and at odd positions: with one evaluation dataset, a checkpoint
+can then be selected on one half and reported on the other (``compare --stat heldout-peak``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     from bpo_megatron.rollout import GenerationRequest
 
 Counts = dict[str, tuple[int, int]]  # dataset -> (correct responses, responses)
+HALVES = ("even", "odd")  # a dataset's questions at even and at odd positions
 
 
 def exact_mean(counts: Counts) -> Fraction:
@@ -35,6 +38,8 @@ def exact_mean(counts: Counts) -> Fraction:
 class EvalResult:
     step: int
     counts: Counts
+    # dataset -> half ("even", "odd") -> (correct responses, responses); empty when not measured
+    halves: dict[str, Counts] = field(default_factory=dict)
 
     @property
     def scores(self) -> dict[str, float]:
@@ -52,6 +57,10 @@ class EvalResult:
     def metrics(self, k: int) -> dict[str, float]:
         out = {f"eval/{name}_avg@{k}": value for name, value in self.scores.items()}
         out[f"eval/mean_avg@{k}"] = self.mean
+        for name, halves in self.halves.items():
+            for half, (correct, total) in halves.items():
+                out[f"eval/{name}_correct_{half}"] = correct
+                out[f"eval/{name}_responses_{half}"] = total
         return out
 
 
@@ -78,9 +87,12 @@ def load_eval_sets(ev, root: str, fmt: PromptFormat, *, skip_bad: bool) -> list[
     sets = []
     for index, spec in enumerate(ev.datasets):
         try:
-            problems = load_eval_set(spec, root, count=ev.procedural_count, seed=10_000 + index)
+            problems = load_eval_set(spec, root, count=ev.limit or ev.procedural_count, seed=10_000 + index)
         except (OSError, ValueError) as exc:
             raise ValueError(f"eval.datasets[{index}]={spec!r}: {exc}") from exc
+        if ev.limit and ev.limit > len(problems):
+            raise ValueError(f"eval.limit={ev.limit} asks for more questions than eval.datasets[{index}]={spec!r} "
+                             f"holds ({len(problems)}): set eval.limit <= {len(problems)} (or null: all of them)")
         problems = problems[: ev.limit] if ev.limit else problems
         prompts, rejected = usable(problems, [], fmt, setting=f"eval.datasets[{index}]={spec}", skip_bad=skip_bad)
         sets.append(EvalSet(spec, prompts, rejected))
@@ -104,6 +116,7 @@ def evaluate(generate, sets: list[EvalSet], tokenizer, reward_fn, cfg, step: int
     """``generate(requests) -> samples``: any engine or engine group."""
     ev = cfg.eval
     counts: Counts = {}
+    halves: dict[str, Counts] = {}
     # every dataset in one generation: the engines work through all of them at once instead of
     # idling at the tail of each (each request keeps its own seed, so the samples are the same)
     generated = generate(eval_requests(sets, tokenizer, cfg, step))
@@ -115,7 +128,10 @@ def evaluate(generate, sets: list[EvalSet], tokenizer, reward_fn, cfg, step: int
         # training: Avg@k counts correct answers.
         correct = score(samples, answers, tokenizer, reward_fn, truncated_reward=0.0) == 1.0
         counts[eval_set.name] = (int(correct.sum()), correct.numel())
-    return EvalResult(step, counts)
+        by_question = correct.view(-1, ev.k)  # each question's k responses are consecutive
+        halves[eval_set.name] = {half: (int(by_question[start::2].sum()), by_question[start::2].numel())
+                                 for start, half in enumerate(HALVES)}
+    return EvalResult(step, counts, halves)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from bpo_megatron.loop import diagnostics
 from bpo_megatron.loop.batch_shaping import dynamic_batch, punish_overlong
 from bpo_megatron.loop.preflight import RunPlan, prepare
 from bpo_megatron.loop.rollout_pipeline import RolloutPipeline
-from bpo_megatron.loop.run_dir import RunLock, checkpoint_root, initial_hf_dir, record_config
+from bpo_megatron.loop.run_dir import RunLock, checkpoint_root, initial_hf_dir, read_recorded_config, record_config
 from bpo_megatron.loop.samples import training_samples, with_old_logprobs
 from bpo_megatron.loop.sft import sft_warmup
 from bpo_megatron.observability.metrics import MetricsWriter, summary_line
@@ -52,8 +52,8 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
         record_config(cfg, run_dir, changed_at_step=state.step if plan.changes else None)
         verify = reward_fn(cfg.data.reward)
         hf_dir = initial_hf_dir(cfg)
-        metrics_out = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard,
-                                    resume_after=state.step if plan.checkpoint else None)
+        metrics_out = MetricsWriter(run_dir, trackers=cfg.logging.tracker_names, config=read_recorded_config(run_dir),
+                                    settings=cfg.logging, resume_after=state.step if plan.checkpoint else None)
         best = BestCheckpoint(state.best_step, state.best_mean, list(state.eval_history))
         stops = stop_tokens(tokenizer, cfg.rollout.stop_token_ids)
         trainer = engines = placement = None
@@ -168,8 +168,11 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                     trainer.call("save", str(checkpoint_root(cfg)), step, state.to_dict(), cfg.checkpoint.keep_last)
                     plot_runs([run_dir], run_dir / "curves.png", labels=[cfg.name])
             return {"step": state.step, "best_step": best.step, "best_mean": best.mean, "run_dir": str(run_dir)}
+        except BaseException:
+            metrics_out.close(failed=True)  # trackers that keep a status mark the run failed
+            raise
         finally:
-            metrics_out.close()
+            metrics_out.close()  # done already when the run failed
             for group in (engines, trainer):
                 if group is not None:
                     group.shutdown()

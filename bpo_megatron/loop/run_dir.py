@@ -2,6 +2,9 @@
 
     runs/<name>/config.yaml     the resolved config the run trains with
     runs/<name>/metrics.jsonl   one record per step (SFT steps ≤ 0), each step once
+    runs/<name>/trackers.json   each experiment tracker's run id, continued on resume
+                                (``bpo_megatron.observability.trackers.mirror``); tensorboard/,
+                                wandb/ and mlflow/ hold the trackers' own files
     runs/<name>/checkpoints/    trainer checkpoints (see ``bpo_megatron.trainer.checkpoint``)
     runs/<name>/initial_hf/     the random initial weights of a ``model.init: random`` run
     runs/<name>/.lock           the driver that owns the directory (pid, host)

@@ -1,4 +1,5 @@
-"""The policy-loss family: BPO, GRPO-ClipHigher, GSPO, CISPO and DPPO (TV and binary-KL).
+"""The policy-loss family: BPO, GRPO-ClipHigher, GSPO, CISPO and DPPO (TV and binary-KL); GRPO
+dual-clip, SAPO, and the two halves of BPO each paired with the other half of GRPO.
 
     from bpo_megatron.losses import PolicyLossConfig, compute_policy_loss, POLICY_LOSSES
     loss, metrics = compute_policy_loss(logprobs, rollout_logprobs, advantages, loss_mask,

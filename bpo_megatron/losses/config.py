@@ -15,7 +15,9 @@ class PolicyLossConfig:
 
     Defaults are the paper's settings: BPO ε=0.1, C=3.0; GRPO-ClipHigher clip interval
     [1-0.2, 1+0.28] (DAPO), which BPO's mask also uses; CISPO cap 3.0; DPPO δ=0.1; GSPO clip
-    interval [1-3e-3, 1+5e-3]; ``seq-mean-token-mean`` aggregation.
+    interval [1-3e-3, 1+5e-3]; ``seq-mean-token-mean`` aggregation. Beyond the paper: GRPO
+    dual-clip bound c=3 (verl's ``clip_ratio_c``); SAPO temperatures τ_pos=1.0, τ_neg=1.05 (the
+    SAPO paper's settings).
     """
 
     name: str = "bpo"
@@ -28,6 +30,11 @@ class PolicyLossConfig:
     dppo_ratio_cap: float = 10.0
     gspo_eps_low: float = 3e-3
     gspo_eps_high: float = 5e-3
+    # grpo_dualclip: a negative-advantage token whose ratio exceeds this is dropped as well.
+    dual_clip_c: float = 3.0
+    # sapo: temperature of the sigmoid gate for Â>0 and for Â<0 tokens (a larger τ narrows the gate).
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
     agg: str = "seq-mean-token-mean"
     # Constant divisor of each sequence's token sum for ``seq-mean-token-sum-norm`` (set it to
     # the maximum response length so it does not vary between micro-batches); None uses the
@@ -65,7 +72,11 @@ class PolicyLossConfig:
         if not 0 < self.icepop_low <= 1 <= self.icepop_high:
             raise ValueError(f"PolicyLossConfig.icepop_low={self.icepop_low} and icepop_high={self.icepop_high} must "
                              "satisfy 0 < icepop_low <= 1 <= icepop_high (a token whose ratio is 1 is kept)")
-        for field in ("bpo_eps", "dppo_delta", "max_log_ratio"):
+        if not self.dual_clip_c > 1:
+            raise ValueError(f"PolicyLossConfig.dual_clip_c must be > 1 (it bounds the ratio of negative-advantage "
+                             "tokens from above and must leave room above the on-policy ratio 1), "
+                             f"got {self.dual_clip_c}")
+        for field in ("bpo_eps", "dppo_delta", "max_log_ratio", "sapo_tau_pos", "sapo_tau_neg"):
             value = getattr(self, field)
             if not value > 0:
                 raise ValueError(f"PolicyLossConfig.{field} must be > 0, got {value}")

@@ -12,6 +12,23 @@ dppo_tv    min(r, c)                                        Â>0 and p−q>δ, o
 dppo_kl    min(r, c)                                        KLbin(q‖p)>δ and (Â>0 and p>q, or Â<0 and p<q)
 gspo       s_i = exp(mean_t(log p − log q)) per sequence    Â>0 and s_i>1+ε_high, or Â<0 and s_i<1−ε_low
 =========  ==============================================  =============================================
+
+Beyond the paper's comparison, the variants users expect from other frameworks, and the two
+halves of BPO each paired with the other half of GRPO (to tell which half makes a difference):
+
+======================  ===================================  ====================================================
+name                    weight w (stop-gradient)             mask M = 0 when
+======================  ===================================  ====================================================
+grpo_dualclip           r                                    grpo's, or Â<0 and r>c (c = ``dual_clip_c``)
+sapo                    4·σ(x)·σ(−x)·r, x = τ(r−1)            never (τ = τ_pos for Â>0, τ_neg otherwise)
+bpo_mask_r_weight       r                                    bpo's (on the uncapped ω)
+omega_weight_grpo_mask  min(ω, C)                            grpo's (on r)
+======================  ===================================  ====================================================
+
+BPO without its correction and mask needs no loss of its own: with ``bpo_eps=1e3``,
+ω = (1001 − q)/(1001 − p) stays within 1/1000 of 1 for any p and q, inside the clip interval and
+below the cap, so every token is kept with a weight of 1 to within 1e-3: plain policy gradient
+with the group baseline.
 """
 
 from __future__ import annotations
@@ -78,3 +95,39 @@ def gspo(terms: TokenTerms, cfg: PolicyLossConfig) -> Pair:
     seq_ratio = torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(terms.log_ratio)
     keep = terms.clip_mask(seq_ratio, 1.0 - cfg.gspo_eps_low, 1.0 + cfg.gspo_eps_high)
     return seq_ratio, keep
+
+
+@register_policy_loss("grpo_dualclip", "GRPO-ClipHigher with dual-clip: Â<0 tokens with r > c dropped as well")
+def grpo_dualclip(terms: TokenTerms, cfg: PolicyLossConfig) -> Pair:
+    """Dual-clip PPO (Ye et al., 2020; verl's ``clip_ratio_c``). For Â<0 the token objective is
+    max(min(r·Â, clip(r)·Â), c·Â): beyond r > c it is the constant c·Â, so the token gives no
+    gradient, however far the update has pushed π above μ. Â>0 tokens are GRPO's."""
+    ratio, keep = grpo(terms, cfg)
+    return ratio, keep & ~(terms.negative & (ratio > cfg.dual_clip_c))
+
+
+@register_policy_loss("sapo", "SAPO: a sigmoid gate on r instead of the hard clip, temperature by sign of Â")
+def sapo(terms: TokenTerms, cfg: PolicyLossConfig) -> Pair:
+    """Soft Adaptive Policy Optimization (Gao et al., Qwen team, 2025). The token objective is
+    f(r)·Â with f(r) = (4/τ)·σ(τ(r − 1)), τ = τ_pos when Â>0 and τ_neg otherwise (published
+    defaults 1.0 and 1.05; τ_neg > τ_pos damps negative-advantage tokens sooner). Its gradient is
+    4·σ(x)·σ(−x)·r·Â·∇log π with x = τ(r − 1): the weight is exactly 1 at r = 1 and fades
+    smoothly as r leaves 1, so no token is dropped outright."""
+    tau = torch.full_like(terms.ratio, cfg.sapo_tau_neg).masked_fill(terms.positive, cfg.sapo_tau_pos)
+    x = tau * (terms.ratio - 1.0)
+    # σ(−x) rather than 1 − σ(x): exact where σ(x) rounds to 1
+    gate = 4.0 * torch.sigmoid(x) * torch.sigmoid(-x)
+    return gate * terms.ratio, torch.ones_like(terms.mask)
+
+
+@register_policy_loss("bpo_mask_r_weight", "BPO's mask (on ω) with GRPO's weight r: BPO less its weight")
+def bpo_mask_r_weight(terms: TokenTerms, cfg: PolicyLossConfig) -> Pair:
+    _, keep = bpo(terms, cfg)
+    return terms.ratio, keep
+
+
+@register_policy_loss("omega_weight_grpo_mask", "BPO's weight min(ω, C) with GRPO's mask (on r): BPO less its mask")
+def omega_weight_grpo_mask(terms: TokenTerms, cfg: PolicyLossConfig) -> Pair:
+    weight, _ = bpo(terms, cfg)
+    _, keep = grpo(terms, cfg)
+    return weight, keep

@@ -1,1 +1,1 @@
-"""Run outputs: metrics (JSONL, TensorBoard), the per-step line and PNG curves."""
+"""Run outputs: metrics (JSONL, mirrored to TensorBoard, Weights & Biases, MLflow), the per-step line and PNG curves."""

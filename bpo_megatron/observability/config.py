@@ -1,4 +1,5 @@
-"""The ``logging`` section: where a run writes metrics, and how it reports progress."""
+"""The ``logging`` section: where a run writes metrics, which experiment trackers mirror them, and
+how it reports progress."""
 
 from __future__ import annotations
 
@@ -8,5 +9,37 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class LoggingConfig:
     run_dir: str = "runs/{name}"  # {name} is the experiment name
-    tensorboard: bool = True  # also write TensorBoard events when tensorboard is installed
+    # Experiment trackers that mirror metrics.jsonl, any of bpo_megatron.observability.trackers.TRACKERS
+    # (tensorboard, wandb, mlflow). null: TensorBoard alone unless tensorboard=false, what runs did
+    # before this list existed.
+    trackers: tuple[str, ...] | None = None
+    # The TensorBoard switch from before `trackers`, kept so existing configs and overrides work:
+    # false turns TensorBoard off when `trackers` is null, and contradicts a `trackers` naming it.
+    tensorboard: bool = True
     progress: bool = True  # a progress bar and one line per step on the terminal
+    wandb_project: str = "bpo-megatron"
+    # null: a file store in <run_dir>/mlflow; any MLflow tracking URI otherwise (sqlite:///..., http://...)
+    mlflow_uri: str | None = None
+    mlflow_experiment: str = "bpo-megatron"
+
+    def __post_init__(self) -> None:
+        from bpo_megatron.observability.trackers import TRACKERS  # a dict of names: imports no tracker
+
+        if self.trackers is None:
+            return
+        unknown = [name for name in self.trackers if name not in TRACKERS]
+        if unknown:
+            raise ValueError(f"logging.trackers: no tracker {unknown[0]!r}; there are {', '.join(sorted(TRACKERS))}")
+        repeated = sorted({name for name in self.trackers if self.trackers.count(name) > 1})
+        if repeated:
+            raise ValueError(f"logging.trackers lists {repeated[0]} twice; list each tracker once")
+        if "tensorboard" in self.trackers and not self.tensorboard:
+            raise ValueError(f"logging.tensorboard=false contradicts logging.trackers={list(self.trackers)}, which "
+                             "lists tensorboard: drop one of them")
+
+    @property
+    def tracker_names(self) -> tuple[str, ...]:
+        """The trackers this run starts."""
+        if self.trackers is None:
+            return ("tensorboard",) if self.tensorboard else ()
+        return self.trackers

@@ -1,13 +1,13 @@
-"""Run outputs: metrics as JSONL (and TensorBoard when installed), one readable line per step."""
+"""Run outputs: metrics as JSONL (mirrored to the experiment trackers), one readable line per step."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 import warnings
 from pathlib import Path
+from typing import Any, Sequence
 
 # What the one-line summary shows, in order: (metric, label, format)
 SUMMARY = (
@@ -26,43 +26,59 @@ SUMMARY = (
 
 
 class MetricsWriter:
-    """Appends one record per step to ``metrics.jsonl`` (and TensorBoard events).
+    """Appends one record per step to ``metrics.jsonl``, and mirrors it to the experiment trackers.
 
     ``resume_after``: the step the run resumes from. Records of later steps (and, with None, all
     records: a fresh start) are left over from an interrupted attempt that will be run again, so
     they are dropped first and every step is recorded once.
+
+    ``trackers``: names of :data:`bpo_megatron.observability.trackers.TRACKERS`, each told the
+    run's resolved ``config`` (the tree of ``config.yaml``) and ``settings`` (the ``logging``
+    section; None: its defaults), and each continuing its own run on a resume (:mod:`~.trackers.mirror`). A tracker
+    that cannot start or log is warned about and dropped; the run goes on. ``tensorboard=True``
+    adds TensorBoard, for callers from before ``trackers``.
     """
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool, resume_after: int | None = None) -> None:
+    def __init__(self, run_dir: str | Path, *, trackers: Sequence[str] = (), config: dict | None = None,
+                 settings: Any = None, resume_after: int | None = None, tensorboard: bool = False) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         truncate_metrics(run_dir, resume_after)
-        self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                SummaryWriter = None
-            if SummaryWriter is not None:
-                events = Path(run_dir) / "tensorboard"
-                if resume_after is None:
-                    shutil.rmtree(events, ignore_errors=True)
-                # purge_step hides the events of steps after the checkpoint in TensorBoard
-                self._tb = SummaryWriter(str(events), purge_step=None if resume_after is None else resume_after + 1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # truncate_metrics dropped a torn last line already
+            kept = read_metrics(run_dir) if self.path.is_file() else []
+        self._records = len(kept)  # the index in metrics.jsonl of the next record
+        names = (*trackers, *(("tensorboard",) if tensorboard and "tensorboard" not in trackers else ()))
+        self._trackers = None
+        if names:
+            from bpo_megatron.observability.config import LoggingConfig
+            from bpo_megatron.observability.trackers import TrackedRun
+            from bpo_megatron.observability.trackers.mirror import TrackerMirror
+
+            run = TrackedRun.of(run_dir, config=config, settings=settings or LoggingConfig(), resume_after=resume_after)
+            self._trackers = TrackerMirror(run, names, kept)
+
+    @property
+    def trackers(self) -> tuple[str, ...]:
+        """The trackers that receive the records (those that started and have not failed)."""
+        return self._trackers.active if self._trackers is not None else ()
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        record = {"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items()}}
+        metrics = {k: float(v) for k, v in metrics.items()}
+        record = {"step": step, "time": time.time(), **metrics}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
-        if self._tb is not None:
-            for key, value in metrics.items():
-                self._tb.add_scalar(key, value, step)
-            self._tb.flush()
+        if self._trackers is not None:
+            self._trackers.log(self._records, step, metrics, record["time"])
+        self._records += 1
 
-    def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+    def close(self, *, failed: bool = False) -> None:
+        """``failed``: the run stopped on an error (trackers that keep a status mark their run so).
+        Closing again does nothing."""
+        if self._trackers is not None:
+            self._trackers.close(failed=failed)
+            self._trackers = None
 
 
 def progress_bar(done: int, total: int, width: int = 20) -> str:

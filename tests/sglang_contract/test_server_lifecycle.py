@@ -16,6 +16,7 @@ import pytest
 
 from bpo_megatron.rollout.checksums import fingerprints
 from bpo_megatron.rollout.sglang import server as server_module
+from bpo_megatron.rollout.engine import EngineLost
 from bpo_megatron.rollout.sglang.http import ServerError, ServerUnavailable, request_json
 
 from test_sglang_contract import SGLANG_PYTHON, TP, checkpoints, layout, pushed, requests, start, state  # noqa: F401
@@ -87,7 +88,7 @@ def test_a_release_while_requests_run_kills_the_server(checkpoints, layout, tmp_
             while state(engine)["tokens"] < 2:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-            with pytest.raises((ServerUnavailable, ServerError)):
+            with pytest.raises((EngineLost, ServerError)):  # its server is gone: the engine is lost
                 engine.release_memory()
             assert _dies(engine)
             with pytest.raises(Exception):
