@@ -32,18 +32,7 @@ LOSS = PolicyLossConfig(name="bpo", agg="token-mean", correction="tis")
 
 
 def _samples() -> list[TrainSample]:
-    hf = th.tiny_moe()
-    gen = torch.Generator().manual_seed(17)
-    samples = []
-    for i, (positions, prompt) in enumerate(zip(POSITIONS, PROMPTS)):
-        response = positions + 1 - prompt
-        rollout = -torch.rand(response, generator=gen) * 2 - 0.5
-        old = (rollout + (torch.rand(response, generator=gen) - 0.5)).clamp(max=0.0)
-        samples.append(TrainSample(
-            tokens=torch.randint(0, hf.vocab_size, (positions + 1,), generator=gen), response_start=prompt,
-            rollout_logprobs=rollout, advantage=(1.0 if i % 3 else -1.5) * (0.5 + i / 8),
-            routed_experts=th.random_routing(positions, hf, gen), old_logprobs=old))
-    return samples
+    return th.samples_of_lengths(POSITIONS, PROMPTS, seed=17, old_spread=0.5)
 
 
 def _train_both_ways(layout: dict) -> dict:

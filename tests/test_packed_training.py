@@ -84,22 +84,9 @@ CASES = _cases()
 
 
 def _samples() -> list[TrainSample]:
-    hf = th.tiny_moe()
-    gen = torch.Generator().manual_seed(7)
-    samples = []
-    for i, (positions, prompt) in enumerate(zip(POSITIONS, PROMPTS)):
-        response = positions + 1 - prompt
-        rollout = -torch.rand(response, generator=gen) * 2 - 0.5
-        old = (rollout + (torch.rand(response, generator=gen) * 2 - 1)).clamp(max=0.0)  # ratios beyond the caps too
-        train_mask = None
-        if i in (1, 4):  # a few response tokens left out (R3 marked their routing stale)
-            train_mask = torch.rand(response, generator=gen) > 0.4
-            train_mask[-1] = True
-        samples.append(TrainSample(
-            tokens=torch.randint(0, hf.vocab_size, (positions + 1,), generator=gen), response_start=prompt,
-            rollout_logprobs=rollout, advantage=(1.0 if i % 3 else -1.5) * (0.5 + i / 8),
-            routed_experts=th.random_routing(positions, hf, gen), old_logprobs=old, train_mask=train_mask))
-    return samples
+    # π_old up to 1 nat from μ: ratios beyond the caps too; a few response tokens left out (R3
+    # marked their routing stale)
+    return th.samples_of_lengths(POSITIONS, PROMPTS, seed=7, old_spread=1.0, masked=(1, 4))
 
 
 def _loss_by_sample(loss: PolicyLossConfig, logprobs: list[torch.Tensor], with_old: bool) -> tuple[float, float]:

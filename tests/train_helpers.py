@@ -45,6 +45,29 @@ def make_samples(count: int, *, seed: int, routing: bool = False, hf=None) -> li
     return samples
 
 
+def samples_of_lengths(positions: tuple[int, ...], prompts: tuple[int, ...], *, seed: int, old_spread: float,
+                       masked: tuple[int, ...] = (), hf=None) -> list[TrainSample]:
+    """Samples of the given input positions (len(tokens) − 1) and prompt lengths with R3 routing,
+    log μ, log π_old within ``old_spread`` of it (clamped to ≤ 0), advantages of both signs, and
+    for the samples ``masked`` a ``train_mask`` leaving some response tokens out (never the last)."""
+    hf = hf or tiny_moe()
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for i, (length, prompt) in enumerate(zip(positions, prompts)):
+        response = length + 1 - prompt
+        rollout = -torch.rand(response, generator=gen) * 2 - 0.5
+        old = (rollout + (torch.rand(response, generator=gen) * 2 - 1) * old_spread).clamp(max=0.0)
+        train_mask = None
+        if i in masked:
+            train_mask = torch.rand(response, generator=gen) > 0.4
+            train_mask[-1] = True
+        samples.append(TrainSample(
+            tokens=torch.randint(0, hf.vocab_size, (length + 1,), generator=gen), response_start=prompt,
+            rollout_logprobs=rollout, advantage=(1.0 if i % 3 else -1.5) * (0.5 + i / 8),
+            routed_experts=random_routing(length, hf, gen), old_logprobs=old, train_mask=train_mask))
+    return samples
+
+
 def build_actor(hf=None, *, tp=1, pp=1, ep=1, etp=None, replay=False, recompute="none", lr=1e-3, loss="bpo",
                 micro_batch_size=2, grad_clip=1.0, temperature=1.0, weights: str | None = None,
                 max_tokens_per_micro_batch=0):
