@@ -259,3 +259,53 @@ def test_heldout_peak_with_two_datasets_selects_on_the_first(tmp_path):
     path = tmp_path / "runs.csv"
     write_csv(rows, path)
     assert read_csv(path) == rows
+
+
+def test_conditions_of_separate_calls_are_summarised_together_with_primary_contrasts_across_them(
+        runs_dir, tmp_path_factory, capsys):
+    """Two compare calls with their own --condition (and overrides): one table per condition and
+    staleness from the two runs.csv files, Holm over contrasts declared across them."""
+    other = tmp_path_factory.mktemp("bf16")
+    for (loss, k, seed), accuracy in RUNS.items():
+        if k == 0:  # the bf16 condition's runs: GRPO's seed 2 one response better at every evaluation
+            better = [(even + 1, odd) for even, odd in accuracy] if (loss, seed) == ("grpo", 2) else accuracy
+            _write_run(other / f"{loss}-bf16-k0-s{seed}", better, clip=0.03)
+    assert _compare(runs_dir, "--stat", "peak") == 0
+    assert main(["compare", DEMO, "rollout.hf.dtype=bf16", "--condition", "bf16", "--losses", "bpo,grpo",
+                 "--staleness", "0", "--seeds", "1,2", "--out", str(other), "--summarise-only", "--stat", "peak"]) == 0
+    rows = read_csv(other / "runs.csv")
+    assert {row.condition for row in rows} == {"bf16"} and {row.run for row in rows} >= {"grpo-bf16-k0-s2"}
+    out = tmp_path_factory.mktemp("both")
+    both = f"{runs_dir / 'runs.csv'},{other / 'runs.csv'}"
+    assert main(["compare", "--from-csv", both, "--stat", "peak", "--primary", "grpo@2,grpo@bf16/0",
+                 "--out", str(out)]) == 0
+    table = (out / "results.md").read_text()
+    assert ("over the 2 contrasts declared primary (GRPO-ClipHigher at staleness 2, GRPO-ClipHigher at condition "
+            "bf16, staleness 0)") in table
+    assert "### condition bf16, train.async.max_staleness = 0" in table
+    # peaks (bf16): BPO 18/80 = 22.5% and 20/80 = 25%; GRPO 16/80 = 20% and, one better, 17/80 = 21.25%
+    bf16 = table.split("### condition bf16")[1].split("Training diagnostics")[0]
+    assert "| BPO | 2 | 23.8 ± 1.8 | reference |" in bf16
+    assert "| GRPO-ClipHigher | 2 | 20.6 ± 0.9 | -3.1 [-11.1, +4.8] | 2 |" in bf16
+    # a staleness-only table keeps its heading; the diagnostics name each setting
+    assert "### train.async.max_staleness = 2" in table and "| bf16/0 | GRPO-ClipHigher | 0.01 | 0.105 |" in table
+    assert main(["compare", "--from-csv", both, "--primary", "grpo@bf16", "--out", str(out)]) == 2
+    assert "choose among grpo@0, grpo@2, grpo@bf16/0" in capsys.readouterr().err
+
+
+def test_a_runs_csv_written_before_conditions_reads_as_no_condition(runs_dir, tmp_path):
+    assert _compare(runs_dir) == 0
+    with (runs_dir / "runs.csv").open() as f:
+        records = list(csv.DictReader(f))
+    old = tmp_path / "old.csv"
+    with old.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[c for c in records[0] if c != "condition"])
+        writer.writeheader()
+        writer.writerows({k: v for k, v in r.items() if k != "condition"} for r in records)
+    assert summary(read_csv(old)) == summary(read_csv(runs_dir / "runs.csv"))
+    assert {row.condition for row in read_csv(old)} == {""}
+
+
+def test_a_bad_condition_name_is_refused(runs_dir, capsys):
+    assert _compare(runs_dir, "--condition", "bf16 r3") == 2
+    assert "--condition 'bf16 r3': use letters, digits, '-' and '_'" in capsys.readouterr().err

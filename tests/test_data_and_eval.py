@@ -132,6 +132,50 @@ def test_procedural_tasks_are_deterministic_and_correct():
         assert int(x) + int(y) == int(p.answer)
 
 
+def test_a_mixture_of_procedural_tasks_draws_each_problem_from_one_of_them():
+    import random
+
+    from bpo_megatron.data.config import check_procedural
+    from bpo_megatron.data.procedural import TASKS
+
+    mixed = generate("add+max+sort", 300, seed=5)
+    assert mixed == generate("add+max+sort", 300, seed=5) and mixed != generate("add+max+sort", 300, seed=6)
+    kinds = {"+": 0, "max": 0, "sort": 0}
+    for p in mixed:
+        if p.problem.startswith("max "):
+            kinds["max"] += 1
+            assert int(p.answer) == max(map(int, p.problem.split()[1:]))
+        elif p.problem.startswith("sort "):
+            kinds["sort"] += 1
+            assert p.answer == "".join(sorted(p.problem.split()[1:]))
+        else:
+            kinds["+"] += 1
+            assert sum(map(int, p.problem.split("+"))) == int(p.answer)
+    assert min(kinds.values()) > 60  # uniform over the three: 100 each expected
+    # the generator draws the task, then the task's problem: replayed by hand
+    rng, first = random.Random(5), None
+    first = rng.choice([TASKS["add"], TASKS["max"], TASKS["sort"]])(rng)
+    assert (mixed[0].problem, mixed[0].answer) == first
+    with pytest.raises(ValueError, match=r"data.train='procedural:add\+mul': procedural task 'mul' is unknown; "
+                                         r"choose one of .* \(or several joined by '\+'"):
+        check_procedural("procedural:add+mul", "data.train")
+    with pytest.raises(ValueError, match="procedural task 'mul' \\(of 'add\\+mul'\\) is unknown"):
+        generate("add+mul", 3, seed=1)
+
+
+def test_the_longer_variants_of_procedural_tasks_answer_correctly():
+    for name, low, high in (("max5", 5, 6), ("sort6", 6, 7), ("reverse6", 6, 7)):
+        for p in generate(name, 100, seed=2):
+            words = p.problem.split()[1:]
+            if name == "reverse6":
+                assert low <= len(words[0]) <= high and p.answer == words[0][::-1]
+            else:
+                assert low <= len(words) <= high
+                assert p.answer == (str(max(map(int, words))) if name == "max5" else "".join(sorted(words)))
+    for p in generate("sum3", 50, seed=2):
+        assert sum(map(int, p.problem.split("+"))) == int(p.answer)
+
+
 def test_char_tokenizer_round_trip():
     tok = CharTokenizer()
     ids = tok.encode("7+8=15")

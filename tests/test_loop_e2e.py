@@ -363,3 +363,35 @@ def test_a_packed_checkpoint_resumes_padded_and_back(tmp_path, ray_session, smal
         assert packed["loss"] == pytest.approx(padded["loss"], rel=1e-5), step
         twin = _rl_step(tmp_path / "padded_then_packed", step)  # the same padded steps as the straight run's
         assert all(twin[key] == padded[key] for key in ("reward_mean", "loss", "grad_norm", "num_micro_batches")), step
+
+
+@pytest.mark.timeout(420)
+def test_a_supervised_run_makes_a_base_model_that_rl_runs_start_from(tmp_path, ray_session, small_run):
+    """``train.steps=0``: the warm start alone, saved as step 0; exported to Hugging Face format,
+    it is the model an RL run with ``model.init=pretrained`` starts from: that run's first
+    evaluation (the same questions and seeds) equals the supervised run's, response for response."""
+    from bpo_megatron.convert.mcore_to_hf import convert_mcore_to_hf
+    from bpo_megatron.trainer.checkpoint import step_dirs, step_of
+
+    base = tmp_path / "base"
+    result, lines = _run(small_run(base, "train.steps=0", "train.sft_warmup_steps=4", "eval.limit=16"))
+    assert result["step"] == 0 and any(line.startswith("sft 4/4") for line in lines)
+    assert [step_of(d) for d in step_dirs(base / "checkpoints")] == [0]
+    records = read_metrics(base)
+    assert not [r for r in records if "reward_mean" in r]  # no RL step
+    hf = convert_mcore_to_hf(str(base / "checkpoints"), str(tmp_path / "hf"), progress=False)
+    assert (tmp_path / "hf" / "config.json").exists()
+    rl = small_run(tmp_path / "rl", f"model.path={hf}", "model.init=pretrained", "train.sft_warmup_steps=0",
+                   "train.steps=1", "eval.limit=16")
+    _run(rl)
+    first = {k: v for r in read_metrics(tmp_path / "rl") if r["step"] == 0 for k, v in r.items() if k.startswith("eval/")}
+    base_eval = {k: v for r in records if r["step"] == 0 for k, v in r.items() if k.startswith("eval/")}
+    assert first and first == base_eval
+
+
+def test_a_run_without_steps_or_warm_start_is_refused(small_run, tmp_path):
+    from bpo_megatron.config import ConfigError
+
+    with pytest.raises((ConfigError, ValueError), match=r"train.steps must be >= 1 \(or 0 with "
+                       r"train.sft_warmup_steps > 0: a supervised run\), got 0 with train.sft_warmup_steps=0"):
+        small_run(tmp_path, "train.steps=0", "train.sft_warmup_steps=0")

@@ -16,6 +16,13 @@ mean with a 95% Student t-interval over the n pairs, a paired t-test's p-value, 
 adjusted by Holm's method over every contrast of the tables, or over the contrasts ``--primary``
 declares before the runs (``grpo@4,cispo@4``: method and staleness; the rest is exploratory).
 
+``--condition NAME`` names the settings this call's overrides choose (``--condition bf16
+rollout.hf.dtype=bf16``); runs of several calls, each with its own condition, are summarised
+together by ``--from-csv a/runs.csv,b/runs.csv``, a table per condition (and staleness), and
+``--primary grpo@bf16,grpo@r3/4`` declares contrasts across them. Runs already complete in
+``--out`` are kept, not run again, so a comparison stopped part-way is continued by the same
+command (seeds may also be split between calls that run at the same time).
+
 ``grpo_tis`` is GRPO with truncated importance sampling by ρ = π_old/μ (``loss.correction=tis``),
 π_old the trainer's own log-probs of the weights at each step's start: in the synchronous loop the
 sampling weights, so ρ is the engine/trainer mismatch; at a staleness k > 0 newer weights, so it is
@@ -35,7 +42,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bpo_megatron.commands.runs_csv import EvalRow, read_csv, run_rows, write_csv
+from bpo_megatron.commands.runs_csv import EvalRow, Setting, read_csv, run_rows, setting_label, write_csv
 from bpo_megatron.commands.statistics import (STATS, PairedDifference, area_under_curve, final_window, heldout_peak,
                                               holm, paired_t, peak)
 
@@ -43,7 +50,10 @@ PAPER_LOSSES = ("bpo", "grpo", "gspo", "cispo", "dppo_tv")
 LABELS = {"bpo": "BPO", "grpo": "GRPO-ClipHigher", "gspo": "GSPO", "cispo": "CISPO", "dppo_tv": "DPPO",
           "dppo_kl": "DPPO (binary KL)", "grpo_tis": "GRPO + TIS"}
 # methods that are more than a loss name
-METHOD_OVERRIDES = {"grpo_tis": ("loss.name=grpo", "loss.correction=tis", "train.recompute_old_logprobs=true")}
+LABELS.update({"grpo_dualclip": "GRPO-CH dual-clip", "bpo_eps1e3": "BPO ε=1e3"})
+METHOD_OVERRIDES = {"grpo_tis": ("loss.name=grpo", "loss.correction=tis", "train.recompute_old_logprobs=true"),
+                    # BPO with a band so wide that nothing is masked: ω's cap is all that is left
+                    "bpo_eps1e3": ("loss.name=bpo", "loss.bpo_eps=1000.0")}
 # training metrics shown per method and setting, when the runs recorded them: (metric, heading)
 DIAGNOSTICS = (("async/staleness_mean", "staleness of trained responses (RL steps)"),
                ("async/partial_frac", "responses spanning an update"),
@@ -70,26 +80,30 @@ def variants(losses: list[str], sweep: str | None) -> list[Variant]:
             for name in losses]
 
 
-Contrast = tuple[str, "int | None"]  # (method id, staleness)
+Contrast = tuple[str, Setting]  # (method id, (condition, staleness))
+
+
+def contrast_label(contrast: Contrast) -> str:
+    method, setting = contrast
+    label = setting_label(setting)
+    return f"{method}@{label}" if label else method
 
 
 def parse_primary(spec: str | None, available: list[Contrast], reference: str) -> list[Contrast]:
-    """``--primary grpo@4,cispo@4`` (``grpo`` without --staleness) as contrasts that exist."""
+    """``--primary grpo@4,cispo@bf16/4`` (method@setting; ``grpo`` alone where there is one
+    setting) as contrasts that exist."""
     if not spec:
         return []
+    by_label = {contrast_label(c): c for c in available}
     contrasts = []
     for item in spec.split(","):
-        name, at, k = item.strip().partition("@")
-        if name == reference:
+        item = item.strip()
+        if item.partition("@")[0] == reference:
             raise ValueError(f"--primary {item!r}: {reference} is the reference every method is compared with")
-        try:
-            contrast = (name, int(k) if at else None)
-        except ValueError:
-            raise ValueError(f"--primary {item!r}: the staleness after @ must be an integer") from None
-        if contrast not in available:
-            choices = ", ".join(m if k is None else f"{m}@{k}" for m, k in available)
-            raise ValueError(f"--primary {item!r} is not a contrast of this comparison; choose among {choices}")
-        contrasts.append(contrast)
+        if item not in by_label:
+            raise ValueError(f"--primary {item!r} is not a contrast of this comparison; choose among "
+                             f"{', '.join(by_label)}")
+        contrasts.append(by_label[item])
     return contrasts
 
 
@@ -172,12 +186,12 @@ def summary(rows: list[EvalRow], *, stat: str = "final-window", window: int = 3,
     methods as they first appear; the first method is the reference."""
     if stat not in STATS:
         raise ValueError(f"--stat {stat!r} is unknown; choose one of {', '.join(STATS)}")
-    runs: dict[tuple[str, int | None, int], list[EvalRow]] = {}
+    runs: dict[tuple[str, Setting, int], list[EvalRow]] = {}
     for row in rows:
-        runs.setdefault((row.method_id, row.staleness, row.seed), []).append(row)
+        runs.setdefault((row.method_id, row.setting, row.seed), []).append(row)
     labels = {row.method_id: row.method for row in rows}
     methods = list(labels)
-    settings = list(dict.fromkeys(row.staleness for row in rows))
+    settings = list(dict.fromkeys(row.setting for row in rows))
     seeds = sorted({row.seed for row in rows})
     values = {key: run_value(run, stat, window) for key, run in runs.items()}
     reference = methods[0]
@@ -194,7 +208,8 @@ def summary(rows: list[EvalRow], *, stat: str = "final-window", window: int = 3,
     k_eval = sorted({row.eval_k for row in rows})
     avg = f"Avg@{k_eval[0]}" if len(k_eval) == 1 else "Avg@k"
     if declared:
-        named = ", ".join(f"{labels[m]}" + ("" if k is None else f" at staleness {k}") for m, k in declared)
+        named = ", ".join(labels[m] + (f" at {_setting_text(k, short=True)}" if setting_label(k) else "")
+                          for m, k in declared)
         scope = (f"the {_count(len(family), 'contrast')} declared primary ({named}); the others are exploratory, "
                  "without an adjusted p-value")
     else:
@@ -223,7 +238,7 @@ def summary(rows: list[EvalRow], *, stat: str = "final-window", window: int = 3,
             holm_p = _p(adjusted[(method, k)]) if (method, k) in adjusted else "—"
             lines.append(f"| {labels[method]} | {len(run_values)} | {cell} | {_difference(d)} | {d.n} | {_p(d.p)} "
                          f"| {holm_p} |")
-        heading = "" if k is None else f"### train.async.max_staleness = {k}\n\n"
+        heading = f"### {_setting_text(k)}\n\n" if setting_label(k) else ""
         sections.append(heading + "\n".join(lines))
     diagnostics = diagnostics_table(runs, labels, methods, settings, seeds)
     if diagnostics:
@@ -234,6 +249,13 @@ def summary(rows: list[EvalRow], *, stat: str = "final-window", window: int = 3,
                         "each step's start, newer than those that sampled the responses (decoupled PPO), so the "
                         "correction's ρ = π_old/μ carries staleness as well as the engine/trainer mismatch.")
     return "\n\n".join(sections)
+
+
+def _setting_text(setting: Setting, *, short: bool = False) -> str:
+    condition, staleness = setting
+    lag = "staleness" if short else "train.async.max_staleness ="
+    parts = ([f"condition {condition}"] if condition else []) + ([] if staleness is None else [f"{lag} {staleness}"])
+    return ", ".join(parts)
 
 
 def decoupled_methods(rows: list[EvalRow]) -> list[str]:
@@ -257,10 +279,10 @@ def diagnostics_table(runs: dict, labels: dict, methods: list[str], settings: li
     shown = [(metric, heading) for metric, heading in DIAGNOSTICS if any(metric in m for m in per_run.values())]
     if not shown:
         return ""
-    staleness = settings != [None]
+    several = settings != [("", None)]
     lines = ["Training diagnostics: each run's mean over its RL steps, then the mean over seeds.", "",
-             "| " + ("staleness | " if staleness else "") + "method | " + " | ".join(h for _, h in shown) + " |",
-             "|" + ("---:|" if staleness else "") + "---|" + "---:|" * len(shown)]
+             "| " + ("setting | " if several else "") + "method | " + " | ".join(h for _, h in shown) + " |",
+             "|" + ("---:|" if several else "") + "---|" + "---:|" * len(shown)]
     for k in settings:
         for method in methods:
             keys = [(method, k, s) for s in seeds if (method, k, s) in per_run]
@@ -270,7 +292,8 @@ def diagnostics_table(runs: dict, labels: dict, methods: list[str], settings: li
             for metric, _ in shown:
                 present = [per_run[key][metric] for key in keys if metric in per_run[key]]
                 cells.append(f"{statistics.fmean(present):.4g}" if present else "—")
-            lines.append("| " + (f"{k} | " if staleness else "") + f"{labels[method]} | " + " | ".join(cells) + " |")
+            lines.append("| " + (f"{setting_label(k)} | " if several else "") + f"{labels[method]} | "
+                         + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -298,14 +321,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seeds", default="1,2,3", help="comma-separated; the methods are paired by seed")
     parser.add_argument("--staleness", default=None,
                         help="comma-separated train.async.max_staleness values: the whole grid at each")
+    parser.add_argument("--condition", default="",
+                        help="a name for the settings this call's overrides choose (its runs.csv rows carry it)")
     parser.add_argument("--out", default="runs/compare")
     parser.add_argument("--stat", default="final-window", choices=STATS, help="the number each run is reduced to")
     parser.add_argument("--window", type=int, default=3, help="final-window: how many last evaluations it averages")
     parser.add_argument("--primary", default=None,
                         help="pre-declared contrasts, e.g. grpo@4,cispo@4 (method@staleness): Holm adjusts over these")
     parser.add_argument("--summarise-only", action="store_true", help="only rebuild runs.csv, the tables and the plot")
-    parser.add_argument("--from-csv", default=None, metavar="PATH",
-                        help="rebuild the tables from a runs.csv alone (no config, no run directories)")
+    parser.add_argument("--from-csv", default=None, metavar="PATH[,PATH...]",
+                        help="rebuild the tables from runs.csv files alone (no config, no run directories)")
     parser.add_argument("--check", action="store_true", help="check every run's config, data and directory, then exit")
     args = parser.parse_args(argv)
 
@@ -316,7 +341,8 @@ def main(argv: list[str]) -> int:
         if args.config or args.overrides:
             return _refuse("--from-csv rebuilds the tables from the CSV alone: drop CONFIG and its overrides")
         try:
-            text = summary(read_csv(Path(args.from_csv)), stat=args.stat, window=args.window, primary=args.primary)
+            rows = [row for path in args.from_csv.split(",") for row in read_csv(Path(path))]
+            text = summary(rows, stat=args.stat, window=args.window, primary=args.primary)
         except (FileNotFoundError, ValueError) as exc:
             return _refuse(str(exc))
         return _write(text, out, note=f"wrote {out / 'results.md'} (curves.png needs the run directories)")
@@ -332,13 +358,18 @@ def main(argv: list[str]) -> int:
         staleness = [int(k) for k in args.staleness.split(",")] if args.staleness else [None]
         methods = variants(args.losses.split(","), args.sweep)
         # the pre-declared contrasts are checked before any run starts
-        parse_primary(args.primary, [(v.slug, k) for k in staleness for v in methods[1:]], methods[0].slug)
+        if args.condition and not args.condition.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"--condition {args.condition!r}: use letters, digits, '-' and '_' (it names run "
+                             "directories and --primary contrasts)")
+        parse_primary(args.primary, [(v.slug, (args.condition, k)) for k in staleness for v in methods[1:]],
+                      methods[0].slug)
         configs = {}
         for k in staleness:
             lag = () if k is None else (f"train.async.max_staleness={k}", "cluster.colocate=false")
-            for variant in methods:
-                for seed in seeds:
-                    name = f"{variant.slug}-s{seed}" if k is None else f"{variant.slug}-k{k}-s{seed}"
+            for seed in seeds:  # every method of a seed before the next seed: a stopped comparison keeps pairs
+                for variant in methods:
+                    name = "-".join([variant.slug, *([args.condition] if args.condition else []),
+                                     *([] if k is None else [f"k{k}"]), f"s{seed}"])
                     configs[(variant, k, seed)] = load_experiment(args.config, [
                         *args.overrides, *variant.overrides, *lag, f"name={name}", f"train.seed={seed}",
                         f"rollout.seed={seed}", f"logging.run_dir={out / name}"])
@@ -364,7 +395,11 @@ def main(argv: list[str]) -> int:
             print("\n".join(plan_summary(run_plan) for run_plan in plans.values()))
             return 0
         for (variant, k, seed), run_plan in plans.items():
-            at = "" if k is None else f", staleness {k}"
+            at = (f", {args.condition}" if args.condition else "") + ("" if k is None else f", staleness {k}")
+            if run_plan.state.step >= run_plan.cfg.train.steps:
+                print(f"=== {variant.label}{at}, seed {seed}: complete in {run_plan.cfg.run_dir} (step "
+                      f"{run_plan.state.step}); kept", flush=True)
+                continue
             print(f"=== {variant.label}{at}, seed {seed} -> {run_plan.cfg.run_dir}", flush=True)
             try:
                 execute(run_plan, echo=lambda line: print(f"  {line}", flush=True))
@@ -378,9 +413,10 @@ def main(argv: list[str]) -> int:
     try:
         for (variant, k, seed), cfg in configs.items():
             rows += run_rows(read_metrics(cfg.run_dir), run=cfg.run_dir.name, method=variant.label,
-                             method_id=variant.slug, staleness=k, seed=seed,
+                             method_id=variant.slug, staleness=k, seed=seed, condition=args.condition,
                              recompute_old_logprobs=cfg.train.recompute_old_logprobs)
-            curves.setdefault(variant.label if k is None else f"{variant.label}, k={k}", []).append(cfg.run_dir)
+            where = setting_label((args.condition, k))
+            curves.setdefault(f"{variant.label}, {where}" if where else variant.label, []).append(cfg.run_dir)
     except (FileNotFoundError, ValueError) as exc:
         return _refuse(str(exc))
     out.mkdir(parents=True, exist_ok=True)

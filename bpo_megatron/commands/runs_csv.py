@@ -1,6 +1,8 @@
 """``runs.csv``: everything ``compare`` summarises, one row per run, evaluation and evaluation dataset.
 
-Rows carry the run's method, ``train.async.max_staleness`` (empty without ``--staleness``), seed,
+Rows carry the run's method, its condition (``--condition``: a name for the settings that
+compare call's overrides chose; empty without), ``train.async.max_staleness`` (empty without
+``--staleness``), seed,
 the evaluation's step and dataset, its Avg@k (``accuracy``) and, where the run recorded them,
 its correct and total responses, also for the dataset's questions at even and at odd positions
 (the two halves ``--stat heldout-peak`` selects on and reports). Then the run's training metrics
@@ -18,6 +20,17 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from bpo_megatron.eval.avg_at_k import HALVES
+
+
+Setting = tuple[str, "int | None"]  # (condition, staleness)
+
+
+def setting_label(setting: Setting) -> str:
+    """How tables and ``--primary`` name a setting: ``4``, ``bf16``, ``bf16/4`` or "" (the only one)."""
+    condition, staleness = setting
+    if staleness is None:
+        return condition
+    return f"{condition}/{staleness}" if condition else str(staleness)
 
 
 @dataclass(frozen=True)
@@ -40,10 +53,12 @@ class EvalRow:
     odd_total: int | None = None
     trained_steps: int = 0
     training: dict[str, float] = field(default_factory=dict)  # metric -> mean over trained_steps
+    condition: str = ""  # compare --condition: the name of the settings its overrides chose
 
     @property
-    def setting(self) -> tuple[str, int | None]:
-        return self.method, self.staleness
+    def setting(self) -> Setting:
+        """Where the run stands apart from its method and seed: its condition and staleness."""
+        return self.condition, self.staleness
 
     def half_accuracy(self, half: str) -> float:
         correct, total = getattr(self, f"{half}_correct"), getattr(self, f"{half}_total")
@@ -54,13 +69,14 @@ class EvalRow:
 
 
 COLUMNS = tuple(f.name for f in fields(EvalRow) if f.name != "training")
+OPTIONAL = ("condition",)  # columns added since the first runs.csv files: empty when a file lacks them
 INTEGERS = {"staleness", "seed", "step", "eval_k", "correct", "total", "even_correct", "even_total", "odd_correct",
             "odd_total", "trained_steps"}
 NOT_TRAINING = ("eval/", "sft/")  # evaluations, and the warm start's metrics
 
 
 def run_rows(records: list[dict], *, run: str, method: str, method_id: str, staleness: int | None, seed: int,
-             recompute_old_logprobs: bool) -> list[EvalRow]:
+             recompute_old_logprobs: bool, condition: str = "") -> list[EvalRow]:
     """The rows of one run's ``metrics.jsonl`` records (``read_metrics``)."""
     mean_key = next((key for record in records for key in record if key.startswith("eval/mean_avg@")), None)
     if mean_key is None:
@@ -88,6 +104,7 @@ def run_rows(records: list[dict], *, run: str, method: str, method_id: str, stal
                 halves[f"{half}_total"] = None if total is None else int(total)
             counted = None not in halves.values()
             rows.append(EvalRow(run=run, method=method, method_id=method_id, staleness=staleness, seed=seed,
+                                condition=condition,
                                 recompute_old_logprobs=recompute_old_logprobs, step=int(step), dataset=dataset,
                                 eval_k=eval_k, accuracy=float(record[key]),
                                 correct=halves["even_correct"] + halves["odd_correct"] if counted else None,
@@ -131,14 +148,14 @@ def read_csv(path: Path) -> list[EvalRow]:
     """The rows of a ``runs.csv``; a missing column or a bad cell raises naming the line."""
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
-        missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+        missing = [c for c in COLUMNS if c not in (reader.fieldnames or []) and c not in OPTIONAL]
         if missing:
             raise ValueError(f"{path} is not a compare runs.csv: it lacks the columns {', '.join(missing)}")
         metrics = [c for c in reader.fieldnames if c not in COLUMNS]
         rows = []
         for line, record in enumerate(reader, start=2):
             try:
-                values = {c: _parse(c, record[c]) for c in COLUMNS}
+                values = {c: _parse(c, record.get(c)) for c in COLUMNS}
                 training = {m: float(record[m]) for m in metrics if record[m] not in ("", None)}
             except ValueError as exc:
                 raise ValueError(f"{path}:{line}: {exc}") from exc
@@ -150,6 +167,8 @@ def read_csv(path: Path) -> list[EvalRow]:
 
 def _parse(column: str, text: str | None):
     if text in ("", None):
+        if column in OPTIONAL:
+            return ""
         if column in ("run", "method", "method_id", "seed", "step", "dataset", "eval_k", "accuracy"):
             raise ValueError(f"column {column} is empty")
         return None

@@ -10,14 +10,14 @@ PROCEDURAL = "procedural:"
 
 
 def check_procedural(spec: str, setting: str) -> None:
-    """``procedural:<task>`` must name a registered task."""
+    """``procedural:<task>`` must name a registered task, or several joined by ``+`` (a mixture)."""
     if spec.startswith(PROCEDURAL):
-        from bpo_megatron.data.procedural import TASKS
+        from bpo_megatron.data.procedural import MIXTURE, TASKS, unknown_tasks
 
-        task = spec[len(PROCEDURAL):]
-        if task not in TASKS:
-            raise ValueError(f"{setting}={spec!r}: procedural task {task!r} is unknown; choose one of "
-                             f"{', '.join(PROCEDURAL + t for t in sorted(TASKS))}")
+        if unknown := unknown_tasks(spec[len(PROCEDURAL):]):
+            raise ValueError(f"{setting}={spec!r}: procedural task {unknown[0]!r} is unknown; choose one of "
+                             f"{', '.join(PROCEDURAL + t for t in sorted(TASKS))} (or several joined by "
+                             f"{MIXTURE!r}, e.g. {PROCEDURAL}add2{MIXTURE}max)")
 
 
 @dataclass(frozen=True)

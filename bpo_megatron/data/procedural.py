@@ -42,18 +42,72 @@ def _reverse(rng: random.Random) -> tuple[str, str]:
     return f"rev {word}", word[::-1]
 
 
+@task("sort")
+def _sort(rng: random.Random) -> tuple[str, str]:
+    """Three to five digits in ascending order ("sort 3 9 1" -> "139")."""
+    digits = [rng.randrange(10) for _ in range(rng.randrange(3, 6))]
+    return "sort " + " ".join(map(str, digits)), "".join(map(str, sorted(digits)))
+
+
+@task("sort6")
+def _sort6(rng: random.Random) -> tuple[str, str]:
+    """Six or seven digits in ascending order: ``sort`` at lengths it does not reach."""
+    digits = [rng.randrange(10) for _ in range(rng.randrange(6, 8))]
+    return "sort " + " ".join(map(str, digits)), "".join(map(str, sorted(digits)))
+
+
+@task("sum3")
+def _sum3(rng: random.Random) -> tuple[str, str]:
+    """Sum of three numbers below 100 (answers of one to three digits)."""
+    numbers = [rng.randrange(100) for _ in range(3)]
+    return "+".join(map(str, numbers)), str(sum(numbers))
+
+
+@task("reverse6")
+def _reverse6(rng: random.Random) -> tuple[str, str]:
+    """``reverse`` at six or seven letters, longer than its words."""
+    word = "".join(rng.choice("abcdefgh") for _ in range(rng.randrange(6, 8)))
+    return f"rev {word}", word[::-1]
+
+
+@task("max5")
+def _max5(rng: random.Random) -> tuple[str, str]:
+    """``max`` of five or six numbers below 100, more than its lists hold."""
+    numbers = [rng.randrange(100) for _ in range(rng.randrange(5, 7))]
+    return "max " + " ".join(map(str, numbers)), str(max(numbers))
+
+
 @task("max")
 def _max(rng: random.Random) -> tuple[str, str]:
     numbers = [rng.randrange(100) for _ in range(rng.randrange(2, 5))]
     return "max " + " ".join(map(str, numbers)), str(max(numbers))
 
 
+MIXTURE = "+"  # "add2+max+reverse": each problem of one of these tasks, drawn uniformly
+
+
+def unknown_tasks(name: str) -> list[str]:
+    """The parts of ``name`` (a task or a ``+``-joined mixture of tasks) that are not registered."""
+    return [part for part in name.split(MIXTURE) if part not in TASKS]
+
+
+def resolve(name: str) -> TaskFn:
+    """The task ``name``: a registered task, or a mixture ``a+b+c`` whose every problem comes
+    from one of its tasks, chosen uniformly by the same generator (so a seed still fixes the set)."""
+    if unknown := unknown_tasks(name):
+        raise ValueError(f"procedural task {unknown[0]!r} (of {name!r}) is unknown; choose one of {sorted(TASKS)}, "
+                         f"or several joined by {MIXTURE!r}")
+    parts = [TASKS[part] for part in name.split(MIXTURE)]
+    if len(parts) == 1:
+        return parts[0]
+    return lambda rng: rng.choice(parts)(rng)
+
+
 def generate(name: str, count: int, seed: int) -> list[Problem]:
-    if name not in TASKS:
-        raise ValueError(f"procedural task {name!r} is unknown; choose one of {sorted(TASKS)}")
+    make = resolve(name)
     rng = random.Random(seed)
     problems = []
     for i in range(count):
-        text, answer = TASKS[name](rng)
+        text, answer = make(rng)
         problems.append(Problem(id=f"{name}-{seed}-{i}", problem=text, answer=answer, source=f"procedural:{name}"))
     return problems

@@ -26,7 +26,9 @@ class AsyncConfig:
 class LoopConfig:
     """One step samples ``prompts_per_step`` prompts × ``rollout.group_size`` responses and takes
     ``minibatches_per_step`` optimizer steps on equal slices of them (paper: 256 × 16 responses,
-    8 minibatches of 512, 400 steps)."""
+    8 minibatches of 512, 400 steps). ``steps: 0`` with ``sft_warmup_steps`` > 0 is a supervised
+    run: the warm start alone, saved as the checkpoint of step 0 (e.g. a base model that every run
+    of an experiment starts from, exported with ``bpo-megatron convert mcore-to-hf``)."""
 
     steps: int = 400
     prompts_per_step: int = 256
@@ -58,7 +60,10 @@ class LoopConfig:
     overlong_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("steps", "prompts_per_step", "minibatches_per_step", "micro_batch_size", "sft_batch_size"):
+        if self.steps < 0 or (self.steps == 0 and not self.sft_warmup_steps):
+            raise ValueError(f"train.steps must be >= 1 (or 0 with train.sft_warmup_steps > 0: a supervised run), "
+                             f"got {self.steps} with train.sft_warmup_steps={self.sft_warmup_steps}")
+        for name in ("prompts_per_step", "minibatches_per_step", "micro_batch_size", "sft_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         budget = self.max_tokens_per_micro_batch

@@ -83,6 +83,9 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
             if state.step == 0 and cfg.eval.every and cfg.eval.at_start:
                 phases.rollout()
                 _evaluate(plan, engines, verify, 0, best, metrics_out, echo)
+            if cfg.train.steps == 0:  # a supervised run: its warm start is what it makes
+                _save(cfg, trainer, phases, state, best, step=0)
+                return {"step": 0, "best_step": best.step, "best_mean": best.mean, "run_dir": str(run_dir)}
 
             def request_batch(batch: list, step: int, round_: int) -> list:
                 """The requests of ``batch`` (G responses each) for ``step``: tags and seeds by step and round."""
@@ -163,10 +166,7 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                 metrics_out.write(step, metrics)
                 echo(summary_line(step, cfg.train.steps, metrics, bar=cfg.logging.progress))
                 if step == cfg.train.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                    phases.train()  # the trainer's state is saved from where it computes
-                    state.best_step, state.best_mean, state.eval_history = best.step, best.mean, best.history
-                    trainer.call("save", str(checkpoint_root(cfg)), step, state.to_dict(), cfg.checkpoint.keep_last)
-                    plot_runs([run_dir], run_dir / "curves.png", labels=[cfg.name])
+                    _save(cfg, trainer, phases, state, best, step=step)
             return {"step": state.step, "best_step": best.step, "best_mean": best.mean, "run_dir": str(run_dir)}
         except BaseException:
             metrics_out.close(failed=True)  # trackers that keep a status mark the run failed
@@ -180,6 +180,13 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                 placement.remove()
             if started_ray:
                 stop_ray()
+
+
+def _save(cfg, trainer, phases, state, best, *, step: int) -> None:
+    phases.train()  # the trainer's state is saved from where it computes
+    state.best_step, state.best_mean, state.eval_history = best.step, best.mean, best.history
+    trainer.call("save", str(checkpoint_root(cfg)), step, state.to_dict(), cfg.checkpoint.keep_last)
+    plot_runs([cfg.run_dir], cfg.run_dir / "curves.png", labels=[cfg.name])
 
 
 def waited(seconds: list[float], fn, *args):
