@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
             convert_mcore_to_hf(location, hf_dir)
         engine = HFEngine(hf_dir, capture_routing=False, threads=args.threads)
         try:
-            result = evaluate(engine.generate, sets, tokenizer, reward_fn(cfg.data.reward), cfg, step=0)
+            result = evaluate(engine.generate, sets, tokenizer, reward_fn(cfg.data.reward, cfg.data), cfg, step=0)
         finally:
             engine.shutdown()
     print(f"policy: {location}")
@@ -72,7 +72,7 @@ def _prepare(cfg, args):
     """The screened evaluation sets, the tokenizer and the policy (kind, location) to evaluate,
     or RunRefused: evaluation sets, tokenizer and checkpoint checked before any model loads."""
     from bpo_megatron.eval.avg_at_k import load_eval_sets
-    from bpo_megatron.loop.preflight import load_run_tokenizer, prompt_format
+    from bpo_megatron.loop.preflight import check_reward, load_run_tokenizer, prompt_format
     from bpo_megatron.loop.run_dir import RunRefused, checkpoint_root
     from bpo_megatron.trainer import checkpoint
 
@@ -85,6 +85,7 @@ def _prepare(cfg, args):
                               skip_bad=cfg.data.on_bad_record == "skip")
     except (OSError, ValueError) as exc:
         raise RunRefused(str(exc)) from exc
+    check_reward(cfg, sets[0].prompts[0].problem, what="the first evaluation question")
     if args.hf_dir:
         if not (Path(args.hf_dir) / "config.json").is_file():
             raise RunRefused(f"--hf-dir {args.hf_dir} is not a Hugging Face model directory (no config.json)")

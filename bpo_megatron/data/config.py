@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from bpo_megatron.data import reward_service
+
 PROCEDURAL = "procedural:"
 
 
@@ -32,7 +34,12 @@ class DataConfig:
     ``error`` refuses the run before it starts, naming the record; ``skip`` leaves it out of
     training and evaluation and reports how many were left out.
 
-    ``reward`` scores a response by its final answer only (see ``bpo_megatron.data.rewards``);
+    ``reward`` scores a response: ``math`` or ``exact`` by its final answer only (see
+    ``bpo_megatron.data.rewards``), or a reward of the user's, a function as
+    ``package.module:function`` or a service as ``http://host:port/path`` (see
+    ``bpo_megatron.data.user_reward`` and ``bpo_megatron.data.reward_service``), checked with a dry
+    call before a run starts. A service is given ``reward_timeout_s`` to answer a batch, and
+    ``reward_retries`` more attempts when it does not (or fails with a 5xx).
     ``truncated_reward`` is the training reward of a response cut off by the length limit
     (``rollout.max_new_tokens``), whatever its text ends with. Evaluation counts such a response
     as wrong whatever this says: Avg@k counts correct answers."""
@@ -46,14 +53,20 @@ class DataConfig:
     fields: dict[str, str] = field(default_factory=dict)
     on_bad_record: Literal["error", "skip"] = "error"
     truncated_reward: float = 0.0
+    reward_timeout_s: float = reward_service.TIMEOUT_S
+    reward_retries: int = reward_service.RETRIES
 
     def __post_init__(self) -> None:
         from bpo_megatron.data.problems import check_field_map
-        from bpo_megatron.data.rewards import REWARDS
+        from bpo_megatron.data.rewards import unknown_reward
         from bpo_megatron.data.tokenizer import TEMPLATES
 
-        if self.reward not in REWARDS:
-            raise ValueError(f"data.reward={self.reward!r} is unknown; choose one of {sorted(REWARDS)}")
+        if (why := unknown_reward(self.reward)) is not None:
+            raise ValueError(why)
+        if not (self.reward_timeout_s > 0 and math.isfinite(self.reward_timeout_s)):
+            raise ValueError(f"data.reward_timeout_s must be a positive number of seconds, got {self.reward_timeout_s}")
+        if self.reward_retries < 0:
+            raise ValueError(f"data.reward_retries must be >= 0 (0: one attempt only), got {self.reward_retries}")
         if self.template not in TEMPLATES:
             raise ValueError(f"data.template={self.template!r} is unknown; choose one of {sorted(TEMPLATES)}")
         if self.max_prompt_tokens < 1:

@@ -12,6 +12,11 @@ to the CPUs the driver may use (:func:`scoring_workers`): a step scores thousand
 
 Whether a response was cut off by the length limit is not visible in its text; scoring such
 responses is :func:`bpo_megatron.tasks.scoring.score`'s job (``data.truncated_reward``).
+
+Besides these names ``data.reward`` takes a user's own reward (:func:`reward_fn`): a function as
+``package.module:function`` (:mod:`~bpo_megatron.data.user_reward`) or a service's URL
+(:mod:`~bpo_megatron.data.reward_service`), both reading whole problem records
+(:mod:`~bpo_megatron.data.reward_values`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,13 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+from bpo_megatron.data.reward_service import RewardService, is_url
+from bpo_megatron.data.user_reward import FunctionReward, is_function_spec
+
+if TYPE_CHECKING:
+    from bpo_megatron.data.config import DataConfig
 
 RewardFn = Callable[[list[str], list[str]], list[float]]
 REWARDS: dict[str, RewardFn] = {}
@@ -111,6 +122,9 @@ def _math_verify_one(args: tuple[str, str]) -> float:
         return 0.0
 
 
+# A scoring call's time limit (math-verify's and a user function's): a pathological answer, or a
+# user's reward that hangs, scores 0 instead of stalling the step.
+SCORING_TIMEOUT_S = 10.0
 # The driver's own loop (batching, advantages, Ray's client) keeps this many CPUs.
 DRIVER_CPUS = 2
 # Each worker holds math-verify and sympy (~60 MB); beyond this many, answers of one step
@@ -145,7 +159,7 @@ class MathVerifier:
     scores 0 without being sent, a call that exceeds ``timeout_s`` scores 0. ``workers``: the
     pool's processes (default: :func:`scoring_workers`, from the CPUs this process may use)."""
 
-    def __init__(self, workers: int | None = None, timeout_s: float = 10.0) -> None:
+    def __init__(self, workers: int | None = None, timeout_s: float = SCORING_TIMEOUT_S) -> None:
         if workers is not None and workers < 1:
             raise ValueError(f"MathVerifier needs at least 1 worker process, got workers={workers}")
         self.workers = scoring_workers() if workers is None else workers
@@ -183,7 +197,25 @@ def math_equivalence(responses: list[str], answers: list[str]) -> list[float]:
     return _MATH(responses, answers)
 
 
-def reward_fn(name: str) -> RewardFn:
-    if name not in REWARDS:
-        raise ValueError(f"data.reward={name!r} is unknown; choose one of {sorted(REWARDS)}")
-    return REWARDS[name]
+def unknown_reward(spec: str) -> str | None:
+    """Why ``data.reward=spec`` names no reward (None when it names one; nothing is imported)."""
+    if spec in REWARDS or is_url(spec) or is_function_spec(spec):
+        return None
+    return (f"data.reward={spec!r} is unknown; choose one of {sorted(REWARDS)}, a function of yours as "
+            "package.module:function, or a reward service as http://host:port/path")
+
+
+def reward_fn(spec: str, data: DataConfig | None = None):
+    """The reward ``data.reward=spec`` names: a built-in verifier (``responses, answers ->
+    scores``), or a user's :class:`~bpo_megatron.data.reward_values.RecordReward`, a function
+    (imported here: a missing module or function raises ValueError naming it) or a service, whose
+    ``data.reward_timeout_s`` and ``data.reward_retries`` ``data`` gives (default: the defaults)."""
+    if spec in REWARDS:
+        return REWARDS[spec]
+    if (why := unknown_reward(spec)) is not None:
+        raise ValueError(why)
+    if is_url(spec):
+        settings = {} if data is None else {"timeout_s": data.reward_timeout_s, "retries": data.reward_retries}
+        return RewardService(spec, **settings)
+    # a user's function scores like math-verify: as many worker processes, the same timeout
+    return FunctionReward(spec, workers=scoring_workers(), timeout_s=SCORING_TIMEOUT_S)

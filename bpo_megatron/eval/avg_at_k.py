@@ -122,11 +122,12 @@ def evaluate(generate, sets: list[EvalSet], tokenizer, reward_fn, cfg, step: int
     generated = generate(eval_requests(sets, tokenizer, cfg, step))
     offset = 0
     for eval_set in sets:
-        answers = [e.problem.answer for e in eval_set.prompts for _ in range(ev.k)]
-        samples, offset = generated[offset:offset + len(answers)], offset + len(answers)
+        problems = [e.problem for e in eval_set.prompts for _ in range(ev.k)]
+        samples, offset = generated[offset:offset + len(problems)], offset + len(problems)
         # A truncated response is wrong here whatever data.truncated_reward makes of it in
-        # training: Avg@k counts correct answers.
-        correct = score(samples, answers, tokenizer, reward_fn, truncated_reward=0.0) == 1.0
+        # training: Avg@k counts correct answers (a user's reward: responses it scores 1).
+        correct = score(samples, [p.answer for p in problems], tokenizer, reward_fn, truncated_reward=0.0,
+                        problems=problems) == 1.0
         counts[eval_set.name] = (int(correct.sum()), correct.numel())
         by_question = correct.view(-1, ev.k)  # each question's k responses are consecutive
         halves[eval_set.name] = {half: (int(by_question[start::2].sum()), by_question[start::2].numel())

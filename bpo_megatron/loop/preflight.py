@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bpo_megatron.data.problems import Problem
+from bpo_megatron.data.reward_service import ServiceError
+from bpo_megatron.data.reward_values import record_of
+from bpo_megatron.data.rewards import REWARDS, reward_fn
 from bpo_megatron.data.tokenizer import load_tokenizer
 from bpo_megatron.eval.avg_at_k import EvalSet, load_eval_sets
 from bpo_megatron.loop.run_dir import (RunRefused, RunState, check_config_unchanged, check_model_unchanged,
@@ -71,6 +75,34 @@ def load_data(cfg, tokenizer, *, cursor: int = 0) -> tuple[PromptStream, list[Ev
         except (OSError, ValueError) as exc:
             raise RunRefused(str(exc)) from exc
     return prompts, eval_sets
+
+
+def check_reward(cfg, problem: Problem, what: str = "the first training record") -> str | None:
+    """A user's ``data.reward`` (a function or a service) loaded and called once, on ``problem``
+    with its reference answer as the response: a module or function that is missing, a service
+    that does not answer, a call that raises and a value a reward may not return (NaN, outside
+    [-1, 1], a string, a dict without ``score``) are refused here, before Ray or a model starts;
+    mid-run they would only be counted. The note says what the dry call scored."""
+    spec = cfg.data.reward
+    if spec in REWARDS:
+        return None
+    try:
+        reward = reward_fn(spec, cfg.data)
+    except ValueError as exc:
+        raise RunRefused(str(exc)) from exc
+    try:
+        outcome = reward.outcomes([record_of(problem)], [problem.answer])[0]
+    except ServiceError as exc:
+        raise RunRefused(f"{exc} (the dry call on {what}, before the run starts)") from exc
+    finally:
+        reward.close()
+    where = f"{what} (id {problem.id!r}{f', {problem.origin}' if problem.origin else ''})"
+    if outcome.failure is not None:
+        raise RunRefused(f"data.reward={spec}: the dry call on {where}, its reference answer as the response, "
+                         f"{outcome.detail}")
+    extras = "".join(f", {name}={value:g}" for name, value in outcome.extras.items())
+    return (f"data.reward={spec}: the dry call on {where}, its reference answer as the response, scored "
+            f"{outcome.score:g}{extras}")
 
 
 def resume_point(cfg, hf) -> tuple[RunState, str | None, list[str]]:
@@ -150,6 +182,8 @@ def prepare(cfg, *, override_resume: tuple[str, ...] = ()) -> RunPlan:
         check_pretrained_weights(cfg, hf)
     tokenizer = load_run_tokenizer(cfg, hf)
     prompts, eval_sets = load_data(cfg, tokenizer, cursor=state.data_cursor)
+    if (scored := check_reward(cfg, prompts.peek().problem)) is not None:
+        notes.append(scored)
     if prompts.rejected:
         notes.append(f"data.on_bad_record=skip: {len(prompts.rejected)} training records left out "
                      f"(first: {prompts.rejected[0]})")

@@ -31,7 +31,7 @@ from bpo_megatron.orchestration.groups import EngineGroup, TrainerGroup, run_pla
 from bpo_megatron.orchestration.phases import DevicePhases
 from bpo_megatron.orchestration.weight_sync import sync_weights
 from bpo_megatron.tasks.prompts import requests, stop_tokens
-from bpo_megatron.tasks.scoring import score
+from bpo_megatron.tasks.scoring import RewardTally, score
 from bpo_megatron.trainer.samples import split
 
 
@@ -50,7 +50,7 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
         for note in plan.notes:
             echo(f"note: {note}")
         record_config(cfg, run_dir, changed_at_step=state.step if plan.changes else None)
-        verify = reward_fn(cfg.data.reward)
+        verify = reward_fn(cfg.data.reward, cfg.data)
         hf_dir = initial_hf_dir(cfg)
         metrics_out = MetricsWriter(run_dir, trackers=cfg.logging.tracker_names, config=read_recorded_config(run_dir),
                                     settings=cfg.logging, resume_after=state.step if plan.checkpoint else None)
@@ -108,6 +108,7 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                 sync = phases.rollout()  # the engines get the weights of the last update
                 t_sync = time.perf_counter()
                 pipeline.plan(step)  # this step's batch and, asynchronously, those of the next max_staleness steps
+                tally = RewardTally()  # what a user's reward reports besides its scores (reward/* metrics)
 
                 def draw(count: int, round_: int):
                     """``count`` prompts × G responses (round 0: this step's planned batch) and their
@@ -118,9 +119,9 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                     else:
                         batch = prompts.take(count)
                         samples = waited(generating, engines.generate, request_batch(batch, step, round_))
-                    answers = [e.problem.answer for e in batch for _ in range(cfg.rollout.group_size)]
-                    return samples, score(samples, answers, tokenizer, verify,
-                                          truncated_reward=cfg.data.truncated_reward)
+                    problems = [e.problem for e in batch for _ in range(cfg.rollout.group_size)]
+                    return samples, score(samples, [p.answer for p in problems], tokenizer, verify,
+                                          truncated_reward=cfg.data.truncated_reward, problems=problems, tally=tally)
 
                 lagging: dict[str, float] = {}
                 shaping: dict[str, float] = {}
@@ -137,6 +138,7 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                                                           keep_routing=cfg.model.routing_replay,
                                                           asynchronous=bool(ahead.max_staleness))
                 metrics.update(shaping)
+                metrics.update(tally.metrics())
                 metrics.update(lagging)
                 random.Random(cfg.train.seed + step).shuffle(train_samples)
                 t_prepared = time.perf_counter()

@@ -1,9 +1,15 @@
-"""Rewards of generated responses: decode, then verify against the reference answers."""
+"""Rewards of generated responses: decode, then verify against the reference answers (a built-in
+verifier) or score against the problem records (a user's reward, which may report more)."""
 
 from __future__ import annotations
 
+from collections import defaultdict
+from dataclasses import dataclass, field
+
 import torch
 
+from bpo_megatron.data.problems import Problem
+from bpo_megatron.data.reward_values import Outcome, RecordReward, record_of
 from bpo_megatron.rollout import Sample
 
 
@@ -17,14 +23,56 @@ def truncated(sample: Sample) -> bool:
     return sample.finish_reason == "length"
 
 
-def score(samples: list[Sample], answers: list[str], tokenizer, reward_fn, *,
-          truncated_reward: float) -> torch.Tensor:
+@dataclass
+class RewardTally:
+    """What a user reward reported over a step's scoring calls, besides the scores: responses
+    scored 0 for an invalid value (``reward/invalid``) or a failed call (``reward/errors``), and
+    each extra value's mean over the responses that reported it (``reward/<name>``). A step
+    scored by a built-in verifier reports nothing here."""
+
+    invalid: int = 0
+    errors: int = 0
+    sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    used: bool = False  # a user reward scored (maybe nothing: every response truncated)
+
+    def add(self, outcomes: list[Outcome]) -> None:
+        self.used = True
+        for outcome in outcomes:
+            self.invalid += outcome.failure == "invalid"
+            self.errors += outcome.failure == "error"
+            for name, value in outcome.extras.items():
+                self.sums[name] += value
+                self.counts[name] += 1
+
+    def metrics(self) -> dict[str, float]:
+        if not self.used:
+            return {}
+        return {"reward/invalid": self.invalid, "reward/errors": self.errors,
+                **{f"reward/{name}": self.sums[name] / self.counts[name] for name in sorted(self.sums)}}
+
+
+def score(samples: list[Sample], answers: list[str], tokenizer, reward_fn, *, truncated_reward: float,
+          problems: list[Problem] | None = None, tally: RewardTally | None = None) -> torch.Tensor:
     """Rewards in sample order (``answers`` holds one answer per sample). A truncated response
     scores ``truncated_reward`` (``data.truncated_reward``) unverified: its text may end in the
-    reference answer mid-derivation, and rewarding that teaches nothing about finishing."""
+    reference answer mid-derivation, and rewarding that teaches nothing about finishing.
+
+    A user's reward (:class:`~bpo_megatron.data.reward_values.RecordReward`) reads the problem
+    records: ``problems`` holds one per sample; what it reports besides the scores is added to
+    ``tally``."""
     finished = [i for i, s in enumerate(samples) if not truncated(s)]
     rewards = [float(truncated_reward)] * len(samples)
-    verified = reward_fn(response_texts([samples[i] for i in finished], tokenizer), [answers[i] for i in finished])
+    texts = response_texts([samples[i] for i in finished], tokenizer)
+    if isinstance(reward_fn, RecordReward):
+        if problems is None:
+            raise TypeError(f"data.reward={reward_fn.spec} reads the problem records: pass problems= (one per sample)")
+        outcomes = reward_fn.score_records([record_of(problems[i]) for i in finished], texts)
+        if tally is not None:
+            tally.add(outcomes)
+        verified = [outcome.score for outcome in outcomes]
+    else:
+        verified = reward_fn(texts, [answers[i] for i in finished])
     for i, value in zip(finished, verified):
         rewards[i] = value
     return torch.tensor(rewards, dtype=torch.float32)

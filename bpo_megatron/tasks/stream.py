@@ -80,6 +80,14 @@ class PromptStream:
         skipped = f", {len(self.rejected)} left out" if self.rejected else ""
         return f"{len(self._fixed)} problems of {self.spec}{skipped}"
 
+    def peek(self) -> Encoded:
+        """The next prompt :meth:`take` will hand out, without handing it out."""
+        cursor = self.cursor
+        try:
+            return self.take(1)[0]
+        finally:
+            self.cursor = cursor
+
     def take(self, count: int) -> list[Encoded]:
         size = self.EPOCH if self._procedural else len(self._fixed)
         batch = []

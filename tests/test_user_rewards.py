@@ -1,0 +1,424 @@
+"""User rewards (``data.reward: package.module:function`` or ``http://host:port/path``): a
+function outside the package and a service on 127.0.0.1 train the demo and their extra values
+reach metrics.jsonl; what a reward may not return, a module or function that is missing and a
+service that is down are refused before Ray starts (exit 2); invalid values, exceptions and
+timeouts mid-run score 0 and are counted, with one warning per kind naming the record."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import socket
+import sys
+import textwrap
+import threading
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from bpo_megatron.cli import main
+from bpo_megatron.data import reward_service
+from bpo_megatron.data.problems import Problem
+from bpo_megatron.data.reward_service import RewardService, ServiceError
+from bpo_megatron.data.reward_values import RewardWarning, read_value
+from bpo_megatron.data.rewards import SCORING_TIMEOUT_S, reward_fn
+from bpo_megatron.data.tokenizer import CharTokenizer
+from bpo_megatron.data.user_reward import FunctionReward
+from bpo_megatron.observability.metrics import read_metrics
+from bpo_megatron.rollout import Sample
+from bpo_megatron.tasks.scoring import RewardTally, score
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = str(ROOT / "configs" / "tiny_moe_cpu.yaml")
+MODULE = "user_rewards_demo"  # written into each test's tmp_path: outside the package
+
+REWARDS_SOURCE = '''
+import math
+import time
+
+FIELDS = {"id", "problem", "answer", "source"}
+
+
+def right(record, response):
+    """1 for the right sum, -0.5 for a wrong one; extras: the score again, and whether the record is
+    the problem's own."""
+    credit = 1.0 if response.strip() == record["answer"] else -0.5
+    a, b = record["problem"].split("+")
+    whole = set(record) == FIELDS and int(a) + int(b) == int(record["answer"])
+    return {"score": credit, "credit": credit, "record_ok": float(whole)}
+
+
+def judge(record, response):
+    """Mid-run trouble on purpose, by the response's text."""
+    if response == "nan":
+        return math.nan
+    if response == "text":
+        return "yes"
+    if response == "boom":
+        raise RuntimeError("judge exploded")
+    if response == "hang":
+        time.sleep(60)
+    return {"score": 1.0, "tokens": 2} if response == record["answer"] else {"score": 0.0, "tokens": 4}
+
+
+def nan(record, response):
+    return math.nan
+
+
+def text(record, response):
+    return "yes"
+
+
+def high(record, response):
+    return 1.5
+
+
+def no_score(record, response):
+    return {"correct": 1.0}
+
+
+def raises(record, response):
+    return record["solution"]
+
+
+def one_arg(record):
+    return 1.0
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """The reward module in tmp_path, importable here and by the scoring worker processes."""
+    (tmp_path / f"{MODULE}.py").write_text(textwrap.dedent(REWARDS_SOURCE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.delitem(sys.modules, MODULE, raising=False)
+    yield MODULE
+    sys.modules.pop(MODULE, None)
+
+
+def _one_record(directory: Path) -> Path:
+    path = directory / "one.jsonl"
+    path.write_text(json.dumps({"id": "only", "problem": "2+3", "answer": "5"}) + "\n")
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def reward_server(answer):
+    """A reward service on 127.0.0.1 (a free port) for the test's duration: ``answer(items, attempt)``
+    returns (status, body) for each POST; ``received`` holds every request body."""
+    received: list = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            items = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            received.append(items)
+            status, body = answer(items, len(received))
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):  # keep the test output quiet
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/score", received
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def _judge_service(items, attempt):
+    """The service form of ``right`` (1 for the reference answer, -0.5 for another), with errors."""
+    out = []
+    for item in items:
+        response = item["response"].strip()
+        if response == "err":
+            out.append({"error": "no judge for this one"})
+        elif response == "bad":
+            out.append(7)
+        else:
+            credit = 1.0 if response == item["answer"] else -0.5
+            out.append({"score": credit, "credit": credit, "record_ok": float(item["id"] != "")})
+    return 200, out
+
+
+def _train(capsys, *args: str) -> tuple[int, str]:
+    code = main(["train", DEMO, *args])
+    captured = capsys.readouterr()
+    return code, captured.err + captured.out
+
+
+# --------------------------------------------------------------------------- the return contract
+def test_what_a_reward_may_return():
+    assert read_value(0.5).score == 0.5 and read_value(-1).score == -1.0 and read_value(True).score == 1.0
+    scored = read_value({"score": 1, "tokens": 3, "exact": False})
+    assert (scored.score, dict(scored.extras), scored.failure) == (1.0, {"tokens": 3.0, "exact": 0.0}, None)
+    for value, why in [(math.nan, "a score must be a finite number in [-1, 1]"),
+                       (math.inf, "a score must be a finite number in [-1, 1]"),
+                       (-1.01, "a score must be a finite number in [-1, 1]"),
+                       ("1", "a score must be a number in [-1, 1], or a dict holding one as 'score'"),
+                       (None, "a score must be a number"),
+                       ({"correct": 1}, "a dict must hold the score as 'score'"),
+                       ({"score": 2}, "a score must be a finite number in [-1, 1]"),
+                       ({"score": 1, "note": "good"}, "extra value 'note' must be a finite number, got 'good'"),
+                       ({"score": 1, "tokens": math.nan}, "extra value 'tokens' must be a finite number"),
+                       ({"score": 1, "errors": 0}, "other than 'invalid' and 'errors', got 'errors'")]:
+        outcome = read_value(value)
+        assert (outcome.score, outcome.failure) == (0.0, "invalid"), value
+        assert why in outcome.detail, (value, outcome.detail)
+
+
+# --------------------------------------------------------------------------- refused before Ray starts
+REFUSED = {
+    "NaN": ("nan", r"data.reward=user_rewards_demo:nan: the dry call on the first training record \(id 'only', "
+                   r".*one.jsonl:1\), its reference answer as the response, returned nan \(float\): a score must be a "
+                   r"finite number in \[-1, 1\]"),
+    "a string": ("text", r"record \(id 'only'.*returned 'yes' \(str\): a score must be a number in \[-1, 1\], or a "
+                         r"dict holding one as 'score'"),
+    "out of range": ("high", r"record \(id 'only'.*returned 1.5 \(float\): a score must be a finite number in "
+                             r"\[-1, 1\]"),
+    "a dict without score": ("no_score", r"record \(id 'only'.*returned \{'correct': 1.0\} \(dict\): a dict must "
+                                         r"hold the score as 'score'"),
+    "a call that raises": ("raises", r"record \(id 'only'.*raised KeyError: 'solution'"),
+    "a missing function": ("absent", r"data.reward='user_rewards_demo:absent': module 'user_rewards_demo' \(.*"
+                                     r"user_rewards_demo.py\) has no function 'absent'; it defines high, judge, "
+                                     r"nan, no_score, one_arg, raises, right, text"),
+    "a wrong signature": ("one_arg", r"one_arg\(record\) cannot be called as function\(record, response\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_a_bad_user_reward_is_refused_before_anything_starts(case, user_module, tmp_path, capsys):
+    function, message = REFUSED[case]
+    run_dir = tmp_path / "run"
+    code, output = _train(capsys, f"data.train={_one_record(tmp_path)}", f"data.reward={user_module}:{function}",
+                          f"logging.run_dir={run_dir}")
+    assert code == 2, output
+    assert output.startswith("bpo-megatron train: data.reward=") and re.search(message, output), output
+    assert not run_dir.exists(), "nothing may be written for a refused run"
+
+
+def test_a_missing_module_and_an_unknown_form_are_refused(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code, output = _train(capsys, "data.reward=no_such_reward_module:score", f"logging.run_dir={run_dir}")
+    assert code == 2
+    assert ("bpo-megatron train: data.reward='no_such_reward_module:score': module 'no_such_reward_module' cannot "
+            "be imported (No module named 'no_such_reward_module'); put the directory holding it on PYTHONPATH") \
+        in output
+    code, output = _train(capsys, "data.reward=my rewards", f"logging.run_dir={run_dir}")
+    assert code == 2
+    assert ("data.reward='my rewards' is unknown; choose one of ['exact', 'math'], a function of yours as "
+            "package.module:function, or a reward service as http://host:port/path") in output
+    assert not run_dir.exists()
+
+
+def test_a_service_that_is_down_or_answers_badly_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(reward_service, "RETRY_BACKOFF_S", 0.01)
+    url = f"http://127.0.0.1:{_free_port()}/score"  # nothing listens there
+    data = f"data.train={_one_record(tmp_path)}"
+    code, output = _train(capsys, data, f"data.reward={url}", "data.reward_retries=1", f"logging.run_dir={tmp_path}/r")
+    assert code == 2, output
+    assert re.search(rf"bpo-megatron train: data.reward={re.escape(url)}: the reward service failed 2 time\(s\) "
+                     r"scoring 1 responses \(the first of record 'only'\) \(last: ConnectionRefusedError: .*\); check "
+                     r"that it runs at that URL .* \(the dry call on the first training record, before the run "
+                     r"starts\)", output), output
+    with reward_server(lambda items, attempt: (200, [2.0])) as (url, received):
+        code, output = _train(capsys, data, f"data.reward={url}", f"logging.run_dir={tmp_path}/r")
+    assert code == 2, output
+    assert (f"data.reward={url}: the dry call on the first training record (id 'only', "
+            f"{tmp_path / 'one.jsonl'}:1), its reference answer as the response, returned 2.0 (float): a score must "
+            "be a finite number in [-1, 1]") in output
+    assert received == [[{"id": "only", "problem": "2+3", "answer": "5", "source": "", "response": "5"}]]
+    assert not (tmp_path / "r").exists()
+
+
+def test_check_reports_the_dry_call(user_module, tmp_path, capsys):
+    code, output = _train(capsys, f"data.train={_one_record(tmp_path)}", f"data.reward={user_module}:right",
+                          f"logging.run_dir={tmp_path / 'run'}", "--check")
+    assert code == 0, output
+    assert (f"note: data.reward={user_module}:right: the dry call on the first training record (id 'only', "
+            f"{tmp_path / 'one.jsonl'}:1), its reference answer as the response, scored 1, credit=1, "
+            "record_ok=1") in output
+
+
+# --------------------------------------------------------------------------- mid-run: scored 0, counted
+def _sample(text: str, finish_reason: str = "stop", tokenizer=CharTokenizer()) -> Sample:
+    tokens = torch.tensor(tokenizer.encode(text) + ([1] if finish_reason == "stop" else []))
+    return Sample("r", 0, torch.tensor([5, 6]), tokens, torch.zeros(tokens.numel()), finish_reason)
+
+
+def test_invalid_values_and_exceptions_mid_run_score_zero_and_are_counted(user_module, recwarn):
+    problems = [Problem(f"q{i}", "2+3", "5") for i in range(8)]
+    texts = ["5", "nan", "boom", "text", "4", "nan", "boom", "5"]
+    samples = [_sample(t) for t in texts[:-1]] + [_sample("5", "length")]  # the last one truncated: not scored
+    reward = FunctionReward(f"{user_module}:judge", workers=1, timeout_s=SCORING_TIMEOUT_S)
+    try:
+        tally = RewardTally()
+        rewards = score(samples, [p.answer for p in problems], CharTokenizer(), reward, truncated_reward=-0.5,
+                        problems=problems, tally=tally)
+        assert rewards.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -0.5]
+        assert tally.metrics() == {"reward/invalid": 3, "reward/errors": 2, "reward/tokens": 3.0}  # (2 + 4) / 2
+        warned = [str(w.message) for w in recwarn.list if issubclass(w.category, RewardWarning)]
+        assert warned == [
+            f"data.reward={user_module}:judge: record 'q1' returned nan (float): a score must be a finite number in "
+            "[-1, 1]; the response scores 0 and is counted in the metric reward/invalid, as is every further one "
+            "(without a warning)",
+            f"data.reward={user_module}:judge: record 'q2' raised RuntimeError: judge exploded; the response scores 0 "
+            "and is counted in the metric reward/errors, as is every further one (without a warning)"]
+        # the next step: counted again in its own tally, warned about no more
+        tally = RewardTally()
+        score(samples[:3], ["5"] * 3, CharTokenizer(), reward, truncated_reward=0.0, problems=problems[:3],
+              tally=tally)
+        assert tally.metrics() == {"reward/invalid": 1, "reward/errors": 1, "reward/tokens": 2.0}
+        assert len([w for w in recwarn.list if issubclass(w.category, RewardWarning)]) == 2
+        # a built-in verifier reports nothing here; a user reward reports its counts even when every
+        # response was truncated
+        assert RewardTally().metrics() == {}
+        tally = RewardTally()
+        score([_sample("5", "length")], ["5"], CharTokenizer(), reward, truncated_reward=0.0, problems=problems[:1],
+              tally=tally)
+        assert tally.metrics() == {"reward/invalid": 0, "reward/errors": 0}
+        with pytest.raises(TypeError, match="reads the problem records: pass problems="):
+            score(samples, ["5"] * 8, CharTokenizer(), reward, truncated_reward=0.0)
+    finally:
+        reward.close()
+
+
+def test_a_call_past_the_timeout_scores_zero_and_the_rest_are_scored(user_module, recwarn):
+    reward = FunctionReward(f"{user_module}:judge", workers=1, timeout_s=3.0)
+    try:
+        problems = [Problem(f"q{i}", "2+3", "5") for i in range(4)]
+        tally = RewardTally()
+        rewards = score([_sample(t) for t in ("5", "hang", "5", "4")], ["5"] * 4, CharTokenizer(), reward,
+                        truncated_reward=0.0, problems=problems, tally=tally)
+        # the calls queued behind the hung one (one worker) go to a fresh pool and are scored
+        assert rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
+        assert tally.metrics() == {"reward/invalid": 0, "reward/errors": 1, "reward/tokens": 8 / 3}
+        assert any("record 'q1' did not return within 3 s (the scoring timeout)" in str(w.message)
+                   for w in recwarn.list)
+    finally:
+        reward.close()
+
+
+def test_a_service_gets_one_batch_per_call_and_its_errors_are_counted(monkeypatch, recwarn):
+    monkeypatch.setattr(reward_service, "RETRY_BACKOFF_S", 0.01)
+    problems = [Problem("a", "1+1", "2", source="add"), Problem("b", "2+2", "4"), Problem("c", "3+3", "6"),
+                Problem("d", "4+4", "8")]
+    samples = [_sample(t) for t in ("2", "err", "bad", "7")]
+    with reward_server(_judge_service) as (url, received):
+        service = reward_fn(url)
+        assert isinstance(service, RewardService) and (service.timeout_s, service.retries) == (60.0, 2)
+        tally = RewardTally()
+        rewards = score(samples, [p.answer for p in problems], CharTokenizer(), service, truncated_reward=0.0,
+                        problems=problems, tally=tally)
+    assert rewards.tolist() == [1.0, 0.0, 0.0, -0.5]
+    assert tally.metrics() == {"reward/invalid": 1, "reward/errors": 1, "reward/credit": 0.25,  # (1 - 0.5) / 2
+                               "reward/record_ok": 1.0}
+    assert received == [[
+        {"id": "a", "problem": "1+1", "answer": "2", "source": "add", "response": "2"},
+        {"id": "b", "problem": "2+2", "answer": "4", "source": "", "response": "err"},
+        {"id": "c", "problem": "3+3", "answer": "6", "source": "", "response": "bad"},
+        {"id": "d", "problem": "4+4", "answer": "8", "source": "", "response": "7"}]]
+    warned = sorted(str(w.message) for w in recwarn.list if issubclass(w.category, RewardWarning))
+    assert warned == [f"data.reward={url}: record 'b' could not be scored by the service: no judge for this one; the "
+                      "response scores 0 and is counted in the metric reward/errors, as is every further one (without "
+                      "a warning)",
+                      f"data.reward={url}: record 'c' returned 7 (int): a score must be a finite number in [-1, 1]; "
+                      "the response scores 0 and is counted in the metric reward/invalid, as is every further one "
+                      "(without a warning)"]
+
+
+def test_a_service_is_retried_a_bounded_number_of_times(monkeypatch):
+    monkeypatch.setattr(reward_service, "RETRY_BACKOFF_S", 0.01)
+    record = {"id": "q9", "problem": "1+1", "answer": "2", "source": ""}
+    flaky = lambda items, attempt: (503, {"busy": True}) if attempt < 3 else (200, [0.25])  # noqa: E731
+    with reward_server(flaky) as (url, received):
+        assert [o.score for o in RewardService(url, timeout_s=5, retries=2).outcomes([record], ["2"])] == [0.25]
+        assert len(received) == 3
+    with reward_server(flaky) as (url, received):
+        with pytest.raises(ServiceError, match=re.escape(
+                f"data.reward={url}: the reward service failed 2 time(s) scoring 1 responses (the first of record "
+                "'q9') (last: HTTP 503 Service Unavailable: {\"busy\": true}); check that it runs at that URL and "
+                "answers within data.reward_timeout_s=5 s, or allow more attempts (data.reward_retries=1)")):
+            RewardService(url, timeout_s=5, retries=1).outcomes([record], ["2"])
+        assert len(received) == 2
+    with reward_server(lambda items, attempt: (400, {"error": "no field answer"})) as (url, received):
+        with pytest.raises(ServiceError, match=re.escape(f"data.reward={url}: the service refused 1 responses (the "
+                                                         "first of record 'q9'): HTTP 400 Bad Request")):
+            RewardService(url, timeout_s=5, retries=3).outcomes([record], ["2"])
+        assert len(received) == 1  # a refused request is not sent again
+    with reward_server(lambda items, attempt: (200, [1.0, 1.0])) as (url, received):
+        with pytest.raises(ServiceError, match=re.escape(f"data.reward={url}: the service answered a list of 2 for "
+                                                         "1 responses (the first of record 'q9'); it must answer")):
+            RewardService(url, timeout_s=5, retries=0).outcomes([record], ["2"])
+
+
+def test_reward_settings_are_checked():
+    from bpo_megatron.data.config import DataConfig
+
+    with pytest.raises(ValueError, match="data.reward_timeout_s must be a positive number of seconds, got 0"):
+        DataConfig(reward_timeout_s=0)
+    with pytest.raises(ValueError, match=r"data.reward_retries must be >= 0 \(0: one attempt only\), got -1"):
+        DataConfig(reward_retries=-1)
+    assert DataConfig(reward="pkg.sub.module:score_fn").reward == "pkg.sub.module:score_fn"
+    assert DataConfig(reward="https://rewards.internal:8443/v1/score").reward_retries == 2
+
+
+# --------------------------------------------------------------------------- training with user rewards
+def _check_reward_metrics(run_dir: Path) -> None:
+    """Each step's metrics hold the reward's counts and extras: ``reward/credit``, the score's mean
+    over the responses it scored (the finished ones), is ``reward_mean``, the mean over all of them
+    (a truncated response scores data.truncated_reward = 0), over the finished share."""
+    steps = [r for r in read_metrics(run_dir) if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert any(r["truncated_frac"] < 1 for r in steps), "no response finished: nothing was scored"
+    for record in steps:
+        assert (record["reward/invalid"], record["reward/errors"]) == (0, 0)
+        if record["truncated_frac"] < 1:
+            assert record["reward/record_ok"] == 1.0  # every call had the problem's own record
+            assert record["reward/credit"] != 0
+            assert record["reward/credit"] * (1 - record["truncated_frac"]) == pytest.approx(record["reward_mean"],
+                                                                                              abs=1e-7)
+
+
+@pytest.mark.timeout(420)
+def test_a_user_function_trains_the_demo(user_module, tmp_path, ray_session, small_run):
+    from bpo_megatron.loop.rl_loop import run
+
+    run_dir = tmp_path / "run"
+    result = run(small_run(run_dir, "train.steps=2", f"data.reward={user_module}:right"), echo=lambda line: None)
+    assert result["step"] == 2
+    _check_reward_metrics(run_dir)
+
+
+@pytest.mark.timeout(420)
+def test_a_reward_service_trains_the_demo(tmp_path, ray_session, small_run):
+    from bpo_megatron.loop.rl_loop import run
+
+    run_dir = tmp_path / "run"
+    with reward_server(_judge_service) as (url, received):
+        result = run(small_run(run_dir, "train.steps=2", f"data.reward={url}", "data.reward_timeout_s=30"),
+                     echo=lambda line: None)
+    assert result["step"] == 2
+    _check_reward_metrics(run_dir)
+    # first the dry call: the first training record, its reference answer as the response
+    assert len(received[0]) == 1 and received[0][0]["response"] == received[0][0]["answer"]
+    assert len(received) > 2  # then the steps' batches and the evaluations'
