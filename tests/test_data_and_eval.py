@@ -176,6 +176,17 @@ def test_the_longer_variants_of_procedural_tasks_answer_correctly():
         assert sum(map(int, p.problem.split("+"))) == int(p.answer)
 
 
+def test_procedural_sets_stay_the_ones_committed_results_were_measured_on():
+    """Tier B's base model was trained and its runs evaluated on these sequences: a change to a
+    task's generator would silently make the committed CSVs unreproducible."""
+    pinned = {"max5": [("max 14 0 11 74 4 85", "85"), ("max 12 98 45 30 2", "98")],
+              "max": [("max 14 0 11", "14"), ("max 4 85 88 10", "88")],
+              "sort": [("sort 1 0 1 9", "0119"), ("sort 1 1 5", "115")],
+              "reverse": [("rev baba", "abab"), ("rev bbfda", "adfbb")]}
+    for name, problems in pinned.items():
+        assert [(p.problem, p.answer) for p in generate(name, 2, seed=1234)] == problems, name
+
+
 def test_char_tokenizer_round_trip():
     tok = CharTokenizer()
     ids = tok.encode("7+8=15")

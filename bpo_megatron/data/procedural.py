@@ -36,24 +36,38 @@ def _add2(rng: random.Random) -> tuple[str, str]:
     return f"{a}+{b}", str(a + b)
 
 
-@task("reverse")
-def _reverse(rng: random.Random) -> tuple[str, str]:
-    word = "".join(rng.choice("abcdefgh") for _ in range(rng.randrange(3, 6)))
-    return f"rev {word}", word[::-1]
+def _reversal(low: int, high: int) -> TaskFn:
+    """A word of ``low``–``high`` letters a–h, reversed ("rev abc" -> "cba")."""
+    def make(rng: random.Random) -> tuple[str, str]:
+        word = "".join(rng.choice("abcdefgh") for _ in range(rng.randrange(low, high + 1)))
+        return f"rev {word}", word[::-1]
+    return make
 
 
-@task("sort")
-def _sort(rng: random.Random) -> tuple[str, str]:
-    """Three to five digits in ascending order ("sort 3 9 1" -> "139")."""
-    digits = [rng.randrange(10) for _ in range(rng.randrange(3, 6))]
-    return "sort " + " ".join(map(str, digits)), "".join(map(str, sorted(digits)))
+def _sorting(low: int, high: int) -> TaskFn:
+    """``low``–``high`` digits in ascending order ("sort 3 9 1" -> "139")."""
+    def make(rng: random.Random) -> tuple[str, str]:
+        digits = [rng.randrange(10) for _ in range(rng.randrange(low, high + 1))]
+        return "sort " + " ".join(map(str, digits)), "".join(map(str, sorted(digits)))
+    return make
 
 
-@task("sort6")
-def _sort6(rng: random.Random) -> tuple[str, str]:
-    """Six or seven digits in ascending order: ``sort`` at lengths it does not reach."""
-    digits = [rng.randrange(10) for _ in range(rng.randrange(6, 8))]
-    return "sort " + " ".join(map(str, digits)), "".join(map(str, sorted(digits)))
+def _largest(low: int, high: int) -> TaskFn:
+    """The largest of ``low``–``high`` numbers below 100 ("max 12 7 40" -> "40")."""
+    def make(rng: random.Random) -> tuple[str, str]:
+        numbers = [rng.randrange(100) for _ in range(rng.randrange(low, high + 1))]
+        return "max " + " ".join(map(str, numbers)), str(max(numbers))
+    return make
+
+
+# The longer variants hold lengths their base task never reaches: held-out tasks for a model
+# trained on the base ones (Tier B's max5).
+task("reverse")(_reversal(3, 5))
+task("reverse6")(_reversal(6, 7))
+task("sort")(_sorting(3, 5))
+task("sort6")(_sorting(6, 7))
+task("max")(_largest(2, 4))
+task("max5")(_largest(5, 6))
 
 
 @task("sum3")
@@ -61,26 +75,6 @@ def _sum3(rng: random.Random) -> tuple[str, str]:
     """Sum of three numbers below 100 (answers of one to three digits)."""
     numbers = [rng.randrange(100) for _ in range(3)]
     return "+".join(map(str, numbers)), str(sum(numbers))
-
-
-@task("reverse6")
-def _reverse6(rng: random.Random) -> tuple[str, str]:
-    """``reverse`` at six or seven letters, longer than its words."""
-    word = "".join(rng.choice("abcdefgh") for _ in range(rng.randrange(6, 8)))
-    return f"rev {word}", word[::-1]
-
-
-@task("max5")
-def _max5(rng: random.Random) -> tuple[str, str]:
-    """``max`` of five or six numbers below 100, more than its lists hold."""
-    numbers = [rng.randrange(100) for _ in range(rng.randrange(5, 7))]
-    return "max " + " ".join(map(str, numbers)), str(max(numbers))
-
-
-@task("max")
-def _max(rng: random.Random) -> tuple[str, str]:
-    numbers = [rng.randrange(100) for _ in range(rng.randrange(2, 5))]
-    return "max " + " ".join(map(str, numbers)), str(max(numbers))
 
 
 MIXTURE = "+"  # "add2+max+reverse": each problem of one of these tasks, drawn uniformly
