@@ -209,6 +209,63 @@ def test_rewards():
         reward_fn("nope")
 
 
+def _square_unless_negative(x: int) -> int:
+    """A scoring call for the pool's test: hangs on a negative number, raises on 13."""
+    import time
+
+    if x < 0:
+        time.sleep(600)
+    if x == 13:
+        raise ArithmeticError("thirteen")
+    return x * x
+
+
+def test_a_hung_scoring_call_costs_its_pool_not_the_calls_behind_it():
+    """Two workers, a call that never returns: it times out, its pool is replaced, and every
+    other call (queued behind it or not) is computed, in order; an exception is reported."""
+    import time
+
+    from bpo_megatron.data.scoring_pool import TimedPool
+
+    pool = TimedPool(workers=2, timeout_s=1.0)
+    try:
+        start = time.monotonic()
+        results = pool.run(_square_unless_negative, [(i,) for i in (1, -1, 2, 3, 13, 4, 5, 6)])
+        assert time.monotonic() - start < 20
+        assert [r.value for r in results] == [1, None, 4, 9, None, 16, 25, 36]
+        assert [r.timed_out for r in results] == [False, True] + [False] * 6
+        assert results[4].error == "ArithmeticError: thirteen" and not results[4].ok
+        assert pool.replaced == 1
+        # the fresh pool serves the next batch
+        assert [r.value for r in pool.run(_square_unless_negative, [(7,), (8,)])] == [49, 64]
+    finally:
+        pool.close()
+
+
+def test_math_verify_scores_after_a_call_that_timed_out(monkeypatch):
+    """A math-verify call past the timeout scores 0 and is counted; the answers after it are
+    still verified (before, its worker stayed busy and every later call timed out as well)."""
+    from bpo_megatron.data import rewards
+
+    monkeypatch.setattr(rewards, "_math_verify_one", _hang_on_seven)  # the pool calls the module's function
+    verifier = MathVerifier(workers=1, timeout_s=2.0)
+    try:
+        scores = verifier(["\\boxed{7}", "\\boxed{4}", "\\boxed{5}", "none"], ["7", "4", "6", "1"])
+        assert scores == [0.0, 1.0, 0.0, 0.0] and verifier.timeouts == 1
+        assert verifier(["\\boxed{3}"], ["3"]) == [1.0]
+    finally:
+        verifier.close()
+
+
+def _hang_on_seven(args: tuple[str, str]) -> float:
+    """math-verify's stand-in: exact comparison, but it never returns on the answer 7."""
+    import time
+
+    if args[0] == "7":
+        time.sleep(600)
+    return float(args[0] == args[1])
+
+
 def test_scoring_workers_follow_the_drivers_cpus(tmp_path, monkeypatch):
     import os
 
@@ -230,7 +287,7 @@ def test_scoring_workers_follow_the_drivers_cpus(tmp_path, monkeypatch):
     monkeypatch.setattr(rewards, "CGROUP_CPU_MAX", no_cgroup)
     verifier = MathVerifier(timeout_s=20)
     try:
-        assert verifier.workers == 10 and verifier._pool._max_workers == 10
+        assert verifier.workers == 10 and verifier._pool.workers == 10
         assert verifier(["\\boxed{4}"], ["4"]) == [1.0]
     finally:
         verifier.close()

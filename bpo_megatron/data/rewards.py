@@ -21,7 +21,7 @@ Besides these names ``data.reward`` takes a user's own reward (:func:`reward_fn`
 
 from __future__ import annotations
 
-import concurrent.futures as cf
+import logging
 import math
 import os
 import re
@@ -29,10 +29,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from bpo_megatron.data.reward_service import RewardService, is_url
+from bpo_megatron.data.scoring_pool import TimedPool
 from bpo_megatron.data.user_reward import FunctionReward, is_function_spec
 
 if TYPE_CHECKING:
     from bpo_megatron.data.config import DataConfig
+
+logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[list[str], list[str]], list[float]]
 REWARDS: dict[str, RewardFn] = {}
@@ -156,34 +159,35 @@ def scoring_workers(cpus: int | None = None) -> int:
 
 class MathVerifier:
     """Scores responses by their final answers in worker processes; a response without one
-    scores 0 without being sent, a call that exceeds ``timeout_s`` scores 0. ``workers``: the
-    pool's processes (default: :func:`scoring_workers`, from the CPUs this process may use)."""
+    scores 0 without being sent, a call that exceeds ``timeout_s`` scores 0 (a pathological
+    answer is a wrong one) and its pool is replaced (:class:`TimedPool`; ``timeouts`` counts
+    them). ``workers``: the pool's processes (default: :func:`scoring_workers`, from the CPUs this
+    process may use)."""
 
     def __init__(self, workers: int | None = None, timeout_s: float = SCORING_TIMEOUT_S) -> None:
         if workers is not None and workers < 1:
             raise ValueError(f"MathVerifier needs at least 1 worker process, got workers={workers}")
         self.workers = scoring_workers() if workers is None else workers
         self.timeout_s = timeout_s
-        self._pool = cf.ProcessPoolExecutor(max_workers=self.workers)
+        self.timeouts = 0
+        self._pool = TimedPool(self.workers, timeout_s)
 
     def __call__(self, responses: list[str], answers: list[str]) -> list[float]:
         finals = [final_answer(r) for r in responses]
-        futures = [None if final is None else self._pool.submit(_math_verify_one, (final, answer))
-                   for final, answer in zip(finals, answers)]
-        scores = []
-        for future in futures:
-            if future is None:
-                scores.append(0.0)
-                continue
-            try:
-                scores.append(future.result(timeout=self.timeout_s))
-            except (cf.TimeoutError, cf.process.BrokenProcessPool):
-                future.cancel()
-                scores.append(0.0)
+        sent = [i for i, final in enumerate(finals) if final is not None]
+        results = self._pool.run(_math_verify_one, [((finals[i], answers[i]),) for i in sent])
+        scores = [0.0] * len(responses)
+        for i, result in zip(sent, results):
+            if result.timed_out:
+                self.timeouts += 1
+                if self.timeouts == 1:
+                    logger.warning("math-verify did not finish within %g s on the answer %r (scored 0; its worker "
+                                   "pool was replaced; warned once)", self.timeout_s, finals[i][:200])
+            scores[i] = float(result.value) if result.ok else 0.0
         return scores
 
     def close(self) -> None:
-        self._pool.shutdown(cancel_futures=True)
+        self._pool.close()
 
 
 _MATH: MathVerifier | None = None

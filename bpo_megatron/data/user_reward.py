@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import multiprocessing
 import re
 from typing import Callable
 
 from bpo_megatron.data.reward_values import Outcome, RecordReward, read_value
+from bpo_megatron.data.scoring_pool import TimedPool
 
 _SPEC = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 SIGNATURE = "function(record, response)"
@@ -99,35 +99,15 @@ class FunctionReward(RecordReward):
         if workers < 1:
             raise ValueError(f"a user reward needs at least 1 worker process, got workers={workers}")
         self.workers, self.timeout_s = workers, timeout_s
-        self._pool = None
+        self._pool = TimedPool(workers, timeout_s)
 
     def outcomes(self, records: list[dict[str, str]], responses: list[str]) -> list[Outcome]:
-        results: dict[int, Outcome] = {}
-        pending = list(range(len(records)))
-        while pending:  # each round settles at least the call that timed out, so this ends
-            if self._pool is None:
-                self._pool = multiprocessing.Pool(self.workers)
-            calls = {i: self._pool.apply_async(_score_one, (self.spec, records[i], responses[i])) for i in pending}
-            pending, hung = [], False
-            for i, call in calls.items():
-                if hung and not call.ready():
-                    pending.append(i)  # queued behind a hung call, or running beside it: sent to a fresh pool
-                    continue
-                try:
-                    results[i] = call.get(timeout=self.timeout_s)
-                except multiprocessing.TimeoutError:
-                    results[i] = Outcome(failure="error", detail=f"did not return within {self.timeout_s:g} s "
-                                                                 "(the scoring timeout)")
-                    hung = True
-                except Exception as exc:  # noqa: BLE001 - e.g. a record or result that does not pickle
-                    results[i] = Outcome(failure="error", detail=f"failed in a scoring worker process: "
-                                                                 f"{type(exc).__name__}: {exc}")
-            if hung:
-                self.close()
-        return [results[i] for i in range(len(records))]
+        results = self._pool.run(_score_one, [(self.spec, record, response)
+                                              for record, response in zip(records, responses)])
+        return [result.value if result.ok else Outcome(failure="error", detail=(
+                    f"did not return within {self.timeout_s:g} s (the scoring timeout)" if result.timed_out
+                    else f"failed in a scoring worker process: {result.error}"))
+                for result in results]
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+        self._pool.close()

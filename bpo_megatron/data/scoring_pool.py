@@ -1,0 +1,68 @@
+"""Scoring calls in worker processes, each within a time limit, that a hung call cannot stall.
+
+math-verify bounds its parsing with ``signal.alarm`` (a process's main thread only) and a user's
+reward may hang, so scores are computed in worker processes. A call past ``timeout_s`` is
+abandoned, and with it its pool: its worker would stay busy with the call for good, and every
+later call queued behind it would time out in turn, scoring 0 without a word. The calls still
+pending are sent to a fresh pool, so each round settles at least the call that timed out.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class CallResult:
+    value: Any = None
+    timed_out: bool = False
+    error: str | None = None  # the exception a call raised (or its result failed to pickle)
+
+    @property
+    def ok(self) -> bool:
+        return not self.timed_out and self.error is None
+
+
+class TimedPool:
+    """``workers`` processes; :meth:`run` gives each call ``timeout_s`` seconds. ``replaced``
+    counts the pools abandoned for a hung call (a metric worth watching)."""
+
+    def __init__(self, workers: int, timeout_s: float) -> None:
+        if workers < 1:
+            raise ValueError(f"a scoring pool needs at least 1 worker process, got workers={workers}")
+        self.workers, self.timeout_s = workers, timeout_s
+        self.replaced = 0
+        self._pool = None
+
+    def run(self, fn: Callable, calls: list[tuple]) -> list[CallResult]:
+        """``fn(*args)`` for every ``args`` of ``calls``, in order."""
+        results: dict[int, CallResult] = {}
+        pending = list(range(len(calls)))
+        while pending:
+            if self._pool is None:
+                self._pool = multiprocessing.Pool(self.workers)
+            running = {i: self._pool.apply_async(fn, calls[i]) for i in pending}
+            pending, hung = [], False
+            for i, call in running.items():
+                if hung and not call.ready():
+                    pending.append(i)  # queued behind the hung call, or running beside it: to a fresh pool
+                    continue
+                try:
+                    results[i] = CallResult(value=call.get(timeout=self.timeout_s))
+                except multiprocessing.TimeoutError:
+                    results[i] = CallResult(timed_out=True)
+                    hung = True
+                except Exception as exc:  # noqa: BLE001 - whatever the call raised, or a result that does not pickle
+                    results[i] = CallResult(error=f"{type(exc).__name__}: {exc}")
+            if hung:
+                self.close()
+                self.replaced += 1
+        return [results[i] for i in range(len(calls))]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
