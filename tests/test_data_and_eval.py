@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bpo_megatron.data.config import DataConfig
-from bpo_megatron.data.problems import load_problems
+from bpo_megatron.data.problems import Problem, load_problems
 from bpo_megatron.data.procedural import generate
 from bpo_megatron.data.rewards import MathVerifier, final_answer, reward_fn
 from bpo_megatron.data.tokenizer import CharTokenizer, HFTokenizer
@@ -345,12 +345,12 @@ def test_a_truncated_response_scores_the_setting_whatever_it_ends_with():
                _sample("so \\boxed{42}", "stop"),
                _sample("so \\boxed{42}", "abort"),  # aborted by an engine, not cut by the limit: verified
                _sample("6 x 7 is 42", "stop")]
-    answers = ["42"] * 5
+    problems = [Problem(f"q{i}", "6 x 7", "42") for i in range(5)]
     verifier = MathVerifier(workers=1, timeout_s=20)
     try:
-        scored = score(samples, answers, CharTokenizer(), verifier, truncated_reward=DataConfig().truncated_reward)
+        scored = score(samples, problems, CharTokenizer(), verifier, truncated_reward=DataConfig().truncated_reward)
         assert scored.tolist() == [0.0, 0.0, 1.0, 1.0, 0.0]
-        penalised = score(samples, answers, CharTokenizer(), verifier, truncated_reward=-0.5)
+        penalised = score(samples, problems, CharTokenizer(), verifier, truncated_reward=-0.5)
         assert penalised.tolist() == [-0.5, -0.5, 1.0, 1.0, 0.0]
     finally:
         verifier.close()

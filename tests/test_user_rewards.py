@@ -272,8 +272,7 @@ def test_invalid_values_and_exceptions_mid_run_score_zero_and_are_counted(user_m
     reward = FunctionReward(f"{user_module}:judge", workers=1, timeout_s=SCORING_TIMEOUT_S)
     try:
         tally = RewardTally()
-        rewards = score(samples, [p.answer for p in problems], CharTokenizer(), reward, truncated_reward=-0.5,
-                        problems=problems, tally=tally)
+        rewards = score(samples, problems, CharTokenizer(), reward, truncated_reward=-0.5, tally=tally)
         assert rewards.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -0.5]
         assert tally.metrics() == {"reward/invalid": 3, "reward/errors": 2, "reward/tokens": 3.0}  # (2 + 4) / 2
         warned = [str(w.message) for w in recwarn.list if issubclass(w.category, RewardWarning)]
@@ -285,19 +284,15 @@ def test_invalid_values_and_exceptions_mid_run_score_zero_and_are_counted(user_m
             "and is counted in the metric reward/errors, as is every further one (without a warning)"]
         # the next step: counted again in its own tally, warned about no more
         tally = RewardTally()
-        score(samples[:3], ["5"] * 3, CharTokenizer(), reward, truncated_reward=0.0, problems=problems[:3],
-              tally=tally)
+        score(samples[:3], problems[:3], CharTokenizer(), reward, truncated_reward=0.0, tally=tally)
         assert tally.metrics() == {"reward/invalid": 1, "reward/errors": 1, "reward/tokens": 2.0}
         assert len([w for w in recwarn.list if issubclass(w.category, RewardWarning)]) == 2
         # a built-in verifier reports nothing here; a user reward reports its counts even when every
         # response was truncated
         assert RewardTally().metrics() == {}
         tally = RewardTally()
-        score([_sample("5", "length")], ["5"], CharTokenizer(), reward, truncated_reward=0.0, problems=problems[:1],
-              tally=tally)
+        score([_sample("5", "length")], problems[:1], CharTokenizer(), reward, truncated_reward=0.0, tally=tally)
         assert tally.metrics() == {"reward/invalid": 0, "reward/errors": 0}
-        with pytest.raises(TypeError, match="reads the problem records: pass problems="):
-            score(samples, ["5"] * 8, CharTokenizer(), reward, truncated_reward=0.0)
     finally:
         reward.close()
 
@@ -307,8 +302,8 @@ def test_a_call_past_the_timeout_scores_zero_and_the_rest_are_scored(user_module
     try:
         problems = [Problem(f"q{i}", "2+3", "5") for i in range(4)]
         tally = RewardTally()
-        rewards = score([_sample(t) for t in ("5", "hang", "5", "4")], ["5"] * 4, CharTokenizer(), reward,
-                        truncated_reward=0.0, problems=problems, tally=tally)
+        rewards = score([_sample(t) for t in ("5", "hang", "5", "4")], problems, CharTokenizer(), reward,
+                        truncated_reward=0.0, tally=tally)
         # the calls queued behind the hung one (one worker) go to a fresh pool and are scored
         assert rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
         assert tally.metrics() == {"reward/invalid": 0, "reward/errors": 1, "reward/tokens": 8 / 3}
@@ -327,8 +322,7 @@ def test_a_service_gets_one_batch_per_call_and_its_errors_are_counted(monkeypatc
         service = reward_fn(url)
         assert isinstance(service, RewardService) and (service.timeout_s, service.retries) == (60.0, 2)
         tally = RewardTally()
-        rewards = score(samples, [p.answer for p in problems], CharTokenizer(), service, truncated_reward=0.0,
-                        problems=problems, tally=tally)
+        rewards = score(samples, problems, CharTokenizer(), service, truncated_reward=0.0, tally=tally)
     assert rewards.tolist() == [1.0, 0.0, 0.0, -0.5]
     assert tally.metrics() == {"reward/invalid": 1, "reward/errors": 1, "reward/credit": 0.25,  # (1 - 0.5) / 2
                                "reward/record_ok": 1.0}

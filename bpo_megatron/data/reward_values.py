@@ -123,7 +123,7 @@ class RecordReward(ABC):
     def __call__(self, responses: list[str], answers: list[str]) -> list[float]:
         # the built-in verifiers' signature: answers alone are not the records this reward reads
         raise TypeError(f"data.reward={self.spec} reads problem records: score it with "
-                        "bpo_megatron.tasks.scoring.score(..., problems=...)")
+                        "bpo_megatron.tasks.scoring.score")
 
     def close(self) -> None:
         """Release what the reward holds (worker processes); it scores no more."""

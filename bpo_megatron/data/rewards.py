@@ -209,10 +209,11 @@ def unknown_reward(spec: str) -> str | None:
             "package.module:function, or a reward service as http://host:port/path")
 
 
-def reward_fn(spec: str, data: DataConfig | None = None):
+def reward_fn(spec: str, data: DataConfig | None = None, *, workers: int | None = None):
     """The reward ``data.reward=spec`` names: a built-in verifier (``responses, answers ->
     scores``), or a user's :class:`~bpo_megatron.data.reward_values.RecordReward`, a function
-    (imported here: a missing module or function raises ValueError naming it) or a service, whose
+    (imported here: a missing module or function raises ValueError naming it; scored in
+    ``workers`` processes, default :func:`scoring_workers`) or a service, whose
     ``data.reward_timeout_s`` and ``data.reward_retries`` ``data`` gives (default: the defaults)."""
     if spec in REWARDS:
         return REWARDS[spec]
@@ -222,4 +223,4 @@ def reward_fn(spec: str, data: DataConfig | None = None):
         settings = {} if data is None else {"timeout_s": data.reward_timeout_s, "retries": data.reward_retries}
         return RewardService(spec, **settings)
     # a user's function scores like math-verify: as many worker processes, the same timeout
-    return FunctionReward(spec, workers=scoring_workers(), timeout_s=SCORING_TIMEOUT_S)
+    return FunctionReward(spec, workers=workers or scoring_workers(), timeout_s=SCORING_TIMEOUT_S)

@@ -126,8 +126,7 @@ def evaluate(generate, sets: list[EvalSet], tokenizer, reward_fn, cfg, step: int
         samples, offset = generated[offset:offset + len(problems)], offset + len(problems)
         # A truncated response is wrong here whatever data.truncated_reward makes of it in
         # training: Avg@k counts correct answers (a user's reward: responses it scores 1).
-        correct = score(samples, [p.answer for p in problems], tokenizer, reward_fn, truncated_reward=0.0,
-                        problems=problems) == 1.0
+        correct = score(samples, problems, tokenizer, reward_fn, truncated_reward=0.0) == 1.0
         counts[eval_set.name] = (int(correct.sum()), correct.numel())
         by_question = correct.view(-1, ev.k)  # each question's k responses are consecutive
         halves[eval_set.name] = {half: (int(by_question[start::2].sum()), by_question[start::2].numel())

@@ -87,7 +87,7 @@ def check_reward(cfg, problem: Problem, what: str = "the first training record")
     if spec in REWARDS:
         return None
     try:
-        reward = reward_fn(spec, cfg.data)
+        reward = reward_fn(spec, cfg.data, workers=1)  # one call: one worker process
     except ValueError as exc:
         raise RunRefused(str(exc)) from exc
     try:

@@ -120,8 +120,8 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                         batch = prompts.take(count)
                         samples = waited(generating, engines.generate, request_batch(batch, step, round_))
                     problems = [e.problem for e in batch for _ in range(cfg.rollout.group_size)]
-                    return samples, score(samples, [p.answer for p in problems], tokenizer, verify,
-                                          truncated_reward=cfg.data.truncated_reward, problems=problems, tally=tally)
+                    return samples, score(samples, problems, tokenizer, verify,
+                                          truncated_reward=cfg.data.truncated_reward, tally=tally)
 
                 lagging: dict[str, float] = {}
                 shaping: dict[str, float] = {}

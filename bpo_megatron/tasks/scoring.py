@@ -52,27 +52,25 @@ class RewardTally:
                 **{f"reward/{name}": self.sums[name] / self.counts[name] for name in sorted(self.sums)}}
 
 
-def score(samples: list[Sample], answers: list[str], tokenizer, reward_fn, *, truncated_reward: float,
-          problems: list[Problem] | None = None, tally: RewardTally | None = None) -> torch.Tensor:
-    """Rewards in sample order (``answers`` holds one answer per sample). A truncated response
+def score(samples: list[Sample], problems: list[Problem], tokenizer, reward_fn, *, truncated_reward: float,
+          tally: RewardTally | None = None) -> torch.Tensor:
+    """Rewards in sample order (``problems`` holds each sample's problem). A truncated response
     scores ``truncated_reward`` (``data.truncated_reward``) unverified: its text may end in the
     reference answer mid-derivation, and rewarding that teaches nothing about finishing.
 
-    A user's reward (:class:`~bpo_megatron.data.reward_values.RecordReward`) reads the problem
-    records: ``problems`` holds one per sample; what it reports besides the scores is added to
-    ``tally``."""
+    A built-in verifier reads the reference answers; a user's reward
+    (:class:`~bpo_megatron.data.reward_values.RecordReward`) the whole problem records, and what it
+    reports besides the scores is added to ``tally``."""
     finished = [i for i, s in enumerate(samples) if not truncated(s)]
     rewards = [float(truncated_reward)] * len(samples)
     texts = response_texts([samples[i] for i in finished], tokenizer)
     if isinstance(reward_fn, RecordReward):
-        if problems is None:
-            raise TypeError(f"data.reward={reward_fn.spec} reads the problem records: pass problems= (one per sample)")
         outcomes = reward_fn.score_records([record_of(problems[i]) for i in finished], texts)
         if tally is not None:
             tally.add(outcomes)
         verified = [outcome.score for outcome in outcomes]
     else:
-        verified = reward_fn(texts, [answers[i] for i in finished])
+        verified = reward_fn(texts, [problems[i].answer for i in finished])
     for i, value in zip(finished, verified):
         rewards[i] = value
     return torch.tensor(rewards, dtype=torch.float32)
