@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
     from bpo_megatron.config import ConfigError
 
     try:
-        sets, tokenizer, policy = _prepare(cfg, args)
+        sets, tokenizer, policy, agent = _prepare(cfg, args)
     except ConfigError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return REFUSED
@@ -47,6 +47,7 @@ def main(argv: list[str]) -> int:
 
     from bpo_megatron.data.rewards import reward_fn
     from bpo_megatron.eval.avg_at_k import evaluate
+    from bpo_megatron.rollout.agents import with_agent
     from bpo_megatron.rollout.hf.engine import HFEngine
 
     with tempfile.TemporaryDirectory(prefix="bpo-eval-") as scratch:
@@ -57,8 +58,9 @@ def main(argv: list[str]) -> int:
             hf_dir = f"{scratch}/hf"
             convert_mcore_to_hf(location, hf_dir)
         engine = HFEngine(hf_dir, capture_routing=False, threads=args.threads)
+        rollouts = with_agent(engine, agent, tokenizer, max_turns=cfg.rollout.agent.max_turns)
         try:
-            result = evaluate(engine.generate, sets, tokenizer, reward_fn(cfg.data.reward, cfg.data), cfg, step=0)
+            result = evaluate(rollouts.generate, sets, tokenizer, reward_fn(cfg.data.reward, cfg.data), cfg, step=0)
         finally:
             engine.shutdown()
     print(f"policy: {location}")
@@ -69,10 +71,11 @@ def main(argv: list[str]) -> int:
 
 
 def _prepare(cfg, args):
-    """The screened evaluation sets, the tokenizer and the policy (kind, location) to evaluate,
-    or RunRefused: evaluation sets, tokenizer and checkpoint checked before any model loads."""
+    """The screened evaluation sets, the tokenizer, the policy (kind, location) to evaluate and
+    the agent (rollout.agent; None: single-turn), or RunRefused: evaluation sets, tokenizer,
+    agent and checkpoint checked before any model loads."""
     from bpo_megatron.eval.avg_at_k import load_eval_sets
-    from bpo_megatron.loop.preflight import check_reward, load_run_tokenizer, prompt_format
+    from bpo_megatron.loop.preflight import check_agent, check_reward, load_run_tokenizer, prompt_format
     from bpo_megatron.loop.run_dir import RunRefused, checkpoint_root
     from bpo_megatron.trainer import checkpoint
 
@@ -86,21 +89,22 @@ def _prepare(cfg, args):
     except (OSError, ValueError) as exc:
         raise RunRefused(str(exc)) from exc
     check_reward(cfg, sets[0].prompts[0].problem, what="the first evaluation question")
+    agent, _ = check_agent(cfg, tokenizer, sets[0].prompts[0].problem, what="the first evaluation question")
     if args.hf_dir:
         if not (Path(args.hf_dir) / "config.json").is_file():
             raise RunRefused(f"--hf-dir {args.hf_dir} is not a Hugging Face model directory (no config.json)")
-        return sets, tokenizer, ("Hugging Face model", args.hf_dir)
+        return sets, tokenizer, ("Hugging Face model", args.hf_dir), agent
     root = Path(args.checkpoint) if args.checkpoint else checkpoint_root(cfg)
     try:
         chosen = checkpoint.select(root)
     except checkpoint.DamagedCheckpoint as exc:
         raise RunRefused(str(exc)) from exc
     if chosen.path is not None:
-        return sets, tokenizer, ("checkpoint", str(chosen.path))
+        return sets, tokenizer, ("checkpoint", str(chosen.path)), agent
     if args.checkpoint:
         raise RunRefused(f"--checkpoint {args.checkpoint}: no checkpoint there (a step directory with "
                          f"{checkpoint.STATE_FILE}, or a root holding them)")
     if cfg.model.init == "random":
         raise RunRefused(f"the run has no checkpoint yet ({root}) and model.init=random has no trained weights to "
                          "evaluate: train first, or pass --checkpoint or --hf-dir")
-    return sets, tokenizer, ("pretrained model.path", cfg.model.path)
+    return sets, tokenizer, ("pretrained model.path", cfg.model.path), agent

@@ -77,6 +77,13 @@ def _sum3(rng: random.Random) -> tuple[str, str]:
     return "+".join(map(str, numbers)), str(sum(numbers))
 
 
+@task("mul2")
+def _mul(rng: random.Random) -> tuple[str, str]:
+    """Product of two numbers of two digits (a calculator's task: rollout.agent.name=calculator)."""
+    a, b = rng.randrange(10, 100), rng.randrange(10, 100)
+    return f"{a}*{b}", str(a * b)
+
+
 MIXTURE = "+"  # "add2+max+reverse": each problem of one of these tasks, drawn uniformly
 
 

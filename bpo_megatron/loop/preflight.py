@@ -22,6 +22,7 @@ from bpo_megatron.data.tokenizer import load_tokenizer
 from bpo_megatron.eval.avg_at_k import EvalSet, load_eval_sets
 from bpo_megatron.loop.run_dir import (RunRefused, RunState, check_config_unchanged, check_model_unchanged,
                                        check_unlocked, checkpoint_root, holds_a_run)
+from bpo_megatron.rollout.agents import Agent, Turn, load_agent
 from bpo_megatron.tasks.prompts import PromptFormat
 from bpo_megatron.tasks.stream import PromptStream
 from bpo_megatron.trainer import checkpoint
@@ -37,6 +38,7 @@ class RunPlan:
     checkpoint: str | None  # the checkpoint root to resume from; None starts fresh
     changes: dict[str, tuple[Any, Any]]  # settings changed on resume (named by --override-resume)
     notes: list[str] = field(default_factory=list)  # what the user should know before it runs
+    agent: Agent | None = None  # rollout.agent, loaded and checked (None: single-turn rollouts)
 
 
 def prompt_format(cfg, tokenizer) -> PromptFormat:
@@ -103,6 +105,70 @@ def check_reward(cfg, problem: Problem, what: str = "the first training record")
     extras = "".join(f", {name}={value:g}" for name, value in outcome.extras.items())
     return (f"data.reward={spec}: the dry call on {where}, its reference answer as the response, scored "
             f"{outcome.score:g}{extras}")
+
+
+def check_agent(cfg, tokenizer, problem: Problem, what: str = "the first training record"
+                ) -> tuple[Agent | None, str | None]:
+    """``rollout.agent`` loaded and checked before Ray or a model starts: importable, its call
+    token one token of the run's tokenizer, and, where it gives a demonstration (which a warm start
+    imitates), the demonstration of ``problem`` well formed and answered by the agent itself as it
+    says. The agent, and a note for the user."""
+    settings = cfg.rollout.agent
+    if not settings.enabled:
+        return None, None
+    try:
+        agent = load_agent(settings)
+    except ValueError as exc:
+        raise RunRefused(str(exc)) from exc
+    try:
+        ids = tokenizer.encode(agent.call_token)
+    except ValueError as exc:
+        ids = exc
+    if not isinstance(ids, list) or len(ids) != 1:
+        count = f"{len(ids)} tokens" if isinstance(ids, list) else f"not encodable ({ids})"
+        raise RunRefused(f"rollout.agent.call_token={agent.call_token!r} (rollout.agent.name={settings.name}) is "
+                         f"{count} of the run's tokenizer ({cfg.model.tokenizer or cfg.model.path}); a model turn "
+                         "stops on one token: set rollout.agent.call_token to the text of one")
+    where = f"rollout.agent.name={settings.name}: the demonstration of {what} (id {problem.id!r})"
+    try:
+        demonstration = agent.demonstration(problem.problem, problem.answer)
+    except Exception as exc:  # noqa: BLE001 - a user's agent: its error, named
+        raise RunRefused(f"{where} raised {type(exc).__name__}: {exc}") from exc
+    if demonstration is None:
+        return agent, ("rollout.agent: the agent gives no demonstration, so a warm start (train.sft_warmup_steps) "
+                       "trains on plain reference answers" if cfg.train.sft_warmup_steps else None)
+    # respond() reads the prompt as the model saw it: rendered, encoded, decoded
+    prompt = tokenizer.decode(tokenizer.encode(tokenizer.render_prompt(problem.problem, cfg.data.template)))
+    _check_demonstration(agent, tokenizer, demonstration, prompt, where)
+    return agent, None
+
+
+def _check_demonstration(agent: Agent, tokenizer, turns: list[Turn], prompt: str, where: str) -> None:
+    """Model and environment turns alternate, from the model's to the model's; every model turn
+    but the last ends with the call token; every text encodes; the agent answers each call as the
+    demonstration says (a warm start would otherwise teach what the environment never does)."""
+    if not turns or any(not isinstance(t, Turn) for t in turns):
+        raise RunRefused(f"{where} must be a non-empty list of Turn, got {turns!r}")
+    for i, turn in enumerate(turns):
+        if turn.from_environment != (i % 2 == 1) or (i == len(turns) - 1 and turn.from_environment):
+            raise RunRefused(f"{where}: turn {i} ({turn.text!r}) is out of order: model and environment turns "
+                             "alternate, starting and ending with the model's")
+        try:
+            tokenizer.encode(turn.text)
+        except ValueError as exc:
+            raise RunRefused(f"{where}: turn {i} ({turn.text!r}) cannot be encoded: {exc}") from exc
+        if not turn.from_environment and i < len(turns) - 1 and not turn.text.endswith(agent.call_token):
+            raise RunRefused(f"{where}: model turn {i} ({turn.text!r}) is followed by the environment's but does not "
+                             f"end with the call token {agent.call_token!r}")
+    for i in range(1, len(turns), 2):
+        try:
+            said = agent.respond(prompt, list(turns[:i]))
+        except Exception as exc:  # noqa: BLE001 - a user's agent: its error, named
+            raise RunRefused(f"{where}: respond() on its turns before turn {i} raised "
+                             f"{type(exc).__name__}: {exc}") from exc
+        if said != turns[i].text:
+            raise RunRefused(f"{where}: turn {i} says the environment answers {turns[i].text!r}, but respond() "
+                             f"answers {said!r}")
 
 
 def resume_point(cfg, hf) -> tuple[RunState, str | None, list[str]]:
@@ -184,6 +250,9 @@ def prepare(cfg, *, override_resume: tuple[str, ...] = ()) -> RunPlan:
     prompts, eval_sets = load_data(cfg, tokenizer, cursor=state.data_cursor)
     if (scored := check_reward(cfg, prompts.peek().problem)) is not None:
         notes.append(scored)
+    agent, agent_note = check_agent(cfg, tokenizer, prompts.peek().problem)
+    if agent_note is not None:
+        notes.append(agent_note)
     if prompts.rejected:
         notes.append(f"data.on_bad_record=skip: {len(prompts.rejected)} training records left out "
                      f"(first: {prompts.rejected[0]})")
@@ -191,7 +260,7 @@ def prepare(cfg, *, override_resume: tuple[str, ...] = ()) -> RunPlan:
         if eval_set.rejected:
             notes.append(f"data.on_bad_record=skip: {len(eval_set.rejected)} questions of {eval_set.name} left out "
                          f"(first: {eval_set.rejected[0]})")
-    return RunPlan(cfg, tokenizer, prompts, eval_sets, state, resume_from, changes, notes)
+    return RunPlan(cfg, tokenizer, prompts, eval_sets, state, resume_from, changes, notes, agent)
 
 
 def summary(plan: RunPlan) -> str:

@@ -30,6 +30,7 @@ from bpo_megatron.orchestration.cluster import start_ray, stop_ray
 from bpo_megatron.orchestration.groups import EngineGroup, TrainerGroup, run_placement
 from bpo_megatron.orchestration.phases import DevicePhases
 from bpo_megatron.orchestration.weight_sync import sync_weights
+from bpo_megatron.rollout.agents import with_agent
 from bpo_megatron.tasks.prompts import requests, stop_tokens
 from bpo_megatron.tasks.scoring import RewardTally, score
 from bpo_megatron.trainer.samples import split
@@ -62,6 +63,8 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
             started_ray = start_ray(cfg.cluster, cpus_needed=cfg.cluster.trainer_ranks + cfg.rollout.num_engines)
             placement = run_placement(cfg)  # engines on the trainer's devices, or apart
             engines = EngineGroup(cfg, hf_dir, placement=placement)
+            # what generates: the engines, or conversations of theirs with rollout.agent's tool
+            rollouts = with_agent(engines, plan.agent, tokenizer, max_turns=cfg.rollout.agent.max_turns)
             bucket = cfg.rollout.weight_bucket_mb * 1024 * 1024
             transport = cfg.rollout.spec.transport(cfg.rollout.options, cfg.cluster.colocate)
             push = lambda only, version: sync_weights(  # noqa: E731
@@ -77,12 +80,12 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
             else:
                 trainer.call("load_hf", hf_dir)
             if not state.sft_done and cfg.train.sft_warmup_steps:
-                sft_warmup(cfg, trainer, prompts, tokenizer, metrics_out, echo)
+                sft_warmup(cfg, trainer, prompts, tokenizer, metrics_out, echo, agent=plan.agent)
             state.sft_done = True
             phases.weights_changed(version=state.step)  # version n: the weights after RL step n
             if state.step == 0 and cfg.eval.every and cfg.eval.at_start:
                 phases.rollout()
-                _evaluate(plan, engines, verify, 0, best, metrics_out, echo)
+                _evaluate(plan, rollouts, verify, 0, best, metrics_out, echo)
             if cfg.train.steps == 0:  # a supervised run: its warm start is what it makes
                 _save(cfg, trainer, phases, state, best, step=0)
                 return {"step": 0, "best_step": best.step, "best_mean": best.mean, "run_dir": str(run_dir)}
@@ -95,7 +98,7 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                                 seed=cfg.rollout.seed + step + round_ * ROUND_SEED_STRIDE)
 
             ahead = cfg.train.asynchronous
-            pipeline = RolloutPipeline(engines, prompts, request_batch, per_step=cfg.train.prompts_per_step,
+            pipeline = RolloutPipeline(rollouts, prompts, request_batch, per_step=cfg.train.prompts_per_step,
                                        group_size=cfg.rollout.group_size, last_step=cfg.train.steps,
                                        max_staleness=ahead.max_staleness, stale=ahead.stale,
                                        partial=engines.partial_rollouts)
@@ -118,7 +121,7 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                         samples, batch, lagging = waited(generating, pipeline.take, step)
                     else:
                         batch = prompts.take(count)
-                        samples = waited(generating, engines.generate, request_batch(batch, step, round_))
+                        samples = waited(generating, rollouts.generate, request_batch(batch, step, round_))
                     problems = [e.problem for e in batch for _ in range(cfg.rollout.group_size)]
                     return samples, score(samples, problems, tokenizer, verify,
                                           truncated_reward=cfg.data.truncated_reward, tally=tally)
@@ -140,6 +143,8 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                 metrics.update(shaping)
                 metrics.update(tally.metrics())
                 metrics.update(lagging)
+                if plan.agent is not None:
+                    metrics["agent/errors"] = rollouts.take_errors()
                 random.Random(cfg.train.seed + step).shuffle(train_samples)
                 t_prepared = time.perf_counter()
                 phases.train()
@@ -163,7 +168,7 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                 if cfg.eval.every and step % cfg.eval.every == 0:
                     pipeline.settle()
                     sync = diagnostics.add_sync(sync, phases.rollout())
-                    metrics.update(_evaluate(plan, engines, verify, step, best, metrics_out, echo))
+                    metrics.update(_evaluate(plan, rollouts, verify, step, best, metrics_out, echo))
                 metrics.update(diagnostics.add_sync(sync, {}))
                 metrics_out.write(step, metrics)
                 echo(summary_line(step, cfg.train.steps, metrics, bar=cfg.logging.progress))
@@ -200,9 +205,9 @@ def waited(seconds: list[float], fn, *args):
         seconds[0] += time.perf_counter() - start
 
 
-def _evaluate(plan: RunPlan, engines, verify, step, best, metrics_out, echo) -> dict:
+def _evaluate(plan: RunPlan, rollouts, verify, step, best, metrics_out, echo) -> dict:
     cfg = plan.cfg
-    result = evaluate(engines.generate, plan.eval_sets, plan.tokenizer, verify, cfg, step)
+    result = evaluate(rollouts.generate, plan.eval_sets, plan.tokenizer, verify, cfg, step)
     improved = best.update(result)
     metrics = result.metrics(cfg.eval.k)
     if step == 0:

@@ -19,21 +19,46 @@ def training_samples(samples: list[Sample], rewards: torch.Tensor, group_size: i
     sampled with (``Sample.routing_valid``: SGLang re-prefilled them after a weight update) are left
     out of the loss, since replaying it would train them against experts that did not produce
     their μ; under ``asynchronous`` (train.async, where updates reach generations under way) their
-    share of the step's response tokens is reported as ``async/r3_masked_frac``.
+    share of the step's model tokens is reported as ``async/r3_masked_frac``.
+
+    Tokens the environment inserted into a multi-turn response (``Sample.from_environment``: a
+    tool's output) are never trained on: the model did not sample them. Such steps also report
+    ``agent/tool_calls_mean`` (environment turns per response) and ``agent/env_token_frac``.
     """
     advantages, metrics = group_advantages(rewards, group_size)
     train = [TrainSample(tokens=s.tokens, response_start=s.prompt_tokens.numel(),
                          rollout_logprobs=s.rollout_logprobs, advantage=float(a),
                          routed_experts=s.routed_experts if keep_routing else None,
-                         train_mask=s.routing_valid if keep_routing else None)
+                         train_mask=_train_mask(s, keep_routing))
              for s, a in zip(samples, advantages.tolist())]
     lengths = torch.tensor([s.response_tokens.numel() for s in samples], dtype=torch.float32)
     metrics.update(response_length_mean=float(lengths.mean()), response_length_max=float(lengths.max()),
                    truncated_frac=sum(s.finish_reason == "length" for s in samples) / len(samples))
+    model_tokens = sum(int(s.model_tokens.sum()) for s in samples)
     if keep_routing and asynchronous:
-        masked = sum(t.num_response_tokens - t.num_train_tokens for t in train)
-        metrics["async/r3_masked_frac"] = masked / max(float(lengths.sum()), 1.0)
+        masked = sum(int((s.model_tokens & ~s.routing_valid).sum()) for s in samples if s.routing_valid is not None)
+        metrics["async/r3_masked_frac"] = masked / max(model_tokens, 1)
+    if any(s.from_environment is not None for s in samples):
+        metrics["agent/tool_calls_mean"] = sum(environment_turns(s) for s in samples) / len(samples)
+        metrics["agent/env_token_frac"] = 1.0 - model_tokens / max(float(lengths.sum()), 1.0)
     return train, metrics
+
+
+def _train_mask(sample: Sample, keep_routing: bool) -> torch.Tensor | None:
+    """The response tokens the loss trains on: the model's own, and under R3 only those whose
+    recorded routing sampled them; None: all."""
+    mask = sample.model_tokens if sample.from_environment is not None else None
+    if keep_routing and sample.routing_valid is not None:
+        mask = sample.routing_valid if mask is None else mask & sample.routing_valid
+    return mask
+
+
+def environment_turns(sample: Sample) -> int:
+    """How many times the environment answered within ``sample`` (its runs of environment tokens)."""
+    if sample.from_environment is None:
+        return 0
+    env = sample.from_environment.to(torch.int8)
+    return int(((env[1:] - env[:-1]) == 1).sum()) + int(env[:1].sum())
 
 
 def with_old_logprobs(trainer, samples: list[TrainSample]) -> list[TrainSample]:

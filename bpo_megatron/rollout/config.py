@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from bpo_megatron.rollout.agents.config import AgentConfig
 from bpo_megatron.rollout.engine import EngineSpec, engine_spec
 from bpo_megatron.rollout.hf.options import HFEngineOptions
 from bpo_megatron.rollout.sglang.options import SGLangOptions
@@ -21,7 +22,8 @@ class RolloutConfig:
     ``capture_routed_experts`` makes the engine record the experts of every processed token;
     R3 (``model.routing_replay``) needs it. ``hf``, ``sglang`` and ``vllm`` are each engine's own
     typed options (``rollout/<engine>/options.py``); only the section of the chosen engine is
-    used, by that engine alone.
+    used, by that engine alone. ``agent`` makes every response a conversation with a tool
+    (``rollout/agents``; off by default).
     """
 
     engine: EngineName = "hf"
@@ -48,6 +50,7 @@ class RolloutConfig:
     hf: HFEngineOptions = field(default_factory=HFEngineOptions)
     sglang: SGLangOptions = field(default_factory=SGLangOptions)
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
     def __post_init__(self) -> None:
         for name in ("num_engines", "group_size", "max_new_tokens", "threads_per_engine", "weight_bucket_mb"):

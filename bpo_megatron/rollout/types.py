@@ -79,10 +79,30 @@ class Sample:
     # rollout/sglang/protocol.py); R3 must not train such a token, as the trainer would replay
     # experts that did not produce its μ. None: every token's routing is its own.
     routing_valid: torch.Tensor | None = None
+    # [R] bool: the response tokens the environment inserted between the model's turns (a tool's
+    # output, rollout/agents): the model sampled none of them, so they carry no μ (0 there, never
+    # read), no loss and no routing of their own to replay. None: every response token is the model's.
+    from_environment: torch.Tensor | None = None
 
     @property
     def tokens(self) -> torch.Tensor:
         return torch.cat([self.prompt_tokens, self.response_tokens])
+
+    @property
+    def model_tokens(self) -> torch.Tensor:
+        """[R] bool: the response tokens the model sampled (all of them in a single-turn sample)."""
+        if self.from_environment is None:
+            return torch.ones(self.response_tokens.numel(), dtype=torch.bool)
+        return ~self.from_environment
+
+    @property
+    def final_turn(self) -> torch.Tensor:
+        """The model's last turn: the response tokens after the environment's last ones (the
+        whole response of a single-turn sample). What a multi-turn sample answers with."""
+        if self.from_environment is None or not bool(self.from_environment.any()):
+            return self.response_tokens
+        last = int(self.from_environment.nonzero()[-1])
+        return self.response_tokens[last + 1:]
 
     def check(self, *, num_moe_layers: int | None = None, topk: int | None = None) -> None:
         """Raise ValueError if the pieces disagree (e.g. a decoding bug in an engine client)."""
@@ -90,14 +110,18 @@ class Sample:
         if self.rollout_logprobs.shape != (r,):
             raise ValueError(f"sample {self.request_id}/{self.index}: {self.rollout_logprobs.numel()} "
                              f"log-probs for {r} response tokens")
-        for name in ("token_versions", "routing_valid"):
+        for name in ("token_versions", "routing_valid", "from_environment"):
             value = getattr(self, name)
             if value is not None and value.shape != (r,):
                 raise ValueError(f"sample {self.request_id}/{self.index}: {name} has shape {tuple(value.shape)} for "
                                  f"{r} response tokens")
-        if self.routing_valid is not None and self.routing_valid.dtype != torch.bool:
-            raise ValueError(f"sample {self.request_id}/{self.index}: routing_valid must be bool, got "
-                             f"{self.routing_valid.dtype}")
+        for name in ("routing_valid", "from_environment"):
+            value = getattr(self, name)
+            if value is not None and value.dtype != torch.bool:
+                raise ValueError(f"sample {self.request_id}/{self.index}: {name} must be bool, got {value.dtype}")
+        if self.from_environment is not None and bool(self.rollout_logprobs[self.from_environment].any()):
+            raise ValueError(f"sample {self.request_id}/{self.index}: tokens from the environment carry no log μ "
+                             "(0 there): the model did not sample them")
         if self.routed_experts is not None:
             want = (self.prompt_tokens.numel() + r - 1, num_moe_layers, topk)
             got = tuple(self.routed_experts.shape)

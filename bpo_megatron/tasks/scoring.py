@@ -14,8 +14,10 @@ from bpo_megatron.rollout import Sample
 
 
 def response_texts(samples: list[Sample], tokenizer) -> list[str]:
+    """What each sample answers: its response's text, or a multi-turn sample's last turn (what the
+    model said after the environment's last output: ``Sample.final_turn``), without stop tokens."""
     stops = set(tokenizer.eos_token_ids) | set(tokenizer.end_of_turn_ids)
-    return [tokenizer.decode([t for t in s.response_tokens.tolist() if t not in stops]) for s in samples]
+    return [tokenizer.decode([t for t in s.final_turn.tolist() if t not in stops]) for s in samples]
 
 
 def truncated(sample: Sample) -> bool:

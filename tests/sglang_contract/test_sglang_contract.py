@@ -23,6 +23,7 @@ import torch
 from bpo_megatron.models import HFModelConfig
 from bpo_megatron.models.routing import RoutingLayout
 from bpo_megatron.rollout import GenerationRequest, SamplingParams
+from bpo_megatron.rollout.agents import Agent, AgentConfig, Conversations
 from bpo_megatron.rollout.checksums import fingerprints
 from bpo_megatron.rollout.engine import EngineLost
 from bpo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
@@ -445,3 +446,98 @@ def test_colocated_engine_ranks_each_map_the_trainer_rank_beside_them(ray_sessio
     finally:
         engines.shutdown()
         trainer.shutdown()
+
+
+# ------------------------------------------------------------------------------ multi-turn
+class _IdTokenizer:
+    """Token ids written as text, space-separated: what the agent reads and answers is ids."""
+
+    eos_token_ids, end_of_turn_ids = (), ()
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+
+CALL_ID = 7  # the stand-in draws tokens uniformly from the vocabulary: a few of 256 responses call
+TOOL_OUTPUT = [150, 151, 152]
+
+
+class _Tool(Agent):
+    call_token = str(CALL_ID)
+
+    def respond(self, prompt, transcript):
+        return " ".join(map(str, TOOL_OUTPUT))
+
+
+class _Recording:
+    """The engine's generate, keeping each call's requests and samples (the turns)."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.calls = engine, []
+
+    def generate(self, requests):
+        samples = self.engine.generate(requests)
+        self.calls.append((requests, samples))
+        return samples
+
+
+def test_multi_turn_rollouts_send_every_turn_as_input_ids_and_keep_each_turns_routing(engine, layout, monkeypatch):
+    """Conversations through SGLang's ``/generate``: a turn after a tool call is one request
+    whose ``input_ids`` are the prompt, the engine's own output ids and the tool's ids (nothing is
+    retokenised); the sample is the turns end to end, log μ as SGLang reported each model token
+    and 0 on the tool's, and each position's routed experts as reported by the turn that first
+    processed it (a later turn's request reports the earlier positions again, as its own prefill)."""
+    import bpo_megatron.rollout.sglang.client as client_module
+
+    posted = {}
+
+    def recording(items, *, capture_routing):
+        body = generate_body(items, capture_routing=capture_routing)
+        posted.update({rid: ids for rid, ids in zip(body["rid"], body["input_ids"])})
+        return body
+
+    monkeypatch.setattr(client_module, "generate_body", recording)
+    asked = [GenerationRequest(f"c{i}", tuple(range(20, 24 + i % 3)), SamplingParams(max_new_tokens=24, n=4, seed=i))
+             for i in range(64)]
+    recorder = _Recording(engine)
+    samples = Conversations(recorder, _Tool(AgentConfig(name="x:_Tool")), _IdTokenizer(), max_turns=3).generate(asked)
+    assert len(samples) == 256 and all(CALL_ID in r.sampling.stop_token_ids for r in recorder.calls[0][0])
+    turns = {(s.request_id, s.index): [s] for s in recorder.calls[0][1]}
+    for requests, answers in recorder.calls[1:]:
+        for request, answer in zip(requests, answers):
+            key = request.request_id.split("/t")[0]
+            turns[(key.split("#")[0], int(key.split("#")[1]))].append(answer)
+    talking = [s for s in samples if s.from_environment.any()]
+    print(f"\n[multi-turn over SGLang] {len(talking)} of {len(samples)} responses called the tool, "
+          f"{sum(len(turns[(s.request_id, s.index)]) for s in talking)} model turns")
+    assert len(talking) >= 3, "too few responses called the tool to show anything"
+    for sample in talking:
+        parts = turns[(sample.request_id, sample.index)]
+        for k in range(1, len(parts)):
+            sent = posted[parts[k].request_id + "#0"]
+            before = list(parts[k - 1].prompt_tokens.tolist()) + parts[k - 1].response_tokens.tolist() + TOOL_OUTPUT
+            assert sent == before, "a later turn must be sent as the whole sequence's ids"
+        expected, env, logprobs, rows, start = [], [], [], [], 0
+        for k, part in enumerate(parts):
+            expected += part.response_tokens.tolist()
+            env += [False] * part.response_tokens.numel()
+            logprobs.append(part.rollout_logprobs)
+            end = part.prompt_tokens.numel() + part.response_tokens.numel() - 1
+            rows.append(part.routed_experts[start:end])
+            start = end
+            if k < len(parts) - 1:
+                expected += TOOL_OUTPUT
+                env += [True] * len(TOOL_OUTPUT)
+                logprobs.append(torch.zeros(len(TOOL_OUTPUT)))
+        assert sample.response_tokens.tolist() == expected and sample.from_environment.tolist() == env
+        assert torch.equal(sample.rollout_logprobs, torch.cat(logprobs))
+        assert torch.equal(sample.routed_experts, torch.cat(rows))
+        assert sample.routed_experts.shape[0] == sample.tokens.numel() - 1
+        sample.check(num_moe_layers=layout.num_moe_layers, topk=layout.topk)
+        # SGLang's made-up log μ of output position i is −0.1·(i + 1) at version 0: per turn
+        for part in parts:
+            torch.testing.assert_close(part.rollout_logprobs,
+                                       -0.1 * torch.arange(1, part.response_tokens.numel() + 1).float())

@@ -1,0 +1,240 @@
+"""Multi-turn rollouts over any engine or engine group: every response is a conversation.
+
+:class:`Conversations` has the ``generate`` / ``submit`` of an engine group, so the loop, the
+rollout pipeline and evaluation use it unchanged. The first turn of every response is the
+request itself (its ``n`` responses, the agent's call token added to its stop tokens). Each
+response whose turn ended with the call token gets the agent's answer appended as tokens, and its
+next turn is a request of its own: the prompt, every token so far (the engine's own ids, never
+decoded and encoded again) and the answer, with one response, the remaining token budget and a
+seed derived from the response's own, so a conversation does not depend on how requests are
+shared out over engines. Turns go to the engines together, one round per turn; a conversation
+lives in the driver, so an engine that dies mid-turn costs that turn only (the group sends it
+again to the engine's replacement) and the turns before it are kept.
+
+The sample of a conversation is its turns end to end (:func:`assemble`): the model's tokens with
+their log μ, versions and routing validity, the environment's tokens marked
+(``Sample.from_environment``) with log μ 0. With routing captured, each position's routed experts
+come from the first turn that processed it: a turn reports the whole sequence it saw, and its own
+positions are those after the previous turn's last one, so every model token keeps the routing
+that sampled it (R3 replays that).
+
+A turn that stops on anything but the call token ends the conversation (``stop``, or ``length``
+at its budget); one that asks again after ``rollout.agent.max_turns`` model turns, or whose
+answer would not fit the budget, ends it as cut off (``length``). An agent that raises ends its
+conversation the same way; such calls are counted (:attr:`Conversations.errors`) and warned once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from bpo_megatron.rollout.agents.base import Agent, Turn
+from bpo_megatron.rollout.types import GenerationRequest, Sample, response_slots
+
+log = logging.getLogger(__name__)
+
+TURN_SEED_STRIDE = 104_729  # turn t of a response samples with its seed + t × this
+REPLY_THREADS = 8  # agents answer the conversations of a round side by side (tools wait on processes)
+
+
+class Conversations:
+    """``engines`` (an engine group, or one engine: anything with ``generate``) talking to
+    ``agent`` through ``tokenizer``; ``max_turns`` model turns per response at most."""
+
+    def __init__(self, engines, agent: Agent, tokenizer, *, max_turns: int) -> None:
+        ids = tokenizer.encode(agent.call_token)
+        if len(ids) != 1:
+            raise ValueError(f"rollout.agent.call_token={agent.call_token!r} is {len(ids)} tokens of the run's "
+                             "tokenizer; it must be exactly one (a turn stops on a token)")
+        self.engines, self.agent, self.tokenizer, self.max_turns = engines, agent, tokenizer, max_turns
+        self.call_id = ids[0]
+        self.errors = 0  # agent calls that raised (their conversations ended cut off)
+        self._warned = False
+        self._lock = threading.Lock()
+
+    def submit(self, requests: list[GenerationRequest]) -> PendingConversations:
+        first = [dataclasses.replace(r, sampling=dataclasses.replace(
+            r.sampling, stop_token_ids=tuple(sorted({*r.sampling.stop_token_ids, self.call_id})))) for r in requests]
+        submit = getattr(self.engines, "submit", None)  # an engine group; a bare engine generates at once
+        pending = submit(first) if submit is not None else _Done(self.engines.generate(first))
+        return PendingConversations(self, first, pending)
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
+        return self.submit(requests).result()
+
+    def take_errors(self) -> int:
+        """Agent calls that raised since the last call (``agent/errors``)."""
+        with self._lock:
+            errors, self.errors = self.errors, 0
+        return errors
+
+    # ---------------------------------------------------------------------------------- turns
+    def converse(self, requests: list[GenerationRequest], first: list[Sample]) -> list[Sample]:
+        """The conversations that start with ``first`` (the turns of ``requests``' responses)."""
+        dialogues = [_Dialogue(slot.request, slot.seed, [sample])
+                     for slot, sample in zip(response_slots(requests), first, strict=True)]
+        with ThreadPoolExecutor(REPLY_THREADS) as pool:
+            for turn in range(1, self.max_turns + 1):  # every live dialogue has `turn` model turns
+                asking = []
+                for d in dialogues:
+                    if d.finish is None:
+                        if self._asks(d):
+                            asking.append(d)
+                        else:
+                            d.finish = d.turns[-1].finish_reason
+                if turn == self.max_turns:  # those still asking ask once more than they may
+                    for d in asking:
+                        d.finish = "length"
+                    break
+                going = [d for d, reply in zip(asking, pool.map(self._reply, asking)) if self._append(d, reply)]
+                if going:
+                    answers = self.engines.generate([d.next_request(turn) for d in going])
+                    for d, sample in zip(going, answers, strict=True):
+                        d.turns.append(sample)
+        return [assemble(d.turns, d.environment, d.finish) for d in dialogues]
+
+    def _asks(self, dialogue: _Dialogue) -> bool:
+        last = dialogue.turns[-1]
+        return (last.finish_reason == "stop" and last.response_tokens.numel() > 0
+                and int(last.response_tokens[-1]) == self.call_id)
+
+    def _reply(self, dialogue: _Dialogue) -> str | None | Exception:
+        prompt = self.tokenizer.decode(dialogue.turns[0].prompt_tokens.tolist())
+        try:
+            return self.agent.respond(prompt, dialogue.transcript(self.tokenizer))
+        except Exception as exc:  # noqa: BLE001 - a user's environment: counted, its conversation cut off
+            return exc
+
+    def _append(self, dialogue: _Dialogue, reply: str | None | Exception) -> bool:
+        """Add the agent's answer; False when the conversation ends here instead."""
+        if reply is None:
+            dialogue.finish = "stop"
+            return False
+        if isinstance(reply, Exception):
+            with self._lock:
+                self.errors += 1
+                warn, self._warned = not self._warned, True
+            if warn:
+                log.warning("rollout.agent.name=%s raised %s: %s (its conversation ends cut off; such calls are "
+                            "counted in agent/errors, warned once)", self.agent.settings.name,
+                            type(reply).__name__, reply)
+            dialogue.finish = "length"
+            return False
+        if not isinstance(reply, str):
+            raise TypeError(f"rollout.agent.name={self.agent.settings.name}: respond() returned "
+                            f"{type(reply).__name__}; it must return the environment's text (str) or None")
+        ids = self.tokenizer.encode(reply)
+        if dialogue.used + len(ids) + 1 > dialogue.request.sampling.max_new_tokens:  # no room for another turn
+            dialogue.finish = "length"
+            return False
+        dialogue.environment.append(ids)
+        return True
+
+
+class _Done:
+    def __init__(self, samples: list[Sample]) -> None:
+        self._samples = samples
+
+    def result(self) -> list[Sample]:
+        return self._samples
+
+
+class PendingConversations:
+    def __init__(self, conversations: Conversations, requests: list[GenerationRequest], first) -> None:
+        self._conversations, self._requests, self._first = conversations, requests, first
+        self._samples: list[Sample] | None = None
+
+    def result(self) -> list[Sample]:
+        """Every response's conversation, in request order (its later turns run here)."""
+        if self._samples is None:
+            self._samples = self._conversations.converse(self._requests, self._first.result())
+        return self._samples
+
+
+@dataclasses.dataclass
+class _Dialogue:
+    request: GenerationRequest
+    seed: int | None
+    turns: list[Sample]  # the model's turns
+    environment: list[list[int]] = dataclasses.field(default_factory=list)  # the answers after each turn
+    finish: str | None = None
+
+    @property
+    def used(self) -> int:
+        """Response tokens so far (model and environment)."""
+        return sum(t.response_tokens.numel() for t in self.turns) + sum(len(e) for e in self.environment)
+
+    def transcript(self, tokenizer) -> list[Turn]:
+        turns = []
+        for i, sample in enumerate(self.turns):
+            turns.append(Turn(tokenizer.decode(sample.response_tokens.tolist())))
+            if i < len(self.environment):
+                turns.append(Turn(tokenizer.decode(self.environment[i]), from_environment=True))
+        return turns
+
+    def next_request(self, turn: int) -> GenerationRequest:
+        """Turn ``turn`` (1: the second): everything so far as its prompt, one response."""
+        tokens = [*self.request.prompt_tokens]
+        for i, sample in enumerate(self.turns):
+            tokens += sample.response_tokens.tolist() + self.environment[i]
+        first = self.turns[0]
+        sampling = dataclasses.replace(
+            self.request.sampling, n=1, max_new_tokens=self.request.sampling.max_new_tokens - self.used,
+            seed=None if self.seed is None else self.seed + turn * TURN_SEED_STRIDE)
+        return GenerationRequest(f"{first.request_id}#{first.index}/t{turn}", tuple(tokens), sampling,
+                                 capture_routing=self.request.capture_routing)
+
+
+def assemble(turns: list[Sample], environment: list[list[int]], finish: str) -> Sample:
+    """One sample from a conversation's model turns and the environment's answers between them."""
+    first, pieces = turns[0], []
+    for i, sample in enumerate(turns):
+        pieces.append((sample, None))
+        if i < len(turns) - 1:
+            pieces.append((None, torch.tensor(environment[i], dtype=torch.long)))
+    response = torch.cat([s.response_tokens if s is not None else e for s, e in pieces])
+    logprobs = torch.cat([s.rollout_logprobs if s is not None else torch.zeros(e.numel()) for s, e in pieces])
+    from_env = torch.cat([torch.zeros(s.response_tokens.numel(), dtype=torch.bool) if s is not None
+                          else torch.ones(e.numel(), dtype=torch.bool) for s, e in pieces])
+    versions = None
+    if all(s.token_versions is not None for s in turns):
+        parts = []
+        for sample, answer in pieces:  # an answer is dated like the model token that asked for it
+            parts.append(sample.token_versions if sample is not None else parts[-1][-1:].expand(answer.numel()))
+        versions = torch.cat(parts)
+    valid = None
+    if any(s.routing_valid is not None for s in turns):
+        valid = torch.cat([(s.routing_valid if s.routing_valid is not None
+                            else torch.ones(s.response_tokens.numel(), dtype=torch.bool)) if s is not None
+                           else torch.ones(e.numel(), dtype=torch.bool) for s, e in pieces])
+    return Sample(request_id=first.request_id, index=first.index, prompt_tokens=first.prompt_tokens,
+                  response_tokens=response, rollout_logprobs=logprobs, finish_reason=finish,
+                  routed_experts=_routing(turns), weight_version=min(s.weight_version for s in turns),
+                  token_versions=versions, routing_valid=valid,
+                  from_environment=from_env)
+
+
+def _routing(turns: list[Sample]) -> torch.Tensor | None:
+    """Each position's experts from the first turn that processed it (None unless every turn has them)."""
+    if any(s.routed_experts is None for s in turns):
+        return None
+    parts, start = [], 0
+    for sample in turns:
+        end = sample.prompt_tokens.numel() + sample.response_tokens.numel() - 1  # the positions it fed
+        if sample.routed_experts.shape[0] != end:
+            raise ValueError(f"turn {sample.request_id}: routed experts for {sample.routed_experts.shape[0]} "
+                             f"positions, expected {end}")
+        parts.append(sample.routed_experts[start:end])
+        start = end
+    return torch.cat(parts)
+
+
+def with_agent(engines, agent: Agent | None, tokenizer, *, max_turns: int):
+    """What generates a run's responses: ``engines`` themselves (single-turn), or conversations of
+    theirs with ``agent``."""
+    return engines if agent is None else Conversations(engines, agent, tokenizer, max_turns=max_turns)
