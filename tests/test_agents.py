@@ -519,3 +519,26 @@ def test_the_calculator_demo_learns(tmp_path, ray_session):
 
     evals = [r["eval/mean_avg@4"] for r in read_metrics(tmp_path) if "eval/mean_avg@4" in r]
     assert (evals[-1] + evals[-2]) / 2 > evals[0] + 0.10, evals
+
+
+def test_the_eval_command_talks_to_the_agent(tmp_path, monkeypatch, capsys):
+    """``bpo-megatron eval`` evaluates as the run does: through conversations with the agent."""
+    from bpo_megatron.cli import main
+    from bpo_megatron.rollout.agents import conversation
+    from bpo_megatron.testing.models import random_checkpoint
+
+    root = Path(__file__).resolve().parents[1]
+    hf_dir = random_checkpoint(root / "configs" / "models" / "tiny_qwen3_moe", tmp_path / "hf", seed=0)
+    seen = []
+    converse = conversation.Conversations.converse
+
+    def recording(self, requests, first):
+        seen.append((type(self.agent).__name__, len(requests), len(first)))
+        return converse(self, requests, first)
+
+    monkeypatch.setattr(conversation.Conversations, "converse", recording)
+    code = main(["eval", str(root / "configs" / "calculator_cpu.yaml"), "eval.limit=4", "eval.k=2",
+                 "--hf-dir", str(hf_dir)])
+    assert code == 0, capsys.readouterr()
+    assert seen == [("Calculator", 4, 8)]
+    assert "procedural:mul2" in capsys.readouterr().out
