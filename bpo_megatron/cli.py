@@ -12,6 +12,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
+from bpo_megatron.registry import LazyRegistry
+
 
 @dataclass(frozen=True)
 class Command:
@@ -31,7 +33,7 @@ def command(name: str, help: str) -> Callable[[Callable[[list[str]], int]], Call
 
 
 # Benchmarks are imported on use: each pulls in Megatron-Core, which takes seconds to import.
-BENCHMARKS: dict[str, str] = {
+BENCHMARKS = LazyRegistry({
     "async": "bpo_megatron.bench.asynchronous",
     "logprobs": "bpo_megatron.bench.logprobs",
     "mechanism": "bpo_megatron.bench.mechanism",
@@ -39,17 +41,15 @@ BENCHMARKS: dict[str, str] = {
     "rollout": "bpo_megatron.bench.rollout",
     "sglang-concurrency": "bpo_megatron.bench.sglang_concurrency",
     "step": "bpo_megatron.bench.step",
-}
+}, unknown="unknown benchmark {name!r}; choose one of {sorted_listed}")
 
 
 @command("bench", "run a benchmark that prints a ratio table (ours vs the reference)")
 def _bench(argv: list[str]) -> int:
-    import importlib
-
     parser = argparse.ArgumentParser(prog="bpo-megatron bench", add_help=False)
     parser.add_argument("name", choices=sorted(BENCHMARKS))
     args = parser.parse_args(argv[:1])
-    module = importlib.import_module(BENCHMARKS[args.name])
+    module = BENCHMARKS.load(args.name)
     bench_parser = argparse.ArgumentParser(prog=f"bpo-megatron bench {args.name}", description=module.__doc__)
     return module.main(argv[1:], bench_parser)
 

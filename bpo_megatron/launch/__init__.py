@@ -12,24 +12,21 @@ imported on use: NeMo-Run takes seconds to import.
 
 from __future__ import annotations
 
-import importlib
-
 from bpo_megatron.launch.base import Launcher, Rendered
 from bpo_megatron.launch.runs import Batch, validate_runs
 from bpo_megatron.launch.settings import ExecutorSettings
 from bpo_megatron.launch.sweep import expand
+from bpo_megatron.registry import LazyRegistry
 
-LAUNCHERS: dict[str, str] = {
-    "local": "bpo_megatron.launch.local",
-    "slurm": "bpo_megatron.launch.slurm",
-    "kuberay": "bpo_megatron.launch.kuberay",
-}
+LAUNCHERS = LazyRegistry({
+    "local": "bpo_megatron.launch.local:LAUNCHER",
+    "slurm": "bpo_megatron.launch.slurm:LAUNCHER",
+    "kuberay": "bpo_megatron.launch.kuberay:LAUNCHER",
+}, unknown="unknown launcher {name!r}; choose one of {listed}")
 
 
 def launcher(name: str) -> Launcher:
-    if name not in LAUNCHERS:
-        raise ValueError(f"unknown launcher {name!r}; choose one of {', '.join(LAUNCHERS)}")
-    return importlib.import_module(LAUNCHERS[name]).LAUNCHER
+    return LAUNCHERS.load(name)
 
 
 def plan_batch(config: str, overrides: list[str], settings: ExecutorSettings) -> Batch:

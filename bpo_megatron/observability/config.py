@@ -23,13 +23,12 @@ class LoggingConfig:
     mlflow_experiment: str = "bpo-megatron"
 
     def __post_init__(self) -> None:
-        from bpo_megatron.observability.trackers import TRACKERS  # a dict of names: imports no tracker
+        from bpo_megatron.observability.trackers import TRACKERS  # a registry of names: imports no tracker
 
         if self.trackers is None:
             return
-        unknown = [name for name in self.trackers if name not in TRACKERS]
-        if unknown:
-            raise ValueError(f"logging.trackers: no tracker {unknown[0]!r}; there are {', '.join(sorted(TRACKERS))}")
+        for name in self.trackers:
+            TRACKERS.check(name)
         repeated = sorted({name for name in self.trackers if self.trackers.count(name) > 1})
         if repeated:
             raise ValueError(f"logging.trackers lists {repeated[0]} twice; list each tracker once")

@@ -11,7 +11,6 @@ only when it is used, so nothing imports an engine's heavy dependencies it does 
 from __future__ import annotations
 
 import abc
-import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from bpo_megatron.models.routing import RoutingLayout
+from bpo_megatron.registry import LazyRegistry
 from bpo_megatron.rollout.types import EngineHealth, GenerationRequest, Sample
 
 
@@ -147,16 +147,13 @@ class EngineSpec:
     partial_rollouts: bool = False
 
 
-# engine name -> "module:SPEC"; a spec module is imported only when its engine is named
-ENGINES: dict[str, str] = {
+# engine name -> its spec; a spec module is imported only when its engine is named
+ENGINES = LazyRegistry({
     "hf": "bpo_megatron.rollout.hf.spec:SPEC",
     "sglang": "bpo_megatron.rollout.sglang.spec:SPEC",
     "vllm": "bpo_megatron.rollout.vllm.spec:SPEC",
-}
+}, unknown="rollout.engine={name!r} is unknown; choose one of {sorted}")
 
 
 def engine_spec(name: str) -> EngineSpec:
-    if name not in ENGINES:
-        raise ValueError(f"rollout.engine={name!r} is unknown; choose one of {sorted(ENGINES)}")
-    module, _, attribute = ENGINES[name].partition(":")
-    return getattr(importlib.import_module(module), attribute)
+    return ENGINES.load(name)

@@ -23,19 +23,16 @@ lets the trainer send, and closes the sessions; the transports only move bytes.
 
 from __future__ import annotations
 
-import importlib
+from bpo_megatron.registry import LazyRegistry
 
-# transport name -> "module:Class"
-TRANSPORTS: dict[str, str] = {
+# transport name -> its class
+TRANSPORTS = LazyRegistry({
     "shared_memory": "bpo_megatron.weight_sync.shared_memory:SharedMemory",
     "object_store": "bpo_megatron.weight_sync.object_store:ObjectStore",
     "nccl_broadcast": "bpo_megatron.weight_sync.nccl_broadcast:NcclBroadcast",
     "cuda_ipc": "bpo_megatron.weight_sync.cuda_ipc:CudaIpc",
-}
+}, unknown="no weight transport {name!r}; there are {sorted}")
 
 
 def transport_class(name: str) -> type:
-    if name not in TRANSPORTS:
-        raise ValueError(f"no weight transport {name!r}; there are {sorted(TRANSPORTS)}")
-    module, _, cls = TRANSPORTS[name].partition(":")
-    return getattr(importlib.import_module(module), cls)
+    return TRANSPORTS.load(name)

@@ -3,11 +3,12 @@ of this package, imported only in the process that runs it."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
+from bpo_megatron.registry import LazyRegistry
+
 # name -> module; run in this order (cheap correctness first, the long throughput run last)
-CHECKS: dict[str, str] = {
+CHECKS = LazyRegistry({
     "trainer_step": "bpo_megatron.gpu_smoke.checks.trainer_step",
     "logprobs_kernel": "bpo_megatron.gpu_smoke.checks.logprobs_kernel",
     "engine_replay": "bpo_megatron.gpu_smoke.checks.engine_replay",
@@ -15,10 +16,8 @@ CHECKS: dict[str, str] = {
     "trainer_offload": "bpo_megatron.gpu_smoke.checks.trainer_offload",
     "driver_payloads": "bpo_megatron.gpu_smoke.checks.driver_payloads",
     "rl_throughput": "bpo_megatron.gpu_smoke.checks.rl_throughput",
-}
+}, unknown="unknown check {name!r}; choose from {listed}")
 
 
 def check_function(name: str) -> Callable:
-    if name not in CHECKS:
-        raise ValueError(f"unknown check {name!r}; choose from {', '.join(CHECKS)}")
-    return importlib.import_module(CHECKS[name]).run
+    return CHECKS.load(name).run

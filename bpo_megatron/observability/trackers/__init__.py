@@ -9,18 +9,19 @@ source that runs), its resolved config, and every record of ``metrics.jsonl`` un
 
 from __future__ import annotations
 
-import importlib
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-# tracker name -> "module:Class"
-TRACKERS: dict[str, str] = {
+from bpo_megatron.registry import LazyRegistry
+
+# tracker name -> its class
+TRACKERS = LazyRegistry({
     "tensorboard": "bpo_megatron.observability.trackers.tensorboard:TensorBoardTracker",
     "wandb": "bpo_megatron.observability.trackers.wandb:WandbTracker",
     "mlflow": "bpo_megatron.observability.trackers.mlflow:MlflowTracker",
-}
+}, unknown="logging.trackers: no tracker {name!r}; there are {sorted_listed}")
 
 
 class TrackerWarning(UserWarning):
@@ -28,10 +29,7 @@ class TrackerWarning(UserWarning):
 
 
 def tracker_class(name: str) -> type["Tracker"]:
-    if name not in TRACKERS:
-        raise ValueError(f"no tracker {name!r}; there are {sorted(TRACKERS)}")
-    module, _, cls = TRACKERS[name].partition(":")
-    return getattr(importlib.import_module(module), cls)
+    return TRACKERS.load(name)
 
 
 @dataclass(frozen=True)

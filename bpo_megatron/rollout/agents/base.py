@@ -62,17 +62,19 @@ class Agent(abc.ABC):
 
 def load_agent(settings: AgentConfig) -> Agent:
     """The agent ``rollout.agent.name`` names, constructed; ValueError naming the setting and the fix."""
-    spec = AGENTS.get(settings.name, settings.name)
-    module_name, _, attribute = spec.partition(":")
     where = f"rollout.agent.name={settings.name!r}"
-    if not module_name or not attribute:
-        raise ValueError(f"{where}: expected package.module:Class")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"{where}: module {module_name!r} cannot be imported ({exc}); is its directory on "
-                         "PYTHONPATH?") from exc
-    cls = getattr(module, attribute, None)
+    if settings.name in AGENTS:
+        cls, module_name, attribute = AGENTS.load(settings.name), "bpo_megatron.rollout.agents", settings.name
+    else:
+        module_name, _, attribute = settings.name.partition(":")
+        if not module_name or not attribute:
+            raise ValueError(f"{where}: expected package.module:Class")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(f"{where}: module {module_name!r} cannot be imported ({exc}); is its directory on "
+                             "PYTHONPATH?") from exc
+        cls = getattr(module, attribute, None)
     if not (isinstance(cls, type) and issubclass(cls, Agent)):
         raise ValueError(f"{where}: {attribute!r} in {module_name} is not a subclass of "
                          "bpo_megatron.rollout.agents.Agent")

@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# built-in agent name -> "module:Class", imported only when a run names it
-AGENTS: dict[str, str] = {
+from bpo_megatron.registry import LazyRegistry
+
+# built-in agent name -> its class, imported only when a run names it
+AGENTS = LazyRegistry({
     "calculator": "bpo_megatron.rollout.agents.calculator:Calculator",
     "python_tool": "bpo_megatron.rollout.agents.python_tool:PythonTool",
-}
+}, unknown="rollout.agent.name={name!r} is unknown; choose one of {sorted}, package.module:Class, or null "
+           "(single-turn)")
 
 
 @dataclass(frozen=True)
@@ -42,9 +45,8 @@ class AgentConfig:
             raise ValueError(f"rollout.agent.reply={self.reply!r} must hold {{output}}, where the tool's output goes")
         if self.call_token == "":
             raise ValueError("rollout.agent.call_token is empty; give the text of one token (or null: the agent's)")
-        if self.name is not None and self.name not in AGENTS and ":" not in self.name:
-            raise ValueError(f"rollout.agent.name={self.name!r} is unknown; choose one of {sorted(AGENTS)}, "
-                             "package.module:Class, or null (single-turn)")
+        if self.name is not None and ":" not in self.name:
+            AGENTS.check(self.name)
 
     @property
     def enabled(self) -> bool:
