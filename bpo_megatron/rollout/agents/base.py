@@ -59,6 +59,14 @@ class Agent(abc.ABC):
     def format_reply(self, output: str) -> str:
         return self.reply.replace("{output}", output)
 
+    def call_of(self, transcript: list[Turn], opener: str) -> str:
+        """What the model's last turn asks: its text after the last ``opener`` (all of it without
+        one), up to the call token."""
+        text = transcript[-1].text
+        if text.endswith(self.call_token):
+            text = text[: -len(self.call_token)]
+        return text.rsplit(opener, 1)[1] if opener in text else text
+
 
 def load_agent(settings: AgentConfig) -> Agent:
     """The agent ``rollout.agent.name`` names, constructed; ValueError naming the setting and the fix."""

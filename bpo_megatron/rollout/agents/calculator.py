@@ -23,11 +23,7 @@ class Calculator(Agent):
     reply = "={output};"
 
     def respond(self, prompt: str, transcript: list[Turn]) -> str:
-        text = transcript[-1].text
-        if text.endswith(self.call_token):
-            text = text[: -len(self.call_token)]
-        expression = text.rsplit(OPEN, 1)[1] if OPEN in text else text
-        return self.format_reply(calculate(expression))
+        return self.format_reply(calculate(self.call_of(transcript, OPEN)))
 
     def demonstration(self, problem: str, answer: str) -> list[Turn]:
         return [Turn(f"{OPEN}{problem}{self.call_token}"), Turn(self.format_reply(calculate(problem)), True),

@@ -21,11 +21,7 @@ class PythonTool(Agent):
     reply = "<tool_response>\n{output}\n</tool_response>\n"
 
     def respond(self, prompt: str, transcript: list[Turn]) -> str:
-        text = transcript[-1].text
-        if text.endswith(self.call_token):
-            text = text[: -len(self.call_token)]
-        code = text.rsplit(OPEN, 1)[1] if OPEN in text else text
-        return self.format_reply(run_python(code, timeout_s=self.settings.timeout_s))
+        return self.format_reply(run_python(self.call_of(transcript, OPEN), timeout_s=self.settings.timeout_s))
 
 
 def run_python(code: str, *, timeout_s: float) -> str:
