@@ -13,7 +13,7 @@ import pytest
 from bpo_megatron.cli import main
 from bpo_megatron.commands.compare import summary
 from bpo_megatron.commands.runs_csv import read_csv, run_rows, write_csv
-from bpo_megatron.commands.statistics import (area_under_curve, final_window, heldout_peak, holm, paired_t, peak,
+from bpo_megatron.commands.statistics import (area_under_curve, final_window, gain, heldout_peak, holm, paired_t, peak,
                                               regularized_incomplete_beta, t_cdf, t_quantile, t_two_sided_p)
 from bpo_megatron.observability.metrics import read_metrics
 
@@ -85,6 +85,7 @@ def test_final_window_auc_and_peak_of_a_curve():
     assert area_under_curve([(0, 0.1), (10, 0.1), (40, 0.5)]) == pytest.approx((10 * 0.1 + 30 * 0.3) / 40)
     assert area_under_curve([(7, 0.6)]) == 0.6
     assert peak(CURVE) == 0.4
+    assert gain(CURVE, 3) == pytest.approx(0.3 - 0.1) and gain(CURVE, 1) == pytest.approx(0.4 - 0.1)
 
 
 def test_heldout_peak_selects_on_one_curve_and_reports_the_other():
@@ -164,7 +165,7 @@ def test_runs_csv_holds_a_row_per_run_and_evaluation_with_its_counts_and_trainin
 def test_every_table_is_rebuilt_from_runs_csv_alone(runs_dir, tmp_path_factory, capsys):
     """runs → runs.csv → the tables equal the tables of the runs, for every statistic."""
     elsewhere = tmp_path_factory.mktemp("from_csv")
-    for stat in ("final-window", "auc", "peak", "heldout-peak"):
+    for stat in ("final-window", "auc", "peak", "heldout-peak", "gain"):
         assert _compare(runs_dir, "--stat", stat, "--window", "2") == 0
         direct = (runs_dir / "results.md").read_text()
         assert main(["compare", "--summarise-only", "--from-csv", str(runs_dir / "runs.csv"), "--stat", stat,

@@ -7,10 +7,11 @@ repeats everything at each ``train.async.max_staleness`` (engines apart from the
 
 The tables reduce each run to one number (``--stat``): the mean of its last ``--window``
 evaluations (``final-window``, the default), the area under its evaluation curve per step
-(``auc``), its best evaluation (``peak``, the paper's checkpoint rule, biased upward), or its
+(``auc``), its best evaluation (``peak``, the paper's checkpoint rule, biased upward), its
 accuracy on held-out questions at the step selected on others (``heldout-peak``: selected on the
 first evaluation dataset and reported on the mean of the others; with one dataset, selected on its
-questions at even positions and reported on those at odd positions). Each method is compared with
+questions at even positions and reported on those at odd positions), or what training added
+(``gain``: the final window less the first evaluation). Each method is compared with
 the first one by its per-seed differences (every method of a seed starts from the same policy): the
 mean with a 95% Student t-interval over the n pairs, a paired t-test's p-value, and that p-value
 adjusted by Holm's method over every contrast of the tables, or over the contrasts ``--primary``
@@ -43,8 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bpo_megatron.commands.runs_csv import EvalRow, Setting, read_csv, run_rows, setting_label, write_csv
-from bpo_megatron.commands.statistics import (STATS, PairedDifference, area_under_curve, final_window, heldout_peak,
-                                              holm, paired_t, peak)
+from bpo_megatron.commands.statistics import (STATS, PairedDifference, area_under_curve, final_window, gain,
+                                              heldout_peak, holm, paired_t, peak)
 
 PAPER_LOSSES = ("bpo", "grpo", "gspo", "cispo", "dppo_tv")
 LABELS = {"bpo": "BPO", "grpo": "GRPO-ClipHigher", "gspo": "GSPO", "cispo": "CISPO", "dppo_tv": "DPPO",
@@ -113,6 +114,9 @@ def _stat_text(stat: str, window: int, runs: dict) -> str:
         steps = {tuple(step for step, _ in _evaluations(rows)[-window:]) for rows in runs.values()}
         at = f" (steps {', '.join(map(str, next(iter(steps))))})" if len(steps) == 1 else ""
         return f"final-window = the mean of each run's last {window} evaluations{at}"
+    if stat == "gain":
+        return (f"gain = the mean of each run's last {window} evaluations less its first evaluation (what training "
+                "added)")
     if stat == "auc":
         return ("auc = the area under each run's evaluation curve (trapezoids between evaluations) divided by the "
                 "steps it spans: its mean accuracy over training")
@@ -142,11 +146,11 @@ def run_value(rows: list[EvalRow], stat: str, window: int) -> float:
     """One run's number: its rows (every evaluation and dataset) reduced by ``stat``."""
     evaluations = _evaluations(rows)
     curve = [(step, statistics.fmean(r.accuracy for r in at)) for step, at in evaluations]
-    if stat == "final-window":
+    if stat in ("final-window", "gain"):
         if len(curve) < window:
             raise ValueError(f"--window {window}: run {rows[0].run} has {len(curve)} evaluations (steps "
                              f"{', '.join(str(s) for s, _ in curve)}); lower --window")
-        return final_window(curve, window)
+        return final_window(curve, window) if stat == "final-window" else gain(curve, window)
     if stat == "auc":
         return area_under_curve(curve)
     if stat == "peak":
@@ -304,7 +308,7 @@ def check_evaluations(cfg, stat: str, window: int) -> None:
         raise ValueError(f"{cfg.name}: eval.every=0 never evaluates, and compare compares evaluations; set "
                          "eval.every > 0")
     count = int(ev.at_start) + cfg.train.steps // ev.every
-    if stat == "final-window" and count < window:
+    if stat in ("final-window", "gain") and count < window:
         raise ValueError(f"--window {window}: {cfg.name} will evaluate {count} times (eval.at_start={ev.at_start}, "
                          f"then every eval.every={ev.every} of train.steps={cfg.train.steps} steps); lower --window "
                          "or evaluate more often")

@@ -4,8 +4,9 @@ Holm's adjustment of the p-values.
 A run's evaluation curve becomes one number (:data:`STATS`): the mean of its last evaluations
 (``final-window``, the default: peaks are a maximum over noisy evaluations, biased upward), the
 area under the curve per step (``auc``), the best evaluation (``peak``, the paper's checkpoint
-rule), or the accuracy on held-out questions at the step selected on others (``heldout-peak``,
-:func:`heldout_peak`: a peak without the selection's upward bias).
+rule), the accuracy on held-out questions at the step selected on others (``heldout-peak``,
+:func:`heldout_peak`: a peak without the selection's upward bias), or what training added
+(``gain``: the final window less the first evaluation).
 
 Methods are compared by seed: every method of one seed starts from the same policy, so the
 per-seed differences from the reference method are paired. Their mean gets a Student t-interval
@@ -22,7 +23,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-STATS = ("final-window", "auc", "peak", "heldout-peak")
+STATS = ("final-window", "auc", "peak", "heldout-peak", "gain")
 
 Curve = list[tuple[int, float]]  # (step, accuracy), by step
 
@@ -157,6 +158,11 @@ def area_under_curve(curve: Curve) -> float:
         return curve[0][1]
     area = sum((s1 - s0) * (v0 + v1) / 2.0 for (s0, v0), (s1, v1) in zip(curve, curve[1:]))
     return area / (curve[-1][0] - curve[0][0])
+
+
+def gain(curve: Curve, window: int) -> float:
+    """What training added: the final window less the first evaluation (the run's start)."""
+    return final_window(curve, window) - curve[0][1]
 
 
 def peak(curve: Curve) -> float:
