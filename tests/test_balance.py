@@ -29,6 +29,7 @@ from bpo_megatron.trainer.balance import (
 from bpo_megatron.trainer.samples import TrainSample, split
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+QWEN3_30B_A3B = Path(__file__).resolve().parents[1] / "configs" / "models" / "qwen3_30b_a3b"
 
 
 def samples_of(positions: list[int]) -> list[TrainSample]:
@@ -56,7 +57,7 @@ def test_the_cost_model_counts_matrix_products_and_causal_attention_by_hand():
         flops = 2 * 87488 * n + 4 * 128 * 2 * n * (n + 1) / 2
         assert cost(n) == pytest.approx(flops / (2 * 87488), rel=1e-12)
     # the 30B-A3B model: attention overtakes the matrix products past ≈ 7.7k positions
-    big = CostModel.of(HFModelConfig.load(FIXTURES / "qwen3_30b_a3b" / "config.json"))
+    big = CostModel.of(HFModelConfig.load(QWEN3_30B_A3B / "config.json"))
     assert 7000 < big.attention_span < 8500
     assert big(16384) / 16384 == pytest.approx(1 + 16385 / (2 * big.attention_span))
     with pytest.raises(ValueError, match="attention_span must be a positive number"):
@@ -214,7 +215,7 @@ def _long_tailed(count: int, cap: int, rng: random.Random) -> list[int]:
 def test_a_long_tailed_mix_is_balanced_where_the_count_split_is_not(count, dp, budget):
     # the paper's model and lengths: prompts ≤ 2048 and responses ≤ 16384 tokens, so at most 18431
     # input positions; minibatches of 512 over 8 data-parallel ranks, a budget of twice the cap
-    cost = CostModel.of(HFModelConfig.load(FIXTURES / "qwen3_30b_a3b" / "config.json"))
+    cost = CostModel.of(HFModelConfig.load(QWEN3_30B_A3B / "config.json"))
     rng = random.Random(count + dp)
     worst, worst_count_split = 0.0, 0.0
     for _ in range(5):

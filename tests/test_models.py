@@ -30,6 +30,7 @@ from bpo_megatron.parallel import ParallelConfig
 from bpo_megatron.parallel.local_world import run_gloo_world
 
 FIXTURES = Path(__file__).parent / "fixtures"
+QWEN3_30B_A3B = Path(__file__).resolve().parents[1] / "configs" / "models" / "qwen3_30b_a3b"
 WORLD_TIMEOUT_S = 60.0
 BATCH, SEQ = 2, 16
 LOGITS_TOL = 1e-5
@@ -60,13 +61,13 @@ def test_fixtures_parse() -> None:
     assert dense.architecture == "Qwen3ForCausalLM"
     assert dense.tie_word_embeddings is True and dense.moe_layers == () and not dense.is_moe
 
-    big = HFModelConfig.load(fixture_dict("qwen3_30b_a3b"))  # the parsed dict
+    big = HFModelConfig.load(json.loads((QWEN3_30B_A3B / "config.json").read_text()))  # the parsed dict
     assert (big.num_hidden_layers, big.num_experts, big.rope_theta) == (48, 128, 1e6)
     assert big.moe_layers == tuple(range(48))
 
 
 def test_moe_layer_rule_follows_transformers() -> None:
-    raw = fixture_dict("qwen3_30b_a3b")
+    raw = json.loads((QWEN3_30B_A3B / "config.json").read_text())
     cfg = HFModelConfig.load({**raw, "num_hidden_layers": 8, "decoder_sparse_step": 2,
                               "mlp_only_layers": [3]})
     assert cfg.moe_layers == (1, 5, 7)  # (layer + 1) % 2 == 0, minus mlp_only layer 3
@@ -135,7 +136,7 @@ def test_parameter_counts_tiny_moe_closed_form() -> None:
 
 
 def test_parameter_counts_qwen3_30b_a3b() -> None:
-    total, active = parameter_counts(HFModelConfig.load(FIXTURES / "qwen3_30b_a3b"))
+    total, active = parameter_counts(HFModelConfig.load(QWEN3_30B_A3B))
     assert (total, active) == (30_532_122_624, 3_353_032_704)
     assert abs(total - 30.5e9) <= 0.01 * 30.5e9
     # The published "3.3B activated" is 3.353B cut to one decimal (1.6% above 3.3B).

@@ -10,6 +10,8 @@ import torch
 from bpo_megatron.trainer.samples import TrainSample
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+# Qwen3-30B-A3B's published config.json: the recipes' own copy is the one the tests read
+QWEN3_30B_A3B = Path(__file__).resolve().parents[1] / "configs" / "models" / "qwen3_30b_a3b"
 TINY_MOE = FIXTURES / "tiny_qwen3_moe" / "config.json"
 
 

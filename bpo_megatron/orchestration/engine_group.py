@@ -25,6 +25,7 @@ from bpo_megatron.orchestration.placement import Placement
 from bpo_megatron.orchestration.stall_watch import StallWatch
 from bpo_megatron.orchestration.workers import EngineWorker
 from bpo_megatron.rollout.engine import EngineLost, EngineUnresponsive
+from bpo_megatron.trainer.samples import split
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class PendingGeneration:
 
     def __init__(self, engines: EngineGroup, requests: list) -> None:
         self._engines = engines
-        self._shares = _split(requests, len(engines.workers))
+        self._shares = split(requests, len(engines.workers))
         self._results: list[list | None] = [[] if not share else None for share in self._shares]
         self._sent: dict[int, tuple[Any, Any]] = {}  # engine -> (its generate call, the actor it went to)
         self._deadline: float | None = None
@@ -348,9 +349,3 @@ class EngineGroup:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 pass
             ray.kill(w)
-
-
-def _split(items: list, parts: int) -> list[list]:
-    size, extra = divmod(len(items), parts)
-    bounds = [i * size + min(i, extra) for i in range(parts + 1)]
-    return [items[bounds[i] : bounds[i + 1]] for i in range(parts)]
