@@ -1,7 +1,7 @@
 """Wall time of the CPU demo with evaluation inline against eval.mode=background, same schedule.
 
-    python benchmarks/bench_background_eval.py                    # 8 steps, evaluation every step, 2 rounds
-    python benchmarks/bench_background_eval.py --steps 12 --every 2 --rounds 3
+    python benchmarks/bench_background_eval.py          # 12 steps, evaluation every 3 (k=16), 3 rounds
+    python benchmarks/bench_background_eval.py --steps 8 --every 1 --k 4 --rounds 2
 """
 
 import sys

@@ -238,38 +238,6 @@ def test_samples_of_other_weights_are_refused(evaluations):
         ev.wait()
 
 
-def test_a_resume_drops_an_evaluation_recorded_after_its_checkpoint_and_mirrors_each_record_once(
-        tmp_path, store_tracker):
-    """Attempt 1 saves the checkpoint of step 2 while step 2's evaluation runs (3 records then),
-    records that evaluation after step 3 and is killed after step 4. Attempt 2 resumes from step 2:
-    metrics.jsonl keeps the 3 records, the evaluation of step 2 lands again (before step 3's
-    record this time) and is killed; attempt 3 does the same and finishes. A tracker that keeps
-    its points holds every record once, though the attempts wrote them in other orders."""
-    train = {s: {"reward_mean": s / 10} for s in range(1, 5)}
-    evals = {s: {"eval/mean_avg@2": s / 8} for s in range(0, 5, 2)}
-
-    def attempt(records, *, keep=None, killed=False) -> MetricsWriter:
-        writer = MetricsWriter(tmp_path, trackers=("store",), resume_after=None if keep is None else 2,
-                               keep_records=keep)
-        for step, metrics in records:
-            writer.write(step, metrics)
-        writer.close(failed=killed)
-        return writer
-
-    first = attempt([(0, evals[0]), (1, train[1]), (2, train[2]), (3, train[3]), (2, evals[2]), (4, train[4])],
-                    killed=True)
-    assert first.records == 6
-    second = attempt([(2, evals[2]), (3, train[3])], keep=3, killed=True)
-    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 2, 3] and second.records == 5
-    # the tracker holds step 4 from attempt 1, and nothing twice
-    assert _points(tmp_path / "store.jsonl") == _expected_points(tmp_path) + Counter({("reward_mean", 4): 1})
-    assert json.loads((tmp_path / "trackers.json").read_text())["store"]["beyond"] == [[4, 0]]
-    attempt([(3, train[3]), (2, evals[2]), (4, train[4]), (4, evals[4])], keep=3)
-    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3, 2, 4, 4]
-    assert _points(tmp_path / "store.jsonl") == _expected_points(tmp_path)
-    assert json.loads((tmp_path / "trackers.json").read_text())["store"] == {"run_id": "r0", "records": 7}
-
-
 def test_background_evaluation_records_count_no_training_step_in_runs_csv():
     """compare's rows: an evaluation recorded apart from its step's record gives the rows inline
     evaluation gives (the same trained steps and training means since the previous evaluation)."""
@@ -335,6 +303,55 @@ def test_background_evaluation_is_a_resume_safe_setting():
 
     assert config_changes({"eval": {"mode": "inline", "engines": None}},
                           {"eval": {"mode": "background", "engines": 2}}) == {}
+
+
+def _attempts_with_an_evaluation_past_the_checkpoint(run_dir: Path, trackers: tuple[str, ...]) -> None:
+    """Attempt 1 saves the checkpoint of step 2 while step 2's evaluation runs (3 records then),
+    records that evaluation after step 3 and is killed after step 4; attempts 2 and 3 resume from
+    step 2 and record it before step 3's record (attempt 2 is killed after step 3)."""
+    train = {s: {"reward_mean": s / 10, "time/step_s": 0.5} for s in range(1, 5)}
+    evals = {s: {"eval/mean_avg@2": s / 8, "eval/add_correct_even": float(s)} for s in range(0, 5, 2)}
+    attempts = [(None, [(0, evals[0]), (1, train[1]), (2, train[2]), (3, train[3]), (2, evals[2]), (4, train[4])]),
+                (3, [(2, evals[2]), (3, train[3])]),
+                (3, [(3, train[3]), (2, evals[2]), (4, train[4]), (4, evals[4])])]
+    for number, (keep, records) in enumerate(attempts):
+        writer = MetricsWriter(run_dir, trackers=trackers, config={"name": "demo"},
+                               resume_after=None if keep is None else 2, keep_records=keep)
+        for step, metrics in records:
+            writer.write(step, metrics)
+        writer.close(failed=number < 2)
+
+
+def test_a_resume_drops_an_evaluation_recorded_after_its_checkpoint_and_mirrors_each_record_once(
+        tmp_path, store_tracker):
+    """A tracker that keeps its points holds every record once, though the attempts wrote them
+    in other orders; trackers.json lists what it holds past metrics.jsonl's order meanwhile."""
+    _attempts_with_an_evaluation_past_the_checkpoint(tmp_path, ("store",))
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3, 2, 4, 4]
+    assert _points(tmp_path / "store.jsonl") == _expected_points(tmp_path)
+    assert json.loads((tmp_path / "trackers.json").read_text())["store"] == {"run_id": "r0", "records": 7}
+
+
+@pytest.mark.parametrize("name", ["tensorboard", "wandb", "mlflow"])
+def test_each_real_tracker_holds_an_evaluation_landing_after_later_steps_once(tmp_path, name, monkeypatch):
+    """The same attempts with TensorBoard (which hides the steps after the checkpoint itself, but
+    not step 2's evaluation logged after them), Weights & Biases (offline) and MLflow (file
+    store), each read back with its own package."""
+    import warnings
+
+    pytest.importorskip(name)
+    from test_trackers import READERS
+
+    from bpo_megatron.observability.trackers import TrackerWarning
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # offline
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TrackerWarning)  # a failing tracker would otherwise only warn
+        _attempts_with_an_evaluation_past_the_checkpoint(tmp_path, (name,))
+    expected = {}
+    for (key, step), count in _expected_points(tmp_path).items():
+        expected.setdefault(key, Counter())[step] += count
+    assert READERS[name](tmp_path) == expected
 
 
 # ------------------------------------------------------------------------------ through Ray

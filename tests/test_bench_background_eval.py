@@ -21,7 +21,7 @@ def test_the_table_gives_each_run_the_means_and_the_ratio_to_inline():
 
 
 def test_both_modes_run_the_same_schedule():
-    inline, background = overrides_for("inline", 8, 2), overrides_for("background", 8, 2)
+    inline, background = overrides_for("inline", 8, 2, 16), overrides_for("background", 8, 2, 16)
     assert [o for o in inline if not o.startswith("eval.mode")] == [o for o in background
                                                                     if not o.startswith("eval.mode")]
-    assert "eval.every=2" in inline and "eval.mode=background" in background
+    assert "eval.every=2" in inline and "eval.k=16" in inline and "eval.mode=background" in background

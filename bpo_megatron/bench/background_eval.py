@@ -35,18 +35,19 @@ class Timing:
     evaluations: dict[int, dict[str, float]]  # step -> its eval/* metrics
 
 
-def overrides_for(mode: str, steps: int, every: int, extra: tuple[str, ...] = ()) -> list[str]:
-    return [f"train.steps={steps}", f"eval.every={every}", "eval.at_start=true", "checkpoint.every=0", *WARM_START,
-            f"eval.mode={mode}", "logging.tensorboard=false", "logging.progress=false", *extra]
+def overrides_for(mode: str, steps: int, every: int, k: int = 16, extra: tuple[str, ...] = ()) -> list[str]:
+    return [f"train.steps={steps}", f"eval.every={every}", f"eval.k={k}", "eval.at_start=true", "checkpoint.every=0",
+            *WARM_START, f"eval.mode={mode}", "logging.tensorboard=false", "logging.progress=false", *extra]
 
 
-def measure(mode: str, round_: int, steps: int, every: int, extra: tuple[str, ...] = (), config: Path = DEMO) -> Timing:
+def measure(mode: str, round_: int, steps: int, every: int, k: int = 16, extra: tuple[str, ...] = (),
+            config: Path = DEMO) -> Timing:
     from bpo_megatron.experiment import load_experiment
     from bpo_megatron.loop.rl_loop import run
     from bpo_megatron.observability.metrics import read_metrics
 
     with tempfile.TemporaryDirectory(prefix="bench-eval-") as scratch:
-        cfg = load_experiment(config, [*overrides_for(mode, steps, every, extra),
+        cfg = load_experiment(config, [*overrides_for(mode, steps, every, k, extra),
                                        f"logging.run_dir={Path(scratch) / 'run'}"])
         warm: list[float] = []
 
@@ -62,27 +63,27 @@ def measure(mode: str, round_: int, steps: int, every: int, extra: tuple[str, ..
     return Timing(mode, round_, end - start, end - (warm[0] if warm else start), evaluations)
 
 
-def run_rounds(rounds: int, steps: int, every: int, extra: tuple[str, ...] = ()) -> list[Timing]:
+def run_rounds(rounds: int, steps: int, every: int, k: int = 16, extra: tuple[str, ...] = ()) -> list[Timing]:
     """Every mode once per round, alternating, in one Ray instance (started here when none is)."""
     from bpo_megatron.experiment import load_experiment
     from bpo_megatron.orchestration.cluster import start_ray, stop_ray
 
-    cfg = load_experiment(DEMO, overrides_for("background", steps, every, extra))
+    cfg = load_experiment(DEMO, overrides_for("background", steps, every, k, extra))
     started = start_ray(cfg.cluster, cpus_needed=cfg.cluster.trainer_ranks + 2 * cfg.rollout.num_engines)
     try:
-        return [measure(mode, r, steps, every, extra) for r in range(rounds) for mode in MODES]
+        return [measure(mode, r, steps, every, k, extra) for r in range(rounds) for mode in MODES]
     finally:
         if started:
             stop_ray()
 
 
-def format_table(timings: list[Timing], steps: int, every: int) -> str:
+def format_table(timings: list[Timing], steps: int, every: int, k: int = 16) -> str:
     base = timings[0].evaluations
     identical = all(t.evaluations == base for t in timings)
     mean = {mode: statistics.fmean(t.wall_s for t in timings if t.mode == mode) for mode in MODES}
     warm = {mode: statistics.fmean(t.from_warm_start_s for t in timings if t.mode == mode) for mode in MODES}
-    lines = [f"CPU demo, {steps} RL steps, evaluation every {every} step(s) and at step 0 "
-             f"({len(base)} evaluations a run), modes alternating", "",
+    lines = [f"CPU demo, {steps} RL steps, evaluation (eval.k={k} responses a question) every {every} step(s) and "
+             f"at step 0 ({len(base)} evaluations a run), modes alternating", "",
              "| round | eval.mode | wall s | from warm start s |", "|---:|---|---:|---:|"]
     lines += [f"| {t.round + 1} | {t.mode} | {t.wall_s:.1f} | {t.from_warm_start_s:.1f} |" for t in timings]
     lines += ["", "| eval.mode | mean wall s | vs inline | mean from warm start s | vs inline |",
@@ -97,15 +98,17 @@ def format_table(timings: list[Timing], steps: int, every: int) -> str:
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--every", type=int, default=1, help="eval.every")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--every", type=int, default=3, help="eval.every")
+    parser.add_argument("--k", type=int, default=16, help="eval.k: responses per question (the demo's 4 makes an "
+                        "evaluation about a step's work; 16, about four steps')")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the demo config")
     return parser
 
 
 def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
     args = build_parser(parser).parse_args(argv)
-    timings = run_rounds(args.rounds, args.steps, args.every, tuple(args.overrides))
-    print(format_table(timings, args.steps, args.every))
+    timings = run_rounds(args.rounds, args.steps, args.every, args.k, tuple(args.overrides))
+    print(format_table(timings, args.steps, args.every, args.k))
     return 0
