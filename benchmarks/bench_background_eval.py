@@ -1,7 +1,7 @@
 """Wall time of the CPU demo with evaluation inline against eval.mode=background, same schedule.
 
-    python benchmarks/bench_background_eval.py          # 12 steps, evaluation every 3 (k=16), 3 rounds
-    python benchmarks/bench_background_eval.py --steps 8 --every 1 --k 4 --rounds 2
+    python benchmarks/bench_background_eval.py          # 48 steps, evaluation every 8 (k=64), 1 trainer rank, 2 rounds
+    python benchmarks/bench_background_eval.py --trainer-ranks 2 --steps 24 --every 4 --k 16 --rounds 3
 """
 
 import sys

@@ -143,8 +143,8 @@ def evaluations(tmp_path, monkeypatch):
     from bpo_megatron.loop import evaluation
 
     monkeypatch.setattr(evaluation, "eval_requests", lambda sets, tokenizer, cfg, step: [step])
-    monkeypatch.setattr(evaluation, "score_evaluation",
-                        lambda samples, sets, tokenizer, reward, cfg, step: EvalResult(step, {"add": (CORRECT[step], 8)}))
+    monkeypatch.setattr(evaluation, "score_evaluation", lambda samples, sets, tokenizer, reward, cfg, step:
+                        EvalResult(step, {"add": (CORRECT[step], 8)}))
     cfg = load_experiment(DEMO, ["eval.mode=background", "eval.k=2", f"logging.run_dir={tmp_path}"])
     engines, trainer = FakeEvaluators(), {"version": 0}
     synced: list[tuple[int, list | None]] = []
@@ -156,8 +156,9 @@ def evaluations(tmp_path, monkeypatch):
 
     lines: list[str] = []
     writer = MetricsWriter(tmp_path)
+    # the engines as the loop hands them over: still starting, waited for by the first evaluation
     evals = evaluation.Evaluations(SimpleNamespace(cfg=cfg, eval_sets=[], tokenizer=None), None, BestCheckpoint(),
-                                   writer, lines.append, engines=engines, sync=sync,
+                                   writer, lines.append, engines=evaluation.in_thread(lambda: engines), sync=sync,
                                    trainer_version=lambda: trainer["version"])
     return SimpleNamespace(evals=evals, engines=engines, trainer=trainer, synced=synced, lines=lines, writer=writer,
                            run_dir=tmp_path)
@@ -176,6 +177,7 @@ def test_background_results_land_at_their_steps_once_in_step_order(evaluations):
             assert not (evaluations.run_dir / "metrics.jsonl").exists(), "not finished: nothing recorded"
         if step in (1, 5):  # the evaluations of steps 0 and 4 finish during steps 1 and 5
             engines.generations[-1].finished = True
+        evaluations.trainer["version"] = step  # the step trained
         metrics = {"reward_mean": step / 10}
         if step % 2 == 0:
             metrics.update(ev.start(step))  # waits for the evaluation under way, if any
@@ -232,6 +234,10 @@ def test_an_evaluation_whose_engine_is_replaced_after_training_moved_on_is_repor
 
 def test_samples_of_other_weights_are_refused(evaluations):
     ev, engines = evaluations.evals, evaluations.engines
+    with pytest.raises(RuntimeError, match="evaluation of step 2 was asked for while the trainer holds the weights of "
+                                           "step 0"):
+        ev.start(2)
+    evaluations.trainer["version"] = 2
     ev.start(2)
     engines.generations[0].samples[0].weight_version = 1
     with pytest.raises(RuntimeError, match=r"evaluation of step 2 was generated with weight versions \[1\], not 2"):

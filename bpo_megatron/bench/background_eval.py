@@ -1,14 +1,20 @@
-"""Benchmark: the CPU demo's wall time with evaluation inline (on the rollout engines, training
-waits) against evaluation in the background (``eval.mode=background``: an evaluation engine of
-its own, training goes on), at the same evaluation schedule, measured side by side in one process.
+"""Benchmark: the CPU demo's wall time with evaluation inline against eval.mode=background.
+
+Inline, the rollout engines evaluate while training waits; in the background an evaluation engine
+of its own does while training goes on. Both run the same evaluation schedule, measured side by
+side in one process.
 
 Each round runs ``configs/tiny_moe_cpu.yaml`` once per mode, the modes alternating (inline,
 background, inline, ...) so both see the same machine load; one Ray instance serves every run.
 The table gives each run's wall time (actors' start included) and its time from the warm start on
 (the first ``sft`` line; the actors' start excluded), the mean per mode and the ratio background /
 inline, and whether every evaluation (each step's correct and total responses, Avg@k) is the same
-in every run. The overlap only helps as far as the machine runs the evaluation engine beside the
-trainer and the rollout engine: on 2 CPU cores they compete for them.
+in every run.
+
+The overlap only helps as far as the machine has a core for the evaluation engine while the trainer
+trains (a cluster gives evaluation engines GPUs of their own). On 2 cores the demo's two trainer
+ranks leave none (``--trainer-ranks 2``), so by default the trainer is one rank (``parallel.ep=1``)
+and an evaluation (64 questions × 64 responses) is about eight steps' work, every 8 steps.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ DEMO = Path(__file__).resolve().parents[2] / "configs" / "tiny_moe_cpu.yaml"
 MODES = ("inline", "background")
 # A warm start after which the tiny model answers some sums (non-zero evaluations to compare)
 WARM_START = ("train.sft_warmup_steps=10", "train.sft_batch_size=32", "train.sft_lr=0.01")
+LAYOUTS = {1: ("cluster.trainer_ranks=1", "parallel.ep=1"), 2: ()}  # trainer ranks -> overrides (2: the demo's)
 
 
 @dataclass(frozen=True)
@@ -98,17 +105,19 @@ def format_table(timings: list[Timing], steps: int, every: int, k: int = 16) -> 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--every", type=int, default=3, help="eval.every")
-    parser.add_argument("--k", type=int, default=16, help="eval.k: responses per question (the demo's 4 makes an "
-                        "evaluation about a step's work; 16, about four steps')")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--every", type=int, default=8, help="eval.every")
+    parser.add_argument("--k", type=int, default=64, help="eval.k: responses per question (the demo's 4 makes an "
+                        "evaluation about a step's work, 64 about eight steps' with one trainer rank)")
+    parser.add_argument("--trainer-ranks", type=int, choices=sorted(LAYOUTS), default=1,
+                        help="1: parallel.ep=1 (a core free for the evaluation engine); 2: the demo's EP=2")
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the demo config")
     return parser
 
 
 def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
     args = build_parser(parser).parse_args(argv)
-    timings = run_rounds(args.rounds, args.steps, args.every, args.k, tuple(args.overrides))
+    timings = run_rounds(args.rounds, args.steps, args.every, args.k, (*LAYOUTS[args.trainer_ranks], *args.overrides))
     print(format_table(timings, args.steps, args.every, args.k))
     return 0

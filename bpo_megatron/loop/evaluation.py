@@ -12,7 +12,10 @@ sees it and its metrics are written as a record of step s of their own (``Metric
 step's record, then its evaluation's). One evaluation runs at a time: the next one, a checkpoint
 and the run's end wait for it first (:meth:`Evaluations.wait`, bounded by the engines'
 ``rollout.stall_timeout_s`` and ``rollout.generate_timeout_s``), so the evaluation engines never
-receive newer weights while they evaluate and results land in step order.
+receive newer weights while they evaluate and results land in step order. The evaluation engines
+start while the run warms up (after the trainer, beside its warm start); the evaluation of the
+initial policy (step 0, ``eval.at_start``) runs inline on the rollout engines in either mode, so
+nothing waits for the evaluation engines' start before the first evaluation step.
 
 Checkpoints: before the checkpoint of step c is saved the evaluations of earlier steps finish; the
 checkpoint's trainer state lists an evaluation of step c still running (``eval_pending``) and how
@@ -55,8 +58,9 @@ class Evaluations:
     """The run's evaluations: scored, recorded (``metrics_out``), told to the best-checkpoint rule
     (``best``) in step order, and echoed.
 
-    ``engines``: the background evaluation engines (an ``EngineGroup`` of role evaluation), None
-    for inline evaluation. ``sync(version)`` gives them the trainer's current weights, which are
+    ``engines``: the background evaluation engines (an ``EngineGroup`` of role evaluation, or a
+    future of one still starting, waited for at the first background evaluation), None for inline
+    evaluation. ``sync(version)`` gives them the trainer's current weights, which are
     the ``version``-th update; ``trainer_version()`` says which version the trainer holds now.
     """
 
@@ -65,16 +69,16 @@ class Evaluations:
                  trainer_version: Callable[[], int] | None = None) -> None:
         self.cfg, self._plan, self._reward_fn = plan.cfg, plan, reward_fn
         self.best, self._metrics_out, self._echo = best, metrics_out, echo
-        self.engines, self._sync, self._trainer_version = engines, sync, trainer_version
+        self._engines, self._sync, self._trainer_version = engines, sync, trainer_version
         self._running: _Running | None = None
-        if engines is not None:
+        if engines is not None and not isinstance(engines, Future):
             engines.on_restart = self._resync
 
     @classmethod
     def of(cls, plan, reward_fn, best: BestCheckpoint, metrics_out, echo: Callable[[str], None], *, evaluators,
            trainer, phases) -> "Evaluations":
-        """A run's evaluations; ``evaluators``: its evaluation engines (None: inline evaluation),
-        given the weights of ``trainer`` (whose devices ``phases`` hands out)."""
+        """A run's evaluations; ``evaluators``: its evaluation engines or the future of them (None:
+        inline evaluation), given the weights of ``trainer`` (whose devices ``phases`` hands out)."""
         if evaluators is None:
             return cls(plan, reward_fn, best, metrics_out, echo)
         from bpo_megatron.orchestration.weight_sync import sync_weights
@@ -84,16 +88,25 @@ class Evaluations:
 
         def sync(version: int, only: list[int] | None = None) -> dict:
             phases.train()  # the weights are read where the trainer computes (colocated: it holds the devices)
-            return sync_weights(trainer, evaluators, transport=apart, version=version,
+            return sync_weights(trainer, evaluations.engines, transport=apart, version=version,
                                 bucket_bytes=cfg.rollout.weight_bucket_mb * 1024 * 1024,
                                 verify=cfg.train.verify_weight_sync, only=only, dtype=cfg.rollout.sync_dtype)
 
-        return cls(plan, reward_fn, best, metrics_out, echo, engines=evaluators, sync=sync,
-                   trainer_version=lambda: phases.version)
+        evaluations = cls(plan, reward_fn, best, metrics_out, echo, engines=evaluators, sync=sync,
+                          trainer_version=lambda: phases.version)
+        return evaluations
 
     @property
     def background(self) -> bool:
-        return self.engines is not None
+        return self._engines is not None
+
+    @property
+    def engines(self):
+        """The evaluation engines (waits for them to start, the first time)."""
+        if isinstance(self._engines, Future):
+            self._engines = self._engines.result()
+            self._engines.on_restart = self._resync
+        return self._engines
 
     def pending_steps(self) -> list[int]:
         """The steps whose background evaluation has not been recorded yet."""
@@ -111,16 +124,21 @@ class Evaluations:
         """Evaluate the trainer's current weights (version ``step``) on the evaluation engines,
         without waiting for the result: the evaluation under way finishes first. Returns the
         seconds this took (``time/eval_wait_s``, ``time/eval_sync_s``)."""
+        if self._trainer_version() != step:
+            raise RuntimeError(f"an evaluation of step {step} was asked for while the trainer holds the weights of "
+                               f"step {self._trainer_version()}")
         t0 = time.perf_counter()
         self.wait(why=f"before the weights of step {step} go to the evaluation engines")
+        engines = self.engines  # started beside the trainer: at the first evaluation, waited for
         t1 = time.perf_counter()
         self._sync(step)
         requests = eval_requests(self._plan.eval_sets, self._plan.tokenizer, self.cfg, step)
-        self._running = _Running(step, self.engines.submit(requests), time.perf_counter())
+        self._running = _Running(step, engines.submit(requests), time.perf_counter())
         return {"time/eval_wait_s": t1 - t0, "time/eval_sync_s": time.perf_counter() - t1}
 
     def poll(self) -> None:
-        """Record the evaluation under way if it has finished (never waits for generation)."""
+        """Record the evaluation under way if it has finished (never waits for generation; an
+        engine found dead is replaced here and its share sent again)."""
         running = self._running
         if running is None:
             return

@@ -61,16 +61,13 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                                     keep_records=state.metrics_records if plan.checkpoint else None)
         best = BestCheckpoint(state.best_step, state.best_mean, list(state.eval_history))
         stops = stop_tokens(tokenizer, cfg.rollout.stop_token_ids)
-        trainer = engines = evaluators = starting = placement = None
+        trainer = engines = starting = placement = None
         started_ray = False
         try:
             evaluating = background_engines(cfg.eval, cfg.rollout.num_engines)  # 0: inline evaluation
             started_ray = start_ray(cfg.cluster,
                                     cpus_needed=cfg.cluster.trainer_ranks + cfg.rollout.num_engines + evaluating)
             placement = run_placement(cfg, eval_engines=evaluating)  # engines on the trainer's devices, or apart
-            if evaluating:  # the evaluation engines start while the rollout engines and the trainer do
-                starting = in_thread(EngineGroup, cfg, hf_dir, placement=placement, role=EVALUATION,
-                                     num_engines=evaluating)
             engines = EngineGroup(cfg, hf_dir, placement=placement)
             bucket = cfg.rollout.weight_bucket_mb * 1024 * 1024
             transport = cfg.rollout.spec.transport(cfg.rollout.options, cfg.cluster.colocate)
@@ -81,8 +78,10 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
             trainer = TrainerGroup(cfg, placement=placement)
             phases.attach_trainer(trainer)
             engines.on_restart = phases.resync
-            evaluators = starting.result() if starting is not None else None
-            evaluations = Evaluations.of(plan, verify, best, metrics_out, echo, evaluators=evaluators, trainer=trainer,
+            if evaluating:  # the evaluation engines start while the run warms up; the first to use them waits
+                starting = in_thread(EngineGroup, cfg, hf_dir, placement=placement, role=EVALUATION,
+                                     num_engines=evaluating)
+            evaluations = Evaluations.of(plan, verify, best, metrics_out, echo, evaluators=starting, trainer=trainer,
                                          phases=phases)
             if plan.checkpoint:
                 trainer.call("load", plan.checkpoint, False)  # verified by the preflight moments ago
@@ -93,10 +92,11 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                 sft_warmup(cfg, trainer, prompts, tokenizer, metrics_out, echo)
             state.sft_done = True
             phases.weights_changed(version=state.step)  # version n: the weights after RL step n
-            # the initial policy's evaluation, or the one the checkpoint's save did not see finish
+            # the initial policy's evaluation (inline in either mode: the evaluation engines are still
+            # starting), or the one the checkpoint's save did not see finish
             first = [0] if state.step == 0 and cfg.eval.every and cfg.eval.at_start else []
             for step in first + [s for s in state.eval_pending if cfg.eval.every]:
-                if evaluations.background:
+                if evaluations.background and step:
                     evaluations.start(step)
                 else:
                     phases.rollout()
@@ -203,8 +203,7 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
             raise
         finally:
             metrics_out.close()  # done already when the run failed
-            if starting is not None and evaluators is None and starting.exception() is None:
-                evaluators = starting.result()  # started while the run failed: shut down below
+            evaluators = starting.result() if starting is not None and starting.exception() is None else None
             for group in (evaluators, engines, trainer):
                 if group is not None:
                     group.shutdown()
