@@ -35,6 +35,7 @@ def command(name: str, help: str) -> Callable[[Callable[[list[str]], int]], Call
 # Benchmarks are imported on use: each pulls in Megatron-Core, which takes seconds to import.
 BENCHMARKS = LazyRegistry({
     "async": "bpo_megatron.bench.asynchronous",
+    "background-eval": "bpo_megatron.bench.background_eval",
     "logprobs": "bpo_megatron.bench.logprobs",
     "mechanism": "bpo_megatron.bench.mechanism",
     "packing": "bpo_megatron.bench.packing",

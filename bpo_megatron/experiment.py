@@ -15,7 +15,7 @@ from pathlib import Path
 from bpo_megatron import platform
 from bpo_megatron.config import ConfigError, apply_overrides, build, load_yaml
 from bpo_megatron.data.config import DataConfig
-from bpo_megatron.eval.config import EvalConfig
+from bpo_megatron.eval.config import EvalConfig, background_engines
 from bpo_megatron.losses import PolicyLossConfig
 from bpo_megatron.loop.config import CheckpointConfig, LoopConfig
 from bpo_megatron.models.config import ModelConfig
@@ -53,6 +53,11 @@ class ExperimentConfig:
     @property
     def minibatch_size(self) -> int:
         return self.responses_per_step // self.train.minibatches_per_step
+
+    @property
+    def evaluation_engines(self) -> int:
+        """Background evaluation engines beside the rollout engines (0: evaluation inline)."""
+        return background_engines(self.eval, self.rollout.num_engines)
 
     @property
     def data_parallel_size(self) -> int:

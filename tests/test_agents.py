@@ -132,6 +132,45 @@ def test_each_response_of_a_request_is_its_own_conversation():
     assert engine.requests[2][0].sampling.seed == 8 + 2 * TURN_SEED_STRIDE
 
 
+class _Later:
+    """A generation under way until ``ready`` is set (an engine group's pending generation)."""
+
+    def __init__(self, samples, ready) -> None:
+        self.samples, self.ready = samples, ready
+
+    def done(self) -> bool:
+        return self.ready[0]
+
+    def result(self):
+        assert self.ready[0], "result() would have waited"
+        return self.samples
+
+
+class SlowGroup(ScriptedEngine):
+    """The scripted engine behind ``submit``: each round's samples wait for ``ready``."""
+
+    def __init__(self, scripts) -> None:
+        super().__init__(scripts)
+        self.ready = [False]
+
+    def submit(self, requests):
+        return _Later(self.generate(requests), self.ready)
+
+
+def test_a_pending_conversation_moves_on_without_waiting():
+    """``done()`` (what a background evaluation polls) sends the next round as soon as a round is
+    back, and never waits for one; ``result()`` then equals a conversation generated at once."""
+    group = SlowGroup({"q0#0": [ids("[1+1]"), ids("[2+2]"), ids("4", eos=True)], "q0#1": [ids("3", eos=True)]})
+    pending = Conversations(group, calculator(), TOK, max_turns=3).submit([request(n=2)])
+    assert not pending.done() and len(group.requests) == 1
+    group.ready[0] = True
+    assert pending.done() and len(group.requests) == 3  # the two later rounds went out within one call
+    direct = Conversations(ScriptedEngine(group.scripts), calculator(), TOK, max_turns=3).generate([request(n=2)])
+    for got, want in zip(pending.result(), direct, strict=True):
+        assert torch.equal(got.response_tokens, want.response_tokens)
+        assert torch.equal(got.from_environment, want.from_environment)
+
+
 @pytest.mark.parametrize("case, finish, text", [
     ("asks once more than max_turns allows", "length", "[1+1]=2;[2+2]"),
     ("the answer would not fit the budget", "length", "[1+1]"),
@@ -530,15 +569,32 @@ def test_the_eval_command_talks_to_the_agent(tmp_path, monkeypatch, capsys):
     root = Path(__file__).resolve().parents[1]
     hf_dir = random_checkpoint(root / "configs" / "models" / "tiny_qwen3_moe", tmp_path / "hf", seed=0)
     seen = []
-    converse = conversation.Conversations.converse
+    submit = conversation.Conversations.submit
 
-    def recording(self, requests, first):
-        seen.append((type(self.agent).__name__, len(requests), len(first)))
-        return converse(self, requests, first)
+    def recording(self, requests):
+        seen.append((type(self.agent).__name__, len(requests), sum(r.sampling.n for r in requests)))
+        return submit(self, requests)
 
-    monkeypatch.setattr(conversation.Conversations, "converse", recording)
+    monkeypatch.setattr(conversation.Conversations, "submit", recording)
     code = main(["eval", str(root / "configs" / "calculator_cpu.yaml"), "eval.limit=4", "eval.k=2",
                  "--hf-dir", str(hf_dir)])
     assert code == 0, capsys.readouterr()
     assert seen == [("Calculator", 4, 8)]
     assert "procedural:mul2" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(900)
+def test_background_evaluation_talks_to_the_agent_as_inline_evaluation_does(tmp_path, ray_session, small_run):
+    """eval.mode=background with the calculator: the evaluation engines hold conversations too
+    (each round polled, none waited for), and every evaluation equals the inline run's."""
+    from bpo_megatron.observability.metrics import read_metrics
+
+    schedule = (*CALCULATOR_RUN, "train.steps=2", "eval.every=1", "eval.limit=16", "eval.k=2", "checkpoint.every=2")
+    evaluations = {}
+    for mode in ("inline", "background"):
+        _run(small_run(tmp_path / mode, *schedule, f"eval.mode={mode}"))
+        evaluations[mode] = {r["step"]: {k: v for k, v in r.items() if k.startswith("eval/")}
+                             for r in read_metrics(tmp_path / mode) if "eval/mean_avg@2" in r}
+    assert sorted(evaluations["inline"]) == [0, 1, 2] and evaluations["background"] == evaluations["inline"]
+    # right answers come only through the calculator (the model cannot multiply by itself)
+    assert all(metrics["eval/mean_avg@2"] > 0.05 for metrics in evaluations["inline"].values()), evaluations

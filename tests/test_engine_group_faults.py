@@ -177,7 +177,7 @@ class _WeightPusher:
         self.fingerprints = {name: fingerprint(tensor) for name, tensor in weights}
         self.transports = {}
 
-    def call(self, method, transport, targets, version, bucket_bytes, verify, dtype):
+    def call(self, method, transport, targets, version, bucket_bytes, verify, dtype, channel="rollout"):
         from bpo_megatron.rollout.weight_buckets import buckets
         from bpo_megatron.weight_sync import transport_class
 

@@ -164,6 +164,10 @@ def test_the_30b_recipe_passes_plan_on_4x8x80(capsys):
     assert "verdict: FITS" in out and "FAIL" not in out
     plan = make_plan(_recipe(), HFModelConfig.load(QWEN3_30B))
     assert plan.fits and plan.train_peak < 80e9 and plan.rollout_peak < 80e9
+    # background evaluation on GPUs of its own: two engines of 4 GPUs need a fifth node
+    background = make_plan(_recipe("eval.mode=background", "eval.engines=2", "cluster.nodes=5"),
+                           HFModelConfig.load(QWEN3_30B))
+    assert background.fits and any("+ evaluation engines 8 GPUs ≤ 40" in c.message for c in background.checks)
 
 
 def test_checks_name_what_to_change():
@@ -173,6 +177,9 @@ def test_checks_name_what_to_change():
         (["parallel.ep=256", "parallel.tp=1", "cluster.trainer_ranks=256"],
          "parallel.ep=256 must divide the model's 128 experts"),
         (["cluster.colocate=false"], "trainer 32 + engines 32 GPUs ≤ 32"),
+        (["eval.mode=background", "eval.engines=2"], "colocated: trainer 32 and engines 32 GPUs each + evaluation "
+                                                     "engines 8 GPUs ≤ 32 (cluster.trainer_ranks, rollout.num_engines, "
+                                                     "cluster.gpus_per_engine, eval.mode, eval.engines)"),
         (["cluster.gpus_per_engine=2"], "a sglang engine of tp 4 needs 4 GPUs"),
         (["parallel.tp=8", "cluster.gpus_per_node=4", "cluster.nodes=8"], "parallel.tp=8 must divide the 4 GPUs"),
     ]

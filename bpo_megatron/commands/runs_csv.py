@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from bpo_megatron.eval.avg_at_k import HALVES
+from bpo_megatron.observability.metrics import evaluation_only
 
 
 Setting = tuple[str, "int | None"]  # (condition, staleness)
@@ -89,8 +90,9 @@ def run_rows(records: list[dict], *, run: str, method: str, method_id: str, stal
     rows, previous = [], None
     for step in sorted(evaluations):
         record = evaluations[step]
-        # RL steps are numbered from 1 (the warm start's records end at step 0)
-        window = [r for r in records if (previous or 0) < r["step"] <= step]
+        # RL steps are numbered from 1 (the warm start's records end at step 0); a background
+        # evaluation's record is no step of training
+        window = [r for r in records if (previous or 0) < r["step"] <= step and not evaluation_only(r)]
         training = _window_means(window)
         datasets = [key[len("eval/"):-len(f"_avg@{eval_k}")] for key in record
                     if key.startswith("eval/") and key.endswith(f"_avg@{eval_k}") and key != mean_key]

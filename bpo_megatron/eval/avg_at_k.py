@@ -114,12 +114,17 @@ def eval_requests(sets: list[EvalSet], tokenizer, cfg, step: int) -> list[Genera
 
 def evaluate(generate, sets: list[EvalSet], tokenizer, reward_fn, cfg, step: int) -> EvalResult:
     """``generate(requests) -> samples``: any engine or engine group."""
+    # every dataset in one generation: the engines work through all of them at once instead of
+    # idling at the tail of each (each request keeps its own seed, so the samples are the same)
+    return score_evaluation(generate(eval_requests(sets, tokenizer, cfg, step)), sets, tokenizer, reward_fn, cfg, step)
+
+
+def score_evaluation(generated: list, sets: list[EvalSet], tokenizer, reward_fn, cfg, step: int) -> EvalResult:
+    """The result of an evaluation at ``step`` from the samples of its requests
+    (:func:`eval_requests`, in their order)."""
     ev = cfg.eval
     counts: Counts = {}
     halves: dict[str, Counts] = {}
-    # every dataset in one generation: the engines work through all of them at once instead of
-    # idling at the tail of each (each request keeps its own seed, so the samples are the same)
-    generated = generate(eval_requests(sets, tokenizer, cfg, step))
     offset = 0
     for eval_set in sets:
         problems = [e.problem for e in eval_set.prompts for _ in range(ev.k)]

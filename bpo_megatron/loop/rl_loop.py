@@ -5,8 +5,9 @@ scores each response; advantages are normalised within each prompt's group; the 
 shuffled into ``minibatches_per_step`` equal minibatches with one optimizer step each; the new
 weights go to the engines. With ``train.async.max_staleness`` k > 0 the batches of the next k
 steps generate while a step trains (:mod:`bpo_megatron.loop.rollout_pipeline`). Evaluation and
-checkpoints every few steps; a killed run resumes from
-its newest checkpoint exactly (same data, same seeds), and its metrics record each step once.
+checkpoints every few steps, evaluation inline or beside training (:mod:`bpo_megatron.loop.evaluation`);
+a killed run resumes from its newest checkpoint exactly (same data, same seeds), and its metrics
+record each step once.
 Everything the run reads is checked first (:mod:`bpo_megatron.loop.preflight`).
 """
 
@@ -16,9 +17,11 @@ import random
 import time
 
 from bpo_megatron.data.rewards import reward_fn
-from bpo_megatron.eval.avg_at_k import BestCheckpoint, evaluate
+from bpo_megatron.eval.avg_at_k import BestCheckpoint
+from bpo_megatron.eval.config import background_engines
 from bpo_megatron.loop import diagnostics
 from bpo_megatron.loop.batch_shaping import dynamic_batch, punish_overlong
+from bpo_megatron.loop.evaluation import Evaluations, in_thread
 from bpo_megatron.loop.preflight import RunPlan, prepare
 from bpo_megatron.loop.rollout_pipeline import RolloutPipeline
 from bpo_megatron.loop.run_dir import RunLock, checkpoint_root, initial_hf_dir, read_recorded_config, record_config
@@ -28,6 +31,7 @@ from bpo_megatron.observability.metrics import MetricsWriter, summary_line
 from bpo_megatron.observability.plot import plot_runs
 from bpo_megatron.orchestration.cluster import start_ray, stop_ray
 from bpo_megatron.orchestration.groups import EngineGroup, TrainerGroup, run_placement
+from bpo_megatron.orchestration.placement import EVALUATION
 from bpo_megatron.orchestration.phases import DevicePhases
 from bpo_megatron.orchestration.weight_sync import sync_weights
 from bpo_megatron.rollout.agents import with_agent
@@ -54,14 +58,17 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
         verify = reward_fn(cfg.data.reward, cfg.data)
         hf_dir = initial_hf_dir(cfg)
         metrics_out = MetricsWriter(run_dir, trackers=cfg.logging.tracker_names, config=read_recorded_config(run_dir),
-                                    settings=cfg.logging, resume_after=state.step if plan.checkpoint else None)
+                                    settings=cfg.logging, resume_after=state.step if plan.checkpoint else None,
+                                    keep_records=state.metrics_records if plan.checkpoint else None)
         best = BestCheckpoint(state.best_step, state.best_mean, list(state.eval_history))
         stops = stop_tokens(tokenizer, cfg.rollout.stop_token_ids)
-        trainer = engines = placement = None
+        trainer = engines = starting = placement = None
         started_ray = False
         try:
-            started_ray = start_ray(cfg.cluster, cpus_needed=cfg.cluster.trainer_ranks + cfg.rollout.num_engines)
-            placement = run_placement(cfg)  # engines on the trainer's devices, or apart
+            evaluating = background_engines(cfg.eval, cfg.rollout.num_engines)  # 0: inline evaluation
+            started_ray = start_ray(cfg.cluster,
+                                    cpus_needed=cfg.cluster.trainer_ranks + cfg.rollout.num_engines + evaluating)
+            placement = run_placement(cfg, eval_engines=evaluating)  # engines on the trainer's devices, or apart
             engines = EngineGroup(cfg, hf_dir, placement=placement)
             # what generates: the engines, or conversations of theirs with rollout.agent's tool
             rollouts = with_agent(engines, plan.agent, tokenizer, max_turns=cfg.rollout.agent.max_turns)
@@ -74,6 +81,11 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
             trainer = TrainerGroup(cfg, placement=placement)
             phases.attach_trainer(trainer)
             engines.on_restart = phases.resync
+            if evaluating:  # the evaluation engines start while the run warms up; the first to use them waits
+                starting = in_thread(EngineGroup, cfg, hf_dir, placement=placement, role=EVALUATION,
+                                     num_engines=evaluating)
+            evaluations = Evaluations.of(plan, verify, best, metrics_out, echo, evaluators=starting, trainer=trainer,
+                                         phases=phases)
             if plan.checkpoint:
                 trainer.call("load", plan.checkpoint, False)  # verified by the preflight moments ago
                 echo(f"resumed from step {state.step} ({plan.checkpoint})")
@@ -83,11 +95,18 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                 sft_warmup(cfg, trainer, prompts, tokenizer, metrics_out, echo, agent=plan.agent)
             state.sft_done = True
             phases.weights_changed(version=state.step)  # version n: the weights after RL step n
-            if state.step == 0 and cfg.eval.every and cfg.eval.at_start:
-                phases.rollout()
-                _evaluate(plan, rollouts, verify, 0, best, metrics_out, echo)
+            # the initial policy's evaluation (inline in either mode: the evaluation engines are still
+            # starting), or the one the checkpoint's save did not see finish
+            first = [0] if state.step == 0 and cfg.eval.every and cfg.eval.at_start else []
+            for step in first + [s for s in state.eval_pending if cfg.eval.every]:
+                if evaluations.background and step:
+                    evaluations.start(step)
+                else:
+                    phases.rollout()
+                    evaluations.inline(step, rollouts.generate, record=True)
             if cfg.train.steps == 0:  # a supervised run: its warm start is what it makes
-                _save(cfg, trainer, phases, state, best, step=0)
+                evaluations.wait(why="the run ends")
+                _save(cfg, trainer, phases, state, best, evaluations, metrics_out, step=0)
                 return {"step": 0, "best_step": best.step, "best_mean": best.mean, "run_dir": str(run_dir)}
 
             def request_batch(batch: list, step: int, round_: int) -> list:
@@ -104,6 +123,7 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                                        partial=engines.partial_rollouts)
 
             for step in range(state.step + 1, cfg.train.steps + 1):
+                evaluations.poll()  # a background evaluation that finished meanwhile is recorded
                 timer = time.perf_counter()
                 generating = [0.0]  # seconds spent waiting for the engines to generate
                 waited(generating, pipeline.settle)  # the batches under way finish (or pause) before new weights
@@ -166,21 +186,30 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                                 "time/driver_s": step_s - train_s - sync_s - rollout_s})
                 state.step, state.data_cursor = step, pipeline.resume_cursor()
                 if cfg.eval.every and step % cfg.eval.every == 0:
-                    pipeline.settle()
-                    sync = diagnostics.add_sync(sync, phases.rollout())
-                    metrics.update(_evaluate(plan, rollouts, verify, step, best, metrics_out, echo))
+                    if evaluations.background:  # weights version `step` to the evaluation engines; on we go
+                        metrics.update(evaluations.start(step))
+                    else:
+                        pipeline.settle()
+                        sync = diagnostics.add_sync(sync, phases.rollout())
+                        metrics.update(evaluations.inline(step, rollouts.generate))
                 metrics.update(diagnostics.add_sync(sync, {}))
                 metrics_out.write(step, metrics)
                 echo(summary_line(step, cfg.train.steps, metrics, bar=cfg.logging.progress))
-                if step == cfg.train.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                    _save(cfg, trainer, phases, state, best, step=step)
+                evaluations.poll()
+                last = step == cfg.train.steps
+                if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                    # a checkpoint follows every evaluation of an earlier step; the last one, every evaluation
+                    evaluations.wait(before=None if last else step, why=f"the checkpoint of step {step}")
+                    _save(cfg, trainer, phases, state, best, evaluations, metrics_out, step=step)
+            evaluations.wait(why="the run ends")
             return {"step": state.step, "best_step": best.step, "best_mean": best.mean, "run_dir": str(run_dir)}
         except BaseException:
             metrics_out.close(failed=True)  # trackers that keep a status mark the run failed
             raise
         finally:
             metrics_out.close()  # done already when the run failed
-            for group in (engines, trainer):
+            evaluators = starting.result() if starting is not None and starting.exception() is None else None
+            for group in (evaluators, engines, trainer):
                 if group is not None:
                     group.shutdown()
             if placement is not None:
@@ -189,9 +218,12 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
                 stop_ray()
 
 
-def _save(cfg, trainer, phases, state, best, *, step: int) -> None:
+def _save(cfg, trainer, phases, state, best, evaluations, metrics_out, *, step: int) -> None:
     phases.train()  # the trainer's state is saved from where it computes
     state.best_step, state.best_mean, state.eval_history = best.step, best.mean, best.history
+    # an evaluation of this step still running is run again by a resume from here, whose metrics
+    # keep the records written so far (not that evaluation's, which may come later)
+    state.eval_pending, state.metrics_records = evaluations.pending_steps(), metrics_out.records
     trainer.call("save", str(checkpoint_root(cfg)), step, state.to_dict(), cfg.checkpoint.keep_last)
     plot_runs([cfg.run_dir], cfg.run_dir / "curves.png", labels=[cfg.name])
 
@@ -203,15 +235,3 @@ def waited(seconds: list[float], fn, *args):
         return fn(*args)
     finally:
         seconds[0] += time.perf_counter() - start
-
-
-def _evaluate(plan: RunPlan, rollouts, verify, step, best, metrics_out, echo) -> dict:
-    cfg = plan.cfg
-    result = evaluate(rollouts.generate, plan.eval_sets, plan.tokenizer, verify, cfg, step)
-    improved = best.update(result)
-    metrics = result.metrics(cfg.eval.k)
-    if step == 0:
-        metrics_out.write(0, metrics)
-    echo(f"eval step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in result.scores.items())
-         + f" | mean {result.mean:.3f}{' (best)' if improved else ''}")
-    return metrics

@@ -1,7 +1,8 @@
 """A run directory as the record of one experiment, and the rules that keep it one.
 
     runs/<name>/config.yaml     the resolved config the run trains with
-    runs/<name>/metrics.jsonl   one record per step (SFT steps ≤ 0), each step once
+    runs/<name>/metrics.jsonl   one record per step (SFT steps ≤ 0), each step once (a background
+                                evaluation's record later, under the step it evaluated)
     runs/<name>/trackers.json   each experiment tracker's run id, continued on resume
                                 (``bpo_megatron.observability.trackers.mirror``); tensorboard/,
                                 wandb/ and mlflow/ hold the trackers' own files
@@ -43,7 +44,7 @@ RESUME_SAFE = (
     "train.routing_agreement_samples", "parallel.", "cluster.", "logging.", "checkpoint.every",
     "checkpoint.keep_last", "checkpoint.resume", "rollout.num_engines", "rollout.threads_per_engine",
     "rollout.weight_bucket_mb", "rollout.hf.max_batch_rows", "rollout.generate_timeout_s",
-    "rollout.max_restarts", "rollout.stall_timeout_s",
+    "rollout.max_restarts", "rollout.stall_timeout_s", "eval.mode", "eval.engines",
 )
 
 
@@ -61,16 +62,24 @@ class RunState:
     best_step: int | None = None
     best_mean: float = float("-inf")
     eval_history: list = field(default_factory=list)  # see bpo_megatron.eval.avg_at_k.BestCheckpoint
+    # Background evaluation: the steps whose evaluation was still running at the save (at most the
+    # checkpoint's own step: its weights are the checkpoint's, so a resume runs it again), and how
+    # many records metrics.jsonl held then (a resume keeps those; None: those up to the step)
+    eval_pending: list = field(default_factory=list)
+    metrics_records: int | None = None
 
     def to_dict(self) -> dict:
         return {"rl_step": self.step, "data_cursor": self.data_cursor, "sft_done": self.sft_done,
-                "best_step": self.best_step, "best_mean": self.best_mean, "eval_history": self.eval_history}
+                "best_step": self.best_step, "best_mean": self.best_mean, "eval_history": self.eval_history,
+                "eval_pending": list(self.eval_pending), "metrics_records": self.metrics_records}
 
     @classmethod
     def from_checkpoint(cls, meta: dict) -> "RunState":
         return cls(step=meta["rl_step"], data_cursor=meta["data_cursor"], sft_done=meta["sft_done"],
                    best_step=meta.get("best_step"), best_mean=meta.get("best_mean", float("-inf")),
-                   eval_history=[tuple(x) for x in meta.get("eval_history", [])])
+                   eval_history=[tuple(x) for x in meta.get("eval_history", [])],
+                   eval_pending=[int(s) for s in meta.get("eval_pending", [])],
+                   metrics_records=meta.get("metrics_records"))
 
 
 def checkpoint_root(cfg) -> Path:

@@ -27,10 +27,15 @@ SUMMARY = (
 
 class MetricsWriter:
     """Appends one record per step to ``metrics.jsonl``, and mirrors it to the experiment trackers.
+    A background evaluation's record comes later, under the step it evaluated (see
+    :func:`evaluation_only`): a step has its record, then at most one evaluation record.
 
     ``resume_after``: the step the run resumes from. Records of later steps (and, with None, all
     records: a fresh start) are left over from an interrupted attempt that will be run again, so
-    they are dropped first and every step is recorded once.
+    they are dropped first and every step is recorded once. ``keep_records``: how many records the
+    file held when that step's checkpoint was saved (its trainer state says); the records after
+    them are dropped too, so an evaluation that was still running at the save, and is run again
+    on resume, is recorded once.
 
     ``trackers``: names of :data:`bpo_megatron.observability.trackers.TRACKERS`, each told the
     run's resolved ``config`` (the tree of ``config.yaml``) and ``settings`` (the ``logging``
@@ -40,10 +45,11 @@ class MetricsWriter:
     """
 
     def __init__(self, run_dir: str | Path, *, trackers: Sequence[str] = (), config: dict | None = None,
-                 settings: Any = None, resume_after: int | None = None, tensorboard: bool = False) -> None:
+                 settings: Any = None, resume_after: int | None = None, keep_records: int | None = None,
+                 tensorboard: bool = False) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        truncate_metrics(run_dir, resume_after)
+        dropped = truncate_metrics(run_dir, resume_after, keep=keep_records)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # truncate_metrics dropped a torn last line already
             kept = read_metrics(run_dir) if self.path.is_file() else []
@@ -56,7 +62,12 @@ class MetricsWriter:
             from bpo_megatron.observability.trackers.mirror import TrackerMirror
 
             run = TrackedRun.of(run_dir, config=config, settings=settings or LoggingConfig(), resume_after=resume_after)
-            self._trackers = TrackerMirror(run, names, kept)
+            self._trackers = TrackerMirror(run, names, kept, dropped)
+
+    @property
+    def records(self) -> int:
+        """How many records ``metrics.jsonl`` holds (what a checkpoint saved now records)."""
+        return self._records
 
     @property
     def trackers(self) -> tuple[str, ...]:
@@ -119,15 +130,26 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return records
 
 
-def truncate_metrics(run_dir: str | Path, after_step: int | None) -> None:
-    """Keep only the records of steps up to ``after_step`` (none for None), atomically."""
+def truncate_metrics(run_dir: str | Path, after_step: int | None, *, keep: int | None = None) -> list[dict]:
+    """Keep only the records of steps up to ``after_step`` (none for None), and with ``keep`` only
+    among the first ``keep`` records, atomically; returns the records dropped, in file order."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
-        return
+        return []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a torn last line is dropped here on purpose
         records = read_metrics(run_dir)
-    kept = [r for r in records if after_step is not None and r["step"] <= after_step]
+    limit = len(records) if keep is None else keep
+    kept = [r for r in records[:limit] if after_step is not None and r["step"] <= after_step]
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
     os.replace(tmp, path)
+    held = {id(r) for r in kept}
+    return [r for r in records if id(r) not in held]
+
+
+def evaluation_only(record: dict) -> bool:
+    """Whether a record holds an evaluation alone (``eval/*`` metrics): the initial policy's, or
+    a background evaluation's, written apart from its step's training record."""
+    metrics = [key for key in record if key not in ("step", "time")]
+    return bool(metrics) and all(key.startswith("eval/") for key in metrics)

@@ -9,7 +9,8 @@ from bpo_megatron.observability.metrics import read_metrics
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
-    points = [(r["step"], r[key]) for r in records if key in r and r["step"] >= 0]
+    # by step: a background evaluation's record comes after later steps' records
+    points = sorted((r["step"], r[key]) for r in records if key in r and r["step"] >= 0)
     return [p[0] for p in points], [p[1] for p in points]
 
 

@@ -1,4 +1,4 @@
-"""The rollout engines as a group of Ray actors.
+"""The rollout engines (or a run's background evaluation engines) as a group of Ray actors.
 
 Requests are spread over the engines in contiguous slices. An engine that dies (its process
 killed or crashed), loses its server (:class:`~bpo_megatron.rollout.engine.EngineLost`), stalls
@@ -21,7 +21,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from bpo_megatron.orchestration.placement import Placement
+from bpo_megatron.orchestration.placement import EVALUATION, ROLLOUT, Placement
 from bpo_megatron.orchestration.stall_watch import StallWatch
 from bpo_megatron.orchestration.workers import EngineWorker
 from bpo_megatron.rollout.engine import EngineLost, EngineUnresponsive
@@ -70,6 +70,26 @@ class PendingGeneration:
             worker = self._engines.workers[i]
             self._sent[i] = (self._engines.remote(worker, "generate", self._shares[i]), worker)
 
+    def done(self) -> bool:
+        """Whether every share has been answered, without waiting: the answers that came are
+        stored; a share whose engine died or lost its server is sent again (its engine replaced,
+        as :meth:`result` does), so it is not done. Stalls and ``rollout.generate_timeout_s`` are
+        enforced by :meth:`result`, the bounded wait."""
+        import ray
+
+        if self._samples is None:
+            waiting = {i: sent for i, sent in self._sent.items() if self._results[i] is None}
+            ready, _ = ray.wait([ref for ref, _ in waiting.values()], num_returns=len(waiting), timeout=0) \
+                if waiting else ([], [])
+            answered = {i: sent for i, sent in waiting.items() if sent[0] in ready}
+            failed = self._engines._collect(answered, self._results, None) if answered else []
+            if failed:
+                self._engines.replace_failed({i: self._sent[i][1] for i in failed})
+                self._send(failed)
+            elif all(part is not None for part in self._results):
+                self._samples = [sample for part in self._results for sample in part]
+        return self._samples is not None
+
     def result(self) -> list:
         """All samples, in request order (waits for them the first time)."""
         while self._samples is None:
@@ -83,21 +103,31 @@ class PendingGeneration:
 
 
 class EngineGroup:
-    """``rollout.num_engines`` engines. ``on_restart`` is called with the indices of engines
-    replaced while their requests wait (to give them the current weights) before the requests are
-    sent again; other replacements are recorded in :attr:`unsynced` for the next weight sync.
+    """``rollout.num_engines`` engines (``num_engines``: that many). ``role`` evaluation: a run's
+    background evaluation engines, on their slots of the placement, without routing capture, one
+    generation at a time; log lines and errors name them so.
+
+    ``on_restart`` is called with the indices of engines replaced while their requests wait (to
+    give them the current weights) before the requests are sent again; other replacements are
+    recorded in :attr:`unsynced` for the next weight sync.
     ``start_hook(indices, start)`` (set by the device phases) runs ``start()``, which brings the
     new engines up, at a moment their devices are free, and leaves them in their peers' memory
     state. ``max_restarts`` per engine, on average, bounds the replacements over the group's life.
     """
 
     def __init__(self, cfg, model_dir: str, *, max_restarts: int | None = None,
-                 generate_timeout_s: float | None = None, placement: Placement | None = None) -> None:
+                 generate_timeout_s: float | None = None, placement: Placement | None = None,
+                 role: str = ROLLOUT, num_engines: int | None = None) -> None:
         import ray
 
         if generate_timeout_s is not None and not generate_timeout_s > 0:
             raise ValueError(f"generate_timeout_s must be > 0 (or None: wait forever), got {generate_timeout_s}")
-        self.cfg, self.model_dir, self.placement = cfg, model_dir, placement
+        self.cfg, self.model_dir, self.placement, self.role = cfg, model_dir, placement, role
+        if role not in (ROLLOUT, EVALUATION):
+            raise ValueError(f"an engine group's role is {ROLLOUT!r} or {EVALUATION!r}, not {role!r}")
+        count = cfg.rollout.num_engines if num_engines is None else num_engines
+        # engine indices (an SGLang server's port is its base port + index): evaluation's follow the rollout's
+        self._first_index = 0 if role == ROLLOUT else cfg.rollout.num_engines
         self.max_restarts = cfg.rollout.max_restarts if max_restarts is None else max_restarts
         self.generate_timeout_s = cfg.rollout.generate_timeout_s if generate_timeout_s is None else generate_timeout_s
         self.stall_timeout_s = cfg.rollout.stall_timeout_s
@@ -110,7 +140,7 @@ class EngineGroup:
         self._actor = ray.remote(concurrency_groups={LIVENESS: 2, UPDATE: 1, GENERATE: generating})(EngineWorker)
         self._start_timeout_s = getattr(cfg.rollout.options, "startup_timeout_s", 0.0) + START_ALLOWANCE_S
         self.workers: list = []
-        self.workers = self._start(list(range(cfg.rollout.num_engines)))
+        self.workers = self._start(list(range(count)))
 
     # ------------------------------------------------------------------------------- calls
     def _group_of(self, method: str) -> str:
@@ -137,17 +167,17 @@ class EngineGroup:
             try:
                 answers[i] = ray.get(future, timeout=max(0.0, deadline - time.monotonic()))
             except ray.exceptions.GetTimeoutError:
-                log.warning("rollout engine %d did not answer %s within %.0f s (rollout.stall_timeout_s); "
-                            "replacing it", i, method, self.stall_timeout_s)
+                log.warning("%s engine %d did not answer %s within %.0f s (rollout.stall_timeout_s); "
+                            "replacing it", self.role, i, method, self.stall_timeout_s)
                 ray.kill(worker, no_restart=True)
                 lost.append(i)
             except ray.exceptions.RayActorError:
-                log.warning("rollout engine %d died (during %s); replacing it", i, method)
+                log.warning("%s engine %d died (during %s); replacing it", self.role, i, method)
                 lost.append(i)
             except ray.exceptions.RayTaskError as exc:
                 if not _lost_engine(exc):
                     raise
-                log.warning("rollout engine %d lost its server during %s (%s); replacing it", i, method,
+                log.warning("%s engine %d lost its server during %s (%s); replacing it", self.role, i, method,
                             str(_cause(exc)).splitlines()[0])
                 lost.append(i)
         return answers, lost
@@ -170,30 +200,32 @@ class EngineGroup:
         libraries and loading the model, mostly waiting on the disk."""
         import ray
 
-        workers = [self._actor.options(**self._options(i)).remote(self.cfg, self.model_dir, i, self._devices(i))
+        workers = [self._actor.options(**self._options(i)).remote(self.cfg, self.model_dir, self._first_index + i,
+                                                                 self._devices(i), evaluation=self.role == EVALUATION)
                    for i in indices]
         try:  # raise here if an engine cannot start
             ray.get([self.remote(w, "captures_routing") for w in workers], timeout=self._start_timeout_s)
         except ray.exceptions.GetTimeoutError:
             for w in workers:
                 ray.kill(w, no_restart=True)
-            raise EnginesFailed(f"rollout engines {indices} did not start within {self._start_timeout_s:.0f} s "
+            raise EnginesFailed(f"{self.role} engines {indices} did not start within {self._start_timeout_s:.0f} s "
                                 "(the engine's start-up bound plus placement); see the engines' logs") from None
         return workers
 
     def _options(self, index: int) -> dict[str, Any]:
         if self.placement is not None:  # on its slots of the run's placement (shared or its own)
-            return self.placement.engine_options(index)
+            return self.placement.engine_options(index, self.role)
         return {"num_cpus": self.cfg.cluster.cpus_per_actor, "num_gpus": self.cfg.cluster.gpus_per_engine}
 
     @property
     def partial_rollouts(self) -> bool:
         """Whether the engines pause a generation under way for a weight update (train.async with
         an engine that can): their updates then run beside their generations."""
-        return bool(self.cfg.train.asynchronous.max_staleness) and self.cfg.rollout.spec.partial_rollouts
+        return (self.role == ROLLOUT and bool(self.cfg.train.asynchronous.max_staleness)
+                and self.cfg.rollout.spec.partial_rollouts)
 
     def _devices(self, index: int) -> tuple[int, ...]:
-        return self.placement.engine_gpus(index) if self.placement is not None else ()
+        return self.placement.engine_gpus(index, self.role) if self.placement is not None else ()
 
     def actor_ids(self) -> tuple[str, ...]:
         return tuple(w._actor_id.hex() for w in self.workers)
@@ -208,7 +240,7 @@ class EngineGroup:
         import ray
 
         if self.restarts + len(indices) > self.max_restarts * max(1, len(self.workers)):
-            raise EnginesFailed(f"rollout engines {indices} died, hung or stalled again after {self.restarts} "
+            raise EnginesFailed(f"{self.role} engines {indices} died, hung or stalled again after {self.restarts} "
                                 f"restarts (at most rollout.max_restarts={self.max_restarts} per engine)")
         for i in indices:
             ray.kill(self.workers[i], no_restart=True)  # a hung or unhealthy one must not linger
@@ -233,7 +265,7 @@ class EngineGroup:
         generation or a sync) is not replaced again, only given the weights if it lacks them."""
         current = [i for i, actor in failed.items() if self.workers[i]._actor_id == actor._actor_id]
         for i in current:  # once per engine, however many of its generations failed with it
-            log.warning("rollout engine %d: replacing it and sending its requests again", i)
+            log.warning("%s engine %d: replacing it and sending its requests again", self.role, i)
         if current:
             self.replace(current)
         behind = sorted(i for i in failed if i not in current and i in self.unsynced)
@@ -257,7 +289,7 @@ class EngineGroup:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 unhealthy.append(i)
         if unhealthy:
-            log.warning("rollout engines %s died or are unhealthy; replacing them", unhealthy)
+            log.warning("%s engines %s died or are unhealthy; replacing them", self.role, unhealthy)
             self.replace(unhealthy, load_weights=False)
         return unhealthy
 
@@ -286,7 +318,7 @@ class EngineGroup:
         interval = min(PROBE_INTERVAL_S, self.stall_timeout_s / 4)
 
         def fail(i: int, message: str, *args: Any) -> None:
-            log.warning(message, i, *args)
+            log.warning(message, self.role, i, *args)
             ray.kill(actors[i], no_restart=True)
             failed.append(i)
             pending.pop(i)
@@ -302,23 +334,23 @@ class EngineGroup:
                 try:
                     results[i] = ray.get(ref)
                 except ray.exceptions.RayActorError:
-                    log.warning("rollout engine %d died while generating", i)
+                    log.warning("%s engine %d died while generating", self.role, i)
                     failed.append(i)
                 except ray.exceptions.RayTaskError as exc:
                     if not _lost_engine(exc):
                         raise
-                    log.warning("rollout engine %d lost its server while generating (%s)", i,
+                    log.warning("%s engine %d lost its server while generating (%s)", self.role, i,
                                 str(_cause(exc)).splitlines()[0])
                     failed.append(i)
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 for i in list(pending):
-                    fail(i, "rollout engine %d did not answer within %.0f s (rollout.generate_timeout_s)",
+                    fail(i, "%s engine %d did not answer within %.0f s (rollout.generate_timeout_s)",
                          self.generate_timeout_s)
                 break
             self._read_progress(pending, actors, probes, watch, now)
             for i in watch.stalled(now):
-                fail(i, "rollout engine %d made no progress for %.0f s with requests outstanding "
+                fail(i, "%s engine %d made no progress for %.0f s with requests outstanding "
                         "(rollout.stall_timeout_s=%.0f: a stopped or wedged process)",
                      watch.quiet_for(i, now), self.stall_timeout_s)
         return failed

@@ -24,9 +24,10 @@ log = logging.getLogger(__name__)
 FAILURE_GRACE_S = 2.0  # after a rank fails, how long the others get to report why they did
 
 
-def run_placement(cfg) -> Placement:
-    """The placement of a run's trainer and engines (``cluster`` and ``rollout.num_engines``)."""
-    return Placement(plan_layout(cfg.cluster, num_engines=cfg.rollout.num_engines),
+def run_placement(cfg, *, eval_engines: int = 0) -> Placement:
+    """The placement of a run's trainer and engines (``cluster`` and ``rollout.num_engines``), and
+    of ``eval_engines`` background evaluation engines."""
+    return Placement(plan_layout(cfg.cluster, num_engines=cfg.rollout.num_engines, eval_engines=eval_engines),
                      timeout_s=cfg.cluster.placement_timeout_s)
 
 

@@ -11,6 +11,8 @@ consecutive ranks) stay inside a node, and an engine's GPUs are consecutive GPUs
   engine's server uses all ``t`` GPUs of its slots.
 * Apart: ``trainer ranks + engines × engine GPUs`` bundles: the trainer's first, then each
   engine's ``t``.
+* Evaluation engines (``eval.mode=background``) always have bundles of their own, after all the
+  others (colocated or not): they generate while the trainer trains, so they share no device.
 * Every bundle is alike (one GPU, ``cluster.cpus_per_actor`` CPUs): Ray packs bundles greedily by
   size, and bundles of unequal CPU counts can leave GPUs of a node without CPUs to go with them.
 * On a CPU-only cluster (no ``gpus_per_*``) the same layout is made of CPU bundles.
@@ -27,7 +29,8 @@ from typing import Any
 
 TRAINER_SHARE = 0.5  # of a shared GPU bundle; the engine actor takes the rest
 LAYOUT_FIELDS = ("cluster.trainer_ranks, cluster.gpus_per_trainer_rank, rollout.num_engines, "
-                 "cluster.gpus_per_engine, cluster.colocate, cluster.cpus_per_actor")
+                 "cluster.gpus_per_engine, cluster.colocate, cluster.cpus_per_actor, eval.mode, eval.engines")
+ROLLOUT, EVALUATION = "rollout", "evaluation"  # the roles of engines
 
 
 class PlacementError(RuntimeError):
@@ -50,6 +53,14 @@ class LayoutPlan:
     engines: tuple[Slot, ...]  # each engine actor's slot (the first of its bundles)
     engine_bundles: tuple[tuple[int, ...], ...]  # the slots whose devices each engine uses
     uses_gpus: bool
+    eval_engines: tuple[Slot, ...] = ()  # background evaluation engines, on bundles of their own
+    eval_engine_bundles: tuple[tuple[int, ...], ...] = ()
+
+    def engine_slots(self, role: str) -> tuple[tuple[Slot, ...], tuple[tuple[int, ...], ...]]:
+        """The slots of the engines of ``role`` (rollout or evaluation) and the slots they span."""
+        if role == EVALUATION:
+            return self.eval_engines, self.eval_engine_bundles
+        return self.engines, self.engine_bundles
 
     @property
     def gpus(self) -> float:
@@ -60,15 +71,17 @@ class LayoutPlan:
         return sum(b.get("CPU", 0.0) for b in self.bundles)
 
 
-def plan_layout(cluster: Any, *, num_engines: int) -> LayoutPlan:
-    """The bundles of a run's trainer and ``num_engines`` engines (0: the trainer alone)."""
+def plan_layout(cluster: Any, *, num_engines: int, eval_engines: int = 0) -> LayoutPlan:
+    """The bundles of a run's trainer and ``num_engines`` engines (0: the trainer alone), then
+    ``eval_engines`` evaluation engines on bundles of their own."""
     ranks, cpus = cluster.trainer_ranks, cluster.cpus_per_actor
     uses_gpus = cluster.gpus_per_trainer_rank > 0 or cluster.gpus_per_engine > 0
     if uses_gpus:
         if cluster.gpus_per_trainer_rank != 1:
             raise PlacementError(f"cluster.gpus_per_trainer_rank={cluster.gpus_per_trainer_rank:g}: a trainer rank "
                                  "drives one GPU (1), or none on a CPU cluster (0)")
-        if num_engines and (cluster.gpus_per_engine < 1 or cluster.gpus_per_engine != int(cluster.gpus_per_engine)):
+        whole = cluster.gpus_per_engine >= 1 and cluster.gpus_per_engine == int(cluster.gpus_per_engine)
+        if (num_engines or eval_engines) and not whole:
             raise PlacementError(f"cluster.gpus_per_engine={cluster.gpus_per_engine:g}: an engine spans a whole "
                                  "number of GPUs (its tensor parallelism)")
     width = int(cluster.gpus_per_engine) if uses_gpus else 1
@@ -87,8 +100,12 @@ def plan_layout(cluster: Any, *, num_engines: int) -> LayoutPlan:
     engine_bundles = tuple(tuple(range(first + i * width, first + (i + 1) * width)) for i in range(num_engines))
     engine_share = 1.0 - share if first == 0 else 1.0
     engines = tuple(Slot(spans[0], cpus * engine_share, gpu * engine_share) for spans in engine_bundles)
+    eval_bundles = tuple(tuple(range(count + i * width, count + (i + 1) * width)) for i in range(eval_engines))
+    evaluation = tuple(Slot(spans[0], float(cpus), gpu) for spans in eval_bundles)
+    count += eval_engines * width
     bundle = {"CPU": float(cpus), **({"GPU": 1.0} if uses_gpus else {})}
-    return LayoutPlan(tuple(dict(bundle) for _ in range(count)), trainer, engines, engine_bundles, uses_gpus)
+    return LayoutPlan(tuple(dict(bundle) for _ in range(count)), trainer, engines, engine_bundles, uses_gpus,
+                      evaluation, eval_bundles)
 
 
 def _where() -> tuple[str, list[int]]:
@@ -151,10 +168,11 @@ class Placement:
         return logical_order(where), where
 
     def _check_engine_spans(self) -> None:
-        for engine, spans in enumerate(self.plan.engine_bundles):
+        for role, engine, spans in [*((ROLLOUT, e, s) for e, s in enumerate(self.plan.engine_bundles)),
+                                    *((EVALUATION, e, s) for e, s in enumerate(self.plan.eval_engine_bundles))]:
             nodes = {self.where[self.order[s]][0] for s in spans}
             if len(nodes) > 1:
-                raise PlacementError(f"engine {engine}'s {len(spans)} GPUs landed on {len(nodes)} nodes; an engine's "
+                raise PlacementError(f"{role} engine {engine}'s {len(spans)} GPUs landed on {len(nodes)} nodes; an engine's "
                                      "tensor parallelism stays in a node: make cluster.gpus_per_engine divide the "
                                      "GPUs of a node")
 
@@ -170,12 +188,12 @@ class Placement:
         """Ray actor options of trainer rank ``rank``."""
         return self._options(self.plan.trainer[rank])
 
-    def engine_options(self, engine: int) -> dict[str, Any]:
-        return self._options(self.plan.engines[engine])
+    def engine_options(self, engine: int, role: str = ROLLOUT) -> dict[str, Any]:
+        return self._options(self.plan.engine_slots(role)[0][engine])
 
-    def engine_gpus(self, engine: int) -> tuple[int, ...]:
+    def engine_gpus(self, engine: int, role: str = ROLLOUT) -> tuple[int, ...]:
         """The GPU ids (on its node) the engine's server uses: one per slot it spans."""
-        return tuple(gpu for s in self.plan.engine_bundles[engine] for gpu in self.where[self.order[s]][1])
+        return tuple(gpu for s in self.plan.engine_slots(role)[1][engine] for gpu in self.where[self.order[s]][1])
 
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group

@@ -41,10 +41,11 @@ def sync_weights(trainer, engines, *, transport: str, version: int, bucket_bytes
             continue
         opened = [i for i in targets if i not in lost]
         destinations = sender.destinations(engines, opened)
-        report = trainer.call("push_weights", transport, destinations, version, bucket_bytes, verify, dtype)[0]
+        report = trainer.call("push_weights", transport, destinations, version, bucket_bytes, verify, dtype,
+                              engines.role)[0]
         for j in report["failed"]:
-            log.warning("rollout engine %d lost its server while receiving weights version %d; replacing it",
-                        opened[j], version)
+            log.warning("%s engine %d lost its server while receiving weights version %d; replacing it",
+                        engines.role, opened[j], version)
         lost += [opened[j] for j in report["failed"]]
         _, died = engines.call_surviving("end_weight_update", only=[i for i in opened if i not in lost])
         lost += died
@@ -60,7 +61,7 @@ def sync_weights(trainer, engines, *, transport: str, version: int, bucket_bytes
             import ray
 
             for index, fingerprints in zip(synced, ray.get([engines.workers[i].fingerprints.remote() for i in synced])):
-                compare(report["fingerprints"], fingerprints, engine=f"rollout engine {index}")
+                compare(report["fingerprints"], fingerprints, engine=f"{engines.role} engine {index}")
         if lost:
             engines.replace(lost, load_weights=False)
             engines.unsynced.difference_update(lost)  # synced by the next round of this loop
@@ -71,7 +72,7 @@ def sync_weights(trainer, engines, *, transport: str, version: int, bucket_bytes
 
 def _form_weight_group(trainer, engines) -> None:
     """Trainer rank 0 and every engine TP rank in one group (once, and again when engines were
-    replaced: the survivors leave the old group first)."""
+    replaced: the survivors leave the old group first); one group per engine group (``role``)."""
     import ray
 
     members = engines.actor_ids()
@@ -80,7 +81,7 @@ def _form_weight_group(trainer, engines) -> None:
     if engines.weight_group is not None:
         survivors = [i for i, actor in enumerate(members) if actor in engines.weight_group]
         engines.call_surviving("leave_weight_group", only=survivors)
-        trainer.call("close_weight_group")
+        trainer.call("close_weight_group", engines.role)
     endpoints = engines.call("endpoint")
     trainer_nccl = trainer.call("nccl_version")[0]
     if trainer_nccl is not None:  # NCCL refuses a communicator whose members run different versions
@@ -90,7 +91,7 @@ def _form_weight_group(trainer, engines) -> None:
     address, port = trainer.call("weight_group_address")[0]
     offsets = [1 + sum(e.tp_size for e in endpoints[:i]) for i in range(len(endpoints))]
     world = 1 + sum(e.tp_size for e in endpoints)
-    opening = trainer.submit("open_weight_group", address, port, world)  # rank 0 hosts, the engines join
+    opening = trainer.submit("open_weight_group", address, port, world, engines.role)  # rank 0 hosts, engines join
     ray.get([w.join_weight_group.remote(address, port, offset, world) for w, offset in zip(engines.workers, offsets)])
     trainer.wait(opening, "open_weight_group")
     engines.weight_group = members

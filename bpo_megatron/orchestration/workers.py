@@ -33,7 +33,7 @@ class TrainWorker:
                                 rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=30))
         self.cfg, self.rank = cfg, rank
         self.hf = cfg.hf_config()
-        self._transports: dict[str, Any] = {}  # this rank's weight transports (a group stays open)
+        self._transports: dict[tuple[str, str], Any] = {}  # (transport, engine group) -> it (a group stays open)
         self._export_plan = None  # how the weights travel to rank 0: built at the first sync, then reused
         self._staging = None  # the pinned host buffer weights pass through on their way to host memory
         self.actor = TrainActor(
@@ -100,14 +100,16 @@ class TrainWorker:
 
         return DistributedWeightSender.nccl_version()
 
-    def open_weight_group(self, master_address: str, master_port: int, world_size: int) -> None:
-        """Rank 0 joins (and hosts) the group shared with the engines' TP ranks; others do nothing."""
+    def open_weight_group(self, master_address: str, master_port: int, world_size: int,
+                          channel: str = "rollout") -> None:
+        """Rank 0 joins (and hosts) the group shared with the engines' TP ranks; others do nothing.
+        ``channel``: which engine group it serves (rollout or evaluation engines: a group each)."""
         if self.rank == 0:
-            self._transport("nccl_broadcast").open(master_address, master_port, world_size,
-                                                   platform.distributed_backend())
+            self._transport("nccl_broadcast", channel).open(master_address, master_port, world_size,
+                                                            platform.distributed_backend())
 
     def push_weights(self, transport: str, targets: list, version: int, bucket_bytes: int, verify: bool,
-                     dtype: str | None = None) -> dict[str, Any]:
+                     dtype: str | None = None, channel: str = "rollout") -> dict[str, Any]:
         """Stream the model as Hugging Face tensors; rank 0 sends the buckets over ``transport``
         to ``targets`` (engine actors, or servers' URLs: what the transport addresses).
 
@@ -125,7 +127,7 @@ class TrainWorker:
         from bpo_megatron.weight_sync.host_staging import HostStaging
 
         start, expected = time.perf_counter(), {}
-        sender = self._transport(transport)
+        sender = self._transport(transport, channel)
         self._export_plan = self._export_plan or ExportPlan.build(self.actor.model, self.hf)
         self._staging = self._staging or HostStaging()
         stream = export_weights(self.actor, bucket_bytes, dtype=TORCH_DTYPES[dtype] if dtype else None,
@@ -145,16 +147,18 @@ class TrainWorker:
         report = sender.send(fingerprinted(stream), targets, version)
         return {**report, "seconds": time.perf_counter() - start, "fingerprints": expected}
 
-    def close_weight_group(self) -> None:
-        if self.rank == 0 and "nccl_broadcast" in self._transports:
-            self._transports.pop("nccl_broadcast").close()
+    def close_weight_group(self, channel: str = "rollout") -> None:
+        if self.rank == 0 and ("nccl_broadcast", channel) in self._transports:
+            self._transports.pop(("nccl_broadcast", channel)).close()
 
-    def _transport(self, name: str):
+    def _transport(self, name: str, channel: str = "rollout"):
+        """This rank's transport ``name`` to the engines of ``channel`` (each engine group its
+        own: a weight group holds one group's engines)."""
         from bpo_megatron.weight_sync import transport_class
 
-        if name not in self._transports:
-            self._transports[name] = transport_class(name)()
-        return self._transports[name]
+        if (name, channel) not in self._transports:
+            self._transports[(name, channel)] = transport_class(name)()
+        return self._transports[(name, channel)]
 
     def shutdown(self) -> None:
         self.actor.close()
@@ -166,9 +170,10 @@ class EngineWorker:
     """One rollout engine, built from the experiment's ``rollout`` section."""
 
     def __init__(self, cfg, model_dir: str, index: int, devices: tuple[int, ...] = (),
-                 node_address: str | None = None) -> None:
+                 node_address: str | None = None, evaluation: bool = False) -> None:
         """``node_address``: the address other nodes reach this actor's node at (None: Ray's
-        address of the node it runs on)."""
+        address of the node it runs on). ``evaluation``: a background evaluation engine, on
+        devices of its own and without routing capture (evaluation requests never ask for it)."""
         quiet_library_logs()
         from bpo_megatron.models.routing import RoutingLayout
         from bpo_megatron.rollout import EngineContext
@@ -178,9 +183,10 @@ class EngineWorker:
 
             node_address = ray.util.get_node_ip_address()
         hf = cfg.hf_config()
-        capture = cfg.rollout.capture_routed_experts and hf.num_experts > 0
+        capture = cfg.rollout.capture_routed_experts and hf.num_experts > 0 and not evaluation
         context = EngineContext(model_dir=model_dir, index=index, routing=RoutingLayout.of(hf) if capture else None,
-                                threads=cfg.rollout.threads_per_engine, colocated=cfg.cluster.colocate,
+                                threads=cfg.rollout.threads_per_engine,
+                                colocated=cfg.cluster.colocate and not evaluation,
                                 devices=devices, node_address=node_address)
         self.engine = cfg.rollout.spec.build(cfg.rollout.options, context)
 

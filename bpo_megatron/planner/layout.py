@@ -121,15 +121,19 @@ def _gpu_split(cfg: ExperimentConfig, hf: HFModelConfig, alloc: Allocation) -> C
     c = cfg.cluster
     trainer = c.trainer_ranks * c.gpus_per_trainer_rank
     engines = cfg.rollout.num_engines * c.gpus_per_engine
+    evaluation = cfg.evaluation_engines * c.gpus_per_engine  # background evaluation: GPUs of its own
     if not c.gpus_per_trainer_rank:
         return Check(False, "cluster.gpus_per_trainer_rank=0 on a GPU allocation: set it to 1")
     if c.colocate:
-        ok = trainer <= alloc.gpus and engines <= alloc.gpus
-        how = f"colocated: trainer {trainer:g} and engines {engines:g} GPUs each ≤ {alloc.gpus}"
+        ok = max(trainer, engines) + evaluation <= alloc.gpus
+        how = f"colocated: trainer {trainer:g} and engines {engines:g} GPUs each"
     else:
-        ok = trainer + engines <= alloc.gpus
-        how = f"trainer {trainer:g} + engines {engines:g} GPUs ≤ {alloc.gpus}"
-    fix = "" if ok else " (cluster.trainer_ranks, rollout.num_engines, cluster.gpus_per_engine)"
+        ok = trainer + engines + evaluation <= alloc.gpus
+        how = f"trainer {trainer:g} + engines {engines:g} GPUs"
+    how += f" + evaluation engines {evaluation:g} GPUs" if evaluation else ""
+    how += f" ≤ {alloc.gpus}"
+    fix = "" if ok else " (cluster.trainer_ranks, rollout.num_engines, cluster.gpus_per_engine" + (
+        ", eval.mode, eval.engines)" if evaluation else ")")
     return Check(ok, how + fix)
 
 

@@ -28,9 +28,10 @@ def _divisors(n: int) -> list[int]:
 
 
 def trainer_ranks_for(cfg: ExperimentConfig, allocation: Allocation) -> int:
+    evaluation = int(cfg.evaluation_engines * cfg.cluster.gpus_per_engine)  # background evaluation's own GPUs
     if cfg.cluster.colocate:
-        return allocation.gpus
-    return allocation.gpus - int(cfg.rollout.num_engines * cfg.cluster.gpus_per_engine)
+        return allocation.gpus - evaluation
+    return allocation.gpus - int(cfg.rollout.num_engines * cfg.cluster.gpus_per_engine) - evaluation
 
 
 def candidate_layouts(hf: HFModelConfig, ranks: int, gpus_per_node: int) -> list[ParallelConfig]:

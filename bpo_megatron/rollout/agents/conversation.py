@@ -60,9 +60,7 @@ class Conversations:
     def submit(self, requests: list[GenerationRequest]) -> PendingConversations:
         first = [dataclasses.replace(r, sampling=dataclasses.replace(
             r.sampling, stop_token_ids=tuple(sorted({*r.sampling.stop_token_ids, self.call_id})))) for r in requests]
-        submit = getattr(self.engines, "submit", None)  # an engine group; a bare engine generates at once
-        pending = submit(first) if submit is not None else _Done(self.engines.generate(first))
-        return PendingConversations(self, first, pending)
+        return PendingConversations(self, first)
 
     def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
         return self.submit(requests).result()
@@ -74,29 +72,29 @@ class Conversations:
         return errors
 
     # ---------------------------------------------------------------------------------- turns
-    def converse(self, requests: list[GenerationRequest], first: list[Sample]) -> list[Sample]:
-        """The conversations that start with ``first`` (the turns of ``requests``' responses)."""
-        dialogues = [_Dialogue(slot.request, slot.seed, [sample])
-                     for slot, sample in zip(response_slots(requests), first, strict=True)]
+    def send(self, requests: list[GenerationRequest]):
+        """One round of turns to the engines, under way (an engine group's pending generation; a
+        bare engine generates at once)."""
+        submit = getattr(self.engines, "submit", None)
+        return submit(requests) if submit is not None else _Done(self.engines.generate(requests))
+
+    def next_round(self, dialogues: list[_Dialogue], turn: int) -> list[_Dialogue]:
+        """After every live dialogue's ``turn``-th model turn: end those that do not ask (or may
+        not: ``max_turns``), answer the others, and return those that go on to another turn."""
+        asking = []
+        for d in dialogues:
+            if d.finish is None:
+                if self._asks(d):
+                    asking.append(d)
+                else:
+                    d.finish = d.turns[-1].finish_reason
+        if turn == self.max_turns:  # those still asking ask once more than they may
+            for d in asking:
+                d.finish = "length"
+            return []
         with ThreadPoolExecutor(REPLY_THREADS) as pool:
-            for turn in range(1, self.max_turns + 1):  # every live dialogue has `turn` model turns
-                asking = []
-                for d in dialogues:
-                    if d.finish is None:
-                        if self._asks(d):
-                            asking.append(d)
-                        else:
-                            d.finish = d.turns[-1].finish_reason
-                if turn == self.max_turns:  # those still asking ask once more than they may
-                    for d in asking:
-                        d.finish = "length"
-                    break
-                going = [d for d, reply in zip(asking, pool.map(self._reply, asking)) if self._append(d, reply)]
-                if going:
-                    answers = self.engines.generate([d.next_request(turn) for d in going])
-                    for d, sample in zip(going, answers, strict=True):
-                        d.turns.append(sample)
-        return [assemble(d.turns, d.environment, d.finish) for d in dialogues]
+            replies = list(pool.map(self._reply, asking))
+        return [d for d, reply in zip(asking, replies) if self._append(d, reply)]
 
     def _asks(self, dialogue: _Dialogue) -> bool:
         last = dialogue.turns[-1]
@@ -140,20 +138,52 @@ class _Done:
     def __init__(self, samples: list[Sample]) -> None:
         self._samples = samples
 
+    def done(self) -> bool:
+        return True
+
     def result(self) -> list[Sample]:
         return self._samples
 
 
 class PendingConversations:
-    def __init__(self, conversations: Conversations, requests: list[GenerationRequest], first) -> None:
-        self._conversations, self._requests, self._first = conversations, requests, first
+    """Conversations under way: one round of turns at the engines at a time. :meth:`result`
+    waits for every round; :meth:`done` moves on as far as finished rounds allow without waiting
+    (an engine group's pending generation checked, not waited for) and says whether all are over."""
+
+    def __init__(self, conversations: Conversations, requests: list[GenerationRequest]) -> None:
+        self._conversations, self._requests = conversations, requests
+        self._dialogues: list[_Dialogue] = []
+        self._going: list[_Dialogue] | None = None  # the dialogues whose turn is under way (None: the first)
+        self._turn = 0
+        self._pending = conversations.send(requests)
         self._samples: list[Sample] | None = None
 
     def result(self) -> list[Sample]:
-        """Every response's conversation, in request order (its later turns run here)."""
-        if self._samples is None:
-            self._samples = self._conversations.converse(self._requests, self._first.result())
+        """Every response's conversation, in request order."""
+        while self._samples is None:
+            self._advance(self._pending.result())
         return self._samples
+
+    def done(self) -> bool:
+        while self._samples is None and self._pending.done():
+            self._advance(self._pending.result())
+        return self._samples is not None
+
+    def _advance(self, answers: list[Sample]) -> None:
+        """The round under way came back: record its turns, then send the next round or finish."""
+        if self._going is None:
+            self._dialogues = [_Dialogue(slot.request, slot.seed, [sample])
+                               for slot, sample in zip(response_slots(self._requests), answers, strict=True)]
+        else:
+            for dialogue, sample in zip(self._going, answers, strict=True):
+                dialogue.turns.append(sample)
+        self._turn += 1
+        self._going = self._conversations.next_round(self._dialogues, self._turn)
+        if self._going:
+            self._pending = self._conversations.send([d.next_request(self._turn) for d in self._going])
+        else:
+            self._pending = None
+            self._samples = [assemble(d.turns, d.environment, d.finish) for d in self._dialogues]
 
 
 @dataclasses.dataclass
