@@ -158,7 +158,8 @@ def evaluations(tmp_path, monkeypatch):
     writer = MetricsWriter(tmp_path)
     # the engines as the loop hands them over: still starting, waited for by the first evaluation
     plan = SimpleNamespace(cfg=cfg, eval_sets=[], tokenizer=None, agent=None)
-    evals = evaluation.Evaluations(plan, None, BestCheckpoint(), writer, lines.append, engines=evaluation.in_thread(lambda: engines), sync=sync,
+    evals = evaluation.Evaluations(plan, None, BestCheckpoint(), writer, lines.append,
+                                   engines=evaluation.in_thread(lambda: engines), sync=sync,
                                    trainer_version=lambda: trainer["version"])
     return SimpleNamespace(evals=evals, engines=engines, trainer=trainer, synced=synced, lines=lines, writer=writer,
                            run_dir=tmp_path)
