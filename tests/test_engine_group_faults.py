@@ -177,14 +177,13 @@ class _WeightPusher:
         self.fingerprints = {name: fingerprint(tensor) for name, tensor in weights}
         self.transports = {}
 
-    def call(self, method, transport, targets, version, bucket_bytes, verify, dtype, channel="rollout"):
+    def push_weights(self, transport, targets, version, bucket_bytes, verify, dtype, role="rollout"):
         from bpo_megatron.rollout.weight_buckets import buckets
         from bpo_megatron.weight_sync import transport_class
 
-        assert method == "push_weights"
         sender = self.transports.setdefault(transport, transport_class(transport)())
         report = sender.send(buckets(self.weights, bucket_bytes), targets, version)
-        return [{**report, "seconds": 1.0, "fingerprints": self.fingerprints}]
+        return {**report, "seconds": 1.0, "fingerprints": self.fingerprints}
 
 
 def test_an_engine_that_died_between_rollouts_is_replaced_by_the_next_sync(group, pushed_weights, expected):

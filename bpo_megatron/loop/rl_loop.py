@@ -87,10 +87,10 @@ def execute(plan: RunPlan, *, echo=print) -> dict:
             evaluations = Evaluations.of(plan, verify, best, metrics_out, echo, evaluators=starting, trainer=trainer,
                                          phases=phases)
             if plan.checkpoint:
-                trainer.call("load", plan.checkpoint, False)  # verified by the preflight moments ago
+                trainer.load(plan.checkpoint, verify=False)  # verified by the preflight moments ago
                 echo(f"resumed from step {state.step} ({plan.checkpoint})")
             else:
-                trainer.call("load_hf", hf_dir)
+                trainer.load_hf(hf_dir)
             if not state.sft_done and cfg.train.sft_warmup_steps:
                 sft_warmup(cfg, trainer, prompts, tokenizer, metrics_out, echo, agent=plan.agent)
             state.sft_done = True
@@ -224,7 +224,7 @@ def _save(cfg, trainer, phases, state, best, evaluations, metrics_out, *, step: 
     # an evaluation of this step still running is run again by a resume from here, whose metrics
     # keep the records written so far (not that evaluation's, which may come later)
     state.eval_pending, state.metrics_records = evaluations.pending_steps(), metrics_out.records
-    trainer.call("save", str(checkpoint_root(cfg)), step, state.to_dict(), cfg.checkpoint.keep_last)
+    trainer.save(str(checkpoint_root(cfg)), step, state.to_dict(), cfg.checkpoint.keep_last)
     plot_runs([cfg.run_dir], cfg.run_dir / "curves.png", labels=[cfg.name])
 
 

@@ -45,9 +45,9 @@ def demonstrated(prompt: list[int], problem, tokenizer, agent=None) -> TrainSamp
 
 
 def sft_warmup(cfg, trainer, prompts, tokenizer, metrics_out, echo, *, agent=None) -> None:
-    trainer.call("set_loss", warm_start_loss(cfg.loss))
+    trainer.set_loss(warm_start_loss(cfg.loss))
     if cfg.train.sft_lr is not None:
-        trainer.call("set_learning_rate", cfg.train.sft_lr)
+        trainer.set_learning_rate(cfg.train.sft_lr)
     for step in range(1, cfg.train.sft_warmup_steps + 1):
         samples = [demonstrated(list(encoded.prompt_tokens), encoded.problem, tokenizer, agent)
                    for encoded in prompts.take(cfg.train.sft_batch_size)]
@@ -64,5 +64,5 @@ def sft_warmup(cfg, trainer, prompts, tokenizer, metrics_out, echo, *, agent=Non
         metrics_out.write(-cfg.train.sft_warmup_steps + step, {"sft/nll": nll, "sft/grad_norm": metrics["grad_norm"]})
         if step == 1 or step % 10 == 0 or step == cfg.train.sft_warmup_steps:
             echo(f"sft {step}/{cfg.train.sft_warmup_steps} | nll {nll:.3f}")
-    trainer.call("set_learning_rate", cfg.optimizer.lr)
-    trainer.call("set_loss", cfg.loss)
+    trainer.set_learning_rate(cfg.optimizer.lr)
+    trainer.set_loss(cfg.loss)

@@ -230,6 +230,42 @@ class EngineGroup:
     def actor_ids(self) -> tuple[str, ...]:
         return tuple(w._actor_id.hex() for w in self.workers)
 
+    # ---------------------------------------------------------------- typed calls (every engine or ``only``)
+    def endpoints(self, only: list[int] | None = None) -> list:
+        """Each engine's endpoint (a server's address, TP size and node; None for an in-process engine)."""
+        return self.call("endpoint", only=only)
+
+    def weight_segments(self, only: list[int] | None = None) -> list:
+        """Each engine's ``(node, layout)`` of its shared-memory weights (embedded engines)."""
+        return self.call("weight_segment", only=only)
+
+    def weight_versions(self, only: list[int] | None = None) -> list[int]:
+        return self.call("weight_version", only=only)
+
+    def nccl_versions(self) -> list:
+        return self.call("nccl_version")
+
+    def release_memory(self, only: list[int] | None = None) -> None:
+        self.call("release_memory", only=only)
+
+    def resume_memory(self, tags: tuple[str, ...], only: list[int] | None = None) -> None:
+        self.call("resume_memory", tags, only=only)
+
+    # ------------------------------------------ a weight update's calls: the engines found lost, none replaced
+    def begin_weight_update(self, version: int, only: list[int]) -> list[int]:
+        """Open an update bringing ``version`` on the engines ``only``; those found lost."""
+        return self.call_surviving("begin_weight_update", version, only=only)[1]
+
+    def end_weight_update(self, only: list[int]) -> list[int]:
+        return self.call_surviving("end_weight_update", only=only)[1]
+
+    def held_versions(self, only: list[int]) -> tuple[dict[int, int], list[int]]:
+        """The weights version each engine of ``only`` holds, and those found lost."""
+        return self.call_surviving("weight_version", only=only)
+
+    def leave_weight_group(self, only: list[int]) -> list[int]:
+        return self.call_surviving("leave_weight_group", only=only)[1]
+
     def captures_routing(self) -> bool:
         return all(self.call("captures_routing"))
 

@@ -142,6 +142,60 @@ class TrainerGroup:
             routed_experts=None if parts[0].routed_experts is None
             else in_sample_order([p.routed_experts for p in parts], shares))
 
+    # ------------------------------------------------------------- state, loss and memory (collective)
+    def load(self, root: str, *, verify: bool = True) -> None:
+        """The newest checkpoint under ``root`` (model, optimizer, RNG), on every rank."""
+        self.call("load", root, verify)
+
+    def load_hf(self, directory: str) -> None:
+        """Hugging Face weights from ``directory``, on every rank."""
+        self.call("load_hf", directory)
+
+    def save(self, root: str, step: int, trainer_state: dict[str, Any], keep_last: int | None) -> None:
+        """The checkpoint of ``step`` under ``root`` (atomic), keeping the newest ``keep_last``."""
+        self.call("save", root, step, trainer_state, keep_last)
+
+    def set_loss(self, loss) -> None:
+        self.call("set_loss", loss)
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.call("set_learning_rate", lr)
+
+    def offload(self) -> int:
+        """Hand the devices back (parameters, gradients, optimizer state to host memory); the
+        bytes rank 0 moved."""
+        return self.call("offload")[0]
+
+    def onload(self) -> None:
+        self.call("onload")
+
+    def release_cached_memory(self) -> None:
+        self.call("release_cached_memory")
+
+    # ---------------------------------------------------------------------- weights to engines
+    def push_weights(self, transport: str, destinations: list, version: int, bucket_bytes: int, verify: bool,
+                     dtype: str | None, role: str) -> dict[str, Any]:
+        """The weights, the ``version``-th update, to ``destinations`` over ``transport`` (every
+        rank takes part in the gather); rank 0's report (bytes, seconds, failed destinations,
+        fingerprints)."""
+        return self.call("push_weights", transport, destinations, version, bucket_bytes, verify, dtype, role)[0]
+
+    def nccl_version(self):
+        """The NCCL version rank 0 runs (None without NCCL)."""
+        return self.call("nccl_version")[0]
+
+    def weight_group_address(self) -> tuple[str, int]:
+        """Where rank 0 hosts a weight group: its node's address and a free port."""
+        return self.call("weight_group_address")[0]
+
+    def open_weight_group(self, address: str, port: int, world_size: int, role: str) -> list:
+        """Start hosting the weight group of the engines of ``role`` (rank 0); returns the calls
+        under way, :meth:`wait` for them once the engines have joined."""
+        return self.submit("open_weight_group", address, port, world_size, role)
+
+    def close_weight_group(self, role: str) -> None:
+        self.call("close_weight_group", role)
+
     def take_sent_bytes(self) -> int:
         """Bytes put into the object store for the ranks since the last call."""
         sent, self.sent_bytes = self.sent_bytes, 0

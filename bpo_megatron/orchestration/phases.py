@@ -67,12 +67,12 @@ class DevicePhases:
                     self.train()  # a sync reads the trainer's weights where they live
                     # the trainer's allocator still caches the step's activations: free them
                     # before the engines take back their weights' memory beside it
-                    self._trainer.call("release_cached_memory")
+                    self._trainer.release_cached_memory()
                     self._engines_hold(WEIGHTS_ONLY)
                 metrics.update(self._push(None if full else sorted(self._engines.unsynced), self.version))
                 self._stale = False
             if self.shared and self._owner == "train":
-                moved = self._trainer.call("offload")[0]
+                moved = self._trainer.offload()
                 self._owner = "rollout"
                 self._engines_hold(HELD)
                 metrics["offload_bytes"] = float(moved)
@@ -84,7 +84,7 @@ class DevicePhases:
         (SGLang keeps no copy): they are synced again at the next rollout phase."""
         if self.shared and self._owner == "rollout":
             self._engines_hold(RELEASED)
-            self._trainer.call("onload")
+            self._trainer.onload()
             self._owner, self._stale = "train", True
 
     def resync(self, indices: list[int]) -> None:
@@ -104,22 +104,22 @@ class DevicePhases:
         devices would find no memory for its KV cache, or fail to start."""
         trainer_on_device = self.shared and self._owner == "train" and self._trainer is not None
         if trainer_on_device:
-            self._trainer.call("offload")
+            self._trainer.offload()
         start()
         if self.shared and self._memory != HELD:
-            self._engines.call("release_memory", only=indices)
+            self._engines.release_memory(only=indices)
             if self._memory == WEIGHTS_ONLY:
-                self._engines.call("resume_memory", WEIGHTS, only=indices)
+                self._engines.resume_memory(WEIGHTS, only=indices)
         if trainer_on_device:
-            self._trainer.call("onload")
+            self._trainer.onload()
 
     def _engines_hold(self, memory: str) -> None:
         """Every engine releases or resumes memory until it holds ``memory``: set first, so an
         engine replaced during these calls is started into it."""
         self._memory = memory
         if memory == RELEASED:
-            self._engines.call("release_memory")
+            self._engines.release_memory()
         elif memory == WEIGHTS_ONLY:
-            self._engines.call("resume_memory", WEIGHTS)
+            self._engines.resume_memory(WEIGHTS)
         else:  # the rest of what they released (engines resume only what they released)
-            self._engines.call("resume_memory", ())
+            self._engines.resume_memory(())

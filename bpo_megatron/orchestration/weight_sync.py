@@ -34,23 +34,21 @@ def sync_weights(trainer, engines, *, transport: str, version: int, bucket_bytes
     while targets:
         if broadcast:
             _form_weight_group(trainer, engines)
-        _, lost = engines.call_surviving("begin_weight_update", version, only=targets)
+        lost = engines.begin_weight_update(version, only=targets)
         if broadcast and lost:  # a group with a dead member cannot broadcast: replace, re-form, retry
             engines.replace(lost, load_weights=False)
             engines.unsynced.difference_update(lost)
             continue
         opened = [i for i in targets if i not in lost]
         destinations = sender.destinations(engines, opened)
-        report = trainer.call("push_weights", transport, destinations, version, bucket_bytes, verify, dtype,
-                              engines.role)[0]
+        report = trainer.push_weights(transport, destinations, version, bucket_bytes, verify, dtype, engines.role)
         for j in report["failed"]:
             log.warning("%s engine %d lost its server while receiving weights version %d; replacing it",
                         engines.role, opened[j], version)
         lost += [opened[j] for j in report["failed"]]
-        _, died = engines.call_surviving("end_weight_update", only=[i for i in opened if i not in lost])
-        lost += died
+        lost += engines.end_weight_update(only=[i for i in opened if i not in lost])
         synced = [i for i in targets if i not in lost]
-        held, died = engines.call_surviving("weight_version", only=synced)
+        held, died = engines.held_versions(only=synced)
         lost += died
         synced = [i for i in synced if i not in died]
         if any(held[i] != version for i in synced):
@@ -80,18 +78,18 @@ def _form_weight_group(trainer, engines) -> None:
         return
     if engines.weight_group is not None:
         survivors = [i for i, actor in enumerate(members) if actor in engines.weight_group]
-        engines.call_surviving("leave_weight_group", only=survivors)
-        trainer.call("close_weight_group", engines.role)
-    endpoints = engines.call("endpoint")
-    trainer_nccl = trainer.call("nccl_version")[0]
+        engines.leave_weight_group(only=survivors)
+        trainer.close_weight_group(engines.role)
+    endpoints = engines.endpoints()
+    trainer_nccl = trainer.nccl_version()
     if trainer_nccl is not None:  # NCCL refuses a communicator whose members run different versions
         from bpo_megatron.rollout.sglang.nccl import check_nccl_versions
 
-        check_nccl_versions(trainer_nccl, engines.call("nccl_version"))
-    address, port = trainer.call("weight_group_address")[0]
+        check_nccl_versions(trainer_nccl, engines.nccl_versions())
+    address, port = trainer.weight_group_address()
     offsets = [1 + sum(e.tp_size for e in endpoints[:i]) for i in range(len(endpoints))]
     world = 1 + sum(e.tp_size for e in endpoints)
-    opening = trainer.submit("open_weight_group", address, port, world, engines.role)  # rank 0 hosts, engines join
+    opening = trainer.open_weight_group(address, port, world, engines.role)  # rank 0 hosts, engines join
     ray.get([w.join_weight_group.remote(address, port, offset, world) for w, offset in zip(engines.workers, offsets)])
     trainer.wait(opening, "open_weight_group")
     engines.weight_group = members

@@ -58,7 +58,7 @@ class CudaIpc:
     def destinations(engines, indices: list[int]) -> list[tuple[ServerEndpoint, tuple[int, ...]]]:
         """Each engine's server and the trainer ranks beside its TP ranks."""
         tp, ranks = engines.cfg.rollout.options.tp_size, engines.cfg.cluster.trainer_ranks
-        servers = engines.call("endpoint", only=indices)
+        servers = engines.endpoints(only=indices)
         return [(server, colocated_ranks(i, tp, ranks)) for i, server in zip(indices, servers)]
 
     def send(self, buckets: Iterable[FlatBucket | list[tuple[str, torch.Tensor]]],

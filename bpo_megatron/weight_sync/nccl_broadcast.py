@@ -36,7 +36,7 @@ class NcclBroadcast:
 
     @staticmethod
     def destinations(engines, indices: list[int]) -> list[ServerEndpoint]:
-        return engines.call("endpoint", only=indices)
+        return engines.endpoints(only=indices)
 
     def __init__(self) -> None:
         self.sender: DistributedWeightSender | None = None

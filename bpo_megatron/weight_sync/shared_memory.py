@@ -35,7 +35,7 @@ class SharedMemory:
     def destinations(engines, indices: list[int]) -> list[tuple[Any, str, SegmentLayout | None]]:
         """Each engine actor, its node and where its shared weights lie (None: not shared)."""
         return [(engines.workers[i], node, layout)
-                for i, (node, layout) in zip(indices, engines.call("weight_segment", only=indices))]
+                for i, (node, layout) in zip(indices, engines.weight_segments(only=indices))]
 
     def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], targets: list, version: int) -> dict[str, Any]:
         import ray
