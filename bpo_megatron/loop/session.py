@@ -1,0 +1,180 @@
+"""A run's set-up and tear-down, in order, around the loop (:class:`RunSession`).
+
+Set up: the run directory's lock, the recorded config, the reward, the metrics writer and its
+trackers, the best-checkpoint rule; then Ray, the placement, the rollout engines (and, with
+``rollout.agent``, conversations over them), the trainer, the device phases between them, and the
+evaluation engines of ``eval.mode=background``. :meth:`RunSession.start` loads the weights (a
+checkpoint to resume, or the initial ones), runs the warm start and evaluates the initial policy.
+Torn down whatever happened, in reverse: trackers told whether the run failed, every group shut
+down, the placement removed, Ray stopped if this run started it, the lock released.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from bpo_megatron.data.rewards import reward_fn
+from bpo_megatron.eval.avg_at_k import BestCheckpoint
+from bpo_megatron.eval.config import background_engines
+from bpo_megatron.loop.draw import StepRequests
+from bpo_megatron.loop.evaluation import Evaluations, in_thread
+from bpo_megatron.loop.preflight import RunPlan
+from bpo_megatron.loop.run_dir import RunLock, checkpoint_root, initial_hf_dir, read_recorded_config, record_config
+from bpo_megatron.loop.sft import sft_warmup
+from bpo_megatron.observability.metrics import MetricsWriter, summary_line
+from bpo_megatron.observability.plot import plot_runs
+from bpo_megatron.orchestration.cluster import start_ray, stop_ray
+from bpo_megatron.orchestration.groups import EngineGroup, TrainerGroup, run_placement
+from bpo_megatron.orchestration.placement import EVALUATION
+from bpo_megatron.orchestration.phases import DevicePhases
+from bpo_megatron.orchestration.weight_sync import sync_weights
+from bpo_megatron.rollout.agents import with_agent
+
+
+class RunSession:
+    """Everything a run holds while it runs (see the module docstring); ``with RunSession(plan) as
+    run:``. Its attributes are the loop's vocabulary: ``cfg``, ``state``, ``prompts``,
+    ``tokenizer``, ``verify`` (the reward), ``requests`` (a step's requests), ``rollouts`` (what
+    generates), ``trainer``, ``phases``, ``evaluations``, ``metrics_out``, ``best``."""
+
+    def __init__(self, plan: RunPlan, echo=print) -> None:
+        self.plan, self.cfg, self.state, self.echo = plan, plan.cfg, plan.state, echo
+        self.prompts, self.tokenizer = plan.prompts, plan.tokenizer
+        self.metrics_out = self.trainer = self.engines = self.placement = self._evaluators = None
+        self._started_ray = False
+        self._lock = RunLock(self.cfg.run_dir)
+
+    # ------------------------------------------------------------------------------ set up
+    def __enter__(self) -> RunSession:
+        cfg, state, plan = self.cfg, self.state, self.plan
+        self._lock.__enter__()
+        try:
+            for note in plan.notes:
+                self.echo(f"note: {note}")
+            record_config(cfg, cfg.run_dir, changed_at_step=state.step if plan.changes else None)
+            self.verify = reward_fn(cfg.data.reward, cfg.data)
+            self.hf_dir = initial_hf_dir(cfg)
+            self.metrics_out = MetricsWriter(
+                cfg.run_dir, trackers=cfg.logging.tracker_names, config=read_recorded_config(cfg.run_dir),
+                settings=cfg.logging, resume_after=state.step if plan.checkpoint else None,
+                keep_records=state.metrics_records if plan.checkpoint else None)
+            self.best = BestCheckpoint(state.best_step, state.best_mean, list(state.eval_history))
+            self.requests = StepRequests(cfg, self.tokenizer)
+            self._start_actors()
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
+        return self
+
+    def _start_actors(self) -> None:
+        cfg = self.cfg
+        evaluating = background_engines(cfg.eval, cfg.rollout.num_engines)  # 0: inline evaluation
+        self._started_ray = start_ray(cfg.cluster,
+                                      cpus_needed=cfg.cluster.trainer_ranks + cfg.rollout.num_engines + evaluating)
+        self.placement = run_placement(cfg, eval_engines=evaluating)  # engines on the trainer's devices, or apart
+        self.engines = EngineGroup(cfg, self.hf_dir, placement=self.placement)
+        # what generates: the engines, or conversations of theirs with rollout.agent's tool
+        self.rollouts = with_agent(self.engines, self.plan.agent, self.tokenizer,
+                                   max_turns=cfg.rollout.agent.max_turns)
+        self.phases = DevicePhases(self.engines, self._push, shared=cfg.cluster.colocate)
+        self.trainer = TrainerGroup(cfg, placement=self.placement)
+        self.phases.attach_trainer(self.trainer)
+        self.engines.on_restart = self.phases.resync
+        if evaluating:  # the evaluation engines start while the run warms up; the first to use them waits
+            self._evaluators = in_thread(EngineGroup, cfg, self.hf_dir, placement=self.placement, role=EVALUATION,
+                                         num_engines=evaluating)
+        self.evaluations = Evaluations.of(self.plan, self.verify, self.best, self.metrics_out, self.echo,
+                                          evaluators=self._evaluators, trainer=self.trainer, phases=self.phases)
+
+    def _push(self, only: list[int] | None, version: int) -> dict:
+        """The trainer's weights, the ``version``-th update, to the rollout engines (``only``: those)."""
+        cfg = self.cfg
+        return sync_weights(self.trainer, self.engines,
+                            transport=cfg.rollout.spec.transport(cfg.rollout.options, cfg.cluster.colocate),
+                            version=version, bucket_bytes=cfg.rollout.weight_bucket_mb * 1024 * 1024,
+                            verify=cfg.train.verify_weight_sync, only=only, dtype=cfg.rollout.sync_dtype)
+
+    def start(self) -> None:
+        """The weights (the checkpoint resumed from, or the initial ones), the warm start, and the
+        initial policy's evaluation (inline in either mode: the evaluation engines are still
+        starting), or the one the checkpoint's save did not see finish."""
+        cfg, state, plan = self.cfg, self.state, self.plan
+        if plan.checkpoint:
+            self.trainer.load(plan.checkpoint, verify=False)  # verified by the preflight moments ago
+            self.echo(f"resumed from step {state.step} ({plan.checkpoint})")
+        else:
+            self.trainer.load_hf(self.hf_dir)
+        if not state.sft_done and cfg.train.sft_warmup_steps:
+            sft_warmup(cfg, self.trainer, self.prompts, self.tokenizer, self.metrics_out, self.echo, agent=plan.agent)
+        state.sft_done = True
+        self.phases.weights_changed(version=state.step)  # version n: the weights after RL step n
+        first = [0] if state.step == 0 and cfg.eval.every and cfg.eval.at_start else []
+        for step in first + [s for s in state.eval_pending if cfg.eval.every]:
+            if self.evaluations.background and step:
+                self.evaluations.start(step)
+            else:
+                self.phases.rollout()
+                self.evaluations.inline(step, self.rollouts.generate, record=True)
+
+    # -------------------------------------------------------------------- at a step's end
+    def evaluate(self, step: int, pipeline) -> tuple[dict[str, float], dict[str, float]]:
+        """Step ``step``'s evaluation, when it has one: started in the background, or inline on the
+        rollout engines (the batches under way settled, the engines given the step's weights). Its
+        metrics, and the weight sync it took."""
+        cfg = self.cfg
+        if not (cfg.eval.every and step % cfg.eval.every == 0):
+            return {}, {}
+        if self.evaluations.background:  # weights version `step` to the evaluation engines; on we go
+            return self.evaluations.start(step), {}
+        pipeline.settle()
+        sync = self.phases.rollout()
+        return self.evaluations.inline(step, self.rollouts.generate), sync
+
+    def record(self, step: int, metrics: dict[str, float]) -> None:
+        """The step's record written and echoed; a background evaluation that finished is recorded too."""
+        self.metrics_out.write(step, metrics)
+        self.echo(summary_line(step, self.cfg.train.steps, metrics, bar=self.cfg.logging.progress))
+        self.evaluations.poll()
+
+    def checkpoint(self, step: int) -> None:
+        """Save at ``checkpoint.every`` steps and at the last, once the evaluations before it are
+        recorded (the last: every evaluation)."""
+        cfg = self.cfg
+        last = step == cfg.train.steps
+        if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+            self.evaluations.wait(before=None if last else step, why=f"the checkpoint of step {step}")
+            self.save(step)
+
+    def save(self, step: int) -> None:
+        self.phases.train()  # the trainer's state is saved from where it computes
+        state, best = self.state, self.best
+        state.best_step, state.best_mean, state.eval_history = best.step, best.mean, best.history
+        # an evaluation of this step still running is run again by a resume from here, whose metrics
+        # keep the records written so far (not that evaluation's, which may come later)
+        state.eval_pending, state.metrics_records = self.evaluations.pending_steps(), self.metrics_out.records
+        self.trainer.save(str(checkpoint_root(self.cfg)), step, state.to_dict(), self.cfg.checkpoint.keep_last)
+        plot_runs([self.cfg.run_dir], self.cfg.run_dir / "curves.png", labels=[self.cfg.name])
+
+    def finish(self) -> dict:
+        """Every evaluation recorded; what the run achieved."""
+        self.evaluations.wait(why="the run ends")
+        return {"step": self.state.step, "best_step": self.best.step, "best_mean": self.best.mean,
+                "run_dir": str(self.cfg.run_dir)}
+
+    # ---------------------------------------------------------------------------- tear down
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if self.metrics_out is not None:
+                self.metrics_out.close(failed=exc_type is not None)  # trackers that keep a status mark the run
+            evaluators = self._evaluators
+            if evaluators is not None:
+                evaluators = evaluators.result() if evaluators.exception() is None else None
+            for group in (evaluators, self.engines, self.trainer):
+                if group is not None:
+                    group.shutdown()
+            if self.placement is not None:
+                self.placement.remove()
+            if self._started_ray:
+                stop_ray()
+        finally:
+            self._lock.__exit__(exc_type, exc, tb)
