@@ -14,7 +14,7 @@ import yaml
 
 from bpo_megatron.launch import launch, plan_batch
 from bpo_megatron.launch.settings import ExecutorSettings
-from bpo_megatron.launch.sweep import split_grid
+from bpo_megatron.config.grid import split_grid
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE_30B = "configs/qwen3_30b_a3b_bpo.yaml"  # as the driver sees it: relative to the shipped code

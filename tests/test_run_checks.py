@@ -349,6 +349,17 @@ def test_check_of_eval_and_compare_writes_nothing(tmp_path, capsys):
     assert [line for line in lines if line.startswith("config ok")] == [
         f"config ok: bpo-s1 -> {out / 'bpo-s1'}", f"config ok: grpo-s1 -> {out / 'grpo-s1'}"]
     assert not out.exists()
+    # --sweep reads launch's grid grammar: axes multiply, points are named as launch names them
+    sweep = ["--sweep", "loss.bpo_eps=0.05,0.2", "--sweep", "loss.bpo_cap=2,3"]
+    assert main(["compare", DEMO, "--losses", "bpo", *sweep, "--seeds", "1", "--out", str(out), "--check"]) == 0
+    names = [line.split()[2] for line in capsys.readouterr().out.splitlines() if line.startswith("config ok")]
+    points = [f"bpo_eps-{eps}-bpo_cap-{cap}" for eps in ("0.05", "0.2") for cap in ("2", "3")]
+    assert names == [f"{point}-s1" for point in points]
+    from bpo_megatron.launch import plan_batch
+    from bpo_megatron.launch.settings import ExecutorSettings
+
+    launched = plan_batch(DEMO, ["loss.bpo_eps=0.05,0.2", "loss.bpo_cap=2,3"], ExecutorSettings()).runs
+    assert [run.name.removeprefix("tiny_moe_cpu-") for run in launched] == points
     # one bad variant refuses the whole comparison before its first run
     assert main(["compare", DEMO, "--losses", "bpo", "--sweep", "loss.bpo_cap=0.5,2", "--seeds", "1",
                  "--out", str(out)]) == 2

@@ -1,8 +1,9 @@
 """``bpo-megatron compare CONFIG [overrides]``: the paper's comparison, at any scale.
 
-Runs BPO and the four baselines (or a sweep of one setting, e.g. ``--sweep loss.bpo_eps=0.05,0.1,0.2,0.3``)
-with otherwise identical settings over several seeds, then writes ``runs.csv`` (every evaluation of
-every run, with its training metrics), ``results.md`` and ``curves.png``. ``--staleness 0,1,2,4``
+Runs BPO and the four baselines (or the points of a grid of settings, ``--sweep
+loss.bpo_eps=0.05,0.1,0.2,0.3``, in the grammar ``launch`` sweeps with) with otherwise identical
+settings over several seeds, then writes ``runs.csv`` (every evaluation of every run, with its
+training metrics), ``results.md`` and ``curves.png``. ``--staleness 0,1,2,4``
 repeats everything at each ``train.async.max_staleness`` (engines apart from the trainer).
 
 The tables reduce each run to one number (``--stat``): the mean of its last ``--window``
@@ -46,6 +47,7 @@ from pathlib import Path
 from bpo_megatron.commands.runs_csv import EvalRow, Setting, read_csv, run_rows, setting_label, write_csv
 from bpo_megatron.commands.statistics import (STATS, PairedDifference, area_under_curve, final_window, gain,
                                               heldout_peak, holm, paired_t, peak)
+from bpo_megatron.config.grid import parse_axis, points
 
 PAPER_LOSSES = ("bpo", "grpo", "gspo", "cispo", "dppo_tv")
 LABELS = {"bpo": "BPO", "grpo": "GRPO-ClipHigher", "gspo": "GSPO", "cispo": "CISPO", "dppo_tv": "DPPO",
@@ -71,12 +73,14 @@ class Variant:
     slug: str
 
 
-def variants(losses: list[str], sweep: str | None) -> list[Variant]:
+def variants(losses: list[str], sweep: list[str] | None) -> list[Variant]:
+    """The methods compared: the losses named, or every point of the ``--sweep`` grid (the
+    grammar ``bpo-megatron launch`` sweeps with: :mod:`bpo_megatron.config.grid`)."""
     if sweep:
-        key, _, values = sweep.partition("=")
-        if not values:
-            raise ValueError(f"--sweep {sweep!r} must look like section.key=v1,v2,...")
-        return [Variant(f"{key}={v}", (f"{key}={v}",), f"{key.split('.')[-1]}{v}") for v in values.split(",")]
+        axes = [parse_axis(text) for text in sweep]
+        if len({axis.key for axis in axes}) < len(axes):
+            raise ValueError(f"--sweep {' '.join(sweep)!r}: a setting swept twice")
+        return [Variant(" ".join(point.overrides), point.overrides, point.label) for point in points(axes)]
     return [Variant(LABELS.get(name, name), METHOD_OVERRIDES.get(name, (f"loss.name={name}",)), name)
             for name in losses]
 
@@ -321,7 +325,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("config", nargs="?", help="the experiment (not with --from-csv)")
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--losses", default=",".join(PAPER_LOSSES))
-    parser.add_argument("--sweep", default=None, help="one setting's values instead of --losses")
+    parser.add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2,...",
+                        help="compare settings' values instead of --losses (repeat it for a grid of several)")
     parser.add_argument("--seeds", default="1,2,3", help="comma-separated; the methods are paired by seed")
     parser.add_argument("--staleness", default=None,
                         help="comma-separated train.async.max_staleness values: the whole grid at each")
