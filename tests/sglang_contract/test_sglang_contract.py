@@ -416,7 +416,7 @@ def test_colocated_engine_ranks_each_map_the_trainer_rank_beside_them(ray_sessio
                 entry.origin = rank  # SGLang's loader reads only the fields it knows
             return inline_serializer(bucket)
 
-        worker._transports["cuda_ipc"] = CudaIpc(serializer=serializer)
+        worker._transports[("cuda_ipc", "rollout")] = CudaIpc(serializer=serializer)  # (transport, engine group)
 
     served, pushed_dir = checkpoints
     cfg = load_experiment(None, [
@@ -537,7 +537,8 @@ def test_multi_turn_rollouts_send_every_turn_as_input_ids_and_keep_each_turns_ro
         assert torch.equal(sample.routed_experts, torch.cat(rows))
         assert sample.routed_experts.shape[0] == sample.tokens.numel() - 1
         sample.check(num_moe_layers=layout.num_moe_layers, topk=layout.topk)
-        # SGLang's made-up log μ of output position i is −0.1·(i + 1) at version 0: per turn
+        # the stand-in's made-up log μ of output position i is −0.1·(i + 1) − 0.01·version, counted
+        # per turn (the engine fixture carries the versions earlier tests pushed)
         for part in parts:
-            torch.testing.assert_close(part.rollout_logprobs,
-                                       -0.1 * torch.arange(1, part.response_tokens.numel() + 1).float())
+            positions = torch.arange(1, part.response_tokens.numel() + 1).float()
+            torch.testing.assert_close(part.rollout_logprobs, -0.1 * positions - 0.01 * part.weight_version)
