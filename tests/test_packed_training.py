@@ -255,7 +255,7 @@ def _refusals() -> dict:
     one rank's share (the other rank's share fits): every rank refuses, none waits for another."""
     import torch.distributed as dist
 
-    from bpo_megatron.trainer.actor import minibatch_totals
+    from bpo_megatron.trainer.shares import minibatch_totals
 
     actor = th.build_actor(replay=True, max_tokens_per_micro_batch=10)
     short = _samples()[:4]  # 3, 4, 5 and 3 positions

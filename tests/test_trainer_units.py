@@ -84,7 +84,7 @@ def test_a_samples_train_mask_leaves_its_tokens_out_of_the_loss_mask_it_trains_w
     """The response tokens a sample leaves out stay response tokens (scored, ``loss_mask``) but not
     trained (``train_mask``), and count in neither of the minibatch's denominators; a sample left
     out entirely is not a sequence of the minibatch either."""
-    from bpo_megatron.trainer.actor import minibatch_totals
+    from bpo_megatron.trainer.shares import minibatch_totals
 
     a = sample([5, 6, 7, 8, 9], start=1, train_mask=torch.tensor([False, False, True, True]))
     b = sample([1, 2, 3], start=1, train_mask=torch.tensor([False, False]))

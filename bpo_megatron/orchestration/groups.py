@@ -111,16 +111,14 @@ class TrainerGroup:
         into the object store once and read by its ranks only; the step's metrics, with packed
         micro-batches also ``dp_imbalance``: the costliest share's estimated cost over the mean
         share's (:func:`~bpo_megatron.trainer.balance.imbalance`; 1.0 is perfect balance)."""
-        from bpo_megatron.trainer.actor import minibatch_totals
         from bpo_megatron.trainer.balance import imbalance
 
-        self._check(minibatch, replaying=self.replaying, correction=self.correction)
-        shares = self._shares(minibatch)
-        refs, totals = self._put_shares(minibatch, shares), minibatch_totals(minibatch)
-        metrics = self._collect([w.train_share.remote(refs[dp], totals)
+        shares = self._prepare(minibatch, replaying=self.replaying, correction=self.correction)
+        refs = self._put_shares(minibatch, shares.indices)
+        metrics = self._collect([w.train_share.remote(refs[dp], shares.totals)
                                  for w, (dp, _, _) in zip(self.workers, self.layout)], "train_step")[-1]
         if self.budget:
-            metrics["dp_imbalance"] = imbalance(minibatch, shares, self.cost)
+            metrics["dp_imbalance"] = imbalance(minibatch, shares.indices, self.cost)
         return metrics
 
     def compute_logprobs(self, samples: list, *, record_routing: bool = False):
@@ -129,8 +127,7 @@ class TrainerGroup:
         from bpo_megatron.trainer.actor import ScoredSamples
         from bpo_megatron.trainer.balance import in_sample_order
 
-        self._check(samples, replaying=self.replaying and not record_routing)
-        shares = self._shares(samples)
+        shares = self._prepare(samples, replaying=self.replaying and not record_routing).indices
         refs = self._put_shares(samples, shares)
         results = self._collect([w.logprobs_of_share.remote(refs[dp], record_routing)
                                  for w, (dp, _, _) in zip(self.workers, self.layout)], "compute_logprobs")
@@ -201,22 +198,14 @@ class TrainerGroup:
         sent, self.sent_bytes = self.sent_bytes, 0
         return sent
 
-    def _check(self, samples: list, *, replaying: bool, correction: str = "none") -> None:
-        """Refuse, before anything is sent, what every rank would refuse."""
-        from bpo_megatron.trainer.actor import check_batch
-        from bpo_megatron.trainer.packing import check_fits
+    def _prepare(self, samples: list, *, replaying: bool, correction: str = "none"):
+        """Refuse, before anything is sent, what every rank would refuse; the shares the ranks'
+        own whole-batch calls would choose, so results map back to sample order alike (the
+        routing came from an engine, which checked its ids on arrival)."""
+        from bpo_megatron.trainer.shares import prepare_shares
 
-        check_batch(samples, self.hf, replaying=replaying, dp_size=self.dp_size, correction=correction,
-                    routing_ids=False)
-        if self.budget:
-            check_fits(samples, self.budget)
-
-    def _shares(self, samples: list) -> list[list[int]]:
-        """The samples (indices) each data-parallel rank takes: the choice the ranks' own
-        whole-batch calls make, so results map back to sample order alike."""
-        from bpo_megatron.trainer.balance import data_parallel_shares
-
-        return data_parallel_shares(samples, self.dp_size, budget=self.budget, cost=self.cost)
+        return prepare_shares(samples, self.hf, dp_size=self.dp_size, budget=self.budget, cost=self.cost,
+                              replaying=replaying, correction=correction, routing_ids=False)
 
     def _put_shares(self, samples: list, shares: list[list[int]]) -> list:
         import ray

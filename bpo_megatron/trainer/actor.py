@@ -3,7 +3,7 @@
 Plain Python (the orchestration layer wraps it in a Ray actor). Every rank of the trainer world
 calls the same methods: with the whole batch (each rank takes its data-parallel share itself), or,
 as a driver that sends each share once does, with this rank's share alone (``*_share``). Both
-choose the shares with :func:`~bpo_megatron.trainer.balance.data_parallel_shares`.
+check and choose the shares with :func:`~bpo_megatron.trainer.shares.prepare_shares`.
 """
 
 from __future__ import annotations
@@ -30,49 +30,14 @@ from bpo_megatron.trainer.optimizer import (
     wrap_ddp,
     zero_grad,
 )
-from bpo_megatron.trainer.balance import CostModel, data_parallel_shares, in_sample_order, packs_in_lockstep
-from bpo_megatron.trainer.packing import PackedMicroBatch, check_fits, pack
-from bpo_megatron.trainer.replay import RoutingReplay, check_routed_experts
-from bpo_megatron.trainer.samples import (
-    MicroBatch,
-    TrainSample,
-    check_samples,
-    chunk,
-    collate,
-)
+from bpo_megatron.trainer.balance import CostModel, in_sample_order, packs_in_lockstep
+from bpo_megatron.trainer.packing import PackedMicroBatch, pack
+from bpo_megatron.trainer.replay import RoutingReplay
+from bpo_megatron.trainer.samples import MicroBatch, TrainSample, chunk, collate
+from bpo_megatron.trainer.shares import Shares, check_batch, prepare_shares
 
 # What the schedule runs: right-padded rows, or samples packed end to end (train.max_tokens_per_micro_batch).
 Batch = MicroBatch | PackedMicroBatch
-
-
-def minibatch_totals(minibatch: list[TrainSample]) -> BatchTotals:
-    """What the loss of a minibatch is normalised by, however it is split: the tokens it trains
-    on and the responses holding one (tokens left out by a sample's ``train_mask`` count nowhere,
-    as ``BatchTotals.of`` counts a mask)."""
-    trained = [s.num_train_tokens for s in minibatch]
-    return BatchTotals(tokens=float(sum(trained)), sequences=float(sum(count > 0 for count in trained)))
-
-
-def check_batch(samples: list[TrainSample], hf: HFModelConfig, *, replaying: bool, dp_size: int,
-                correction: str = "none", routing_ids: bool = True) -> None:
-    """Refuse samples the model cannot take (token ids, routing when ``replaying``), a batch
-    that ``dp_size`` data-parallel ranks cannot share evenly, and one without the behaviour
-    log-probs a mismatch ``correction`` (other than none) is computed from. ``routing_ids``:
-    also read the expert ids (see :func:`~bpo_megatron.trainer.replay.check_routed_experts`:
-    false where the routing came from an engine, which checked it on arrival)."""
-    check_samples(samples, vocab_size=hf.vocab_size)
-    if correction != "none" and samples[0].old_logprobs is None:
-        raise ValueError(f"loss.correction={correction} needs each sample's old_logprobs (the trainer's log-probs under "
-                         "the weights at the step's start): set train.recompute_old_logprobs=true")
-    if replaying:
-        check_routed_experts(samples, num_moe_layers=len(hf.moe_layers), topk=hf.num_experts_per_tok,
-                             num_experts=hf.num_experts, contents=routing_ids)
-    if len(samples) % dp_size:
-        raise ValueError(
-            f"{len(samples)} samples cannot be split evenly over {dp_size} data-parallel "
-            "ranks (every rank must run the same number of micro-batches); use a batch size that "
-            "the data-parallel size divides"
-        )
 
 
 @dataclass
@@ -165,8 +130,7 @@ class TrainActor:
         e.g. to measure how often trainer and rollout engine route alike. Results are in sample
         order on the ranks of the last pipeline stage; None elsewhere.
         """
-        self._check(samples, replaying=not record_routing)
-        shares = self._shares(samples)
+        shares = self._prepare(samples, replaying=not record_routing).indices
         mine = self.logprobs_of_share([samples[i] for i in shares[self.ranks.dp]], record_routing=record_routing)
         if mine is None:
             return None
@@ -182,7 +146,7 @@ class TrainActor:
         with its own share at once); results of the share on the last pipeline stage."""
         if record_routing and self.replay is None:
             raise ValueError("record_routing needs a model built with model.routing_replay=true")
-        self._check(share, replaying=not record_routing, whole_batch=False)
+        self._check_share(share, replaying=not record_routing)
         micro_batches, groups = self._micro_batches(share, with_routing=not record_routing)
         recorded: list[torch.Tensor] = []
 
@@ -221,14 +185,13 @@ class TrainActor:
         matter how it is split over data-parallel ranks and micro-batches. Returns the loss, the
         loss statistics, the grad norm (pre-clip) and timings, identical on every rank.
         """
-        self._check(minibatch, training=True)
-        share = [minibatch[i] for i in self._shares(minibatch)[self.ranks.dp]]
-        return self.train_share(share, minibatch_totals(minibatch))
+        shares = self._prepare(minibatch, training=True)
+        return self.train_share([minibatch[i] for i in shares.indices[self.ranks.dp]], shares.totals)
 
     def train_share(self, share: list[TrainSample], totals: BatchTotals) -> dict[str, float]:
         """:meth:`train_step` given this rank's data-parallel share of the minibatch and the
         minibatch's ``totals`` (every rank calls it with its own share at once)."""
-        self._check(share, whole_batch=False, training=True)
+        self._check_share(share, training=True)
         start = time.perf_counter()
         micro_batches, _ = self._micro_batches(share)
         # Megatron's schedule divides each micro-batch loss by their number and DDP divides the
@@ -330,23 +293,26 @@ class TrainActor:
     def _layout(self) -> dict[str, int]:
         return layout_record(self.parallel, dist.get_world_size())
 
-    def _check(self, samples: list[TrainSample], *, replaying: bool = True, whole_batch: bool = True,
-               training: bool = False) -> None:
+    def _prepare(self, samples: list[TrainSample], *, replaying: bool = True, training: bool = False) -> Shares:
+        """The whole batch checked and split as a driver does (:func:`prepare_shares`): every rank
+        has the whole batch and refuses alike."""
+        self._check_onloaded()
+        return prepare_shares(samples, self.hf, dp_size=self.ranks.dp_size,
+                              budget=self.trainer_cfg.max_tokens_per_micro_batch, cost=self.cost,
+                              replaying=self.replay is not None and replaying,
+                              correction=self.loss_cfg.correction if training else "none")
+
+    def _check_share(self, share: list[TrainSample], *, replaying: bool = True, training: bool = False) -> None:
+        """A share comes from a driver that checked the whole batch: its routing ids are not read
+        again, and its samples are checked against the token budget collectively
+        (balance.packs_in_lockstep), so no rank waits for another that refused."""
+        self._check_onloaded()
+        check_batch(share, self.hf, replaying=self.replay is not None and replaying, dp_size=1,
+                    correction=self.loss_cfg.correction if training else "none", routing_ids=False)
+
+    def _check_onloaded(self) -> None:
         if self._offload.offloaded:
             raise RuntimeError("the trainer's memory is offloaded (engines hold the device): call onload() first")
-        # a share comes from a driver that checked the whole batch: its routing ids are not read again
-        check_batch(samples, self.hf, replaying=self.replay is not None and replaying,
-                    dp_size=self.ranks.dp_size if whole_batch else 1,
-                    correction=self.loss_cfg.correction if training else "none", routing_ids=whole_batch)
-        # Every rank has the whole batch and refuses alike; a share's samples are checked against
-        # the budget collectively (balance.packs_in_lockstep), so no rank waits for another that refused.
-        if whole_batch and self.trainer_cfg.max_tokens_per_micro_batch:
-            check_fits(samples, self.trainer_cfg.max_tokens_per_micro_batch)
-
-    def _shares(self, samples: list[TrainSample]) -> list[list[int]]:
-        """The samples (indices) each data-parallel rank takes, as a driver chooses them."""
-        return data_parallel_shares(samples, self.ranks.dp_size, budget=self.trainer_cfg.max_tokens_per_micro_batch,
-                                    cost=self.cost)
 
     def _micro_batches(self, samples: list[TrainSample], *, with_routing: bool = True
                        ) -> tuple[list[Batch], list[list[int]]]:

@@ -1,0 +1,62 @@
+"""A batch's data-parallel shares, decided once: checked, split and totalled the same way by the
+driver that sends each share (:class:`~bpo_megatron.orchestration.groups.TrainerGroup`) and by a
+rank given the whole batch (:meth:`~bpo_megatron.trainer.actor.TrainActor.train_step`), so both
+refuse alike and put results back in sample order alike. Light: no model, no Megatron."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bpo_megatron.losses import BatchTotals
+from bpo_megatron.models.hf_config import HFModelConfig
+from bpo_megatron.trainer.balance import CostModel, data_parallel_shares
+from bpo_megatron.trainer.packing import check_fits
+from bpo_megatron.trainer.replay import check_routed_experts
+from bpo_megatron.trainer.samples import TrainSample, check_samples
+
+
+@dataclass(frozen=True)
+class Shares:
+    indices: list[list[int]]  # the samples each data-parallel rank takes, ascending
+    totals: BatchTotals  # what the loss of the whole batch is normalised by
+
+
+def prepare_shares(samples: list[TrainSample], hf: HFModelConfig, *, dp_size: int, budget: int, cost: CostModel,
+                   replaying: bool, correction: str = "none", routing_ids: bool = True) -> Shares:
+    """Refuse, before anything is sent or run, what any rank would refuse (:func:`check_batch`;
+    with a token ``budget``, a sample that fits no micro-batch), then the shares
+    (:func:`~bpo_megatron.trainer.balance.data_parallel_shares`) and the batch's totals."""
+    check_batch(samples, hf, replaying=replaying, dp_size=dp_size, correction=correction, routing_ids=routing_ids)
+    if budget:
+        check_fits(samples, budget)
+    return Shares(data_parallel_shares(samples, dp_size, budget=budget, cost=cost), minibatch_totals(samples))
+
+
+def minibatch_totals(minibatch: list[TrainSample]) -> BatchTotals:
+    """What the loss of a minibatch is normalised by, however it is split: the tokens it trains
+    on and the responses holding one (tokens left out by a sample's ``train_mask`` count nowhere,
+    as ``BatchTotals.of`` counts a mask)."""
+    trained = [s.num_train_tokens for s in minibatch]
+    return BatchTotals(tokens=float(sum(trained)), sequences=float(sum(count > 0 for count in trained)))
+
+
+def check_batch(samples: list[TrainSample], hf: HFModelConfig, *, replaying: bool, dp_size: int,
+                correction: str = "none", routing_ids: bool = True) -> None:
+    """Refuse samples the model cannot take (token ids, routing when ``replaying``), a batch
+    that ``dp_size`` data-parallel ranks cannot share evenly, and one without the behaviour
+    log-probs a mismatch ``correction`` (other than none) is computed from. ``routing_ids``:
+    also read the expert ids (see :func:`~bpo_megatron.trainer.replay.check_routed_experts`:
+    false where the routing came from an engine, which checked it on arrival)."""
+    check_samples(samples, vocab_size=hf.vocab_size)
+    if correction != "none" and samples[0].old_logprobs is None:
+        raise ValueError(f"loss.correction={correction} needs each sample's old_logprobs (the trainer's log-probs under "
+                         "the weights at the step's start): set train.recompute_old_logprobs=true")
+    if replaying:
+        check_routed_experts(samples, num_moe_layers=len(hf.moe_layers), topk=hf.num_experts_per_tok,
+                             num_experts=hf.num_experts, contents=routing_ids)
+    if len(samples) % dp_size:
+        raise ValueError(
+            f"{len(samples)} samples cannot be split evenly over {dp_size} data-parallel "
+            "ranks (every rank must run the same number of micro-batches); use a batch size that "
+            "the data-parallel size divides"
+        )
