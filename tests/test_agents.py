@@ -28,6 +28,7 @@ from bpo_megatron.rollout.agents.conversation import TURN_SEED_STRIDE
 from bpo_megatron.rollout.agents.python_tool import run_python
 from bpo_megatron.rollout.types import response_slots
 from bpo_megatron.tasks.scoring import response_texts
+from loop_helpers import Interrupted, run_loop
 
 TOK = CharTokenizer()
 EOS = TOK.eos_token_ids[0]
@@ -496,22 +497,9 @@ CALCULATOR_RUN = ("data.train=procedural:mul2", "eval.datasets=[procedural:mul2]
                   "train.sft_warmup_steps=50", "train.sft_batch_size=64", "train.sft_lr=0.003")
 
 
-class Interrupted(Exception):
-    """Stands for a driver killed right after a step's metrics were written."""
-
-
 def _run(cfg, *, stop_after_step: int | None = None) -> list[str]:
-    from bpo_megatron.loop.rl_loop import run
-
-    lines: list[str] = []
-
-    def echo(line: str) -> None:
-        lines.append(line)
-        if stop_after_step is not None and f" step {stop_after_step}/" in line:
-            raise Interrupted(line)
-
-    run(cfg, echo=echo)
-    return lines
+    """The lines the run printed (:func:`loop_helpers.run_loop`)."""
+    return run_loop(cfg, stop_after_step=stop_after_step)[1]
 
 
 def _step(run_dir: Path, step: int) -> dict:

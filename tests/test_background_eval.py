@@ -19,26 +19,13 @@ import pytest
 
 from bpo_megatron.observability.metrics import MetricsWriter, evaluation_only, read_metrics
 from bpo_megatron.observability.trackers import TRACKERS, Tracker
+from loop_helpers import Interrupted, run_loop
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "tiny_moe_cpu.yaml")
 
 
-class Interrupted(Exception):
-    """Stands for a driver killed right after a step's metrics were written."""
-
-
-def _run(cfg, *, stop_after_step: int | None = None) -> tuple[dict, list[str]]:
-    from bpo_megatron.loop.rl_loop import run
-
-    lines: list[str] = []
-
-    def echo(line: str) -> None:
-        lines.append(line)
-        if stop_after_step is not None and f" step {stop_after_step}/" in line:
-            raise Interrupted(line)
-
-    return run(cfg, echo=echo), lines
+_run = run_loop  # (result, printed lines); Interrupted after stop_after_step
 
 
 def _evaluations(run_dir: Path) -> dict[int, dict]:

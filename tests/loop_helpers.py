@@ -1,0 +1,23 @@
+"""What the tests that drive the whole RL loop share: a run whose printed lines are kept, and a
+driver killed right after a given step's line (the resume tests' interruption)."""
+
+from __future__ import annotations
+
+
+class Interrupted(Exception):
+    """Stands for a driver killed right after a step's metrics were written."""
+
+
+def run_loop(cfg, *, stop_after_step: int | None = None) -> tuple[dict, list[str]]:
+    """The run's result and every line it printed; with ``stop_after_step``, :class:`Interrupted`
+    as soon as that step's progress line is printed."""
+    from bpo_megatron.loop.rl_loop import run
+
+    lines: list[str] = []
+
+    def echo(line: str) -> None:
+        lines.append(line)
+        if stop_after_step is not None and f" step {stop_after_step}/" in line:
+            raise Interrupted(line)
+
+    return run(cfg, echo=echo), lines
