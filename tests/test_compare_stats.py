@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bpo_megatron.cli import main
-from bpo_megatron.commands.compare import summary
+from bpo_megatron.commands.compare import evaluation_panels, summary
 from bpo_megatron.commands.runs_csv import read_csv, run_rows, write_csv
 from bpo_megatron.commands.statistics import (area_under_curve, final_window, gain, heldout_peak, holm, paired_t, peak,
                                               regularized_incomplete_beta, t_cdf, t_quantile, t_two_sided_p)
@@ -171,7 +171,8 @@ def test_every_table_is_rebuilt_from_runs_csv_alone(runs_dir, tmp_path_factory, 
         assert main(["compare", "--summarise-only", "--from-csv", str(runs_dir / "runs.csv"), "--stat", stat,
                      "--window", "2", "--out", str(elsewhere)]) == 0
         assert (elsewhere / "results.md").read_text() == direct, stat
-    assert not (elsewhere / "runs.csv").exists() and not (elsewhere / "curves.png").exists()
+    # no runs.csv written where one was read; the curves drawn from the CSV's evaluations
+    assert not (elsewhere / "runs.csv").exists() and (elsewhere / "curves.png").stat().st_size > 0
 
 
 def test_tables_of_each_statistic_from_hand_computed_run_values(runs_dir, capsys):
@@ -290,6 +291,14 @@ def test_conditions_of_separate_calls_are_summarised_together_with_primary_contr
     assert "| GRPO-ClipHigher | 2 | 20.6 ± 0.9 | -3.1 [-11.1, +4.8] | 2 |" in bf16
     # a staleness-only table keeps its heading; the diagnostics name each setting
     assert "### train.async.max_staleness = 2" in table and "| bf16/0 | GRPO-ClipHigher | 0.01 | 0.105 |" in table
+    # the curves come from the CSVs alone: a panel per setting, each seed's evaluations in points
+    assert (out / "curves.png").stat().st_size > 0
+    panels = evaluation_panels(read_csv(runs_dir / "runs.csv") + rows, rows[0].dataset)
+    assert list(panels) == ["train.async.max_staleness = 0", "train.async.max_staleness = 2",
+                            "condition bf16, train.async.max_staleness = 0"]
+    # GRPO at bf16: seed 1 (4+4, 6+6, 9+7)/80, seed 2 one response better than RUNS: (5+5, 8+9, 9+8)/80
+    grpo_bf16 = panels["condition bf16, train.async.max_staleness = 0"]["GRPO-ClipHigher"]
+    assert grpo_bf16 == [{0: 10.0, 3: 15.0, 6: 20.0}, {0: 12.5, 3: 21.25, 6: 21.25}]
     assert main(["compare", "--from-csv", both, "--primary", "grpo@bf16", "--out", str(out)]) == 2
     assert "choose among grpo@0, grpo@2, grpo@bf16/0" in capsys.readouterr().err
 

@@ -139,6 +139,21 @@ def _datasets(rows: list[EvalRow]) -> list[str]:
     return list(dict.fromkeys(row.dataset for row in rows))
 
 
+def evaluation_panels(rows: list[EvalRow], dataset: str) -> dict[str, dict[str, list[dict[int, float]]]]:
+    """The evaluation curves of ``dataset`` in the rows, in points: setting -> method -> one
+    ``{step: accuracy}`` per seed (what :func:`~bpo_megatron.observability.plot.plot_evaluation_panels`
+    draws)."""
+    runs: dict[tuple, dict[int, float]] = {}
+    for row in rows:
+        if row.dataset == dataset:
+            runs.setdefault((row.setting, row.method, row.seed), {})[row.step] = 100 * row.accuracy
+    panels: dict[str, dict[str, list[dict[int, float]]]] = {}
+    for (setting, method, _), curve in runs.items():
+        title = _setting_text(setting) if setting_label(setting) else dataset
+        panels.setdefault(title, {}).setdefault(method, []).append(curve)
+    return panels
+
+
 def _evaluations(rows: list[EvalRow]) -> list[tuple[int, list[EvalRow]]]:
     by_step: dict[int, list[EvalRow]] = {}
     for row in rows:
@@ -339,7 +354,8 @@ def main(argv: list[str]) -> int:
                         help="pre-declared contrasts, e.g. grpo@4,cispo@4 (method@staleness): Holm adjusts over these")
     parser.add_argument("--summarise-only", action="store_true", help="only rebuild runs.csv, the tables and the plot")
     parser.add_argument("--from-csv", default=None, metavar="PATH[,PATH...]",
-                        help="rebuild the tables from runs.csv files alone (no config, no run directories)")
+                        help="rebuild the tables and the evaluation curves from runs.csv files alone (no config, "
+                             "no run directories)")
     parser.add_argument("--check", action="store_true", help="check every run's config, data and directory, then exit")
     args = parser.parse_args(argv)
 
@@ -354,7 +370,12 @@ def main(argv: list[str]) -> int:
             text = summary(rows, stat=args.stat, window=args.window, primary=args.primary)
         except (FileNotFoundError, ValueError) as exc:
             return _refuse(str(exc))
-        return _write(text, out, note=f"wrote {out / 'results.md'} (curves.png needs the run directories)")
+        from bpo_megatron.observability.plot import plot_evaluation_panels
+
+        dataset = _datasets(rows)[0]
+        plot_evaluation_panels(evaluation_panels(rows, dataset), out / "curves.png",
+                               ylabel=f"Avg@k on {dataset} (%; mean over seeds ± s.e.)")
+        return _write(text, out, note=f"wrote {out / 'results.md'} and {out / 'curves.png'} (from the CSV alone)")
     if not args.config:
         return _refuse("name the experiment CONFIG (or rebuild the tables from a runs.csv with --from-csv PATH)")
 

@@ -98,3 +98,32 @@ def plot_variants(variants: dict[str, list[str | Path]], out: str | Path) -> Pat
     ax_reward.set(xlabel="step", ylabel="train reward (mean over seeds, smoothed)", title="Reward")
     ax_eval.set(xlabel="step", ylabel="mean Avg@k (mean over seeds)", title="Evaluation accuracy (dashed: peak)")
     return _save(fig, out)
+
+
+def plot_evaluation_panels(panels: dict[str, dict[str, list[dict[int, float]]]], out: str | Path, *,
+                           ylabel: str) -> Path:
+    """Evaluation curves from recorded numbers alone (no run directories): one panel per
+    setting, one line per method, the mean over its seeds with a band of ± one standard error
+    of that mean. ``panels``: panel title -> method label -> one ``{step: value}`` per seed."""
+    import math
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False, sharey=True)
+    for ax, (title, methods) in zip(axes[0], panels.items()):
+        for index, (label, seeds) in enumerate(methods.items()):
+            steps = sorted(set.intersection(*(set(seed) for seed in seeds)))
+            values = [[seed[step] for seed in seeds] for step in steps]
+            means = [sum(v) / len(v) for v in values]
+            errors = [math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1) / len(v)) if len(v) > 1 else 0.0
+                      for v, m in zip(values, means)]
+            color = f"C{index % 10}"
+            ax.plot(steps, means, color=color, marker="o", markersize=3, label=f"{label} ({len(seeds)} seeds)")
+            ax.fill_between(steps, [m - e for m, e in zip(means, errors)], [m + e for m, e in zip(means, errors)],
+                            color=color, alpha=0.15, linewidth=0)
+        ax.set(xlabel="step", title=title)
+    axes[0][0].set(ylabel=ylabel)
+    return _save(fig, out)
