@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from bpo_megatron.rollout.checksums import WeightMismatch, compare, fingerprint, fingerprints
+from bpo_megatron.weights.checksums import WeightMismatch, compare, fingerprint, fingerprints
 
 
 def test_fingerprints_see_one_bit_and_the_dtype():

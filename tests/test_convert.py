@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -27,22 +26,19 @@ import train_helpers as th
 
 from bpo_megatron.convert import (
     ConfigMismatchError,
-    HFWeightsReader,
-    ShardedSafetensorsWriter,
     check_same_architecture,
     convert_hf_to_mcore,
     convert_mcore_to_hf,
-    expected_keys,
-    hf_tensor_shapes,
 )
-from bpo_megatron.convert.layouts import LAYOUTS, LayoutContext
-from bpo_megatron.convert.names import RULES, match_megatron_name
 from bpo_megatron.convert.output_dir import staged_output
-from bpo_megatron.convert.safetensors_io import parse_size
 from bpo_megatron.convert.world import world_size_for
 from bpo_megatron.models import HFModelConfig
 from bpo_megatron.parallel import ParallelConfig
 from bpo_megatron.parallel.local_world import run_gloo_world
+from bpo_megatron.weights import HFWeightsReader, ShardedSafetensorsWriter, expected_keys, hf_tensor_shapes
+from bpo_megatron.weights.layouts import LAYOUTS, LayoutContext
+from bpo_megatron.weights.names import RULES, match_megatron_name
+from bpo_megatron.weights.safetensors_io import parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -184,10 +180,10 @@ def _live_export(hf_dir: str, layout: dict, all_ranks: bool) -> dict:
     collective the export makes; point-to-point sends fail (the export uses collectives only)."""
     import torch.distributed as dist
 
-    from bpo_megatron.convert import ExportPlan, iter_hf_weights, load_hf_weights
     from bpo_megatron.convert.world import build_model, tear_down
     from bpo_megatron.models import ModelOptions
-    from bpo_megatron.weight_sync.export import export_weights
+    from bpo_megatron.weights import ExportPlan, iter_hf_weights, load_hf_weights
+    from bpo_megatron.weights.export import export_weights
 
     hf = HFModelConfig.load(hf_dir)
     model = build_model(hf, ParallelConfig(**layout), ModelOptions())
@@ -220,8 +216,7 @@ def _live_export(hf_dir: str, layout: dict, all_ranks: bool) -> dict:
     for name in ("send", "recv", "isend", "irecv", "batch_isend_irecv"):
         setattr(dist, name, forbidden)
     if all_ranks:
-        actor = SimpleNamespace(model=model, hf=hf)
-        stream = ((n, t) for bucket in export_weights(actor, 1 << 16, all_ranks=True, plan=plan) for n, t in bucket)
+        stream = ((n, t) for bucket in export_weights(model, hf, 1 << 16, all_ranks=True, plan=plan) for n, t in bucket)
     else:
         stream = iter_hf_weights(model, hf, plan=plan)
     names, tensors = [], {}

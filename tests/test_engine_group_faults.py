@@ -171,14 +171,14 @@ class _WeightPusher:
     is reported in ``failed``), sending fixed Hugging Face weights."""
 
     def __init__(self, weights) -> None:
-        from bpo_megatron.rollout.checksums import fingerprint
+        from bpo_megatron.weights.checksums import fingerprint
 
         self.weights = weights
         self.fingerprints = {name: fingerprint(tensor) for name, tensor in weights}
         self.transports = {}
 
     def push_weights(self, transport, targets, version, bucket_bytes, verify, dtype, role="rollout"):
-        from bpo_megatron.rollout.weight_buckets import buckets
+        from bpo_megatron.weights.buckets import buckets
         from bpo_megatron.weight_sync import transport_class
 
         sender = self.transports.setdefault(transport, transport_class(transport)())

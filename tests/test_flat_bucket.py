@@ -11,7 +11,7 @@ import torch
 
 from bpo_megatron.parallel.local_world import run_gloo_world
 from bpo_megatron.rollout.sglang.weights import ALIGN, DistributedWeightSender, flattened_bucket
-from bpo_megatron.rollout.flat_bucket import FlatBucket, layout
+from bpo_megatron.weights.flat_bucket import FlatBucket, layout
 
 TIMEOUT = 180.0
 
@@ -144,7 +144,7 @@ BUCKET_BYTES = 110  # the tensors below make 2 buckets, each of bf16, fp32 and i
 
 
 def _stream_items(rank: int):
-    from bpo_megatron.convert import StreamedTensor
+    from bpo_megatron.weights import StreamedTensor
 
     # the first 6 of mixed_tensors(): 30 + 28 + 48 | 22 + 48 + 8 bytes
     return [StreamedTensor(name, tuple(t.shape), t.dtype, t if rank == 0 else None)
@@ -157,7 +157,7 @@ def _export_and_send(world: int) -> dict:
     ``world``, whose server and IPC serializer are stand-ins recording what they got."""
     import torch.distributed as dist
 
-    from bpo_megatron.weight_sync import export
+    from bpo_megatron.weights import export
     from bpo_megatron.weight_sync.cuda_ipc import CudaIpc
 
     rank = dist.get_rank()
@@ -196,8 +196,7 @@ def _export_and_send(world: int) -> dict:
             posted.append((path, body["serialized_named_tensors"], body["weight_version"]))
             return {"success": True}
 
-    actor = SimpleNamespace(model=torch.nn.Linear(1, 1), hf=None)
-    stream = export.export_weights(actor, BUCKET_BYTES, all_ranks=True, views=True)
+    stream = export.export_weights(torch.nn.Linear(1, 1), None, BUCKET_BYTES, all_ranks=True, views=True)
     report = CudaIpc(serializer=serializer).send(recorded(stream), [(Server(), tuple(range(world)))], version=3)
     return {"exported": exported, "handed": handed, "broadcasts": broadcasts, "posted": posted, "report": report}
 

@@ -97,14 +97,19 @@ def test_packages_import_only_what_the_readme_map_allows():
             assert dest in allowed[source], f"{module} imports {target}: not in the README's map for {source}"
 
 
+def _reached(package: str, allowed: dict[str, set[str]]) -> set[str]:
+    """``package`` and every package it may reach through the README's map."""
+    reached = {package}
+    while True:
+        grown = reached | {d for p in reached for d in allowed[p]}
+        if grown == reached:
+            return reached
+        reached = grown
+
+
 def test_evaluation_and_everything_below_never_import_the_loop():
     allowed = _package_map()
-    below_eval = {"eval"}
-    while True:  # every package eval reaches
-        grown = below_eval | {d for p in below_eval for d in allowed[p]}
-        if grown == below_eval:
-            break
-        below_eval = grown
+    below_eval = _reached("eval", allowed)
     assert "loop" not in below_eval and "tasks" in below_eval
     for module, imported in _graph().items():
         if _top(module) in below_eval:
@@ -128,3 +133,16 @@ def test_no_import_cycle_between_modules():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+# ------------------------------------------------------------------------------ the weights' home
+def test_the_weights_sit_below_the_trainer_and_convert_is_only_the_offline_tool():
+    """The trainer exports its weights with ``weights`` (the name map, layouts, gather, export,
+    buckets); nothing ``weights`` reaches knows of a trainer, an engine, a transport or Ray's
+    groups. ``convert`` is the command-line tool alone: only the entry points import it."""
+    allowed = _package_map()
+    assert "weights" in allowed["trainer"]
+    assert not {"trainer", "rollout", "weight_sync", "orchestration", "convert"} & _reached("weights", allowed)
+    for module, imported in _graph().items():
+        if _top(module) not in {"convert", "cli", "commands"}:
+            assert not any(_top(t) == "convert" for t in imported), f"{module} imports the offline converter"

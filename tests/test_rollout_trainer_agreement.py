@@ -219,9 +219,9 @@ def _push(actor, engine, *, corrupt: str | None = None, dtype: torch.dtype | Non
           ) -> tuple[dict[str, str], int]:
     """Weight sync: every rank streams its shards; rank 0 sends buckets (in ``dtype``) to the
     engine. Returns the fingerprints of what the trainer sent and the number of buckets (rank 0)."""
-    from bpo_megatron.convert import iter_hf_weights
-    from bpo_megatron.rollout.checksums import fingerprints
-    from bpo_megatron.rollout.weight_buckets import buckets, on_host
+    from bpo_megatron.weights import iter_hf_weights
+    from bpo_megatron.weights.buckets import buckets, on_host
+    from bpo_megatron.weights.checksums import fingerprints
 
     stream = on_host(iter_hf_weights(actor.model, actor.hf, dst=0), dtype)
     if engine is None:
@@ -245,7 +245,7 @@ def _push(actor, engine, *, corrupt: str | None = None, dtype: torch.dtype | Non
 
 def _train_and_sync(model_dir: str, layout: dict, engine_dtype: str) -> dict | None:
     from bpo_megatron.models.options import TORCH_DTYPES
-    from bpo_megatron.rollout.checksums import WeightMismatch, compare, fingerprints
+    from bpo_megatron.weights.checksums import WeightMismatch, compare, fingerprints
     from bpo_megatron.rollout.hf.engine import HFEngine
 
     temperature, dtype = 1.0, TORCH_DTYPES[engine_dtype]

@@ -76,7 +76,7 @@ def build_actor(hf=None, *, tp=1, pp=1, ep=1, etp=None, replay=False, recompute=
     """A train actor of ``hf`` (an ``HFModelConfig``, a config dict or path; the tiny MoE by
     default) in the current gloo world; ``loss``: a loss name or a ``PolicyLossConfig``;
     ``weights``: a Hugging Face directory to load. Release it with ``actor.close()``."""
-    from bpo_megatron.convert import load_hf_weights
+    from bpo_megatron.weights import load_hf_weights
     from bpo_megatron.losses import PolicyLossConfig
     from bpo_megatron.models import HFModelConfig, ModelOptions
     from bpo_megatron.parallel import ParallelConfig

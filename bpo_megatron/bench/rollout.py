@@ -6,7 +6,7 @@ PyTorch reference measured in the same run.
     model, batch and settings (temperature, no top-k/top-p, a fixed number of new tokens). Tokens/s
     (median and best of the repeats) and the ratio to ``generate``.
 (b) Weight sync at world size 1: the trainer's Megatron model streamed as Hugging Face tensors
-    (``iter_hf_weights`` with views, as ``weight_sync.export`` streams it) → buckets → an
+    in buckets by its own export (``TrainActor.export_weights``, what a weight sync sends) → an
     ``HFEngine`` in the same process, and over the ``shared_memory`` and ``object_store``
     transports to one in a Ray actor of its own, against the floor for moving the same bytes in one process (``copy_`` of every
     tensor into a preallocated clone). Seconds, bytes/s and the ratio to the copy.
@@ -172,7 +172,7 @@ class _EngineHost:
         self.engine.end_weight_update()
 
     def fingerprints(self) -> dict[str, str]:
-        from bpo_megatron.rollout.checksums import fingerprints
+        from bpo_megatron.weights.checksums import fingerprints
 
         return fingerprints(self.engine.named_hf_weights())
 
@@ -180,18 +180,18 @@ class _EngineHost:
 def _sync_rank(cfg: BenchConfig, model_dir: str) -> dict:
     import ray
 
-    from bpo_megatron.convert import ExportPlan, iter_hf_weights, load_hf_weights
     from bpo_megatron.losses import PolicyLossConfig
     from bpo_megatron.models import HFModelConfig, ModelOptions
     from bpo_megatron.parallel import ParallelConfig
-    from bpo_megatron.rollout.checksums import fingerprints
     from bpo_megatron.rollout.hf.engine import HFEngine
-    from bpo_megatron.rollout.weight_buckets import buckets, on_host, tensor_bytes
     from bpo_megatron.trainer.actor import TrainActor
     from bpo_megatron.trainer.config import TrainerConfig
     from bpo_megatron.trainer.optimizer import OptimizerSettings
     from bpo_megatron.weight_sync.object_store import ObjectStore
     from bpo_megatron.weight_sync.shared_memory import SharedMemory
+    from bpo_megatron.weights.buckets import tensor_bytes
+    from bpo_megatron.weights.checksums import fingerprints
+    from bpo_megatron.weights.load import load_hf_weights
 
     hf = HFModelConfig.load(model_dir)
     actor = TrainActor(hf, parallel=ParallelConfig(), model=ModelOptions(params_dtype="fp32"),
@@ -203,14 +203,13 @@ def _sync_rank(cfg: BenchConfig, model_dir: str) -> dict:
     shared = ray.remote(_EngineHost).options(num_cpus=0).remote(model_dir)
     shared_target = [(shared, *ray.get(shared.weight_segment.remote()))]
     shared_sender = SharedMemory()
-    plan = ExportPlan.build(actor.model, hf)  # built once and reused, as a training run does
-    # what TrainWorker.push_weights streams (bpo_megatron.weight_sync.export): views of the
-    # parameters where the transport allows them
-    stream = lambda views=True: iter_hf_weights(actor.model, hf, plan=plan, views=views)  # noqa: E731
     bucket_bytes = cfg.bucket_mb * MiB
+    # what TrainWorker.push_weights streams: the actor's export (its plan built once and reused, as
+    # in a training run), views of the parameters where the transport allows them
+    exported = lambda **how: actor.export_weights(bucket_bytes, **how)  # noqa: E731
 
     # The reference moves exactly the bytes a sync sends, between two buffers of one process.
-    sources = [(name, tensor.clone()) for name, tensor in stream()]
+    sources = [(name, tensor.clone()) for bucket in exported(views=True) for name, tensor in bucket]
     targets = [tensor.clone() for _, tensor in sources]
     nbytes = sum(tensor_bytes(t) for _, t in sources)
 
@@ -220,18 +219,18 @@ def _sync_rank(cfg: BenchConfig, model_dir: str) -> dict:
                 target.copy_(source)
 
     def export() -> None:
-        for _ in stream():
+        for _ in exported(views=True):
             pass
 
     def in_process() -> None:
         engine.begin_weight_update(engine.weight_version + 1)
-        for bucket in buckets(stream(), bucket_bytes):
+        for bucket in exported(views=True):
             engine.update_weights(bucket)
         engine.end_weight_update()
 
     def through(sender, engine, targets) -> None:
         ray.get(engine.begin_weight_update.remote(1))
-        report = sender.send(buckets(on_host(stream(sender.views)), bucket_bytes), targets, version=1)
+        report = sender.send(exported(host=sender.host_tensors, views=sender.views), targets, version=1)
         ray.get(engine.end_weight_update.remote())
         assert not report["failed"]
 

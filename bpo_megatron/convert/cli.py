@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bpo_megatron.convert.safetensors_io import DEFAULT_MAX_SHARD_BYTES, parse_size
 from bpo_megatron.convert.world import DEFAULT_TIMEOUT_S
+from bpo_megatron.weights.safetensors_io import DEFAULT_MAX_SHARD_BYTES, parse_size
 
 
 def _layout_arguments(parser: argparse.ArgumentParser, what: str) -> None:

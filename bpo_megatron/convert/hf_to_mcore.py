@@ -13,10 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from bpo_megatron.convert.load import load_hf_weights
-from bpo_megatron.convert.names import hf_tensor_shapes
 from bpo_megatron.convert.output_dir import staged_output
-from bpo_megatron.convert.safetensors_io import HFWeightsReader
 from bpo_megatron.convert.world import (
     DEFAULT_TIMEOUT_S,
     build_model,
@@ -25,6 +22,9 @@ from bpo_megatron.convert.world import (
 )
 from bpo_megatron.models import HFModelConfig, ModelOptions
 from bpo_megatron.parallel import ParallelConfig, layout_record
+from bpo_megatron.weights.load import load_hf_weights
+from bpo_megatron.weights.names import hf_tensor_shapes
+from bpo_megatron.weights.safetensors_io import HFWeightsReader
 
 # safetensors dtype tag -> the name transformers writes in config.json
 _DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}

@@ -1,7 +1,7 @@
 """Trainer checkpoint → Hugging Face checkpoint (sharded safetensors, index, config, tokenizer).
 
 A local gloo world (world size 1 by default; pass a layout to spread the model over processes)
-loads the checkpoint, and :func:`~bpo_megatron.convert.gather.iter_hf_weights` streams the
+loads the checkpoint, and :func:`~bpo_megatron.weights.gather.iter_hf_weights` streams the
 Hugging Face tensors to rank 0, which writes them into size-bounded shards as they arrive. The
 config written is the one stored in the checkpoint, or ``hf_config`` after checking it describes
 the same network.
@@ -15,10 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bpo_megatron.convert.gather import iter_hf_weights
-from bpo_megatron.convert.names import hf_tensor_shapes
 from bpo_megatron.convert.output_dir import copy_tokenizer_files, staged_output
-from bpo_megatron.convert.safetensors_io import DEFAULT_MAX_SHARD_BYTES, ShardedSafetensorsWriter
 from bpo_megatron.convert.validate import check_same_architecture
 from bpo_megatron.convert.world import (
     DEFAULT_TIMEOUT_S,
@@ -28,6 +25,9 @@ from bpo_megatron.convert.world import (
 )
 from bpo_megatron.models import HFModelConfig, ModelOptions
 from bpo_megatron.parallel import ParallelConfig, layout_record
+from bpo_megatron.weights.gather import iter_hf_weights
+from bpo_megatron.weights.names import hf_tensor_shapes
+from bpo_megatron.weights.safetensors_io import DEFAULT_MAX_SHARD_BYTES, ShardedSafetensorsWriter
 
 _EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -71,13 +71,13 @@ def build_actor(profile: Profile, config: dict[str, Any], *, replay: bool, micro
                 lr: float = 1e-5, weights: Path | None = None, temperature: float = 1.0):
     """A one-rank Megatron train actor in the profile's precision (bf16 + Megatron's distributed
     optimizer on a GPU; fp32 on a CPU), loaded from ``weights`` if given."""
-    from bpo_megatron.convert import load_hf_weights
     from bpo_megatron.losses import PolicyLossConfig
     from bpo_megatron.models import HFModelConfig, ModelOptions
     from bpo_megatron.parallel import ParallelConfig
     from bpo_megatron.trainer.actor import TrainActor
     from bpo_megatron.trainer.config import TrainerConfig
     from bpo_megatron.trainer.optimizer import OptimizerSettings
+    from bpo_megatron.weights.load import load_hf_weights
 
     hf = HFModelConfig.load(config)
     actor = TrainActor(

@@ -206,8 +206,8 @@ def check_initial_weights(cfg, hf) -> None:
 def check_pretrained_weights(cfg, hf) -> None:
     """A run that starts from ``model.path``'s weights: every file readable (not cut short) and
     every tensor there with the shape its config.json implies."""
-    from bpo_megatron.convert.names import hf_tensor_shapes
-    from bpo_megatron.convert.safetensors_io import HFWeightsReader
+    from bpo_megatron.weights.names import hf_tensor_shapes
+    from bpo_megatron.weights.safetensors_io import HFWeightsReader
 
     try:
         with HFWeightsReader(cfg.model.path) as reader:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from bpo_megatron.rollout.checksums import compare
+from bpo_megatron.weights.checksums import compare
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,6 @@ class TrainWorker:
         self.cfg, self.rank = cfg, rank
         self.hf = cfg.hf_config()
         self._transports: dict[tuple[str, str], Any] = {}  # (transport, engine group) -> it (a group stays open)
-        self._export_plan = None  # how the weights travel to rank 0: built at the first sync, then reused
-        self._staging = None  # the pinned host buffer weights pass through on their way to host memory
         self.actor = TrainActor(
             self.hf, parallel=cfg.parallel, model=cfg.model.options(), loss=cfg.loss, optimizer=cfg.optimizer,
             trainer=TrainerConfig(micro_batch_size=cfg.train.micro_batch_size,
@@ -50,7 +48,7 @@ class TrainWorker:
         return ranks.dp, ranks.dp_size, self.actor.returns_share_results
 
     def load_hf(self, directory: str) -> int:
-        from bpo_megatron.convert import load_hf_weights
+        from bpo_megatron.weights.load import load_hf_weights
 
         loaded = load_hf_weights(self.actor.model, self.hf, directory)
         self.actor.reload_optimizer_params()
@@ -120,19 +118,12 @@ class TrainWorker:
         ``verify``, rank 0 also returns the fingerprints of what it sent.
         """
         from bpo_megatron.models.options import TORCH_DTYPES
-        from bpo_megatron.rollout.checksums import fingerprint
-        from bpo_megatron.weight_sync.export import export_weights
-
-        from bpo_megatron.convert import ExportPlan
-        from bpo_megatron.weight_sync.host_staging import HostStaging
+        from bpo_megatron.weights.checksums import fingerprint
 
         start, expected = time.perf_counter(), {}
         sender = self._transport(transport, channel)
-        self._export_plan = self._export_plan or ExportPlan.build(self.actor.model, self.hf)
-        self._staging = self._staging or HostStaging()
-        stream = export_weights(self.actor, bucket_bytes, dtype=TORCH_DTYPES[dtype] if dtype else None,
-                                host=sender.host_tensors, all_ranks=sender.every_rank, views=sender.views,
-                                plan=self._export_plan, staging=self._staging)
+        stream = self.actor.export_weights(bucket_bytes, dtype=TORCH_DTYPES[dtype] if dtype else None,
+                                           host=sender.host_tensors, all_ranks=sender.every_rank, views=sender.views)
 
         def fingerprinted(buckets):
             for bucket in buckets:
@@ -214,7 +205,7 @@ class EngineWorker:
         return self.engine.update_weights(unpack(packed))
 
     def fingerprints(self) -> dict[str, str]:
-        from bpo_megatron.rollout.checksums import fingerprints
+        from bpo_megatron.weights.checksums import fingerprints
 
         return fingerprints(self.engine.named_hf_weights())
 

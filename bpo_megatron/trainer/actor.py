@@ -35,6 +35,10 @@ from bpo_megatron.trainer.packing import PackedMicroBatch, pack
 from bpo_megatron.trainer.replay import RoutingReplay
 from bpo_megatron.trainer.samples import MicroBatch, TrainSample, chunk, collate
 from bpo_megatron.trainer.shares import Shares, check_batch, prepare_shares
+from bpo_megatron.weights.export import export_weights
+from bpo_megatron.weights.flat_bucket import FlatBucket
+from bpo_megatron.weights.gather import ExportPlan
+from bpo_megatron.weights.host_staging import HostStaging
 
 # What the schedule runs: right-padded rows, or samples packed end to end (train.max_tokens_per_micro_batch).
 Batch = MicroBatch | PackedMicroBatch
@@ -108,6 +112,10 @@ class TrainActor:
         self._tp_group = ps.get_tensor_model_parallel_group()
         self._dp_group = ps.get_data_parallel_group()
         self._pp_group = ps.get_pipeline_model_parallel_group()
+        # how the weights travel to rank 0 (one collective to build): at the first export, then reused
+        self._export_plan: ExportPlan | None = None
+        # the pinned host buffer exported weights pass through on their way to host memory
+        self._staging: HostStaging | None = None
 
     # ------------------------------------------------------------------------------------ API
     @property
@@ -247,6 +255,23 @@ class TrainActor:
                                layout=self._layout(), verify=verify)
         self.step = int(meta.get("actor_step", meta["step"]))
         return meta
+
+    def export_weights(self, bucket_bytes: int, *, dtype: torch.dtype | None = None, host: bool = False,
+                       all_ranks: bool = False, views: bool = False
+                       ) -> Iterator[list[tuple[str, torch.Tensor]] | FlatBucket]:
+        """The model under Hugging Face names, in buckets of at most ``bucket_bytes``: what a
+        weight sync sends (:func:`~bpo_megatron.weights.export.export_weights` says what
+        ``dtype``, ``host``, ``all_ranks`` and ``views`` choose). Every rank must iterate to the
+        end. The export plan is built at the first call and the host staging buffer kept, both
+        reused by every later export of this model (parameters keep their place across
+        offloads)."""
+        if self._offload.offloaded:
+            raise RuntimeError("the trainer's memory is offloaded (engines hold the device): call onload() "
+                               "before export_weights()")
+        self._export_plan = self._export_plan or ExportPlan.build(self.model, self.hf)
+        self._staging = self._staging or HostStaging()
+        return export_weights(self.model, self.hf, bucket_bytes, dtype=dtype, host=host, all_ranks=all_ranks,
+                              views=views, plan=self._export_plan, staging=self._staging)
 
     def set_learning_rate(self, lr: float) -> None:
         """Constant learning rate from the next step on (e.g. a supervised warm start uses its own)."""

@@ -3,7 +3,7 @@
 Engine ``e``'s TP rank ``t`` shares a GPU with trainer rank ``e × tp + t`` (the colocated placement
 puts engine ``e`` on trainer bundles ``e × tp …``). Every trainer rank receives each bucket on its
 own GPU straight into one buffer in SGLang's ``flattened_bucket`` layout (the export's
-:class:`~bpo_megatron.rollout.flat_bucket.FlatBucket`: rank 0 packs its tensors into it, the
+:class:`~bpo_megatron.weights.flat_bucket.FlatBucket`: rank 0 packs its tensors into it, the
 bucket's one copy, and one broadcast fills it elsewhere) and turns that buffer, uncopied, into a
 CUDA IPC handle; the handles are gathered, and the trainer rank beside each engine's TP rank 0
 posts that engine one ``/update_weights_from_tensor`` whose entry ``t`` is the handle from TP rank
@@ -25,8 +25,8 @@ from bpo_megatron import platform
 from bpo_megatron.rollout.sglang.endpoint import ServerEndpoint
 from bpo_megatron.rollout.sglang.http import ServerUnavailable
 from bpo_megatron.rollout.sglang.weights import flattened_bucket, ipc_payload, ipc_update_body
-from bpo_megatron.rollout.weight_buckets import tensor_bytes
-from bpo_megatron.rollout.flat_bucket import FlatBucket
+from bpo_megatron.weights.buckets import tensor_bytes
+from bpo_megatron.weights.flat_bucket import FlatBucket
 
 UPDATE_TIMEOUT_S = 600.0  # a server answers once its ranks loaded the bucket
 

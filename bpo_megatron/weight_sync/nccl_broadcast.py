@@ -18,7 +18,7 @@ import torch
 
 from bpo_megatron.rollout.sglang.endpoint import ServerEndpoint
 from bpo_megatron.rollout.sglang.weights import DistributedWeightSender
-from bpo_megatron.rollout.weight_buckets import tensor_bytes
+from bpo_megatron.weights.buckets import tensor_bytes
 
 GROUP_NAME = "bpo-weight-sync"
 ANNOUNCE_TIMEOUT_S = 600.0  # a server answers once its ranks received the whole bucket

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from bpo_megatron.rollout.weight_buckets import tensor_bytes
+from bpo_megatron.weights.buckets import tensor_bytes
 
 Packed = list[tuple[str, str, tuple[int, ...], Any]]  # (name, dtype, shape, numpy uint8 array)
 

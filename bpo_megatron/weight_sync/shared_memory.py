@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from bpo_megatron.rollout.hf.shared_weights import SegmentLayout, attach
-from bpo_megatron.rollout.weight_buckets import tensor_bytes
+from bpo_megatron.weights.buckets import tensor_bytes
 from bpo_megatron.weight_sync.object_store import deliver, pack
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bpo_megatron.rollout.checksums import fingerprints
+from bpo_megatron.weights.checksums import fingerprints
 from bpo_megatron.rollout.sglang import server as server_module
 from bpo_megatron.rollout.engine import EngineLost
 from bpo_megatron.rollout.sglang.http import ServerError, ServerUnavailable, request_json

@@ -24,7 +24,7 @@ from bpo_megatron.models import HFModelConfig
 from bpo_megatron.models.routing import RoutingLayout
 from bpo_megatron.rollout import GenerationRequest, SamplingParams
 from bpo_megatron.rollout.agents import Agent, AgentConfig, Conversations
-from bpo_megatron.rollout.checksums import fingerprints
+from bpo_megatron.weights.checksums import fingerprints
 from bpo_megatron.rollout.engine import EngineLost
 from bpo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
 from bpo_megatron.rollout.sglang.engine import WeightUpdateRefused

@@ -53,7 +53,7 @@ def engine_process(model_dir: str, dtype: str, device: str, inbox, outbox) -> No
     """The engine side: its own process (and, on a GPU, its own CUDA context on the same device)."""
     try:
         from bpo_megatron.models.options import TORCH_DTYPES
-        from bpo_megatron.rollout.checksums import fingerprints
+        from bpo_megatron.weights.checksums import fingerprints
         from bpo_megatron.rollout.hf.engine import HFEngine
 
         if device == "cpu":
@@ -104,7 +104,7 @@ def run(profile: Profile, workdir: Path) -> Outcome:
     from safetensors.torch import load_file
 
     from bpo_megatron.models.options import TORCH_DTYPES
-    from bpo_megatron.rollout.checksums import fingerprints
+    from bpo_megatron.weights.checksums import fingerprints
 
     out = Outcome("ipc_weights")
     device = str(platform.device())

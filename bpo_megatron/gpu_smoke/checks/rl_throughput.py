@@ -61,10 +61,10 @@ def _engine(profile: Profile, model_dir: Path):
 
 
 def run(profile: Profile, workdir: Path) -> Outcome:
-    from bpo_megatron.convert import iter_hf_weights
     from bpo_megatron.models import HFModelConfig
     from bpo_megatron.models.hf_config import parameter_counts
     from bpo_megatron.rollout import GenerationRequest, SamplingParams
+    from bpo_megatron.weights.buckets import DEFAULT_BUCKET_BYTES
 
     out = Outcome("rl_throughput")
     config = profile.large_model
@@ -111,8 +111,9 @@ def run(profile: Profile, workdir: Path) -> Outcome:
             with timed(times, f"{name}_train_s"):
                 varied_metrics[name] = actor.train_step(varied)
         actor.trainer_cfg = batching["padded"]
-        with timed(times, "sync_s"):
-            synced = engine.update_weights(iter_hf_weights(actor.model, hf, dst=0))
+        with timed(times, "sync_s"):  # what a sync sends (the actor's export), into an engine in this process
+            synced = sum(engine.update_weights(bucket)
+                         for bucket in actor.export_weights(DEFAULT_BUCKET_BYTES, views=True))
         with timed(times, "offload_s"):
             offloaded = actor.offload()
         with timed(times, "onload_s"):

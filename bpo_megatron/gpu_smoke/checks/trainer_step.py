@@ -19,8 +19,8 @@ def _reference_model(actor, hf, model_dir: Path):
     """transformers' Qwen3-MoE in fp32 on the CPU, holding the trainer's weights upcast exactly."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from bpo_megatron.convert import iter_hf_weights
     from bpo_megatron.rollout.hf.weights import HFWeights
+    from bpo_megatron.weights.gather import iter_hf_weights
 
     config = AutoConfig.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -34,14 +34,12 @@ def _host_export(actor, hf) -> tuple[bool, bool, int]:
     """The weights as the host transports take them (buckets through the pinned staging buffer,
     copied while the next tensors are gathered): (every tensor equal to the direct export, every
     staged tensor pinned, tensors)."""
-    from bpo_megatron.convert import iter_hf_weights
-    from bpo_megatron.weight_sync.export import export_weights
-    from bpo_megatron.weight_sync.host_staging import HostStaging
+    from bpo_megatron.weights.gather import iter_hf_weights
 
     bucket = 4 << 20
     direct = {name: tensor.detach().cpu().clone() for name, tensor in iter_hf_weights(actor.model, hf, dst=0)}
     equal, pinned, seen = True, True, []
-    for staged in export_weights(actor, bucket, host=True, staging=HostStaging()):
+    for staged in actor.export_weights(bucket, host=True):  # the trainer's own plan and staging buffer
         for name, tensor in staged:
             seen.append(name)
             equal &= tensor.device.type == "cpu" and torch.equal(tensor, direct[name])

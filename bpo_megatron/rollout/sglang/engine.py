@@ -26,7 +26,7 @@ from bpo_megatron.rollout.types import (
     Sample,
     response_slots,
 )
-from bpo_megatron.rollout.weight_buckets import buckets, tensor_bytes
+from bpo_megatron.weights.buckets import buckets, tensor_bytes
 
 
 class WeightUpdateRefused(RuntimeError):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from bpo_megatron.rollout.sglang import ipc_pickle
 from bpo_megatron.rollout.sglang.nccl import NcclVersion, nccl_version
-from bpo_megatron.rollout.flat_bucket import ALIGN, FlatBucket
+from bpo_megatron.weights.flat_bucket import ALIGN, FlatBucket
 
 _DEVICE_PREFIX = {"gloo": "cpu", "nccl": "cuda"}
 
@@ -81,7 +81,7 @@ class DistributedWeightSender:
 def flattened_bucket(bucket: list[tuple[str, torch.Tensor]] | FlatBucket) -> dict:
     """SGLang's ``flattened_bucket`` load format: one uint8 buffer on the tensors' device holding
     them back to back, each at a multiple of :data:`ALIGN` bytes, and per tensor its name, shape,
-    dtype and byte range (:mod:`bpo_megatron.rollout.flat_bucket` defines the layout). A
+    dtype and byte range (:mod:`bpo_megatron.weights.flat_bucket` defines the layout). A
     :class:`FlatBucket` is in this layout already: its buffer is handed over as is, not copied;
     named tensors are copied into a new one."""
     flat = bucket if isinstance(bucket, FlatBucket) else FlatBucket.pack(bucket, align=ALIGN)

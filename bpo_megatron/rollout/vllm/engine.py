@@ -45,7 +45,7 @@ from bpo_megatron.rollout.types import (
     SamplingParams,
     response_slots,
 )
-from bpo_megatron.rollout.weight_buckets import buckets, tensor_bytes
+from bpo_megatron.weights.buckets import buckets, tensor_bytes
 
 LOAD_WEIGHTS_RPC = "bpo_load_weights"  # method WeightLoadingExtension adds to vLLM's workers
 _FINISH: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from bpo_megatron.rollout.weight_buckets import DEFAULT_BUCKET_BYTES
+from bpo_megatron.weights.buckets import DEFAULT_BUCKET_BYTES
 
 LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
 # the class vLLM mixes into its workers so that they load tensors by Hugging Face name

@@ -32,16 +32,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from bpo_megatron.convert.layouts import LAYOUTS, LayoutContext
-from bpo_megatron.convert.local_weights import LocalWeight, local_weights, unwrap
-from bpo_megatron.convert.names import (
+from bpo_megatron.models.hf_config import HFModelConfig
+from bpo_megatron.weights.layouts import LAYOUTS, LayoutContext
+from bpo_megatron.weights.local_weights import LocalWeight, local_weights, unwrap
+from bpo_megatron.weights.names import (
     RULES_BY_NAME,
     WeightKey,
     expected_keys,
     model_dims,
     sort_key,
 )
-from bpo_megatron.models.hf_config import HFModelConfig
 
 _DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.bfloat16, torch.float16)}
 _GROUP_KINDS = ("tensor", "expert_tensor", "expert", "pipeline")

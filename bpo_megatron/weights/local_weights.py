@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from bpo_megatron.convert.layouts import LAYOUTS
-from bpo_megatron.convert.names import WeightKey, WeightRule, match_megatron_name
+from bpo_megatron.weights.layouts import LAYOUTS
+from bpo_megatron.weights.names import WeightKey, WeightRule, match_megatron_name
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from bpo_megatron.convert.layouts import LAYOUTS, LayoutContext
-from bpo_megatron.convert.local_weights import local_weights, unwrap
-from bpo_megatron.convert.names import model_dims
-from bpo_megatron.convert.safetensors_io import HFWeightsReader
 from bpo_megatron.models.hf_config import HFModelConfig
+from bpo_megatron.weights.layouts import LAYOUTS, LayoutContext
+from bpo_megatron.weights.local_weights import local_weights, unwrap
+from bpo_megatron.weights.names import model_dims
+from bpo_megatron.weights.safetensors_io import HFWeightsReader
 
 
 def load_hf_weights(model: torch.nn.Module, hf: HFModelConfig,

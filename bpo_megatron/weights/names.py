@@ -6,7 +6,7 @@ names of both module specs (Megatron's local torch modules, used on CPU, and tra
 on GPU, which fuses the block norms into the following linear layer and keeps the experts of a
 layer in one grouped module), the Hugging Face names it becomes (the names on disk:
 ``mlp.experts.{e}.gate_proj.weight``, even though transformers 5 fuses experts in memory), their
-shapes in terms of the config, and the name of the layout in :mod:`bpo_megatron.convert.layouts`.
+shapes in terms of the config, and the name of the layout in :mod:`bpo_megatron.weights.layouts`.
 
 A weight is identified across ranks by its :data:`WeightKey` ``(rule, global layer, global
 expert)``, with -1 where a rule has no layer or expert.

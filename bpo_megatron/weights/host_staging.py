@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from bpo_megatron.rollout.weight_buckets import tensor_bytes
+from bpo_megatron.weights.buckets import tensor_bytes
 
 _ALIGN = 256  # bytes: every tensor's place starts where any dtype's view may begin
 
