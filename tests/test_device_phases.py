@@ -21,7 +21,7 @@ def colocated(ray_session, small_run, tmp_path):
     from bpo_megatron.loop.run_dir import initial_hf_dir
     from bpo_megatron.orchestration.groups import EngineGroup, TrainerGroup, run_placement
     from bpo_megatron.orchestration.phases import DevicePhases
-    from bpo_megatron.orchestration.weight_sync import sync_weights
+    from bpo_megatron.weight_sync.session import sync_weights
 
     cfg = small_run(tmp_path, "cluster.colocate=true", "rollout.num_engines=2")
     model_dir = initial_hf_dir(cfg)

@@ -188,7 +188,7 @@ class _WeightPusher:
 
 def test_an_engine_that_died_between_rollouts_is_replaced_by_the_next_sync(group, pushed_weights, expected):
     """Killed while the trainer trains: the sync replaces it and gives it the new weights."""
-    from bpo_megatron.orchestration.weight_sync import sync_weights
+    from bpo_megatron.weight_sync.session import sync_weights
 
     restarted = _arm(group, pushed_weights)
     restarts_before = group.restarts
@@ -220,7 +220,7 @@ def test_shared_memory_sync_writes_each_engines_weights_in_place(group, pushed_w
     """The embedded engines keep their weights in a shared memory file the driver (here, as
     trainer rank 0 on this node) writes into; the file has no name anywhere, so once a killed
     engine is replaced nothing holds its memory, and the replacement gets a file of its own."""
-    from bpo_megatron.orchestration.weight_sync import sync_weights
+    from bpo_megatron.weight_sync.session import sync_weights
 
     pusher = _WeightPusher(pushed_weights)
     sync_weights(pusher, group, transport="shared_memory", version=7, bucket_bytes=1 << 16, verify=True)
@@ -248,7 +248,7 @@ def test_shared_memory_sync_writes_each_engines_weights_in_place(group, pushed_w
 def test_engines_whose_weights_cannot_be_mapped_get_them_through_the_object_store(group, pushed_weights, expected,
                                                                                     monkeypatch):
     """A trainer that may not open an engine's memory (a /proc that forbids it) still syncs it."""
-    from bpo_megatron.orchestration.weight_sync import sync_weights
+    from bpo_megatron.weight_sync.session import sync_weights
     from bpo_megatron.weight_sync import shared_memory
 
     def refused(layout):
@@ -296,7 +296,7 @@ def test_control_calls_are_answered_while_generations_fill_the_engine(async_grou
     sync's health check, version and a whole weight update still go through at once, and no
     busy engine is taken for a hung one (it used to be: two generations filled the actor's two
     call slots, the health check timed out after 30 s and the engine was killed)."""
-    from bpo_megatron.orchestration.weight_sync import sync_weights
+    from bpo_megatron.weight_sync.session import sync_weights
 
     restarted = _arm(async_group, pushed_weights)
     restarts_before = async_group.restarts

@@ -82,7 +82,7 @@ class Evaluations:
         inline evaluation), given the weights of ``trainer`` (whose devices ``phases`` hands out)."""
         if evaluators is None:
             return cls(plan, reward_fn, best, metrics_out, echo)
-        from bpo_megatron.orchestration.weight_sync import sync_weights
+        from bpo_megatron.weight_sync.session import sync_weights
 
         cfg = plan.cfg
         apart = cfg.rollout.spec.transport(cfg.rollout.options, False)  # the evaluation engines' devices are theirs

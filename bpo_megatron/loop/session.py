@@ -27,8 +27,8 @@ from bpo_megatron.orchestration.cluster import start_ray, stop_ray
 from bpo_megatron.orchestration.groups import EngineGroup, TrainerGroup, run_placement
 from bpo_megatron.orchestration.placement import EVALUATION
 from bpo_megatron.orchestration.phases import DevicePhases
-from bpo_megatron.orchestration.weight_sync import sync_weights
 from bpo_megatron.rollout.agents import with_agent
+from bpo_megatron.weight_sync.session import sync_weights
 
 
 class RunSession:

@@ -17,7 +17,7 @@ trainer's parameters (``views``: the transport copies them before training resum
 sends (``every_rank``) or rank 0 alone, whether it must reach all engines at once
 (``whole_group``), and what it addresses (``destinations(engines, indices)``).
 
-The driver (:mod:`bpo_megatron.orchestration.weight_sync`) opens each engine's update session,
+The driver (:mod:`bpo_megatron.weight_sync.session`) opens each engine's update session,
 lets the trainer send, and closes the sessions; the transports only move bytes.
 """
 

@@ -348,7 +348,7 @@ def test_trainer_rank_0_broadcasts_each_bucket_to_every_engine_rank_at_once(ray_
 
     from bpo_megatron.experiment import load_experiment
     from bpo_megatron.orchestration.groups import EngineGroup, TrainerGroup
-    from bpo_megatron.orchestration.weight_sync import sync_weights
+    from bpo_megatron.weight_sync.session import sync_weights
 
     served, pushed_dir = checkpoints
     cfg = load_experiment(None, [
@@ -403,7 +403,7 @@ def test_colocated_engine_ranks_each_map_the_trainer_rank_beside_them(ray_sessio
 
     from bpo_megatron.experiment import load_experiment
     from bpo_megatron.orchestration.groups import EngineGroup, TrainerGroup
-    from bpo_megatron.orchestration.weight_sync import sync_weights
+    from bpo_megatron.weight_sync.session import sync_weights
 
     def _tag_ipc_payloads(worker) -> None:  # defined here: Ray ships it by value to the trainer actor
         """The trainer rank's CUDA IPC transport with the test's serializer (host bytes inline, as no
