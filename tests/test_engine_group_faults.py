@@ -177,12 +177,13 @@ class _WeightPusher:
         self.fingerprints = {name: fingerprint(tensor) for name, tensor in weights}
         self.transports = {}
 
-    def push_weights(self, transport, targets, version, bucket_bytes, verify, dtype, role="rollout"):
-        from bpo_megatron.weights.buckets import buckets
+    def push_weights(self, transport, endpoints, version, bucket_bytes, verify, dtype, role="rollout"):
         from bpo_megatron.weight_sync import transport_class
+        from bpo_megatron.weights.buckets import buckets
 
         sender = self.transports.setdefault(transport, transport_class(transport)())
-        report = sender.send(buckets(self.weights, bucket_bytes), targets, version)
+        sender.prepare(endpoints)
+        report = sender.send(buckets(self.weights, bucket_bytes), version)
         return {**report, "seconds": 1.0, "fingerprints": self.fingerprints}
 
 
@@ -249,7 +250,7 @@ def test_engines_whose_weights_cannot_be_mapped_get_them_through_the_object_stor
                                                                                     monkeypatch):
     """A trainer that may not open an engine's memory (a /proc that forbids it) still syncs it."""
     from bpo_megatron.weight_sync.session import sync_weights
-    from bpo_megatron.weight_sync import shared_memory
+    from bpo_megatron.rollout.hf import shared_memory
 
     def refused(layout):
         raise PermissionError(f"/proc/{layout.pid}/fd/{layout.fd}: operation not permitted")

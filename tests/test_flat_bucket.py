@@ -153,12 +153,14 @@ def _stream_items(rank: int):
 
 def _export_and_send(world: int) -> dict:
     """On every rank: the real ``export_weights(all_ranks=True)`` over a stand-in weight stream (the
-    tensors on rank 0 only, as the gather leaves them), fed to ``CudaIpc.send`` for one engine of TP
-    ``world``, whose server and IPC serializer are stand-ins recording what they got."""
+    tensors on rank 0 only, as the gather leaves them), fed to ``CudaIpc`` (prepared, then sent)
+    for one engine of TP ``world``, whose server and IPC serializer are stand-ins recording what
+    they got."""
     import torch.distributed as dist
 
+    from bpo_megatron.rollout.sglang.cuda_ipc import CudaIpc
+    from bpo_megatron.weight_sync.transport import EngineEndpoint
     from bpo_megatron.weights import export
-    from bpo_megatron.weight_sync.cuda_ipc import CudaIpc
 
     rank = dist.get_rank()
     export.weight_stream = lambda model, hf, **_: iter(_stream_items(rank))
@@ -191,13 +193,16 @@ def _export_and_send(world: int) -> dict:
 
     class Server:
         url = "http://stand-in"
+        tp_size = world
 
         def post(self, path, body, timeout):
             posted.append((path, body["serialized_named_tensors"], body["weight_version"]))
             return {"success": True}
 
     stream = export.export_weights(torch.nn.Linear(1, 1), None, BUCKET_BYTES, all_ranks=True, views=True)
-    report = CudaIpc(serializer=serializer).send(recorded(stream), [(Server(), tuple(range(world)))], version=3)
+    sender = CudaIpc(serializer=serializer)
+    sender.prepare([EngineEndpoint(index=0, server=Server())])  # beside trainer ranks 0 … world − 1
+    report = sender.send(recorded(stream), version=3)
     return {"exported": exported, "handed": handed, "broadcasts": broadcasts, "posted": posted, "report": report}
 
 

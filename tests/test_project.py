@@ -146,3 +146,39 @@ def test_the_weights_sit_below_the_trainer_and_convert_is_only_the_offline_tool(
     for module, imported in _graph().items():
         if _top(module) not in {"convert", "cli", "commands"}:
             assert not any(_top(t) == "convert" for t in imported), f"{module} imports the offline converter"
+
+
+def _transport_modules() -> set[str]:
+    from bpo_megatron.weight_sync import TRANSPORTS
+
+    return {target.partition(":")[0] for target in TRANSPORTS.values()}
+
+
+def _closure(module: str, graph: dict[str, set[str]]) -> set[str]:
+    """The modules ``module`` reaches through its imports."""
+    seen, todo = set(), [module]
+    while todo:
+        for target in graph[todo.pop()]:
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_transports_import_no_engine_group_and_the_loop_imports_no_transport():
+    """A transport receives endpoint records (what the driver asked of the engines) and never
+    reaches back into the engine group, or anything else of Ray's orchestration; an engine's
+    transports live in its folder, found by name through the registry, so the generic seam
+    (``weight_sync``) imports no engine and the loop no transport."""
+    graph, transports = _graph(), _transport_modules()
+    assert transports <= set(graph), "every registered transport is a module of the package"
+    for module in transports:
+        reached = _closure(module, graph)
+        assert not any(_top(t) in {"orchestration", "loop", "trainer"} for t in reached), module
+    for module, imported in graph.items():
+        if _top(module) == "loop":
+            assert not imported & transports, f"{module} imports a transport"
+        if _top(module) == "weight_sync":
+            assert not any(_top(t) == "rollout" for t in imported), f"{module} imports an engine"
+    allowed = _package_map()
+    assert "rollout" not in _reached("weight_sync", allowed) and "weight_sync" in allowed["rollout"]

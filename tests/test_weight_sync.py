@@ -7,7 +7,7 @@ import pytest
 
 from bpo_megatron.rollout.engine import ENGINES, engine_spec
 from bpo_megatron.weight_sync import TRANSPORTS, transport_class
-from bpo_megatron.weight_sync.cuda_ipc import colocated_ranks
+from bpo_megatron.rollout.sglang.cuda_ipc import colocated_ranks
 
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))
@@ -37,3 +37,40 @@ def test_colocated_engine_tp_ranks_sit_beside_consecutive_trainer_ranks():
 def test_an_unknown_transport_names_those_there_are():
     with pytest.raises(ValueError, match=r"no weight transport 'rdma'; there are \['cuda_ipc', 'nccl_broadcast'"):
         transport_class("rdma")
+
+
+@pytest.mark.parametrize("name", sorted(TRANSPORTS))
+def test_every_transport_is_prepared_with_endpoints_then_sends_and_closes(name):
+    """The protocol: ``prepare(endpoints)``, ``send(buckets, version)``, ``close()``; a transport
+    names the parts of an endpoint it reads, and nothing else of the engine group."""
+    import inspect
+
+    from bpo_megatron.weight_sync.transport import ENDPOINT_PARTS
+
+    sender = transport_class(name)
+    assert list(inspect.signature(sender.prepare).parameters) == ["self", "endpoints"]
+    assert list(inspect.signature(sender.send).parameters) == ["self", "buckets", "version"]
+    assert list(inspect.signature(sender.close).parameters) == ["self"]
+    assert sender.needs and sender.needs <= ENDPOINT_PARTS
+    assert all(isinstance(getattr(sender, flag), bool) for flag in ("host_tensors", "views", "every_rank", "whole_group"))
+
+
+def test_the_engine_group_asks_its_engines_only_for_what_the_transport_needs():
+    from bpo_megatron.orchestration.engine_group import EngineGroup
+    from bpo_megatron.weight_sync.transport import EngineEndpoint
+
+    asked: list[str] = []
+    group = EngineGroup.__new__(EngineGroup)  # its calls to the engines stood in for
+    group.workers = ["actor 0", "actor 1", "actor 2"]
+    group.endpoints = lambda only: asked.append("endpoint") or [f"server {i}" for i in only]
+    group.weight_segments = lambda only: (asked.append("weight_segment")
+                                          or [(f"node {i}", f"segment {i}") for i in only])
+
+    assert group.weight_endpoints([2, 0], frozenset({"server"})) == [EngineEndpoint(2, server="server 2"),
+                                                                      EngineEndpoint(0, server="server 0")]
+    assert asked == ["endpoint"]
+    assert group.weight_endpoints([1], frozenset({"actor", "node", "segment"})) == [
+        EngineEndpoint(1, actor="actor 1", node="node 1", segment="segment 1")]
+    assert asked == ["endpoint", "weight_segment"]
+    with pytest.raises(ValueError, match=r"needs \['cfg'\]"):
+        group.weight_endpoints([0], frozenset({"server", "cfg"}))

@@ -187,8 +187,9 @@ def _sync_rank(cfg: BenchConfig, model_dir: str) -> dict:
     from bpo_megatron.trainer.actor import TrainActor
     from bpo_megatron.trainer.config import TrainerConfig
     from bpo_megatron.trainer.optimizer import OptimizerSettings
+    from bpo_megatron.rollout.hf.shared_memory import SharedMemory
     from bpo_megatron.weight_sync.object_store import ObjectStore
-    from bpo_megatron.weight_sync.shared_memory import SharedMemory
+    from bpo_megatron.weight_sync.transport import EngineEndpoint
     from bpo_megatron.weights.buckets import tensor_bytes
     from bpo_megatron.weights.checksums import fingerprints
     from bpo_megatron.weights.load import load_hf_weights
@@ -201,7 +202,10 @@ def _sync_rank(cfg: BenchConfig, model_dir: str) -> dict:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="error")
     remote = ray.remote(_EngineHost).options(num_cpus=0).remote(model_dir)
     shared = ray.remote(_EngineHost).options(num_cpus=0).remote(model_dir)
-    shared_target = [(shared, *ray.get(shared.weight_segment.remote()))]
+    node, segment = ray.get(shared.weight_segment.remote())
+    # what the driver hands each transport: the engine's endpoint (see EngineGroup.weight_endpoints)
+    shared_endpoints = [EngineEndpoint(index=0, actor=shared, node=node, segment=segment)]
+    remote_endpoints = [EngineEndpoint(index=0, actor=remote)]
     shared_sender = SharedMemory()
     bucket_bytes = cfg.bucket_mb * MiB
     # what TrainWorker.push_weights streams: the actor's export (its plan built once and reused, as
@@ -228,14 +232,15 @@ def _sync_rank(cfg: BenchConfig, model_dir: str) -> dict:
             engine.update_weights(bucket)
         engine.end_weight_update()
 
-    def through(sender, engine, targets) -> None:
+    def through(sender, engine, endpoints) -> None:
         ray.get(engine.begin_weight_update.remote(1))
-        report = sender.send(exported(host=sender.host_tensors, views=sender.views), targets, version=1)
+        sender.prepare(endpoints)
+        report = sender.send(exported(host=sender.host_tensors, views=sender.views), version=1)
         ray.get(engine.end_weight_update.remote())
         assert not report["failed"]
 
-    runs = dict(zip(SYNC_METHODS, (copy, export, in_process, lambda: through(shared_sender, shared, shared_target),
-                                   lambda: through(ObjectStore(), remote, [remote]))))
+    runs = dict(zip(SYNC_METHODS, (copy, export, in_process, lambda: through(shared_sender, shared, shared_endpoints),
+                                   lambda: through(ObjectStore(), remote, remote_endpoints))))
     seconds: dict[str, list[float]] = {name: [] for name in runs}
     for repeat in range(cfg.repeats + 1):
         for name, run_once in runs.items():

@@ -26,6 +26,7 @@ from bpo_megatron.orchestration.stall_watch import StallWatch
 from bpo_megatron.orchestration.workers import EngineWorker
 from bpo_megatron.rollout.engine import EngineLost, EngineUnresponsive
 from bpo_megatron.trainer.samples import split
+from bpo_megatron.weight_sync.transport import ENDPOINT_PARTS, EngineEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +240,21 @@ class EngineGroup:
         """Each engine's ``(node, layout)`` of its shared-memory weights (embedded engines)."""
         return self.call("weight_segment", only=only)
 
+    def weight_endpoints(self, only: list[int], needs: frozenset[str]) -> list[EngineEndpoint]:
+        """What a weight transport reaches each engine of ``only`` by: the parts of an
+        :class:`~bpo_megatron.weight_sync.transport.EngineEndpoint` it ``needs``, asked of the
+        engines here (an engine found dead meanwhile is replaced, as :meth:`call` does), so the
+        transport never calls back into the group."""
+        if not needs <= ENDPOINT_PARTS:
+            raise ValueError(f"a weight transport needs {sorted(needs - ENDPOINT_PARTS)}; an engine endpoint has "
+                             f"{sorted(ENDPOINT_PARTS)}")
+        servers = self.endpoints(only=only) if "server" in needs else [None] * len(only)
+        segments = self.weight_segments(only=only) if {"node", "segment"} & needs else [(None, None)] * len(only)
+        # the actors last: the calls above may have replaced one
+        return [EngineEndpoint(index=i, actor=self.workers[i] if "actor" in needs else None, server=server,
+                               node=node, segment=segment)
+                for i, server, (node, segment) in zip(only, servers, segments)]
+
     def weight_versions(self, only: list[int] | None = None) -> list[int]:
         return self.call("weight_version", only=only)
 
@@ -262,6 +278,14 @@ class EngineGroup:
     def held_versions(self, only: list[int]) -> tuple[dict[int, int], list[int]]:
         """The weights version each engine of ``only`` holds, and those found lost."""
         return self.call_surviving("weight_version", only=only)
+
+    def join_weight_group(self, address: str, port: int, offsets: list[int], world_size: int) -> None:
+        """Every engine's ranks join the weight group hosted at ``address:port`` (engine ``i``'s
+        from rank ``offsets[i]``); returns once all joined (the host joins meanwhile)."""
+        import ray
+
+        ray.get([w.join_weight_group.remote(address, port, offset, world_size)
+                 for w, offset in zip(self.workers, offsets)])
 
     def leave_weight_group(self, only: list[int]) -> list[int]:
         return self.call_surviving("leave_weight_group", only=only)[1]

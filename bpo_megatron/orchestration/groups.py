@@ -170,12 +170,12 @@ class TrainerGroup:
         self.call("release_cached_memory")
 
     # ---------------------------------------------------------------------- weights to engines
-    def push_weights(self, transport: str, destinations: list, version: int, bucket_bytes: int, verify: bool,
+    def push_weights(self, transport: str, endpoints: list, version: int, bucket_bytes: int, verify: bool,
                      dtype: str | None, role: str) -> dict[str, Any]:
-        """The weights, the ``version``-th update, to ``destinations`` over ``transport`` (every
-        rank takes part in the gather); rank 0's report (bytes, seconds, failed destinations,
-        fingerprints)."""
-        return self.call("push_weights", transport, destinations, version, bucket_bytes, verify, dtype, role)[0]
+        """The weights, the ``version``-th update, to the engines at ``endpoints`` over
+        ``transport`` (every rank takes part in the gather); rank 0's report (bytes, seconds,
+        failed endpoints, fingerprints)."""
+        return self.call("push_weights", transport, endpoints, version, bucket_bytes, verify, dtype, role)[0]
 
     def nccl_version(self):
         """The NCCL version rank 0 runs (None without NCCL)."""
@@ -185,13 +185,15 @@ class TrainerGroup:
         """Where rank 0 hosts a weight group: its node's address and a free port."""
         return self.call("weight_group_address")[0]
 
-    def open_weight_group(self, address: str, port: int, world_size: int, role: str) -> list:
-        """Start hosting the weight group of the engines of ``role`` (rank 0); returns the calls
-        under way, :meth:`wait` for them once the engines have joined."""
-        return self.submit("open_weight_group", address, port, world_size, role)
+    def open_weight_group(self, transport: str, address: str, port: int, world_size: int, role: str) -> list:
+        """Start hosting the weight group of ``transport`` for the engines of ``role`` (rank 0);
+        returns the calls under way, :meth:`wait` for them once the engines have joined."""
+        return self.submit("open_weight_group", transport, address, port, world_size, role)
 
-    def close_weight_group(self, role: str) -> None:
-        self.call("close_weight_group", role)
+    def close_transport(self, transport: str, role: str) -> None:
+        """Every rank releases its ``transport`` to the engines of ``role`` (e.g. a weight group
+        about to be formed again)."""
+        self.call("close_transport", transport, role)
 
     def take_sent_bytes(self) -> int:
         """Bytes put into the object store for the ranks since the last call."""

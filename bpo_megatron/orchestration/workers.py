@@ -98,23 +98,26 @@ class TrainWorker:
 
         return DistributedWeightSender.nccl_version()
 
-    def open_weight_group(self, master_address: str, master_port: int, world_size: int,
+    def open_weight_group(self, transport: str, master_address: str, master_port: int, world_size: int,
                           channel: str = "rollout") -> None:
-        """Rank 0 joins (and hosts) the group shared with the engines' TP ranks; others do nothing.
-        ``channel``: which engine group it serves (rollout or evaluation engines: a group each)."""
+        """Rank 0 joins (and hosts) the group of ``transport`` shared with the engines' TP ranks;
+        others do nothing. ``channel``: which engine group it serves (rollout or evaluation
+        engines: a group each)."""
         if self.rank == 0:
-            self._transport("nccl_broadcast", channel).open(master_address, master_port, world_size,
-                                                            platform.distributed_backend())
+            self._transport(transport, channel).open(master_address, master_port, world_size,
+                                                     platform.distributed_backend())
 
-    def push_weights(self, transport: str, targets: list, version: int, bucket_bytes: int, verify: bool,
+    def push_weights(self, transport: str, endpoints: list, version: int, bucket_bytes: int, verify: bool,
                      dtype: str | None = None, channel: str = "rollout") -> dict[str, Any]:
-        """Stream the model as Hugging Face tensors; rank 0 sends the buckets over ``transport``
-        to ``targets`` (engine actors, or servers' URLs: what the transport addresses).
+        """Stream the model as Hugging Face tensors (the actor's export); rank 0 sends the buckets
+        over ``transport`` to the engines at ``endpoints`` (the driver's
+        :class:`~bpo_megatron.weight_sync.transport.EngineEndpoint` records): the transport is
+        prepared for them, then sends.
 
         Every rank takes part in gathering the shards; rank 0 alone talks to the engines, or every
         rank for a transport that sends from every GPU (``cuda_ipc``). ``dtype``
         (``fp32``/``bf16``) converts the tensors to the engines' precision first. Engines that
-        died meanwhile are reported in ``failed`` (their positions in ``targets``). With
+        died meanwhile are reported in ``failed`` (their positions in ``endpoints``). With
         ``verify``, rank 0 also returns the fingerprints of what it sent.
         """
         from bpo_megatron.models.options import TORCH_DTYPES
@@ -135,12 +138,15 @@ class TrainWorker:
             for _ in stream:  # this rank's shards go to rank 0 while the stream runs
                 pass
             return {"bytes": 0, "seconds": 0.0, "fingerprints": {}, "failed": []}
-        report = sender.send(fingerprinted(stream), targets, version)
+        sender.prepare(endpoints)
+        report = sender.send(fingerprinted(stream), version)
         return {**report, "seconds": time.perf_counter() - start, "fingerprints": expected}
 
-    def close_weight_group(self, channel: str = "rollout") -> None:
-        if self.rank == 0 and ("nccl_broadcast", channel) in self._transports:
-            self._transports.pop(("nccl_broadcast", channel)).close()
+    def close_transport(self, transport: str, channel: str = "rollout") -> None:
+        """Release what this rank's ``transport`` to the engines of ``channel`` holds (a weight
+        group, before it is formed again); the next sync builds it anew."""
+        if (transport, channel) in self._transports:
+            self._transports.pop((transport, channel)).close()
 
     def _transport(self, name: str, channel: str = "rollout"):
         """This rank's transport ``name`` to the engines of ``channel`` (each engine group its
@@ -219,13 +225,13 @@ class EngineWorker:
         return self.engine.nccl_version()
 
     def join_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
-        from bpo_megatron.weight_sync.nccl_broadcast import GROUP_NAME
+        from bpo_megatron.rollout.sglang.nccl_broadcast import GROUP_NAME
 
         self.engine.join_weight_group(master_address, master_port, rank_offset, world_size, GROUP_NAME,
                                       platform.distributed_backend())
 
     def leave_weight_group(self) -> None:
-        from bpo_megatron.weight_sync.nccl_broadcast import GROUP_NAME
+        from bpo_megatron.rollout.sglang.nccl_broadcast import GROUP_NAME
 
         self.engine.leave_weight_group(GROUP_NAME)
 

@@ -135,8 +135,8 @@ class EngineSpec:
     options: type  # the dataclass of the rollout.<name> section
     build: Callable[[Any, EngineContext], RolloutEngine]
     profile: Callable[[Any, int, float], EngineProfile]
-    # the weight transport (bpo_megatron.weight_sync) it receives with, given its options and
-    # whether it shares the trainer's devices
+    # the name of the weight transport it receives with (bpo_megatron.weight_sync.TRANSPORTS; an
+    # engine's own live in its folder), given its options and whether it shares the trainer's devices
     transport: Callable[[Any, bool], str]
     check: Callable[[Any], None] = _no_check
     weight_dtype: Callable[[Any], str | None] = _engine_dtype

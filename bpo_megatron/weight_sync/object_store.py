@@ -15,19 +15,20 @@ from typing import Any
 
 import torch
 
+from bpo_megatron.weight_sync.transport import Bucket, EngineEndpoint, SendReport
 from bpo_megatron.weights.buckets import tensor_bytes
 
 Packed = list[tuple[str, str, tuple[int, ...], Any]]  # (name, dtype, shape, numpy uint8 array)
 
 
-def pack(bucket: list[tuple[str, torch.Tensor]]) -> Packed:
+def pack(bucket: Bucket) -> Packed:
     """Host tensors → their bytes as NumPy arrays (views; copies only of non-contiguous tensors).
     NumPy views make torch mark a storage unresizable: pack copies, never a model's parameters."""
     return [(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
              tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()) for name, tensor in bucket]
 
 
-def unpack(packed: Packed) -> list[tuple[str, torch.Tensor]]:
+def unpack(packed: Packed) -> Bucket:
     """Views of the packed bytes as tensors again (read them; the memory is Ray's, read-only)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -56,21 +57,24 @@ class ObjectStore:
     views = False  # pack() exports the tensors' memory to NumPy: never the parameters' own
     every_rank = False  # rank 0 sends
     whole_group = False  # any subset of the engines
+    needs = frozenset({"actor"})  # the engine actors load the buckets (their update_weights_packed)
 
-    @staticmethod
-    def destinations(engines, indices: list[int]) -> list:
-        return [engines.workers[i] for i in indices]
+    def __init__(self) -> None:
+        self._engines: list = []
 
-    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], engines: list, version: int) -> dict[str, Any]:
-        """``engines``: the engine actors to load the buckets into (their ``update_weights_packed``).
-        Returns the bytes sent and the positions of the engines that died (``failed``)."""
-        alive, failed, sent = list(range(len(engines))), [], 0
+    def prepare(self, endpoints: list[EngineEndpoint]) -> None:
+        self._engines = [endpoint.actor for endpoint in endpoints]
+
+    def send(self, buckets: Iterable[Bucket], version: int) -> SendReport:
+        """Every bucket to every prepared engine; the bytes sent and the positions of the engines
+        that died (``failed``)."""
+        alive, failed, sent = list(range(len(self._engines))), [], 0
         for bucket in buckets:
-            lost = deliver(pack(bucket), {i: engines[i] for i in alive})
+            lost = deliver(pack(bucket), {i: self._engines[i] for i in alive})
             alive = [i for i in alive if i not in lost]
             failed += lost
             sent += sum(tensor_bytes(t) for _, t in bucket)
         return {"bytes": sent, "failed": failed}
 
     def close(self) -> None:
-        pass
+        self._engines = []

@@ -1,9 +1,16 @@
-"""Trainer → engines weight sync: HF-named tensors in buckets, inside each engine's update session."""
+"""Trainer → engines weight sync: HF-named tensors in buckets, inside each engine's update session.
+
+The driver's side: it talks to the trainer group (``push_weights`` and, for a transport that forms
+one group with every engine, the group's rendezvous) and to the engine group (update sessions,
+endpoints, versions, replacements). The transport itself runs on the trainer's ranks and receives
+plain endpoint records (:mod:`bpo_megatron.weight_sync.transport`); it is known here by name only.
+"""
 
 from __future__ import annotations
 
 import logging
 
+from bpo_megatron.weight_sync import transport_class
 from bpo_megatron.weights.checksums import compare
 
 log = logging.getLogger(__name__)
@@ -22,8 +29,6 @@ def sync_weights(trainer, engines, *, transport: str, version: int, bucket_bytes
     weights are fingerprinted afterwards and compared with what the trainer sent; any difference
     raises ``WeightMismatch`` naming the tensors.
     """
-    from bpo_megatron.weight_sync import transport_class
-
     sender = transport_class(transport)
     broadcast = sender.whole_group
     if only is None or broadcast:
@@ -33,15 +38,15 @@ def sync_weights(trainer, engines, *, transport: str, version: int, bucket_bytes
     sent = seconds = 0.0
     while targets:
         if broadcast:
-            _form_weight_group(trainer, engines)
+            _form_weight_group(trainer, engines, transport, sender)
         lost = engines.begin_weight_update(version, only=targets)
         if broadcast and lost:  # a group with a dead member cannot broadcast: replace, re-form, retry
             engines.replace(lost, load_weights=False)
             engines.unsynced.difference_update(lost)
             continue
         opened = [i for i in targets if i not in lost]
-        destinations = sender.destinations(engines, opened)
-        report = trainer.push_weights(transport, destinations, version, bucket_bytes, verify, dtype, engines.role)
+        endpoints = engines.weight_endpoints(opened, sender.needs)
+        report = trainer.push_weights(transport, endpoints, version, bucket_bytes, verify, dtype, engines.role)
         for j in report["failed"]:
             log.warning("%s engine %d lost its server while receiving weights version %d; replacing it",
                         engines.role, opened[j], version)
@@ -68,28 +73,23 @@ def sync_weights(trainer, engines, *, transport: str, version: int, bucket_bytes
     return {"sync_bytes": float(sent), "sync_seconds": seconds, "sync_bytes_per_s": sent / seconds}
 
 
-def _form_weight_group(trainer, engines) -> None:
-    """Trainer rank 0 and every engine TP rank in one group (once, and again when engines were
-    replaced: the survivors leave the old group first); one group per engine group (``role``)."""
-    import ray
-
+def _form_weight_group(trainer, engines, transport: str, sender: type) -> None:
+    """Trainer rank 0 and every engine TP rank in one group of ``transport`` (once, and again when
+    engines were replaced: the survivors leave the old group first); one group per engine group
+    (``role``). The transport class says where each engine's ranks join and which members it
+    refuses; trainer rank 0 hosts the rendezvous while the engines join."""
     members = engines.actor_ids()
     if engines.weight_group == members:
         return
     if engines.weight_group is not None:
         survivors = [i for i, actor in enumerate(members) if actor in engines.weight_group]
         engines.leave_weight_group(only=survivors)
-        trainer.close_weight_group(engines.role)
-    endpoints = engines.endpoints()
-    trainer_nccl = trainer.nccl_version()
-    if trainer_nccl is not None:  # NCCL refuses a communicator whose members run different versions
-        from bpo_megatron.rollout.sglang.nccl import check_nccl_versions
-
-        check_nccl_versions(trainer_nccl, engines.nccl_versions())
+        trainer.close_transport(transport, engines.role)
+    servers = engines.endpoints()
+    sender.check_members(trainer.nccl_version(), engines.nccl_versions)
     address, port = trainer.weight_group_address()
-    offsets = [1 + sum(e.tp_size for e in endpoints[:i]) for i in range(len(endpoints))]
-    world = 1 + sum(e.tp_size for e in endpoints)
-    opening = trainer.open_weight_group(address, port, world, engines.role)  # rank 0 hosts, engines join
-    ray.get([w.join_weight_group.remote(address, port, offset, world) for w, offset in zip(engines.workers, offsets)])
+    offsets, world = sender.group_ranks(servers)
+    opening = trainer.open_weight_group(transport, address, port, world, engines.role)  # rank 0 hosts, engines join
+    engines.join_weight_group(address, port, offsets, world)
     trainer.wait(opening, "open_weight_group")
     engines.weight_group = members

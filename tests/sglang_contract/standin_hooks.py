@@ -8,6 +8,6 @@ def inline_ipc() -> None:
     """CUDA IPC handles need a GPU: the colocated transport's buckets travel by value instead,
     through the same pickler, to SGLang's own deserialiser (tests only)."""
     from bpo_megatron.rollout.sglang.weights import inline_serializer
-    from bpo_megatron.weight_sync.cuda_ipc import CudaIpc
+    from bpo_megatron.rollout.sglang.cuda_ipc import CudaIpc
 
     CudaIpc.__init__.__defaults__ = (inline_serializer,)

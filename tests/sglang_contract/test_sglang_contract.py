@@ -409,7 +409,7 @@ def test_colocated_engine_ranks_each_map_the_trainer_rank_beside_them(ray_sessio
         """The trainer rank's CUDA IPC transport with the test's serializer (host bytes inline, as no
         GPU is here), its buckets tagged with the rank that made them."""
         from bpo_megatron.rollout.sglang.weights import inline_serializer
-        from bpo_megatron.weight_sync.cuda_ipc import CudaIpc
+        from bpo_megatron.rollout.sglang.cuda_ipc import CudaIpc
 
         def serializer(bucket, rank=worker.rank):
             for entry in bucket["metadata"]:

@@ -180,7 +180,7 @@ class HFEngine(RolloutEngine):
 
     def share_weights(self) -> SegmentLayout | None:
         """Move the weights into shared memory (once) so that another process on this node can
-        write them in place, inside a weight update (:mod:`bpo_megatron.weight_sync.shared_memory`);
+        write them in place, inside a weight update (:mod:`bpo_megatron.rollout.hf.shared_memory`);
         where each weight lies. None when they are not in host memory or cannot be shared."""
         self._live_model()
         with self._between_forwards():

@@ -160,7 +160,7 @@ class SGLangEngine(RolloutEngine):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Hand the server tensors held in this process's device memory (CUDA IPC, SGLang's
         flattened buckets; every TP rank maps the same buffer). The trainer's colocated transport
-        (:mod:`bpo_megatron.weight_sync.cuda_ipc`) gives each TP rank its own GPU's copy instead."""
+        (:mod:`bpo_megatron.rollout.sglang.cuda_ipc`) gives each TP rank its own GPU's copy instead."""
         if not self._paused:
             raise RuntimeError("update_weights() outside a weight update: call begin_weight_update() first")
         sent = 0

@@ -15,16 +15,14 @@ refuses them).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from bpo_megatron import platform
-
 from bpo_megatron.rollout.sglang.endpoint import ServerEndpoint
 from bpo_megatron.rollout.sglang.http import ServerUnavailable
 from bpo_megatron.rollout.sglang.weights import flattened_bucket, ipc_payload, ipc_update_body
+from bpo_megatron.weight_sync.transport import Bucket, EngineEndpoint, SendReport
 from bpo_megatron.weights.buckets import tensor_bytes
 from bpo_megatron.weights.flat_bucket import FlatBucket
 
@@ -50,24 +48,25 @@ class CudaIpc:
     views = True  # the export packs each bucket into one flat buffer before it is sent
     every_rank = True  # every trainer rank receives the buckets and hands its GPU's copy over
     whole_group = False  # engines are updated one by one (a restarted one alone)
+    needs = frozenset({"server"})  # each engine's server (its TP size places it beside trainer ranks)
 
     def __init__(self, serializer=None) -> None:
         self.serializer = serializer  # tests only: replaces the IPC pickler (see ipc_payload)
+        self._targets: list[tuple[ServerEndpoint, tuple[int, ...]]] = []
 
-    @staticmethod
-    def destinations(engines, indices: list[int]) -> list[tuple[ServerEndpoint, tuple[int, ...]]]:
-        """Each engine's server and the trainer ranks beside its TP ranks."""
-        tp, ranks = engines.cfg.rollout.options.tp_size, engines.cfg.cluster.trainer_ranks
-        servers = engines.endpoints(only=indices)
-        return [(server, colocated_ranks(i, tp, ranks)) for i, server in zip(indices, servers)]
+    def prepare(self, endpoints: list[EngineEndpoint]) -> None:
+        """Runs on every trainer rank with the same ``endpoints``: each engine's server and the
+        trainer ranks beside its TP ranks (engine ``e`` of TP ``t`` beside ranks ``e × t …``)."""
+        world = dist.get_world_size()
+        self._targets = [(endpoint.server, colocated_ranks(endpoint.index, endpoint.server.tp_size, world))
+                         for endpoint in endpoints]
 
-    def send(self, buckets: Iterable[FlatBucket | list[tuple[str, torch.Tensor]]],
-             targets: list[tuple[ServerEndpoint, tuple[int, ...]]],
-             version: int) -> dict[str, Any]:
-        """Runs on every trainer rank with the same ``targets``; every rank returns the same
-        report (bytes sent, positions of the engines whose server was lost). A
-        :class:`FlatBucket` (what ``export_weights(all_ranks=True)`` yields) is handed over in its
-        own buffer; a list of named tensors is packed into one first."""
+    def send(self, buckets: Iterable[FlatBucket | Bucket], version: int) -> SendReport:
+        """Runs on every trainer rank; every rank returns the same report (bytes sent, positions
+        of the engines whose server was lost). A :class:`FlatBucket` (what
+        ``export_weights(all_ranks=True)`` yields) is handed over in its own buffer; a list of
+        named tensors is packed into one first."""
+        targets = self._targets
         rank, world = dist.get_rank(), dist.get_world_size()
         beside_an_engine = {r for _, ranks in targets for r in ranks}
         alive, failed, sent = list(range(len(targets))), [], 0
@@ -96,7 +95,7 @@ class CudaIpc:
         return {"bytes": sent, "failed": failed}
 
     def close(self) -> None:
-        pass
+        self._targets = []
 
 
 def _post(index: int, server: ServerEndpoint, body: dict) -> dict[int, str]:

@@ -11,13 +11,12 @@ the trainer's GPU with NCCL, host memory with gloo on a CPU.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
-from typing import Any
-
-import torch
+from collections.abc import Callable, Iterable
 
 from bpo_megatron.rollout.sglang.endpoint import ServerEndpoint
+from bpo_megatron.rollout.sglang.nccl import NcclVersion, check_nccl_versions
 from bpo_megatron.rollout.sglang.weights import DistributedWeightSender
+from bpo_megatron.weight_sync.transport import Bucket, EngineEndpoint, SendReport
 from bpo_megatron.weights.buckets import tensor_bytes
 
 GROUP_NAME = "bpo-weight-sync"
@@ -33,13 +32,26 @@ class NcclBroadcast:
     views = True  # buckets may hold views of the parameters: each is packed into one buffer (one copy)
     every_rank = False  # rank 0 sends
     whole_group = True  # a broadcast reaches every member: all engines, in one group
-
-    @staticmethod
-    def destinations(engines, indices: list[int]) -> list[ServerEndpoint]:
-        return engines.endpoints(only=indices)
+    needs = frozenset({"server"})  # each engine's server is told of each bucket
 
     def __init__(self) -> None:
         self.sender: DistributedWeightSender | None = None
+        self._servers: list[ServerEndpoint] = []
+
+    @staticmethod
+    def group_ranks(servers: list[ServerEndpoint]) -> tuple[list[int], int]:
+        """Where each engine's TP ranks start in the group (after trainer rank 0 and the engines
+        before it), and the group's size."""
+        offsets = [1 + sum(server.tp_size for server in servers[:i]) for i in range(len(servers))]
+        return offsets, 1 + sum(server.tp_size for server in servers)
+
+    @staticmethod
+    def check_members(trainer_version: NcclVersion | None, engine_versions: Callable[[], list]) -> None:
+        """NCCL refuses a communicator whose members run different versions (found only at the
+        first broadcast): refuse the group before it forms. The engines are asked only when the
+        trainer runs NCCL (gloo has no such rule)."""
+        if trainer_version is not None:
+            check_nccl_versions(trainer_version, engine_versions())
 
     def open(self, master_address: str, master_port: int, world_size: int, backend: str) -> None:
         """Host the group's rendezvous and wait for every engine rank to join (they are asked to,
@@ -47,10 +59,11 @@ class NcclBroadcast:
         self.close()
         self.sender = DistributedWeightSender(master_address, master_port, world_size, backend, GROUP_NAME)
 
-    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], servers: list[ServerEndpoint], version: int
-             ) -> dict[str, Any]:
-        """``servers``: every engine's server in the group (all of them: a broadcast needs every
-        member)."""
+    def prepare(self, endpoints: list[EngineEndpoint]) -> None:
+        """``endpoints``: every engine in the group (all of them: a broadcast needs every member)."""
+        self._servers = [endpoint.server for endpoint in endpoints]
+
+    def send(self, buckets: Iterable[Bucket], version: int) -> SendReport:
         if self.sender is None:
             raise RuntimeError("the weight group is not open: the driver forms it before the first sync")
         sent = 0
@@ -58,7 +71,7 @@ class NcclBroadcast:
             body = {**self.sender.metadata(bucket), "weight_version": str(version)}
             errors: list[str] = []
             announcements = [threading.Thread(target=_announce, args=(server, body, errors), daemon=True)
-                             for server in servers]
+                             for server in self._servers]
             for thread in announcements:
                 thread.start()
             self.sender.broadcast(bucket)
@@ -71,6 +84,7 @@ class NcclBroadcast:
         return {"bytes": sent, "failed": []}
 
     def close(self) -> None:
+        self._servers = []
         if self.sender is not None:
             self.sender.close()
             self.sender = None

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from bpo_megatron.rollout.hf.shared_weights import SegmentLayout, attach
-from bpo_megatron.weights.buckets import tensor_bytes
 from bpo_megatron.weight_sync.object_store import deliver, pack
+from bpo_megatron.weight_sync.transport import Bucket, EngineEndpoint, SendReport
+from bpo_megatron.weights.buckets import tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -26,38 +27,43 @@ class SharedMemory:
     views = True  # the buckets may view the trainer's parameters: they are copied before it trains
     every_rank = False  # rank 0 sends
     whole_group = False  # any subset of the engines
+    needs = frozenset({"actor", "node", "segment"})  # the segment on this node; the actor elsewhere
 
     def __init__(self) -> None:
         # segment name -> (its owner's pid, the mapping, the weights' views)
         self._attached: dict[str, tuple[int, Any, dict[str, torch.Tensor]]] = {}
+        self._local: dict[int, dict[str, torch.Tensor]] = {}  # position -> the engine's weights, mapped here
+        self._remote: dict[int, Any] = {}  # position -> the actor of an engine sent to through the object store
 
-    @staticmethod
-    def destinations(engines, indices: list[int]) -> list[tuple[Any, str, SegmentLayout | None]]:
-        """Each engine actor, its node and where its shared weights lie (None: not shared)."""
-        return [(engines.workers[i], node, layout)
-                for i, (node, layout) in zip(indices, engines.weight_segments(only=indices))]
-
-    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], targets: list, version: int) -> dict[str, Any]:
+    def prepare(self, endpoints: list[EngineEndpoint]) -> None:
+        """Map the weights of the engines on this node (once per engine process; those of dead
+        processes are unmapped); the others are reached through their actors."""
         import ray
 
         here = ray.get_runtime_context().get_node_id()
+        self._local, self._remote = {}, {}  # no view of a dead engine's weights may keep its mapping alive
         self._forget_the_dead()
-        views = {i: mapped for i, (_, node, layout) in enumerate(targets)
-                 if layout is not None and node == here and (mapped := self._views(layout)) is not None}
-        remote = [i for i in range(len(targets)) if i not in views]
-        failed, sent = [], 0
+        self._local = {i: mapped for i, endpoint in enumerate(endpoints)
+                       if endpoint.segment is not None and endpoint.node == here
+                       and (mapped := self._views(endpoint.segment)) is not None}
+        self._remote = {i: endpoint.actor for i, endpoint in enumerate(endpoints) if i not in self._local}
+
+    def send(self, buckets: Iterable[Bucket], version: int) -> SendReport:
+        """Every bucket into the prepared engines (once each); those that died are reported among
+        the remote ones (a dead local engine shows when its session ends)."""
+        local, remote, failed, sent = self._local, dict(self._remote), [], 0
+        self._local, self._remote = {}, {}  # one sync's: the views are not kept past it
         for bucket in buckets:
-            for weights in views.values():
+            for weights in local.values():
                 with torch.no_grad():
                     for name, tensor in bucket:
                         _place(weights, name, tensor).copy_(tensor)
             if remote:
-                lost = deliver(pack([(name, tensor.clone()) for name, tensor in bucket]),  # see pack()
-                               {i: targets[i][0] for i in remote})
-                remote = [i for i in remote if i not in lost]
+                lost = deliver(pack([(name, tensor.clone()) for name, tensor in bucket]), remote)  # see pack()
+                remote = {i: actor for i, actor in remote.items() if i not in lost}
                 failed += lost
             sent += sum(tensor_bytes(t) for _, t in bucket)
-        return {"bytes": sent, "failed": failed}  # a dead local engine shows when its session ends
+        return {"bytes": sent, "failed": failed}
 
     def _views(self, layout: SegmentLayout) -> dict[str, torch.Tensor] | None:
         """The engine's weights mapped here; None when this process may not open them (e.g. a
@@ -81,6 +87,7 @@ class SharedMemory:
             _unmap(mapping)
 
     def close(self) -> None:
+        self._local, self._remote = {}, {}
         self._forget(list(self._attached))
 
 
