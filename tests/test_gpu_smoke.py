@@ -88,7 +88,7 @@ def test_flops_count_matches_a_per_position_sum():
     from bpo_megatron.gpu_smoke.checks.rl_throughput import forward_flops
     from bpo_megatron.gpu_smoke.profiles import GPU
     from bpo_megatron.models import HFModelConfig
-    from bpo_megatron.models.hf_config import parameter_counts
+    from bpo_megatron.weights.names import parameter_counts
 
     hf = HFModelConfig.load(GPU.large_model)
     _, active = parameter_counts(hf)

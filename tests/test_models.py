@@ -23,11 +23,11 @@ from bpo_megatron.models import (
     build_gpt_model,
     model_vocab_size,
     padded_vocab_size,
-    parameter_counts,
     transformer_config,
 )
 from bpo_megatron.parallel import ParallelConfig
 from bpo_megatron.parallel.local_world import run_gloo_world
+from bpo_megatron.weights.names import parameter_counts
 
 FIXTURES = Path(__file__).parent / "fixtures"
 QWEN3_30B_A3B = Path(__file__).resolve().parents[1] / "configs" / "models" / "qwen3_30b_a3b"

@@ -12,7 +12,7 @@ import pytest
 import train_helpers as th
 from bpo_megatron.experiment import load_experiment
 from bpo_megatron.models import HFModelConfig, ModelOptions
-from bpo_megatron.models.hf_config import parameter_counts
+from bpo_megatron.weights.names import parameter_counts
 from bpo_megatron.parallel import ParallelConfig
 from bpo_megatron.planner import Allocation, Precision, make_plan, rank_parameters, static_memory, sweep
 from bpo_megatron.planner.activations import stage_activation_bytes
@@ -227,7 +227,8 @@ def test_plan_reads_a_bare_config_json(tmp_path, capsys):
 
 def test_plan_states_the_driver_memory_and_the_expected_weight_sync():
     from bpo_megatron.planner import format_plan, make_plan
-    from bpo_megatron.planner.sync import _hf_tensor_count, expected_sync
+    from bpo_megatron.planner.sync import expected_sync
+    from bpo_megatron.weights.names import hf_tensor_count
 
     configs = Path(__file__).resolve().parents[1] / "configs"
     for recipe, transport in (("qwen3_30b_a3b_bpo.yaml", "cuda_ipc"),
@@ -241,10 +242,10 @@ def test_plan_states_the_driver_memory_and_the_expected_weight_sync():
         assert f"weight sync ({transport}): ≈ {estimate.seconds:.1f} s" in text
         assert "driver host memory: 72 GiB" in text
     # 48 layers × (128 experts × 3 + router + 4 attention + 2 QK norms + 2 layer norms) + 3
-    assert _hf_tensor_count(cfg.hf_config()) == 48 * (128 * 3 + 1 + 8) + 3 == 18867
+    assert hf_tensor_count(cfg.hf_config()) == 48 * (128 * 3 + 1 + 8) + 3 == 18867
     demo = load_experiment(configs / "tiny_moe_cpu.yaml")
     assert expected_sync(demo, demo.hf_config(), 0) is None  # the embedded engine, no GPU transport
-    assert _hf_tensor_count(demo.hf_config()) == 45  # what a sync of the demo model sends (bench test)
+    assert hf_tensor_count(demo.hf_config()) == 45  # what a sync of the demo model sends (bench test)
 
 
 # ------------------------------------------------------------------ host memory at a checkpoint save

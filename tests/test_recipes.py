@@ -13,7 +13,7 @@ from bpo_megatron.config import ConfigError, to_dict
 from bpo_megatron.experiment import load_experiment
 from bpo_megatron.launch import plan_batch
 from bpo_megatron.launch.settings import ExecutorSettings
-from bpo_megatron.models.hf_config import parameter_counts
+from bpo_megatron.weights.names import parameter_counts
 from bpo_megatron.planner import make_plan
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

@@ -1,6 +1,6 @@
 """The policy model: Qwen3 / Qwen3-MoE Hugging Face configs mapped onto Megatron-Core GPTModels."""
 
-from bpo_megatron.models.hf_config import ARCHITECTURES, HFModelConfig, parameter_counts
+from bpo_megatron.models.hf_config import ARCHITECTURES, HFModelConfig
 from bpo_megatron.models.options import ModelOptions, default_params_dtype
 from bpo_megatron.models.qwen3 import (
     build_gpt_model,
@@ -20,7 +20,6 @@ __all__ = [
     "layer_spec",
     "model_vocab_size",
     "padded_vocab_size",
-    "parameter_counts",
     "transformer_config",
     "uses_transformer_engine",
 ]

@@ -287,34 +287,3 @@ def _from_dict(raw: Mapping[str, Any]) -> HFModelConfig:
             router_aux_loss_coef=raw.get("router_aux_loss_coef", 0.001),
         )
     return HFModelConfig(**fields, source=source)
-
-
-def parameter_counts(hf: HFModelConfig) -> tuple[int, int]:
-    """``(total, active)`` parameters of the Hugging Face model, counted from its config.
-
-    ``active`` counts what one token uses: every dense weight plus the router and only the
-    ``num_experts_per_tok`` chosen experts of each MoE layer. Embeddings and the output layer are
-    included in both (once when they are tied).
-    """
-    hidden, head_dim = hf.hidden_size, hf.head_dim
-    q_width = hf.num_attention_heads * head_dim
-    kv_width = hf.num_key_value_heads * head_dim
-    # q/k/v/o projections, q/k RMSNorm over head_dim, input and post-attention RMSNorm
-    attention = hidden * q_width + 2 * hidden * kv_width + q_width * hidden + 2 * head_dim
-    per_layer_fixed = attention + 2 * hidden
-    dense_mlp = 3 * hidden * hf.intermediate_size  # gate, up, down (SwiGLU, no biases)
-    expert = 3 * hidden * hf.moe_intermediate_size
-    router = hf.num_experts * hidden
-
-    total = active = 0
-    moe_layers = set(hf.moe_layers)
-    for layer in range(hf.num_hidden_layers):
-        if layer in moe_layers:
-            total += per_layer_fixed + router + hf.num_experts * expert
-            active += per_layer_fixed + router + hf.num_experts_per_tok * expert
-        else:
-            total += per_layer_fixed + dense_mlp
-            active += per_layer_fixed + dense_mlp
-    embeddings = hf.vocab_size * hidden * (1 if hf.tie_word_embeddings else 2)
-    final_norm = hidden
-    return total + embeddings + final_norm, active + embeddings + final_norm

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from bpo_megatron.weights.names import hf_tensor_count
+
 INTER_NODE_GBPS, NVLINK_GBPS = 40.0, 150.0
 CALL_S, HTTP_S, IPC_BUCKET_S = 30e-6, 5e-3, 15e-3
 
@@ -30,7 +32,7 @@ def expected_sync(cfg, hf, total_params: int) -> SyncEstimate | None:
         return None
     nbytes = total_params * 2  # bf16
     buckets = math.ceil(nbytes / (cfg.rollout.weight_bucket_mb * 2**20))
-    tensors = _hf_tensor_count(hf)
+    tensors = hf_tensor_count(hf)
     # one collective per tensor, except experts: one gather brings one from every expert-parallel rank
     expert_tensors = 3 * hf.num_experts * len(set(hf.moe_layers))
     gathers = tensors - expert_tensors + math.ceil(expert_tensors / cfg.parallel.ep)
@@ -46,13 +48,3 @@ def expected_sync(cfg, hf, total_params: int) -> SyncEstimate | None:
                  "spread to every trainer rank": nbytes / (INTER_NODE_GBPS * 1e9) + buckets * CALL_S,  # one per bucket
                  "hand-over to the engines": buckets * IPC_BUCKET_S}
     return SyncEstimate(transport, sum(parts.values()), parts)
-
-
-def _hf_tensor_count(hf) -> int:
-    """Hugging Face tensors of a Qwen3(-MoE): per layer attention (q, k, v, o, two norms), two layer
-    norms and either the experts' three projections and the router, or one dense MLP."""
-    per_layer = 6 + 2
-    moe = set(hf.moe_layers)
-    experts = sum(3 * hf.num_experts + 1 for layer in range(hf.num_hidden_layers) if layer in moe)
-    dense = 3 * (hf.num_hidden_layers - len(moe))
-    return hf.num_hidden_layers * per_layer + experts + dense + 3  # embedding, final norm, head

@@ -43,9 +43,10 @@ import torch
 import torch.distributed as dist
 
 from bpo_megatron import platform
-from bpo_megatron.models.hf_config import HFModelConfig, parameter_counts
+from bpo_megatron.models.hf_config import HFModelConfig
 from bpo_megatron.trainer.packing import BUDGET_SETTING, check_fits, input_positions
 from bpo_megatron.trainer.samples import TrainSample, split
+from bpo_megatron.weights.names import parameter_counts
 
 T = TypeVar("T")
 

@@ -14,6 +14,7 @@ expert)``, with -1 where a rule has no layer or expert.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -185,3 +186,23 @@ def hf_tensor_shapes(hf: HFModelConfig) -> dict[str, tuple[int, ...]]:
         rule = RULES_BY_NAME[name]
         shapes.update(zip(rule.hf_names(layer, expert), rule.hf_shapes(dims)))
     return shapes
+
+
+def hf_tensor_count(hf: HFModelConfig) -> int:
+    """How many Hugging Face tensors the checkpoint holds (what a weight sync announces)."""
+    return sum(len(RULES_BY_NAME[name].hf) for name, _, _ in expected_keys(hf))
+
+
+def parameter_counts(hf: HFModelConfig) -> tuple[int, int]:
+    """``(total, active)`` parameters of the Hugging Face model, from the rules' shapes.
+
+    ``active`` counts what one token uses: every weight but the experts each MoE layer leaves
+    unchosen (all but ``num_experts_per_tok``). Embeddings and the output layer are included in
+    both (once when they are tied).
+    """
+    dims = model_dims(hf)
+    size = {rule.name: sum(math.prod(shape) for shape in rule.hf_shapes(dims)) for rule in RULES}
+    total = sum(size[name] for name, _, _ in expected_keys(hf))
+    per_expert = sum(size[rule.name] for rule in RULES if rule.is_expert)
+    unchosen = len(hf.moe_layers) * (hf.num_experts - hf.num_experts_per_tok) * per_expert
+    return total, total - unchosen

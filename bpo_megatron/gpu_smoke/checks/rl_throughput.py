@@ -62,7 +62,7 @@ def _engine(profile: Profile, model_dir: Path):
 
 def run(profile: Profile, workdir: Path) -> Outcome:
     from bpo_megatron.models import HFModelConfig
-    from bpo_megatron.models.hf_config import parameter_counts
+    from bpo_megatron.weights.names import parameter_counts
     from bpo_megatron.rollout import GenerationRequest, SamplingParams
     from bpo_megatron.weights.buckets import DEFAULT_BUCKET_BYTES
 
