@@ -279,6 +279,12 @@ class EngineGroup:
         """The weights version each engine of ``only`` holds, and those found lost."""
         return self.call_surviving("weight_version", only=only)
 
+    def fingerprints(self, only: list[int]) -> list[dict]:
+        """Each engine of ``only``'s weights fingerprinted, in ``only``'s order (a sync's check)."""
+        import ray
+
+        return ray.get([self.workers[i].fingerprints.remote() for i in only])
+
     def join_weight_group(self, address: str, port: int, offsets: list[int], world_size: int) -> None:
         """Every engine's ranks join the weight group hosted at ``address:port`` (engine ``i``'s
         from rank ``offsets[i]``); returns once all joined (the host joins meanwhile)."""

@@ -61,9 +61,7 @@ def sync_weights(trainer, engines, *, transport: str, version: int, bucket_bytes
                                f"{[held[i] for i in synced]}, not {version}")
         sent, seconds = sent + report["bytes"], seconds + report["seconds"]
         if verify:
-            import ray
-
-            for index, fingerprints in zip(synced, ray.get([engines.workers[i].fingerprints.remote() for i in synced])):
+            for index, fingerprints in zip(synced, engines.fingerprints(only=synced)):
                 compare(report["fingerprints"], fingerprints, engine=f"{engines.role} engine {index}")
         if lost:
             engines.replace(lost, load_weights=False)
