@@ -9,11 +9,12 @@ sizes against each other, R3 against the rollout engine).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import ClassVar
 
 from bpo_megatron import platform
-from bpo_megatron.config import ConfigError, apply_overrides, build, load_yaml
+from bpo_megatron.config import ConfigError, apply_overrides, build, load_yaml, refuse_moved
 from bpo_megatron.data.config import DataConfig
 from bpo_megatron.eval.config import EvalConfig, background_engines
 from bpo_megatron.losses import PolicyLossConfig
@@ -24,18 +25,40 @@ from bpo_megatron.observability.config import LoggingConfig
 from bpo_megatron.orchestration.config import ClusterConfig
 from bpo_megatron.parallel import ParallelConfig
 from bpo_megatron.rollout.config import RolloutConfig
+from bpo_megatron.trainer.config import TrainerConfig
 from bpo_megatron.trainer.optimizer import OptimizerSettings
+from bpo_megatron.trainer.spec import TrainerSpec
+from bpo_megatron.weight_sync.config import WeightSyncConfig
 
 
 @dataclass(frozen=True)
 class ExperimentConfig:
+    """``seed`` is the run's: Megatron's initialisation and RNG, the order samples train in, the
+    evaluation's sampling (each engine's own comes from ``rollout.seed``)."""
+
+    # where each setting that left its section lives now (refused at the old key, naming the new)
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "train.micro_batch_size": "trainer.micro_batch_size",
+        "train.max_tokens_per_micro_batch": "trainer.max_tokens_per_micro_batch",
+        "train.seed": "seed",
+        "train.verify_weight_sync": "weight_sync.verify",
+        "rollout.weight_bucket_mb": "weight_sync.bucket_mb",
+        "loss.tis_cap": "loss.correction.tis_cap",
+        "loss.mis_cap": "loss.correction.mis_cap",
+        "loss.icepop_low": "loss.correction.icepop_low",
+        "loss.icepop_high": "loss.correction.icepop_high",
+    }
+
     name: str = "experiment"
+    seed: int = 1234
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path="."))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     train: LoopConfig = field(default_factory=LoopConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -66,6 +89,13 @@ class ExperimentConfig:
     def hf_config(self) -> HFModelConfig:
         return HFModelConfig.load(self.model.path)
 
+    def trainer_spec(self) -> TrainerSpec:
+        """What each trainer rank is built from: the trainer's sections of this experiment (its
+        log π at the engines' sampling temperature, the distribution log μ comes from)."""
+        return TrainerSpec(hf=self.hf_config(), parallel=self.parallel, model=self.model.options(), loss=self.loss,
+                           optimizer=self.optimizer,
+                           trainer=replace(self.trainer, temperature=self.rollout.temperature, seed=self.seed))
+
 
 # Settings given relative to the config file that sets them (e.g. ``model.path: models/tiny``).
 RELATIVE_PATHS = ("model.path", "model.tokenizer")
@@ -74,7 +104,9 @@ RELATIVE_PATHS = ("model.path", "model.tokenizer")
 def load_experiment(path: str | Path | None, overrides: list[str] = (), *, check_model: bool = True) -> ExperimentConfig:
     """Read a YAML experiment (or only defaults with ``path=None``), apply overrides, validate."""
     data = load_yaml(path, relative_paths=RELATIVE_PATHS) if path is not None else {}
-    cfg = build(ExperimentConfig, apply_overrides(data, list(overrides)))
+    data = apply_overrides(data, list(overrides))
+    refuse_moved(data, ExperimentConfig.MOVED_KEYS)
+    cfg = build(ExperimentConfig, data)
     validate(cfg, check_model=check_model)
     return cfg
 
@@ -112,12 +144,12 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
                           "is unset: the divisor would be each micro-batch's padded width, so the loss would depend on "
                           f"how samples are grouped; set loss.norm_length (Dr. GRPO's constant: rollout.max_new_tokens="
                           f"{cfg.rollout.max_new_tokens})")
-    if cfg.loss.correction != "none" and not cfg.train.recompute_old_logprobs:
-        raise ConfigError(f"loss.correction={cfg.loss.correction} corrects by the trainer's own log-probs under the weights "
+    if cfg.loss.correction.active and not cfg.train.recompute_old_logprobs:
+        raise ConfigError(f"loss.correction={cfg.loss.correction.name} corrects by the trainer's own log-probs under the weights "
                           "at the step's start (those that sampled each response when train.async.max_staleness=0): set "
                           "train.recompute_old_logprobs=true (or loss.correction=none)")
-    if cfg.train.verify_weight_sync and not spec.exposes_weights:
-        raise ConfigError(f"train.verify_weight_sync=true reads the engine's weights back, which rollout.engine="
+    if cfg.weight_sync.verify and not spec.exposes_weights:
+        raise ConfigError(f"weight_sync.verify=true reads the engine's weights back, which rollout.engine="
                           f"{spec.name} does not allow (rollout.engine=hf does)")
     _check_token_budget(cfg)
     try:
@@ -143,11 +175,11 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
 
 def _check_token_budget(cfg: ExperimentConfig) -> None:
     """The longest sample a rollout can produce must fit one packed micro-batch."""
-    budget = cfg.train.max_tokens_per_micro_batch
+    budget = cfg.trainer.max_tokens_per_micro_batch
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens - 1  # input positions: tokens[:-1]
     if budget and longest > budget:
         raise ConfigError(
-            f"train.max_tokens_per_micro_batch={budget} cannot hold the longest sample: data.max_prompt_tokens="
+            f"trainer.max_tokens_per_micro_batch={budget} cannot hold the longest sample: data.max_prompt_tokens="
             f"{cfg.data.max_prompt_tokens} + rollout.max_new_tokens={cfg.rollout.max_new_tokens} − 1 = {longest} "
             "input positions; raise the budget (or lower those limits)")
 

@@ -1,11 +1,12 @@
 """Fixtures shared by the test suite, and where the rest of the test kit lives.
 
-* The tests' one tiny MoE is ``tests/fixtures/tiny_qwen3_moe`` (head_dim ≠ hidden/heads and a
-  vocabulary that gives both TP=2 shards real tokens); ``tiny_gpt.py`` builds the same sizes as a
-  plain Megatron GPT. End-to-end tests run the CPU demo's own model instead.
-* Code that runs inside gloo ranks cannot use fixtures: ``train_helpers.py`` holds the one train
-  actor builder (``build_actor``) and sample maker; ``bpo_megatron.parallel.local_world`` starts
-  the ranks (one torch thread each, 127.0.0.1, a timeout, every process reaped).
+* The tests' one tiny MoE is ``bpo_megatron/testing/configs/tiny_qwen3_moe`` (head_dim ≠
+  hidden/heads and a vocabulary that gives both TP=2 shards real tokens); ``tiny_gpt.py`` builds
+  the same sizes as a plain Megatron GPT. End-to-end tests run the CPU demo's own model instead.
+* Code that runs inside gloo ranks cannot use fixtures: ``bpo_megatron.testing`` (the kit the
+  benchmarks and the GPU kit use too) holds the one train actor builder (``build_actor``, through
+  ``TrainerSpec``) and the sample makers; ``bpo_megatron.parallel.local_world`` starts the ranks
+  (one torch thread each, 127.0.0.1, a timeout, every process reaped).
 
 * ``ray_session``: one embedded Ray for the whole session (starting one takes ~20 s here),
   bound to loopback, never joining a cluster this machine may know of. A loop run inside it
@@ -29,9 +30,9 @@ DEMO = ROOT / "configs" / "tiny_moe_cpu.yaml"
 # The demo at the smallest size that still runs every phase: warm start, rollout, R3 training,
 # weight sync with verification, evaluation and a checkpoint at every step.
 SMALL_RUN = ("train.prompts_per_step=4", "rollout.group_size=4", "train.minibatches_per_step=2",
-             "train.micro_batch_size=4", "train.sft_warmup_steps=2", "train.sft_batch_size=8", "eval.every=1",
+             "trainer.micro_batch_size=4", "train.sft_warmup_steps=2", "train.sft_batch_size=8", "eval.every=1",
              "eval.limit=8", "eval.k=2", "checkpoint.every=1", "checkpoint.keep_last=2",
-             "train.verify_weight_sync=true", "logging.tensorboard=false")
+             "weight_sync.verify=true", "logging.tensorboard=false")
 
 logging.getLogger("megatron").setLevel(logging.ERROR)
 

@@ -29,6 +29,7 @@ from bpo_megatron.rollout.agents.python_tool import run_python
 from bpo_megatron.rollout.types import response_slots
 from bpo_megatron.tasks.scoring import response_texts
 from loop_helpers import Interrupted, run_loop
+from bpo_megatron.testing import MODEL_CONFIGS
 
 TOK = CharTokenizer()
 EOS = TOK.eos_token_ids[0]
@@ -360,7 +361,7 @@ def test_a_warm_start_imitates_the_model_turns_of_a_demonstration():
 
 
 # ------------------------------------------------------- the embedded engine and the trainer
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tiny_qwen3_moe"
+FIXTURE = MODEL_CONFIGS / "tiny_qwen3_moe"
 MEAN_TOLERANCE, MAX_TOLERANCE = 1e-5, 1e-4  # fp32, as tests/test_rollout_trainer_agreement.py
 
 
@@ -373,7 +374,7 @@ def _engine_requests() -> list[GenerationRequest]:
 
 
 def _multi_turn_agreement(model_dir: str) -> dict:
-    import train_helpers as th
+    from bpo_megatron import testing as th
     from bpo_megatron.rollout.hf.engine import HFEngine
 
     engine = HFEngine(model_dir, capture_routing=True)

@@ -27,8 +27,9 @@ from bpo_megatron.trainer.balance import (
     split_to_count,
 )
 from bpo_megatron.trainer.samples import TrainSample, split
+from bpo_megatron.testing import MODEL_CONFIGS
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = MODEL_CONFIGS
 QWEN3_30B_A3B = Path(__file__).resolve().parents[1] / "configs" / "models" / "qwen3_30b_a3b"
 
 

@@ -1,5 +1,5 @@
 """The driver's side of balanced packing (2 Ray ranks of the demo trainer, data-parallel size 2,
-experts split over them, with ``train.max_tokens_per_micro_batch``): shares chosen by cost as the
+experts split over them, with ``trainer.max_tokens_per_micro_batch``): shares chosen by cost as the
 ranks would choose them, results back in sample order, the step's load imbalance in its metrics,
 and a sample over the budget refused before anything is sent."""
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from train_helpers import random_routing
+from bpo_megatron.testing import random_routing
 
 ray = pytest.importorskip("ray")
 # the rank function below travels to the Ray workers by value (the workers cannot import tests)
@@ -25,7 +25,7 @@ POSITIONS = (18, 3, 15, 4, 5, 14, 2, 6)  # the demo's samples hold at most 16 + 
 def group(ray_session, small_run, tmp_path_factory):
     from bpo_megatron.orchestration.groups import TrainerGroup
 
-    trainer = TrainerGroup(small_run(tmp_path_factory.mktemp("run"), f"train.max_tokens_per_micro_batch={BUDGET}"))
+    trainer = TrainerGroup(small_run(tmp_path_factory.mktemp("run"), f"trainer.max_tokens_per_micro_batch={BUDGET}"))
     yield trainer
     trainer.shutdown()
 

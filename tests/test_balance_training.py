@@ -1,5 +1,5 @@
 """Balanced packed training at data-parallel size 2 (gloo, CPU): the same samples trained and
-scored with ``train.max_tokens_per_micro_batch`` (shares balanced by cost, so each rank holds
+scored with ``trainer.max_tokens_per_micro_batch`` (shares balanced by cost, so each rank holds
 samples from both halves of the batch) and with padded micro-batches (the contiguous count split)
 give the same loss, loss statistics, gradients, log-probs, entropies and recorded routing, every
 result in sample order; and the share-by-share path a driver takes (each rank given its share,
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-import train_helpers as th
+from bpo_megatron import testing as th
 from bpo_megatron.losses import PolicyLossConfig
 from bpo_megatron.parallel.local_world import run_gloo_world
 from bpo_megatron.trainer.samples import TrainSample

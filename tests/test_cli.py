@@ -102,7 +102,7 @@ def test_compare_runs_every_method_then_summarises(tmp_path, capsys, ray_session
     """Not only the summary: the runs themselves (2 methods × 1 staleness × 1 seed, 1 step each),
     then the table from what they wrote."""
     small = ["train.steps=1", "train.prompts_per_step=4", "rollout.group_size=4", "train.minibatches_per_step=2",
-             "train.micro_batch_size=4", "train.sft_warmup_steps=0", "eval.limit=8", "eval.k=2", "eval.every=1",
+             "trainer.micro_batch_size=4", "train.sft_warmup_steps=0", "eval.limit=8", "eval.k=2", "eval.every=1",
              "checkpoint.every=0", "logging.tensorboard=false"]
     assert main(["compare", DEMO, *small, "--losses", "bpo,grpo", "--staleness", "1", "--seeds", "1",
                  "--out", str(tmp_path), "--window", "2"]) == 0  # 2 evaluations: steps 0 and 1

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import tiny_gpt as tg
-import train_helpers as th
+from bpo_megatron import testing as th
 
 from bpo_megatron.convert import (
     ConfigMismatchError,
@@ -39,9 +39,10 @@ from bpo_megatron.weights import HFWeightsReader, ShardedSafetensorsWriter, expe
 from bpo_megatron.weights.layouts import LAYOUTS, LayoutContext
 from bpo_megatron.weights.names import RULES, match_megatron_name
 from bpo_megatron.weights.safetensors_io import parse_size
+from bpo_megatron.testing import MODEL_CONFIGS
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT / "tests" / "fixtures"
+FIXTURES = MODEL_CONFIGS
 TIMEOUT = 120.0
 BATCH, SEQ = 2, 12
 REL_TOL = 1e-5

@@ -112,8 +112,8 @@ def test_without_behaviour_logprobs_a_correction_is_refused_and_none_changes_not
 
 @pytest.mark.parametrize("fields, match", [
     ({"correction": "is"}, "correction='is' is unknown"),
-    ({"correction": "tis", "tis_cap": 0.5}, "tis_cap must be >= 1"),
-    ({"correction": "icepop", "icepop_low": 1.5}, "icepop_low=1.5 and icepop_high=5.0"),
+    ({"correction": {"name": "tis", "tis_cap": 0.5}}, "tis_cap must be >= 1"),
+    ({"correction": {"name": "icepop", "icepop_low": 1.5}}, "icepop_low=1.5 and icepop_high=5.0"),
 ])
 def test_bad_correction_settings_name_the_field(fields, match):
     with pytest.raises(ValueError, match=match):
@@ -129,7 +129,7 @@ def test_a_correction_without_recomputed_logprobs_is_refused_before_the_run(tmp_
         load_experiment(demo, ["loss.correction=tis"], check_model=False)
     cfg = load_experiment(demo, ["loss.name=grpo", "loss.correction=tis", "train.recompute_old_logprobs=true"],
                           check_model=False)
-    assert (cfg.loss.name, cfg.loss.correction, cfg.model.routing_replay) == ("grpo", "tis", True)  # GRPO+TIS+R3
+    assert (cfg.loss.name, cfg.loss.correction.name, cfg.model.routing_replay) == ("grpo", "tis", True)  # GRPO+TIS+R3
 
 
 def test_grpo_tis_r3_is_one_recipe_that_fits_its_cluster():
@@ -140,7 +140,7 @@ def test_grpo_tis_r3_is_one_recipe_that_fits_its_cluster():
 
     configs = Path(__file__).resolve().parents[1] / "configs"
     cfg = load_experiment(configs / "qwen3_30b_a3b_grpo_tis.yaml")
-    assert (cfg.name, cfg.loss.name, cfg.loss.correction, cfg.loss.tis_cap) == ("qwen3_30b_a3b_grpo_tis", "grpo",
+    assert (cfg.name, cfg.loss.name, cfg.loss.correction.name, cfg.loss.correction.tis_cap) == ("qwen3_30b_a3b_grpo_tis", "grpo",
                                                                                  "tis", 2.0)
     assert cfg.train.recompute_old_logprobs and cfg.model.routing_replay
     grpo = load_experiment(configs / "qwen3_30b_a3b_grpo.yaml")

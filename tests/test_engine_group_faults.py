@@ -22,10 +22,11 @@ import torch
 
 from bpo_megatron.testing.models import random_checkpoint
 from bpo_megatron.rollout import GenerationRequest, SamplingParams
+from bpo_megatron.testing import MODEL_CONFIGS
 
 ray = pytest.importorskip("ray")
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tiny_qwen3_moe"
+FIXTURE = MODEL_CONFIGS / "tiny_qwen3_moe"
 KILL_AFTER_S = 0.2  # each engine's share of BIG takes about a second: the kill lands mid-generate
 TOLERANCE = 1e-5  # log μ of the same row decoded in another batch (fp32 summation order)
 

@@ -24,9 +24,10 @@ from bpo_megatron.rollout.sglang.protocol import ProtocolError, decode_sample, g
 from bpo_megatron.rollout.types import response_slots
 from bpo_megatron.tasks.prompts import PromptFormat, requests
 from bpo_megatron.testing.models import random_checkpoint
+from bpo_megatron.testing import MODEL_CONFIGS
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT / "tests" / "fixtures"
+FIXTURES = MODEL_CONFIGS
 DEMO = ROOT / "configs" / "tiny_moe_cpu.yaml"
 LAYOUT = RoutingLayout(num_hidden_layers=2, moe_layers=(0, 1), topk=2, num_experts=4)
 

@@ -10,11 +10,12 @@ import yaml
 from bpo_megatron.config import ConfigError
 from bpo_megatron.experiment import load_experiment
 from bpo_megatron.loop.run_dir import record_config
+from bpo_megatron.testing import MODEL_CONFIGS
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "tiny_moe_cpu.yaml"
-MOE = str(ROOT / "tests" / "fixtures" / "tiny_qwen3_moe")
-DENSE = str(ROOT / "tests" / "fixtures" / "tiny_qwen3")
+MOE = str(MODEL_CONFIGS / "tiny_qwen3_moe")
+DENSE = str(MODEL_CONFIGS / "tiny_qwen3")
 
 
 def test_the_demo_config_loads_and_resolves_its_model_path():
@@ -79,7 +80,7 @@ def test_resolved_config_round_trips(tmp_path):
         (["rollout.capture_routed_experts=false"], "model.routing_replay=true .* needs rollout.capture_routed_experts=true"),
         (["rollout.engine=vllm"], "rollout.engine=vllm: it records routed experts only on GPUs"),
         ([f"model.path={DENSE}", "parallel.ep=1"], "needs a Mixture-of-Experts model"),
-        (["rollout.engine=sglang", "train.verify_weight_sync=true"], "which rollout.engine=sglang does not allow"),
+        (["rollout.engine=sglang", "weight_sync.verify=true"], "which rollout.engine=sglang does not allow"),
         # the embedded engine's own options are typed
         (["rollout.hf.dtype=fp16"], r"rollout.hf.dtype='fp16' must be one of 'fp32', 'bf16'"),
         (["rollout.hf.max_rows=4"], "unknown key rollout.hf.max_rows; valid keys of rollout.hf: dtype, max_batch_rows"),

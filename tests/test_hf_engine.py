@@ -20,8 +20,9 @@ from bpo_megatron.rollout import EngineContext, GenerationRequest, SamplingParam
 from bpo_megatron.rollout.hf.options import HFEngineOptions
 from bpo_megatron.rollout.hf.engine import HFEngine
 from bpo_megatron.testing.models import random_checkpoint
+from bpo_megatron.testing import MODEL_CONFIGS
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = MODEL_CONFIGS
 TOLERANCE = 1e-5  # fp32 log μ: KV-cache decoding sums in another order than one full forward
 
 torch.set_num_threads(1)

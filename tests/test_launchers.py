@@ -177,7 +177,7 @@ def test_local_launcher_runs_the_cpu_demo(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "bpo_megatron.cli", "launch", "local", str(ROOT / "configs" / "tiny_moe_cpu.yaml"),
            "train.steps=2", "train.sft_warmup_steps=2", "train.sft_batch_size=8", "train.prompts_per_step=4",
-           "rollout.group_size=4", "train.micro_batch_size=4", "eval.every=0", "checkpoint.every=0",
+           "rollout.group_size=4", "trainer.micro_batch_size=4", "eval.every=0", "checkpoint.every=0",
            f"logging.run_dir={run_dir}", "logging.progress=false", "--home", str(tmp_path / "nemo_run")]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -254,13 +254,13 @@ def test_a_stopped_engine_is_replaced_with_default_settings_and_the_run_goes_on(
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
-# Packed micro-batches (train.max_tokens_per_micro_batch) through the loop. PACKED: at most 20
+# Packed micro-batches (trainer.max_tokens_per_micro_batch) through the loop. PACKED: at most 20
 # positions a micro-batch (the longest sample has 19). RL_SIGNAL: a warm start that makes the
 # tiny model answer a few sums right (10 steps of 32 at lr 0.01, about 10 s), and groups of 8, so
 # the first RL step already has groups of mixed reward and a nonzero policy loss (measured:
 # reward_mean 0.0625, 2 of 4 groups with nonzero advantages, loss -0.037, grad norm 0.63); with
 # the small run's own warm start every reward of step 1 is 0, and so are its loss and gradient.
-PACKED = "train.max_tokens_per_micro_batch=20"
+PACKED = "trainer.max_tokens_per_micro_batch=20"
 RL_SIGNAL = ("train.sft_warmup_steps=10", "train.sft_batch_size=32", "train.sft_lr=0.01", "rollout.group_size=8")
 
 
@@ -270,7 +270,7 @@ def _rl_step(run_dir: Path, step: int) -> dict:
 
 @pytest.mark.timeout(600)
 def test_packed_micro_batches_train_the_loop_as_padded_ones_do(tmp_path, ray_session, small_run):
-    """train.max_tokens_per_micro_batch through Ray: the warm start and the first RL step, packed,
+    """trainer.max_tokens_per_micro_batch through Ray: the warm start and the first RL step, packed,
     give the padded run's numbers: the warm start's losses and gradient norms, and the first
     step's log-probs under the trainer (|log π − log μ|, the k3 KL, the importance weights),
     routing agreement, and its policy loss, clip fraction and gradient norm, which are not 0: the
@@ -318,7 +318,7 @@ def test_a_resumed_packed_run_matches_an_uninterrupted_one(tmp_path, ray_session
 @pytest.mark.slow  # 70 to 100 s here: three fresh runs and two resumed ones
 @pytest.mark.timeout(900)
 def test_a_packed_checkpoint_resumes_padded_and_back(tmp_path, ray_session, small_run):
-    """train.max_tokens_per_micro_batch is resume-safe both ways: 2 steps packed then step 3
+    """trainer.max_tokens_per_micro_batch is resume-safe both ways: 2 steps packed then step 3
     padded, and 2 steps padded then step 3 packed, each against 3 padded steps straight. Packing
     changes only the float summation order: the same rollouts at step 3 (identical rewards), and
     its loss and gradient norm to 1e-5."""

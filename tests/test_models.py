@@ -28,8 +28,9 @@ from bpo_megatron.models import (
 from bpo_megatron.parallel import ParallelConfig
 from bpo_megatron.parallel.local_world import run_gloo_world
 from bpo_megatron.weights.names import parameter_counts
+from bpo_megatron.testing import MODEL_CONFIGS
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = MODEL_CONFIGS
 QWEN3_30B_A3B = Path(__file__).resolve().parents[1] / "configs" / "models" / "qwen3_30b_a3b"
 WORLD_TIMEOUT_S = 60.0
 BATCH, SEQ = 2, 16

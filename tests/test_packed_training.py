@@ -1,6 +1,6 @@
 """Packed micro-batches train exactly as padded ones: the same samples (varied lengths, R3 replay,
 π_old with a mismatch correction, tokens left out by ``train_mask``) scored and trained with
-``train.max_tokens_per_micro_batch`` and with padded micro-batches, from the same initial
+``trainer.max_tokens_per_micro_batch`` and with padded micro-batches, from the same initial
 weights, give the same log-probs, entropies, recorded routing, loss, loss statistics and
 gradients for every registered policy loss × every aggregation (each mismatch correction several
 times, and once without π_old), under tensor + sequence, expert, pipeline and data parallelism.
@@ -22,7 +22,7 @@ import math
 import pytest
 import torch
 
-import train_helpers as th
+from bpo_megatron import testing as th
 from bpo_megatron.losses import AGGREGATIONS, POLICY_LOSSES, BatchTotals, PolicyLossConfig, policy_loss
 from bpo_megatron.losses.corrections import CORRECTIONS
 from bpo_megatron.parallel.local_world import run_gloo_world
@@ -43,7 +43,7 @@ LAYOUTS = {  # name -> (world size, layout); data parallelism 2 in each
     # experts split over TP and DP ranks, and R3 replayed again by activation recomputation
     "tp2_sp_ep2_dp2_recompute": (4, dict(tp=2, ep=2, recompute="full")),
 }
-MODES = (("padded", 0, 2), ("packed", BUDGET, 2))  # (name, token budget, train.micro_batch_size)
+MODES = (("padded", 0, 2), ("packed", BUDGET, 2))  # (name, token budget, trainer.micro_batch_size)
 # Tolerances, packed against padded (fp32). A packed sample's attention reduces over its own n
 # keys where a padded row reduces over the micro-batch's longest (the rest masked to 0), so the
 # two orders of summation round apart: log-probs and entropies differ by one float32 ulp at most

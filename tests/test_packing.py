@@ -93,15 +93,15 @@ def test_moving_a_pack_moves_its_padded_layout():
 def test_a_sample_over_the_budget_is_refused_naming_the_setting_the_sample_and_its_length():
     samples = [sample([1, 2, 3], 1), sample(list(range(12)), 4)]
     check_fits(samples, 11)
-    with pytest.raises(ValueError, match=r"sample 1 has 11 input positions .* train.max_tokens_per_micro_batch=10"):
+    with pytest.raises(ValueError, match=r"sample 1 has 11 input positions .* trainer.max_tokens_per_micro_batch=10"):
         check_fits(samples, 10)
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "8"])
 def test_the_budget_must_be_a_non_negative_integer(value):
-    with pytest.raises(ValueError, match="train.max_tokens_per_micro_batch must be a non-negative integer"):
+    with pytest.raises(ValueError, match="trainer.max_tokens_per_micro_batch must be a non-negative integer"):
         TrainerConfig(max_tokens_per_micro_batch=value)
-    with pytest.raises(ValueError, match="train.max_tokens_per_micro_batch must be a non-negative integer"):
+    with pytest.raises(ValueError, match="trainer.max_tokens_per_micro_batch must be a non-negative integer"):
         LoopConfig(max_tokens_per_micro_batch=value)
 
 
@@ -109,11 +109,11 @@ def test_an_experiment_whose_longest_sample_does_not_fit_is_refused_before_it_st
     from bpo_megatron.experiment import load_experiment
 
     fits = load_experiment(None, ["data.max_prompt_tokens=100", "rollout.max_new_tokens=29",
-                                  "train.max_tokens_per_micro_batch=128"], check_model=False)
-    assert fits.train.max_tokens_per_micro_batch == 128
-    with pytest.raises(ConfigError, match=r"train.max_tokens_per_micro_batch=128 .* = 129 input positions"):
+                                  "trainer.max_tokens_per_micro_batch=128"], check_model=False)
+    assert fits.trainer.max_tokens_per_micro_batch == 128
+    with pytest.raises(ConfigError, match=r"trainer.max_tokens_per_micro_batch=128 .* = 129 input positions"):
         load_experiment(None, ["data.max_prompt_tokens=100", "rollout.max_new_tokens=30",
-                               "train.max_tokens_per_micro_batch=128"], check_model=False)
+                               "trainer.max_tokens_per_micro_batch=128"], check_model=False)
 
 
 # ------------------------------------------------------------------------------ attention

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import train_helpers as th
+from bpo_megatron import testing as th
 from bpo_megatron.experiment import load_experiment
 from bpo_megatron.models import HFModelConfig, ModelOptions
 from bpo_megatron.weights.names import parameter_counts
@@ -21,7 +21,7 @@ from bpo_megatron.parallel.local_world import run_gloo_world
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE_30B = ROOT / "configs" / "qwen3_30b_a3b_bpo.yaml"
-QWEN3_30B = th.QWEN3_30B_A3B / "config.json"
+QWEN3_30B = ROOT / "configs" / "models" / "qwen3_30b_a3b" / "config.json"
 WORLD_TIMEOUT_S = 120.0
 
 

@@ -1,4 +1,4 @@
-"""The planner with a token budget (``train.max_tokens_per_micro_batch``): memory per micro-batch
+"""The planner with a token budget (``trainer.max_tokens_per_micro_batch``): memory per micro-batch
 sized by the budget, and the Monte Carlo of micro-batches per rank, load imbalance and useful
 tokens (bpo_megatron/planner/batches.py) against hand-computed cases; the recipes fit with theirs."""
 
@@ -34,10 +34,10 @@ def _cfg(path: Path, *overrides: str):
 def test_a_budget_of_b_longest_samples_costs_what_b_padded_samples_cost(recipe):
     """Packed micro-batches of b × the longest sample hold what padded ones of b max-length samples
     hold: activations, logits and R3 per stage are the same (pipeline in flight included)."""
-    padded = make_plan(_cfg(recipe, "train.micro_batch_size=2", "train.max_tokens_per_micro_batch=0"),
+    padded = make_plan(_cfg(recipe, "trainer.micro_batch_size=2", "trainer.max_tokens_per_micro_batch=0"),
                        _cfg(recipe).hf_config())
     row = 18_432  # the longest sample, 18,431 positions, padded to a multiple of tp 4
-    packed = make_plan(_cfg(recipe, f"train.max_tokens_per_micro_batch={2 * row}"), _cfg(recipe).hf_config())
+    packed = make_plan(_cfg(recipe, f"trainer.max_tokens_per_micro_batch={2 * row}"), _cfg(recipe).hf_config())
     assert padded.tokens_per_micro_batch == packed.tokens_per_micro_batch == 2 * row
     for a, b in zip(padded.stages, packed.stages, strict=True):
         assert (a.activations, a.logits, a.routing, a.in_flight) == (b.activations, b.logits, b.routing, b.in_flight)
@@ -45,7 +45,7 @@ def test_a_budget_of_b_longest_samples_costs_what_b_padded_samples_cost(recipe):
 
 
 def test_activations_logits_and_r3_scale_with_the_budget_padded_to_tp():
-    cfg = _cfg(MAIN, "train.max_tokens_per_micro_batch=36863")  # not a multiple of tp 4: packs pad to 36,864
+    cfg = _cfg(MAIN, "trainer.max_tokens_per_micro_batch=36863")  # not a multiple of tp 4: packs pad to 36,864
     hf = cfg.hf_config()
     plan = make_plan(cfg, hf)
     [stage] = plan.stages
@@ -60,7 +60,7 @@ def test_activations_logits_and_r3_scale_with_the_budget_padded_to_tp():
     assert stage.routing == 36_864 * 48 * 8 * 1 + 36_864 * 48 * 8 * 8 / 4
     assert stage.total == stage.static.total + stage.activations + stage.logits + stage.routing + 4e9
     # memory grows linearly with the budget: twice the budget, twice each per-micro-batch term
-    double = make_plan(_cfg(MAIN, "train.max_tokens_per_micro_batch=73728"), hf).stages[0]
+    double = make_plan(_cfg(MAIN, "trainer.max_tokens_per_micro_batch=73728"), hf).stages[0]
     assert double.activations == pytest.approx(2 * stage.activations)
     assert double.routing == pytest.approx(2 * stage.routing)
     assert micro_batch_positions(ParallelConfig(tp=1), longest=10_239, micro_batch_size=3, budget=0) == 3 * 10_239
@@ -86,9 +86,9 @@ def test_the_log_prob_pass_holds_the_r3_ids_of_the_running_micro_batch_only():
 
 def test_a_budget_below_the_longest_sample_fails_the_layout_check():
     cfg = _cfg(MAIN)
-    small = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_tokens_per_micro_batch=16_384))
+    small = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, max_tokens_per_micro_batch=16_384))
     failed = [c.message for c in layout_checks(small, cfg.hf_config(), Allocation.of(cfg)) if not c.ok]
-    assert failed == ["train.max_tokens_per_micro_batch=16384 cannot hold the longest sample, "
+    assert failed == ["trainer.max_tokens_per_micro_batch=16384 cannot hold the longest sample, "
                       "data.max_prompt_tokens + rollout.max_new_tokens − 1 = 18431 positions"]
 
 
@@ -177,7 +177,7 @@ def test_the_estimate_is_deterministic_and_exact_for_samples_at_the_caps():
     assert mb.padded.useful == LONGEST_30B / 18_432 and mb.packed.useful == 2 * LONGEST_30B / 36_864
     assert mb.padded.imbalance == mb.packed.imbalance == 1.0
     # without a budget, only the padded micro-batches
-    assert estimate_batches(_cfg(MAIN, "train.max_tokens_per_micro_batch=0"), dp=8, groups=groups,
+    assert estimate_batches(_cfg(MAIN, "trainer.max_tokens_per_micro_batch=0"), dp=8, groups=groups,
                             lengths="max", steps=1).minibatch.packed is None
 
 
@@ -198,7 +198,7 @@ def test_packing_pays_less_than_padding_for_the_paper_lengths():
 def test_recipes_pack_under_a_budget_that_holds_their_longest_sample(recipe):
     cfg = load_experiment(recipe, [])  # validates, the model's config included
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens - 1
-    budget = cfg.train.max_tokens_per_micro_batch
+    budget = cfg.trainer.max_tokens_per_micro_batch
     assert longest <= budget and budget % cfg.parallel.tp == 0
     assert make_plan(cfg, cfg.hf_config()).fits
 
@@ -209,7 +209,7 @@ def test_both_30b_recipes_fit_with_the_budget_and_print_the_estimate(recipe, cap
 
     assert main(["plan", str(recipe)]) == 0
     out = capsys.readouterr().out
-    assert "packed micro-batches of ≤ 36864 input positions (train.max_tokens_per_micro_batch" in out
+    assert "packed micro-batches of ≤ 36864 input positions (trainer.max_tokens_per_micro_batch" in out
     assert "packed into micro-batches of ≤ 36864 positions that hold the longest sample (18431)" in out
     assert "micro-batches per DP rank, lengths paper" in out and "packed (≤ 36864)" in out
     assert "R3 routed experts and router ids (the micro-batches in flight)" in out
@@ -227,10 +227,10 @@ def test_the_largest_budget_is_where_training_memory_meets_the_gpu():
     assert largest % 4 == 0 and largest > 36_864
 
     def peak(budget: int) -> float:
-        return make_plan(_cfg(MAIN, f"train.max_tokens_per_micro_batch={budget}"), cfg.hf_config()).train_peak
+        return make_plan(_cfg(MAIN, f"trainer.max_tokens_per_micro_batch={budget}"), cfg.hf_config()).train_peak
 
     assert peak(largest) <= 80e9 < peak(largest + 4)
-    assert f"memory allows train.max_tokens_per_micro_batch up to {largest} (the longest sample needs 18431)" in (
+    assert f"memory allows trainer.max_tokens_per_micro_batch up to {largest} (the longest sample needs 18431)" in (
         format_plan(plan))
     # on a GPU that cannot hold even the static memory and one longest sample, none
     small = make_plan(cfg, cfg.hf_config(), Allocation(nodes=4, gpus_per_node=8, gpu_memory_gb=40))

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-import train_helpers as th
+from bpo_megatron import testing as th
 from bpo_megatron.losses import AGGREGATIONS, BatchTotals, PolicyLossConfig, compute_policy_loss
 from bpo_megatron.loop.samples import training_samples
 from bpo_megatron.parallel.local_world import run_gloo_world

@@ -122,7 +122,7 @@ def test_shipped_model_configs():
 def test_recipes_are_plain_yaml_without_unknown_keys():
     for path in RECIPES:
         data = yaml.safe_load(path.read_text())
-        assert set(data) <= {"extends", "name", "model", "parallel", "rollout", "loss", "optimizer", "train", "data",
+        assert set(data) <= {"extends", "name", "seed", "model", "parallel", "rollout", "loss", "optimizer", "trainer", "weight_sync", "train", "data",
                              "eval", "checkpoint", "logging", "cluster"}
 
 
@@ -143,15 +143,15 @@ def test_extends_chains_and_the_child_wins(tmp_path):
     model = CONFIGS / "models" / "tiny_qwen3_moe"
     _write(tmp_path / "base" / "models" / "m" / "config.json", (model / "config.json").read_text())
     _write(tmp_path / "base" / "base.yaml", "name: base\nmodel: {path: models/m, init: random, tokenizer: char}\n"
-           "parallel: {tp: 1, ep: 2}\ncluster: {trainer_ranks: 2}\ntrain: {steps: 7, seed: 3}\n"
+           "parallel: {tp: 1, ep: 2}\ncluster: {trainer_ranks: 2}\ntrain: {steps: 7}\nseed: 3\n"
            "eval: {every: 5, datasets: [procedural:add, procedural:max]}\n"
            "rollout: {max_new_tokens: 4, group_size: 8}\ndata: {max_prompt_tokens: 16, train: procedural:add}\n")
     _write(tmp_path / "mid.yaml", "extends: base/base.yaml\nname: mid\ntrain: {steps: 9}\n"
            "eval: {datasets: [procedural:reverse]}\n")
     child = _write(tmp_path / "deep" / "child.yaml", "extends: ../mid.yaml\nname: child\nloss: {name: cispo}\n")
-    cfg = load_experiment(child, ["train.seed=5"])
+    cfg = load_experiment(child, ["seed=5"])
     assert cfg.name == "child" and cfg.loss.name == "cispo"
-    assert (cfg.train.steps, cfg.train.seed) == (9, 5)  # mid's steps, the override's seed
+    assert (cfg.train.steps, cfg.seed) == (9, 5)  # mid's steps, the override's seed
     assert cfg.eval.datasets == ("procedural:reverse",) and cfg.eval.every == 5  # a list replaces, a mapping merges
     assert Path(cfg.model.path).resolve() == tmp_path / "base" / "models" / "m"  # relative to the file that set it
     assert cfg.parallel.ep == 2 and cfg.hf_config().num_experts == 4

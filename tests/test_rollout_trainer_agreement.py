@@ -16,11 +16,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import train_helpers as th
+from bpo_megatron import testing as th
 from bpo_megatron.parallel.local_world import run_gloo_world
 from bpo_megatron.testing.models import random_checkpoint
+from bpo_megatron.testing import MODEL_CONFIGS
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tiny_qwen3_moe"
+FIXTURE = MODEL_CONFIGS / "tiny_qwen3_moe"
 TIMEOUT = 120
 MEAN_TOLERANCE = 1e-5  # fp32: KV-cache decoding and Megatron's forward sum in different orders
 MAX_TOLERANCE = 1e-4
@@ -64,60 +65,6 @@ def _logprob_gaps(scored: list[torch.Tensor], samples) -> torch.Tensor:
     return torch.cat([(mine - s.rollout_logprobs).abs() for mine, s in zip(scored, samples, strict=True)])
 
 
-def _same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per (token, layer): do the two top-k expert lists name the same set of experts?"""
-    return (a.long().sort(dim=-1).values == b.long().sort(dim=-1).values).all(dim=-1)
-
-
-class DispatchRecorder:
-    """Forward hooks on every Megatron router: the experts each token was actually sent to.
-
-    Independent of the replay machinery: it reads the router's output ``routing_map``
-    (``[tokens, experts]`` bool, sequence-major ``[s_local · b]``), whatever produced it.
-    """
-
-    def __init__(self, model: torch.nn.Module, topk: int) -> None:
-        from megatron.core.transformer.moe.router import TopKRouter
-
-        self.topk = topk
-        routers = [m for m in model.modules() if isinstance(m, TopKRouter)]  # in layer order (PP=1)
-        self.maps: list[list[torch.Tensor]] = [[] for _ in routers]
-        self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(routers)]
-
-    def _hook(self, layer: int):
-        def record(module, args, output) -> None:
-            self.maps[layer].append(output[1].detach().clone())
-        return record
-
-    def per_sample(self, actor, samples) -> list[torch.Tensor]:
-        """``[len(tokens) − 1, MoE layers, K]`` expert sets per sample, in sample order, on every rank."""
-        from megatron.core import parallel_state as ps
-
-        from bpo_megatron.trainer.samples import chunk, split
-
-        for handle in self._handles:
-            handle.remove()
-        mine = split(samples, actor.ranks.dp_size)[actor.ranks.dp]
-        out = []
-        for k, group in enumerate(chunk(mine, actor.trainer_cfg.micro_batch_size)):
-            layers = []
-            for maps in self.maps:
-                routing_map = maps[k]
-                assert bool((routing_map.sum(-1) == self.topk).all()), "a token went to != top-k experts"
-                experts = routing_map.float().topk(self.topk, dim=-1).indices.sort(dim=-1).values
-                experts = experts.reshape(-1, len(group), self.topk)  # [s_local, b, K]
-                if actor.parallel.sequence_parallel:  # each TP rank routed its slice of the sequence
-                    parts = [torch.empty_like(experts) for _ in range(actor.ranks.tp_size)]
-                    dist.all_gather(parts, experts.contiguous(), group=ps.get_tensor_model_parallel_group())
-                    experts = torch.cat(parts, dim=0)
-                layers.append(experts)
-            routed = torch.stack(layers, dim=2)  # [s, b, L, K]
-            out += [routed[: s.tokens.numel() - 1, row] for row, s in enumerate(group)]
-        gathered: list = [None] * actor.ranks.dp_size
-        dist.all_gather_object(gathered, out, group=ps.get_data_parallel_group())
-        return [t for part in gathered for t in part]
-
-
 # ---------------------------------------------------------------------------- A: agreement
 def _agreement(model_dir: str, layout: dict, temperature: float, engine_dtype: str = "fp32") -> dict:
     from bpo_megatron.models.options import TORCH_DTYPES
@@ -137,8 +84,8 @@ def _agreement(model_dir: str, layout: dict, temperature: float, engine_dtype: s
               "lengths": [s.response_tokens.numel() for s in samples]}
     gaps = _logprob_gaps(replayed.logprobs, samples)
     free_gaps = _logprob_gaps(free.logprobs, samples)
-    replay_same = torch.cat([_same_sets(d, s.routed_experts).flatten() for d, s in zip(dispatched, samples)])
-    free_same = torch.cat([_same_sets(t, s.routed_experts).flatten()
+    replay_same = torch.cat([same_expert_sets(d, s.routed_experts).flatten() for d, s in zip(dispatched, samples)])
+    free_same = torch.cat([same_expert_sets(t, s.routed_experts).flatten()
                            for t, s in zip(free.routed_experts, samples)])
     result.update(mean=float(gaps.mean()), max=float(gaps.max()), tokens=gaps.numel(),
                   free_mean=float(free_gaps.mean()), free_max=float(free_gaps.max()),
@@ -150,9 +97,9 @@ def _agreement(model_dir: str, layout: dict, temperature: float, engine_dtype: s
     actor.compute_logprobs(shifted)
     moved = watch.per_sample(actor, shifted)
     result["shifted_agreement"] = float(torch.cat(
-        [_same_sets(d, t.routed_experts).flatten() for d, t in zip(moved, shifted)]).float().mean())
+        [same_expert_sets(d, t.routed_experts).flatten() for d, t in zip(moved, shifted)]).float().mean())
     result["shifted_vs_engine"] = float(torch.cat(
-        [_same_sets(d, s.routed_experts).flatten() for d, s in zip(moved, samples)]).float().mean())
+        [same_expert_sets(d, s.routed_experts).flatten() for d, s in zip(moved, samples)]).float().mean())
     # ... and scoring at another temperature than the engine sampled at disagrees
     actor.trainer_cfg = dataclasses.replace(actor.trainer_cfg, temperature=temperature + 0.5)
     result["wrong_temperature_mean"] = float(_logprob_gaps(actor.compute_logprobs(train).logprobs, samples).mean())

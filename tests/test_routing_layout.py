@@ -12,8 +12,9 @@ import torch
 
 from bpo_megatron.models import HFModelConfig
 from bpo_megatron.models.routing import RoutingError, RoutingLayout, expert_id_dtype
+from bpo_megatron.testing import MODEL_CONFIGS
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tiny_qwen3_moe" / "config.json"
+FIXTURE = MODEL_CONFIGS / "tiny_qwen3_moe" / "config.json"
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import train_helpers as th
+from bpo_megatron import testing as th
 from bpo_megatron.cli import main
 from bpo_megatron.experiment import load_experiment
 from bpo_megatron.loop.preflight import prepare

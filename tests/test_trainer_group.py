@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from train_helpers import make_samples, random_routing
+from bpo_megatron.testing import make_samples, random_routing
 
 ray = pytest.importorskip("ray")
 # the rank function below travels to the Ray workers by value (the workers cannot import tests)

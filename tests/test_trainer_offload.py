@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import train_helpers as th
+from bpo_megatron import testing as th
 from bpo_megatron.parallel.local_world import run_gloo_world
 
 TIMEOUT = 180

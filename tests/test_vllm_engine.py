@@ -27,8 +27,9 @@ from bpo_megatron.rollout.vllm.engine import (
 )
 from bpo_megatron.rollout.types import ResponseSlot
 from bpo_megatron.rollout.types import response_slots as expand
+from bpo_megatron.testing import MODEL_CONFIGS
 
-MOE_DIR = Path(__file__).resolve().parent / "fixtures" / "tiny_qwen3_moe"  # 2 MoE layers, top-2 of 4
+MOE_DIR = MODEL_CONFIGS / "tiny_qwen3_moe"  # 2 MoE layers, top-2 of 4
 DENSE_DIR = MOE_DIR.parent / "tiny_qwen3"
 
 
@@ -244,7 +245,7 @@ def test_engine_generates_through_vllm_llm(fake_vllm):
     engine.end_weight_update()
     assert llm.calls[-1] == ("reset_prefix_cache",), "no KV of the old weights may be reused"
     assert engine.health().detail == "ready" and engine.weight_version == 2
-    with pytest.raises(NotImplementedError, match="verify_weight_sync"):
+    with pytest.raises(NotImplementedError, match="weight_sync.verify"):
         engine.named_hf_weights()
     engine.shutdown()
     assert not engine.health().healthy

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from bpo_megatron.megatron import ensure_megatron_cpu_compat
+from bpo_megatron.testing import MODEL_CONFIGS
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 
 # The sizes are the tests' one tiny MoE (tests/fixtures/tiny_qwen3_moe), built here as a plain
 # Megatron GPT (local spec, Megatron's own defaults) to test the CPU compat layer on its own.
-_TINY = json.loads((Path(__file__).resolve().parent / "fixtures" / "tiny_qwen3_moe" / "config.json").read_text())
+_TINY = json.loads((MODEL_CONFIGS / "tiny_qwen3_moe" / "config.json").read_text())
 VOCAB_SIZE = _TINY["vocab_size"]
 NUM_LAYERS = _TINY["num_hidden_layers"]
 HIDDEN_SIZE = _TINY["hidden_size"]

@@ -7,7 +7,7 @@ minibatch of a small Qwen3-MoE (random weights, R3 replay) three ways, interleav
 * padded, 1 sample per micro-batch (what the 30B recipes did before the token budget);
 * padded, 4 samples per micro-batch;
 * packed into micro-batches of at most ``--budget`` input positions, balanced over the ranks
-  (``train.max_tokens_per_micro_batch``).
+  (``trainer.max_tokens_per_micro_batch``).
 
 The lengths are the paper's mix scaled down by ``--scale`` (ratios kept): prompts uniform in
 50–300 tokens, responses log-uniform in 256–16,384 with 30% at the cap.
@@ -124,18 +124,12 @@ def useful_fraction(paid: list[list[int]], useful: int) -> float:
 def _rank(settings: Settings) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from bpo_megatron.losses import PolicyLossConfig
-    from bpo_megatron.models import HFModelConfig, ModelOptions
-    from bpo_megatron.parallel import ParallelConfig
-    from bpo_megatron.trainer.actor import TrainActor
-    from bpo_megatron.trainer.config import TrainerConfig
-    from bpo_megatron.trainer.optimizer import OptimizerSettings
+    from bpo_megatron import testing
+    from bpo_megatron.models import HFModelConfig
 
     hf = HFModelConfig.load(MODEL)
     torch.manual_seed(0)
-    actor = TrainActor(hf, parallel=ParallelConfig(ep=RANKS), model=ModelOptions(routing_replay=True),
-                       loss=PolicyLossConfig(name="bpo"), optimizer=OptimizerSettings(lr=1e-6),
-                       trainer=TrainerConfig(micro_batch_size=1))
+    actor = testing.build_actor(hf, ep=RANKS, replay=True, loss="bpo", lr=1e-6, micro_batch_size=1)
     samples = make_samples(settings, hf)
     configs = {mode: replace(actor.trainer_cfg, micro_batch_size=options.get("micro_batch_size", 1),
                              max_tokens_per_micro_batch=0 if options else settings.packed_budget)

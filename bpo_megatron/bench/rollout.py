@@ -180,24 +180,15 @@ class _EngineHost:
 def _sync_rank(cfg: BenchConfig, model_dir: str) -> dict:
     import ray
 
-    from bpo_megatron.losses import PolicyLossConfig
-    from bpo_megatron.models import HFModelConfig, ModelOptions
-    from bpo_megatron.parallel import ParallelConfig
+    from bpo_megatron import testing
     from bpo_megatron.rollout.hf.engine import HFEngine
-    from bpo_megatron.trainer.actor import TrainActor
-    from bpo_megatron.trainer.config import TrainerConfig
-    from bpo_megatron.trainer.optimizer import OptimizerSettings
     from bpo_megatron.rollout.hf.shared_memory import SharedMemory
     from bpo_megatron.weight_sync.object_store import ObjectStore
     from bpo_megatron.weight_sync.transport import EngineEndpoint
     from bpo_megatron.weights.buckets import tensor_bytes
     from bpo_megatron.weights.checksums import fingerprints
-    from bpo_megatron.weights.load import load_hf_weights
 
-    hf = HFModelConfig.load(model_dir)
-    actor = TrainActor(hf, parallel=ParallelConfig(), model=ModelOptions(params_dtype="fp32"),
-                       loss=PolicyLossConfig(), optimizer=OptimizerSettings(), trainer=TrainerConfig())
-    load_hf_weights(actor.model, hf, model_dir)
+    actor = testing.build_actor(model_dir, params_dtype="fp32", micro_batch_size=1, weights=model_dir)
     engine = HFEngine(model_dir, capture_routing=False)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="error")
     remote = ray.remote(_EngineHost).options(num_cpus=0).remote(model_dir)

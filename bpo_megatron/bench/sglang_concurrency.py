@@ -23,11 +23,12 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from bpo_megatron.testing import MODEL_CONFIGS
 
 ROOT = Path(__file__).resolve().parents[2]
 STANDIN = ROOT / "tests" / "sglang_contract" / "standin_server.py"
 SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
-FIXTURE = ROOT / "tests" / "fixtures" / "tiny_qwen3_moe" / "config.json"
+FIXTURE = MODEL_CONFIGS / "tiny_qwen3_moe" / "config.json"
 
 
 def _requests(prompts: int, group: int, max_new_tokens: int, seed: int = 0) -> list:

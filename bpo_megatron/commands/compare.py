@@ -401,7 +401,7 @@ def main(argv: list[str]) -> int:
                     name = "-".join([variant.slug, *([args.condition] if args.condition else []),
                                      *([] if k is None else [f"k{k}"]), f"s{seed}"])
                     configs[(variant, k, seed)] = load_experiment(args.config, [
-                        *args.overrides, *variant.overrides, *lag, f"name={name}", f"train.seed={seed}",
+                        *args.overrides, *variant.overrides, *lag, f"name={name}", f"seed={seed}",
                         f"rollout.seed={seed}", f"logging.run_dir={out / name}"])
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         return _refuse(str(exc))

@@ -2,7 +2,10 @@
 
 Any frozen dataclass tree works: nested dataclasses become YAML mappings, ``Literal`` fields
 accept only their choices, tuples accept lists, ``X | None`` accepts null. An unknown key is
-refused with the list of valid ones; a value of the wrong type names its full dotted key.
+refused with the list of valid ones; a value of the wrong type names its full dotted key. A field
+whose value another section decides (``field(metadata={"derived": "rollout.temperature"})``) is
+no key; a section class with ``SHORTHAND = "name"`` also accepts a plain value as that one key
+(``loss.correction: tis``); a key that moved is refused naming its new home (:func:`refuse_moved`).
 """
 
 from __future__ import annotations
@@ -106,10 +109,35 @@ def config_key(field: dataclasses.Field) -> str:
     return field.metadata.get("key", field.name)
 
 
+def refuse_moved(data: Mapping[str, Any], moved: Mapping[str, str]) -> None:
+    """A ConfigError for the first key of ``data`` (nested sections) that ``moved`` maps from its
+    old dotted name to its new home, saying where it goes now."""
+    for old, new in moved.items():
+        *sections, name = old.split(".")
+        node: Any = data
+        for section in sections:
+            node = node.get(section) if isinstance(node, Mapping) else None
+        if isinstance(node, Mapping) and name in node:
+            *new_sections, new_name = new.split(".")
+            nested = f"{new_name}: {node[name]!r}"
+            for section in reversed(new_sections):
+                nested = f"{section}: {{{nested}}}"
+            raise ConfigError(f"{old} moved to {new}: write {nested} (override: {new}={node[name]!r})")
+
+
+def derived_from(field: dataclasses.Field) -> str | None:
+    """The setting that decides a field no config sets (None: the field is a key)."""
+    return field.metadata.get("derived")
+
+
 def build(cls: type[T], data: Mapping[str, Any] | None, path: str = "") -> T:
     """Construct dataclass ``cls`` from ``data``, checking keys and types recursively."""
     data = dict(data or {})
-    fields = {config_key(f): f for f in dataclasses.fields(cls) if f.init}
+    for f in dataclasses.fields(cls):
+        if derived_from(f) and config_key(f) in data:
+            raise ConfigError(f"{_join(path, config_key(f))} is not a setting of its own: it is {derived_from(f)}; "
+                              f"set that instead")
+    fields = {config_key(f): f for f in dataclasses.fields(cls) if f.init and not derived_from(f)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"{path}." if path else ""
@@ -129,7 +157,8 @@ def to_dict(config: Any) -> dict[str, Any]:
     """Plain data (tuples as lists), ready for YAML."""
     def plain(value: Any) -> Any:
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return {config_key(f): plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+            return {config_key(f): plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                    if not derived_from(f)}
         if isinstance(value, (tuple, list)):
             return [plain(v) for v in value]
         if isinstance(value, dict):
@@ -161,6 +190,9 @@ def _coerce(hint: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{path}={value!r} must be one of {', '.join(map(repr, get_args(hint)))}")
         return value
     if dataclasses.is_dataclass(hint):
+        shorthand = getattr(hint, "SHORTHAND", None)
+        if shorthand and not isinstance(value, Mapping):
+            value = {shorthand: value}  # ``loss.correction: tis`` is ``loss.correction: {name: tis}``
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path} must be a section (mapping), got {value!r}")
         return build(hint, value, path)

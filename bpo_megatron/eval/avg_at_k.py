@@ -109,7 +109,7 @@ def eval_requests(sets: list[EvalSet], tokenizer, cfg, step: int) -> list[Genera
                                     temperature=ev.temperature, top_p=ev.top_p, top_k=0,
                                     max_new_tokens=ev.max_new_tokens or cfg.rollout.max_new_tokens,
                                     stop_token_ids=stop_tokens(tokenizer, cfg.rollout.stop_token_ids),
-                                    seed=cfg.train.seed + 7 * step + index, capture_routing=False)]
+                                    seed=cfg.seed + 7 * step + index, capture_routing=False)]
 
 
 def evaluate(generate, sets: list[EvalSet], tokenizer, reward_fn, cfg, step: int) -> EvalResult:

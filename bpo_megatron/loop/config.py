@@ -33,17 +33,10 @@ class LoopConfig:
     steps: int = 400
     prompts_per_step: int = 256
     minibatches_per_step: int = 8
-    micro_batch_size: int = 1
-    # > 0: the trainer packs samples end to end into micro-batches of at most this many input
-    # positions (len(tokens) − 1 per sample) instead of micro_batch_size padded rows; the longest
-    # possible sample (data.max_prompt_tokens + rollout.max_new_tokens − 1) must fit
-    max_tokens_per_micro_batch: int = 0
-    seed: int = 1234
     sft_warmup_steps: int = 0  # supervised steps on reference answers before RL (CPU demos)
     sft_batch_size: int = 64
     sft_lr: float | None = None  # learning rate of the warm start (None: optimizer.lr)
     routing_agreement_samples: int = 8  # responses per step re-routed by the trainer to measure agreement
-    verify_weight_sync: bool = False  # fingerprint engine weights after every sync (slow on big models)
     # Before the step's updates, the trainer recomputes log π_old of every response under the
     # weights of the step's start (one forward pass over the batch): the loss then anchors its
     # ratios to them, and loss.correction reweights by π_old/μ (the engine's). Needed by every
@@ -63,13 +56,9 @@ class LoopConfig:
         if self.steps < 0 or (self.steps == 0 and not self.sft_warmup_steps):
             raise ValueError(f"train.steps must be >= 1 (or 0 with train.sft_warmup_steps > 0: a supervised run), "
                              f"got {self.steps} with train.sft_warmup_steps={self.sft_warmup_steps}")
-        for name in ("prompts_per_step", "minibatches_per_step", "micro_batch_size", "sft_batch_size"):
+        for name in ("prompts_per_step", "minibatches_per_step", "sft_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        budget = self.max_tokens_per_micro_batch
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise ValueError("train.max_tokens_per_micro_batch must be a non-negative integer (0: padded micro-batches "
-                             f"of train.micro_batch_size samples), got {budget!r}")
         if self.dynamic_sampling_max_rounds < 1:
             raise ValueError(f"train.dynamic_sampling_max_rounds must be >= 1, got {self.dynamic_sampling_max_rounds}")
         if self.overlong_buffer < 0 or not self.overlong_penalty >= 0:

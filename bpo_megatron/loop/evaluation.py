@@ -90,8 +90,8 @@ class Evaluations:
         def sync(version: int, only: list[int] | None = None) -> dict:
             phases.train()  # the weights are read where the trainer computes (colocated: it holds the devices)
             return sync_weights(trainer, evaluations.engines, transport=apart, version=version,
-                                bucket_bytes=cfg.rollout.weight_bucket_mb * 1024 * 1024,
-                                verify=cfg.train.verify_weight_sync, only=only, dtype=cfg.rollout.sync_dtype)
+                                bucket_bytes=cfg.weight_sync.bucket_bytes,
+                                verify=cfg.weight_sync.verify, only=only, dtype=cfg.rollout.sync_dtype)
 
         evaluations = cls(plan, reward_fn, best, metrics_out, echo, engines=evaluators, sync=sync,
                           trainer_version=lambda: phases.version)

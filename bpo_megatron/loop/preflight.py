@@ -224,7 +224,7 @@ def decoupled_anchor_note(cfg) -> str | None:
     return (f"train.async.max_staleness={lag} with train.recompute_old_logprobs=true: log π_old is recomputed with "
             "the weights at each step's start, not the (up to "
             f"{lag} updates older) weights that sampled the responses (decoupled PPO): the loss's ratios are taken "
-            f"against them and ρ = π_old/μ (loss.correction={cfg.loss.correction}; metrics mismatch_abs_logp_diff_mean, "
+            f"against them and ρ = π_old/μ (loss.correction={cfg.loss.correction.name}; metrics mismatch_abs_logp_diff_mean, "
             "mismatch_kl_k3) includes the responses' staleness besides the engine/trainer mismatch")
 
 

@@ -78,7 +78,7 @@ def rl_step(run: RunSession, pipeline: RolloutPipeline, step: int) -> None:
                                               asynchronous=bool(cfg.train.asynchronous.max_staleness))
     metrics.update(shaping)
     metrics.update(draw.metrics())
-    random.Random(cfg.train.seed + step).shuffle(train_samples)
+    random.Random(cfg.seed + step).shuffle(train_samples)
     with timer.phase("train"):
         run.phases.train()
         metrics.update(diagnostics.routing_agreement(run.trainer, train_samples, cfg))

@@ -40,10 +40,10 @@ LOCK_FILE = ".lock"
 # engines, threads, buckets), what it reports, how long it runs and how often it saves. None of
 # them changes the sequence of updates beyond floating-point summation order.
 RESUME_SAFE = (
-    "name", "train.steps", "train.micro_batch_size", "train.max_tokens_per_micro_batch", "train.verify_weight_sync",
+    "name", "train.steps", "trainer.micro_batch_size", "trainer.max_tokens_per_micro_batch", "weight_sync.verify",
     "train.routing_agreement_samples", "parallel.", "cluster.", "logging.", "checkpoint.every",
     "checkpoint.keep_last", "checkpoint.resume", "rollout.num_engines", "rollout.threads_per_engine",
-    "rollout.weight_bucket_mb", "rollout.hf.max_batch_rows", "rollout.generate_timeout_s",
+    "weight_sync.bucket_mb", "rollout.hf.max_batch_rows", "rollout.generate_timeout_s",
     "rollout.max_restarts", "rollout.stall_timeout_s", "eval.mode", "eval.engines",
 )
 
@@ -119,12 +119,27 @@ def _absolute_paths(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _under_current_names(old: dict[str, Any], new: dict[str, Any], moved: dict[str, str]) -> dict[str, Any]:
+    """A recorded config's settings under today's keys: those that ``moved`` (old -> new key) and
+    those recorded as a plain value of what is a section now (its shorthand key, ``name``)."""
+    out = {}
+    for key, value in old.items():
+        key = moved.get(key, key)
+        if key not in new and f"{key}.name" in new:
+            key = f"{key}.name"
+        out[key] = value
+    return out
+
+
 def config_changes(recorded: dict[str, Any], current: dict[str, Any],
-                   defaults: dict[str, Any] | None = None) -> dict[str, tuple[Any, Any]]:
+                   defaults: dict[str, Any] | None = None, moved: dict[str, str] | None = None
+                   ) -> dict[str, tuple[Any, Any]]:
     """Setting -> (recorded value, current value) for every setting that differs and matters. A
     setting the recorded config lacks (one added to the package since) is no change while the
-    current config keeps its default (``defaults``: a whole default config)."""
-    old, new = _absolute_paths(_flatten(recorded)), _absolute_paths(_flatten(current))
+    current config keeps its default (``defaults``: a whole default config); one that moved since
+    (``moved``: old -> new key) is compared at its new key."""
+    new = _absolute_paths(_flatten(current))
+    old = _under_current_names(_absolute_paths(_flatten(recorded)), new, moved or {})
     default = _flatten(defaults or {})
     missing = object()
     changes = {}
@@ -157,7 +172,8 @@ def check_config_unchanged(cfg, run_dir: Path, overrides: tuple[str, ...]) -> di
     recorded = read_recorded_config(run_dir)
     if recorded is None:
         return {}
-    changes = config_changes(recorded, to_dict(cfg), defaults=to_dict(type(cfg)()))
+    changes = config_changes(recorded, to_dict(cfg), defaults=to_dict(type(cfg)()),
+                             moved=getattr(type(cfg), "MOVED_KEYS", {}))
     unexplained = {k: v for k, v in changes.items() if not any(k == o or k.startswith(f"{o}.") for o in overrides)}
     if unexplained:
         lines = "\n".join(f"  {key}: {old!r} -> {new!r}" for key, (old, new) in unexplained.items())
@@ -287,7 +303,7 @@ def initial_hf_dir(cfg) -> str:
     """The Hugging Face directory both trainer and engines start from.
 
     ``model.init: random`` materialises random weights of ``model.path``'s config once per run
-    (seeded by ``train.seed``), so a resumed run and its engines start from the same weights.
+    (seeded by the run's ``seed``), so a resumed run and its engines start from the same weights.
     """
     if cfg.model.init == "pretrained":
         return cfg.model.path
@@ -301,7 +317,7 @@ def initial_hf_dir(cfg) -> str:
 
     source = Path(cfg.model.path)
     hf_config = AutoConfig.from_pretrained(str(source if source.is_dir() else source.parent), local_files_only=True)
-    torch.manual_seed(cfg.train.seed)
+    torch.manual_seed(cfg.seed)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     partial = target.with_name(".initial_hf.partial")
     shutil.rmtree(partial, ignore_errors=True)  # left by a driver killed while writing it

@@ -91,8 +91,8 @@ class RunSession:
         cfg = self.cfg
         return sync_weights(self.trainer, self.engines,
                             transport=cfg.rollout.spec.transport(cfg.rollout.options, cfg.cluster.colocate),
-                            version=version, bucket_bytes=cfg.rollout.weight_bucket_mb * 1024 * 1024,
-                            verify=cfg.train.verify_weight_sync, only=only, dtype=cfg.rollout.sync_dtype)
+                            version=version, bucket_bytes=cfg.weight_sync.bucket_bytes,
+                            verify=cfg.weight_sync.verify, only=only, dtype=cfg.rollout.sync_dtype)
 
     def start(self) -> None:
         """The weights (the checkpoint resumed from, or the initial ones), the warm start, and the

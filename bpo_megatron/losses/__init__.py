@@ -8,7 +8,7 @@ dual-clip, SAPO, and the two halves of BPO each paired with the other half of GR
 
 from bpo_megatron.losses import family as _family  # noqa: F401  (registers the built-in losses)
 from bpo_megatron.losses.aggregation import AGGREGATIONS, BatchTotals
-from bpo_megatron.losses.config import PolicyLossConfig
+from bpo_megatron.losses.config import CorrectionConfig, PolicyLossConfig
 from bpo_megatron.losses.core import compute_policy_loss, policy_loss
 from bpo_megatron.losses.registry import POLICY_LOSSES, PolicyLoss, register_policy_loss
 from bpo_megatron.losses.statistics import LossStatistics
@@ -20,6 +20,7 @@ __all__ = [
     "LossStatistics",
     "POLICY_LOSSES",
     "PolicyLoss",
+    "CorrectionConfig",
     "PolicyLossConfig",
     "TokenTerms",
     "compute_policy_loss",

@@ -2,11 +2,45 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 from bpo_megatron.losses.aggregation import AGGREGATIONS
 from bpo_megatron.losses.corrections import CORRECTIONS
 from bpo_megatron.losses.registry import POLICY_LOSSES
+
+
+@dataclass(frozen=True)
+class CorrectionConfig:
+    """``loss.correction``: the engine/trainer mismatch correction (losses/corrections.py) — none,
+    tis, mis or icepop — and its bounds. Any but none needs the trainer's recomputed log-probs of
+    the behaviour weights (train.recompute_old_logprobs). Defaults: TIS and MIS caps 2 (Yao et al.;
+    Liu et al.), IcePop's interval [0.5, 5]. ``loss.correction: tis`` is short for
+    ``loss.correction: {name: tis}``."""
+
+    SHORTHAND: ClassVar[str] = "name"
+
+    name: str = "none"
+    tis_cap: float = 2.0
+    mis_cap: float = 2.0
+    icepop_low: float = 0.5
+    icepop_high: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.name not in CORRECTIONS:
+            raise ValueError(f"loss.correction={self.name!r} is unknown; choose one of {sorted(CORRECTIONS)}")
+        for cap in ("tis_cap", "mis_cap"):
+            if not getattr(self, cap) >= 1:
+                raise ValueError(f"loss.correction.{cap} must be >= 1 (it caps the behaviour ratio, which is 1 "
+                                 f"when engine and trainer agree), got {getattr(self, cap)}")
+        if not 0 < self.icepop_low <= 1 <= self.icepop_high:
+            raise ValueError(f"loss.correction.icepop_low={self.icepop_low} and icepop_high={self.icepop_high} must "
+                             "satisfy 0 < icepop_low <= 1 <= icepop_high (a token whose ratio is 1 is kept)")
+
+    @property
+    def active(self) -> bool:
+        return self.name != "none"
 
 
 @dataclass(frozen=True)
@@ -43,15 +77,8 @@ class PolicyLossConfig:
     # |log π − log μ| is clamped to this before exponentiating into a ratio, so a wildly
     # off-policy token yields a huge but finite weight instead of inf/NaN.
     max_log_ratio: float = 20.0
-    # Engine/trainer mismatch correction (losses/corrections.py): none, tis, mis or icepop. Any
-    # but none needs the trainer's recomputed log-probs of the behaviour weights
-    # (train.recompute_old_logprobs). Defaults: TIS and MIS caps 2 (Yao et al.; Liu et al.),
-    # IcePop's interval [0.5, 5].
-    correction: str = "none"
-    tis_cap: float = 2.0
-    mis_cap: float = 2.0
-    icepop_low: float = 0.5
-    icepop_high: float = 5.0
+    # Engine/trainer mismatch correction and its bounds (a name alone: its default bounds)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
 
     def __post_init__(self) -> None:
         if self.name not in POLICY_LOSSES:
@@ -62,39 +89,33 @@ class PolicyLossConfig:
             raise ValueError(
                 f"PolicyLossConfig.agg={self.agg!r} is unknown; choose one of {sorted(AGGREGATIONS)}"
             )
-        if self.correction not in CORRECTIONS:
-            raise ValueError(f"PolicyLossConfig.correction={self.correction!r} is unknown; choose one of "
-                             f"{sorted(CORRECTIONS)}")
-        for field in ("tis_cap", "mis_cap"):
-            if not getattr(self, field) >= 1:
-                raise ValueError(f"PolicyLossConfig.{field} must be >= 1 (it caps the behaviour ratio, which is 1 "
-                                 f"when engine and trainer agree), got {getattr(self, field)}")
-        if not 0 < self.icepop_low <= 1 <= self.icepop_high:
-            raise ValueError(f"PolicyLossConfig.icepop_low={self.icepop_low} and icepop_high={self.icepop_high} must "
-                             "satisfy 0 < icepop_low <= 1 <= icepop_high (a token whose ratio is 1 is kept)")
+        if isinstance(self.correction, str):  # a correction by name, with its default bounds
+            object.__setattr__(self, "correction", CorrectionConfig(name=self.correction))
+        elif isinstance(self.correction, Mapping):
+            object.__setattr__(self, "correction", CorrectionConfig(**self.correction))
         if not self.dual_clip_c > 1:
             raise ValueError(f"PolicyLossConfig.dual_clip_c must be > 1 (it bounds the ratio of negative-advantage "
                              "tokens from above and must leave room above the on-policy ratio 1), "
                              f"got {self.dual_clip_c}")
-        for field in ("bpo_eps", "dppo_delta", "max_log_ratio", "sapo_tau_pos", "sapo_tau_neg"):
-            value = getattr(self, field)
+        for setting in ("bpo_eps", "dppo_delta", "max_log_ratio", "sapo_tau_pos", "sapo_tau_neg"):
+            value = getattr(self, setting)
             if not value > 0:
-                raise ValueError(f"PolicyLossConfig.{field} must be > 0, got {value}")
+                raise ValueError(f"PolicyLossConfig.{setting} must be > 0, got {value}")
         # A cap below 1 would also shrink the on-policy weight (w = 1 when π = μ): every update
         # would be scaled down instead of only the off-policy ones bounded.
-        for field in ("bpo_cap", "cispo_cap", "dppo_ratio_cap"):
-            value = getattr(self, field)
+        for setting in ("bpo_cap", "cispo_cap", "dppo_ratio_cap"):
+            value = getattr(self, setting)
             if not value >= 1:
-                raise ValueError(f"PolicyLossConfig.{field} must be >= 1 (it caps the importance weight, "
+                raise ValueError(f"PolicyLossConfig.{setting} must be >= 1 (it caps the importance weight, "
                                  f"which is 1 on-policy), got {value}")
-        for field in ("eps_low", "gspo_eps_low"):
-            value = getattr(self, field)
+        for setting in ("eps_low", "gspo_eps_low"):
+            value = getattr(self, setting)
             if not 0 <= value < 1:
-                raise ValueError(f"PolicyLossConfig.{field} must be in [0, 1), got {value}")
-        for field in ("eps_high", "gspo_eps_high"):
-            value = getattr(self, field)
+                raise ValueError(f"PolicyLossConfig.{setting} must be in [0, 1), got {value}")
+        for setting in ("eps_high", "gspo_eps_high"):
+            value = getattr(self, setting)
             if not value >= 0:
-                raise ValueError(f"PolicyLossConfig.{field} must be >= 0, got {value}")
+                raise ValueError(f"PolicyLossConfig.{setting} must be >= 0, got {value}")
         if self.norm_length is not None and self.norm_length < 1:
             raise ValueError(
                 f"PolicyLossConfig.norm_length must be a positive token count or None, got {self.norm_length}"

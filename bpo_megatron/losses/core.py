@@ -26,8 +26,8 @@ def policy_loss(
     """Like :func:`compute_policy_loss`, but the statistics stay tensors (no host sync for them)
     so a trainer can merge them over micro-batches and ranks before reading them."""
     advantages, mask = validate_policy_loss_inputs(logprobs, rollout_logprobs, advantages, loss_mask)
-    if old_logprobs is None and cfg.correction != "none":
-        raise ValueError(f"loss.correction={cfg.correction} needs the trainer's recomputed log-probs of the behaviour "
+    if old_logprobs is None and cfg.correction.active:
+        raise ValueError(f"loss.correction={cfg.correction.name} needs the trainer's recomputed log-probs of the behaviour "
                          "weights (old_logprobs): set train.recompute_old_logprobs=true")
     work = torch.promote_types(logprobs.dtype, torch.float32)
 
@@ -47,7 +47,7 @@ def policy_loss(
         own_weight, own_keep = weight, keep = POLICY_LOSSES[cfg.name].weight_and_mask(terms, cfg)
         correction = None
         if behaviour is not None:
-            correction = CORRECTIONS[cfg.correction](behaviour, cfg)
+            correction = CORRECTIONS[cfg.correction.name](behaviour, cfg)
             weight, keep = weight * correction[0], keep & correction[1]
         active = mask & keep
         coefficient = torch.where(active, terms.advantages * weight, 0.0)

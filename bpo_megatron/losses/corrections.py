@@ -54,7 +54,7 @@ def no_correction(behaviour: TokenTerms, cfg: PolicyLossConfig) -> tuple[torch.T
 
 @correction("tis")
 def truncated_importance_sampling(behaviour: TokenTerms, cfg: PolicyLossConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    return behaviour.ratio.clamp(max=cfg.tis_cap), torch.ones_like(behaviour.mask)
+    return behaviour.ratio.clamp(max=cfg.correction.tis_cap), torch.ones_like(behaviour.mask)
 
 
 @correction("mis")
@@ -63,10 +63,10 @@ def masked_importance_sampling(behaviour: TokenTerms, cfg: PolicyLossConfig) -> 
     limit = behaviour.max_log_ratio
     log_seq = behaviour.log_ratio.sum(dim=-1, keepdim=True).clamp(-limit, limit)
     seq_ratio = torch.exp(log_seq).expand_as(behaviour.log_ratio)
-    return seq_ratio, seq_ratio <= cfg.mis_cap
+    return seq_ratio, seq_ratio <= cfg.correction.mis_cap
 
 
 @correction("icepop")
 def icepop(behaviour: TokenTerms, cfg: PolicyLossConfig) -> tuple[torch.Tensor, torch.Tensor]:
     ratio = behaviour.ratio
-    return ratio, (ratio >= cfg.icepop_low) & (ratio <= cfg.icepop_high)
+    return ratio, (ratio >= cfg.correction.icepop_low) & (ratio <= cfg.correction.icepop_high)

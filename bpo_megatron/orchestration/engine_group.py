@@ -124,6 +124,7 @@ class EngineGroup:
         if generate_timeout_s is not None and not generate_timeout_s > 0:
             raise ValueError(f"generate_timeout_s must be > 0 (or None: wait forever), got {generate_timeout_s}")
         self.cfg, self.model_dir, self.placement, self.role = cfg, model_dir, placement, role
+        self._hf = cfg.hf_config()
         if role not in (ROLLOUT, EVALUATION):
             raise ValueError(f"an engine group's role is {ROLLOUT!r} or {EVALUATION!r}, not {role!r}")
         count = cfg.rollout.num_engines if num_engines is None else num_engines
@@ -201,8 +202,8 @@ class EngineGroup:
         libraries and loading the model, mostly waiting on the disk."""
         import ray
 
-        workers = [self._actor.options(**self._options(i)).remote(self.cfg, self.model_dir, self._first_index + i,
-                                                                 self._devices(i), evaluation=self.role == EVALUATION)
+        rollout = self.cfg.rollout
+        workers = [self._actor.options(**self._options(i)).remote(rollout.engine, rollout.options, self._context(i))
                    for i in indices]
         try:  # raise here if an engine cannot start
             ray.get([self.remote(w, "captures_routing") for w in workers], timeout=self._start_timeout_s)
@@ -212,6 +213,20 @@ class EngineGroup:
             raise EnginesFailed(f"{self.role} engines {indices} did not start within {self._start_timeout_s:.0f} s "
                                 "(the engine's start-up bound plus placement); see the engines' logs") from None
         return workers
+
+    def _context(self, index: int):
+        """What engine ``index`` is built with besides its options: a background evaluation engine
+        runs on devices of its own and captures no routing (evaluation requests never ask for it)."""
+        from bpo_megatron.models.routing import RoutingLayout
+        from bpo_megatron.rollout import EngineContext
+
+        evaluation = self.role == EVALUATION
+        capture = self.cfg.rollout.capture_routed_experts and self._hf.num_experts > 0 and not evaluation
+        return EngineContext(model_dir=self.model_dir, index=self._first_index + index,
+                             routing=RoutingLayout.of(self._hf) if capture else None,
+                             threads=self.cfg.rollout.threads_per_engine,
+                             colocated=self.cfg.cluster.colocate and not evaluation,
+                             devices=self._devices(index), node_address="")
 
     def _options(self, index: int) -> dict[str, Any]:
         if self.placement is not None:  # on its slots of the run's placement (shared or its own)

@@ -91,17 +91,18 @@ class TrainerGroup:
         probe = ray.remote(address_and_free_port).options(num_cpus=0, scheduling_strategy=options["scheduling_strategy"])
         address, port = ray.get(probe.remote())
         actor = ray.remote(TrainWorker)
+        spec = cfg.trainer_spec()
         self.workers = [
-            actor.options(**self.placement.trainer_options(rank)).remote(cfg, rank, ranks, f"{address}:{port}",
+            actor.options(**self.placement.trainer_options(rank)).remote(spec, rank, ranks, f"{address}:{port}",
                                                                          threads_per_rank)
             for rank in range(ranks)
         ]
         # each rank's data-parallel index and size, and whether it returns its share's results
         self.layout: list[tuple[int, int, bool]] = self._collect([w.ready.remote() for w in self.workers], "start-up")
         self.dp_size = self.layout[0][1]
-        self.hf, self.replaying = cfg.hf_config(), cfg.model.routing_replay
-        self.correction = cfg.loss.correction
-        self.budget = cfg.train.max_tokens_per_micro_batch  # > 0: packed micro-batches, shares balanced by cost
+        self.hf, self.replaying = spec.hf, spec.model.routing_replay
+        self.correction = spec.loss.correction.name
+        self.budget = spec.trainer.max_tokens_per_micro_batch  # > 0: packed micro-batches, shares balanced by cost
         self.cost = CostModel.of(self.hf)
         self.sent_bytes = 0  # written into the object store for the ranks (see take_sent_bytes)
 

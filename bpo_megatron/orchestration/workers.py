@@ -22,24 +22,17 @@ from bpo_megatron.orchestration.host_values import returns_host_values
 class TrainWorker:
     """One rank of the trainer world: a :class:`~bpo_megatron.trainer.actor.TrainActor`."""
 
-    def __init__(self, cfg, rank: int, world_size: int, master: str, threads: int = 1) -> None:
+    def __init__(self, spec, rank: int, world_size: int, master: str, threads: int = 1) -> None:
+        """``spec``: the :class:`~bpo_megatron.trainer.spec.TrainerSpec` every rank builds its
+        actor from (the experiment's trainer sections, not the experiment)."""
         quiet_library_logs()
-        from bpo_megatron.trainer.actor import TrainActor
-        from bpo_megatron.trainer.config import TrainerConfig
-
         torch.set_num_threads(threads)
         platform.bind_device()  # before NCCL binds this rank to a GPU
         dist.init_process_group(backend=platform.distributed_backend(), init_method=f"tcp://{master}",
                                 rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=30))
-        self.cfg, self.rank = cfg, rank
-        self.hf = cfg.hf_config()
+        self.rank, self.hf = rank, spec.hf
         self._transports: dict[tuple[str, str], Any] = {}  # (transport, engine group) -> it (a group stays open)
-        self.actor = TrainActor(
-            self.hf, parallel=cfg.parallel, model=cfg.model.options(), loss=cfg.loss, optimizer=cfg.optimizer,
-            trainer=TrainerConfig(micro_batch_size=cfg.train.micro_batch_size,
-                                  max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
-                                  temperature=cfg.rollout.temperature, seed=cfg.train.seed),
-        )
+        self.actor = spec.build()
 
     def ready(self) -> tuple[int, int, bool]:
         """Where this rank stands: its data-parallel index and size, and whether it returns the
@@ -164,28 +157,23 @@ class TrainWorker:
 
 @returns_host_values
 class EngineWorker:
-    """One rollout engine, built from the experiment's ``rollout`` section."""
+    """One rollout engine: the engine ``engine`` names (its spec in ``rollout/<engine>/``), built
+    from its own options and the context the engine group gives it."""
 
-    def __init__(self, cfg, model_dir: str, index: int, devices: tuple[int, ...] = (),
-                 node_address: str | None = None, evaluation: bool = False) -> None:
-        """``node_address``: the address other nodes reach this actor's node at (None: Ray's
-        address of the node it runs on). ``evaluation``: a background evaluation engine, on
-        devices of its own and without routing capture (evaluation requests never ask for it)."""
+    def __init__(self, engine: str, options, context) -> None:
+        """``options``: the engine's section (``rollout.<engine>``); ``context``: an
+        :class:`~bpo_megatron.rollout.EngineContext` whose empty ``node_address`` means the
+        address other nodes reach this actor's node at (Ray's, found here on that node)."""
         quiet_library_logs()
-        from bpo_megatron.models.routing import RoutingLayout
-        from bpo_megatron.rollout import EngineContext
+        from dataclasses import replace
 
-        if node_address is None:
+        from bpo_megatron.rollout.engine import engine_spec
+
+        if not context.node_address:
             import ray
 
-            node_address = ray.util.get_node_ip_address()
-        hf = cfg.hf_config()
-        capture = cfg.rollout.capture_routed_experts and hf.num_experts > 0 and not evaluation
-        context = EngineContext(model_dir=model_dir, index=index, routing=RoutingLayout.of(hf) if capture else None,
-                                threads=cfg.rollout.threads_per_engine,
-                                colocated=cfg.cluster.colocate and not evaluation,
-                                devices=devices, node_address=node_address)
-        self.engine = cfg.rollout.spec.build(cfg.rollout.options, context)
+            context = replace(context, node_address=ray.util.get_node_ip_address())
+        self.engine = engine_spec(engine).build(options, context)
 
     def captures_routing(self) -> bool:
         return self.engine.capabilities.captures_routing

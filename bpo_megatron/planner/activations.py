@@ -24,7 +24,7 @@ With pipeline parallelism, 1F1B keeps ``pp − stage`` micro-batches in flight o
 the number of micro-batches).
 
 A micro-batch's ``tokens`` are its input positions as the model reads them: padded, the
-micro-batch size × its longest sample; packed (``train.max_tokens_per_micro_batch``), at most the
+micro-batch size × its longest sample; packed (``trainer.max_tokens_per_micro_batch``), at most the
 budget; either rounded up to a multiple of TP under sequence parallelism
 (:func:`micro_batch_positions`).
 

@@ -1,6 +1,6 @@
 """Micro-batches per data-parallel rank, load imbalance and useful tokens, for a stated length
-distribution: padded micro-batches (``train.micro_batch_size``) against packed ones
-(``train.max_tokens_per_micro_batch``).
+distribution: padded micro-batches (``trainer.micro_batch_size``) against packed ones
+(``trainer.max_tokens_per_micro_batch``).
 
 An estimate, by a seeded Monte Carlo of whole steps (deterministic: the same config, distribution
 and seed give the same figures). The model:
@@ -236,7 +236,7 @@ def estimate_batches(cfg: ExperimentConfig, *, dp: int, groups: list[list[int]],
     distribution = LENGTH_DISTRIBUTIONS[lengths]
     max_prompt, max_new = cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
     pad = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
-    budget, b = cfg.train.max_tokens_per_micro_batch, cfg.train.micro_batch_size
+    budget, b = cfg.trainer.max_tokens_per_micro_batch, cfg.trainer.micro_batch_size
     if budget < max_prompt + max_new - 1:
         budget = 0  # packing cannot hold the longest sample (a failed layout check says so): padded only
     rng = random.Random(seed)

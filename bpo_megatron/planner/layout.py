@@ -91,21 +91,21 @@ def _batch(cfg: ExperimentConfig, hf: HFModelConfig, alloc: Allocation) -> Check
     if cfg.minibatch_size % dp:
         return Check(False, f"minibatches of {cfg.minibatch_size} responses cannot be split over dp {dp}")
     per_rank = cfg.minibatch_size // dp
-    budget = cfg.train.max_tokens_per_micro_batch
+    budget = cfg.trainer.max_tokens_per_micro_batch
     if budget:
         return _budget(cfg, per_rank, dp, budget)
-    if per_rank % cfg.train.micro_batch_size:
+    if per_rank % cfg.trainer.micro_batch_size:
         return Check(False, f"{per_rank} responses per DP rank are not a multiple of "
-                            f"train.micro_batch_size={cfg.train.micro_batch_size}")
-    return Check(True, f"minibatch {cfg.minibatch_size} = dp {dp} × {per_rank // cfg.train.micro_batch_size} "
-                       f"micro-batches × {cfg.train.micro_batch_size}")
+                            f"trainer.micro_batch_size={cfg.trainer.micro_batch_size}")
+    return Check(True, f"minibatch {cfg.minibatch_size} = dp {dp} × {per_rank // cfg.trainer.micro_batch_size} "
+                       f"micro-batches × {cfg.trainer.micro_batch_size}")
 
 
 def _budget(cfg: ExperimentConfig, per_rank: int, dp: int, budget: int) -> Check:
     """Packed micro-batches: the longest sample must fit the budget (micro_batch_size is unused)."""
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens - 1
     if longest > budget:
-        return Check(False, f"train.max_tokens_per_micro_batch={budget} cannot hold the longest sample, "
+        return Check(False, f"trainer.max_tokens_per_micro_batch={budget} cannot hold the longest sample, "
                             f"data.max_prompt_tokens + rollout.max_new_tokens − 1 = {longest} positions")
     tp = cfg.parallel.tp
     # packs are padded to a multiple of TP under sequence parallelism: a budget that is one keeps them within it

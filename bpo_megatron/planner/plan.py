@@ -164,11 +164,11 @@ def make_plan(cfg: ExperimentConfig, hf: HFModelConfig, allocation: Allocation |
     dp = ranks // (p.tp * p.pp) if world_ok else 1
     expert_dp = ranks // p.pp // (p.ep * p.expert_tp) if world_ok else 1
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens - 1  # input positions: tokens[:-1]
-    budget = cfg.train.max_tokens_per_micro_batch
-    tokens = micro_batch_positions(p, longest=longest, micro_batch_size=cfg.train.micro_batch_size, budget=budget)
+    budget = cfg.trainer.max_tokens_per_micro_batch
+    tokens = micro_batch_positions(p, longest=longest, micro_batch_size=cfg.trainer.micro_batch_size, budget=budget)
     share = max(1, cfg.minibatch_size // max(dp, 1))  # samples per DP rank and optimizer step
     # packed, a rank may run as many micro-batches as it has samples (one each, at the caps)
-    micro_batches = share if budget else max(1, share // cfg.train.micro_batch_size)
+    micro_batches = share if budget else max(1, share // cfg.trainer.micro_batch_size)
     stages = []
     if world_ok:
         vocab_rows = model_vocab_size(hf, p, cfg.model) // p.tp
@@ -204,7 +204,7 @@ def make_plan(cfg: ExperimentConfig, hf: HFModelConfig, allocation: Allocation |
 
 
 def largest_budget(plan: Plan) -> int | None:
-    """The largest ``train.max_tokens_per_micro_batch`` (a multiple of TP under sequence
+    """The largest ``trainer.max_tokens_per_micro_batch`` (a multiple of TP under sequence
     parallelism) whose training memory still fits ``plan``'s GPUs, everything else as planned;
     None on a CPU allocation, or when not even the longest sample's fits. Activations, logits and
     R3 per micro-batch grow with the budget, so a bisection over the budget finds it."""
@@ -214,8 +214,8 @@ def largest_budget(plan: Plan) -> int | None:
     pad = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
 
     def fits(units: int) -> bool:
-        train = dataclasses.replace(cfg.train, max_tokens_per_micro_batch=units * pad)
-        trial = make_plan(dataclasses.replace(cfg, train=train), plan.hf, allocation,
+        trainer = dataclasses.replace(cfg.trainer, max_tokens_per_micro_batch=units * pad)
+        trial = make_plan(dataclasses.replace(cfg, trainer=trainer), plan.hf, allocation,
                           distributed_optimizer=plan.distributed_optimizer)
         return trial.train_peak <= allocation.gpu_bytes
 

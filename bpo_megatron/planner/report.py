@@ -72,13 +72,13 @@ def _header(plan: Plan) -> list[str]:
 
 def _micro_batches(plan: Plan) -> str:
     cfg = plan.cfg
-    budget = cfg.train.max_tokens_per_micro_batch
-    b = cfg.train.micro_batch_size
+    budget = cfg.trainer.max_tokens_per_micro_batch
+    b = cfg.trainer.micro_batch_size
     if not budget:
         return (f"micro-batches of {b} × {plan.tokens_per_micro_batch // b} tokens, {plan.micro_batches} per DP rank "
                 "and optimizer step")
     padded = f" (padded to {plan.tokens_per_micro_batch})" if plan.tokens_per_micro_batch != budget else ""
-    return (f"packed micro-batches of ≤ {budget} input positions{padded} (train.max_tokens_per_micro_batch; memory sized "
+    return (f"packed micro-batches of ≤ {budget} input positions{padded} (trainer.max_tokens_per_micro_batch; memory sized "
             f"for a full one), up to {plan.micro_batches} per DP rank and optimizer step")
 
 
@@ -129,7 +129,7 @@ def _budget_room(plan: Plan) -> list[str]:
     longest = plan.cfg.data.max_prompt_tokens + plan.cfg.rollout.max_new_tokens - 1
     if largest is None:
         return [f"  → no token budget fits: not even one of the longest sample ({longest} positions) does"]
-    return [f"  → memory allows train.max_tokens_per_micro_batch up to {largest} (the longest sample needs {longest})"]
+    return [f"  → memory allows trainer.max_tokens_per_micro_batch up to {largest} (the longest sample needs {longest})"]
 
 
 def _rollout(plan: Plan) -> list[str]:
@@ -173,7 +173,7 @@ def _batches(plan: Plan) -> list[str]:
     if estimate is None:
         return []
     cfg = plan.cfg
-    budget = cfg.train.max_tokens_per_micro_batch
+    budget = cfg.trainer.max_tokens_per_micro_batch
     runs = "runs" if cfg.train.recompute_old_logprobs else "off: train.recompute_old_logprobs"
     rows = [
         [f"minibatch of {estimate.minibatch.samples} ({cfg.train.minibatches_per_step} per step)",
@@ -182,7 +182,7 @@ def _batches(plan: Plan) -> list[str]:
          *_pass_cells(estimate.logprob.padded), *_pass_cells(estimate.logprob.packed)],
     ]
     packed = f"packed (≤ {budget})" if budget else "packed (off)"
-    header = [f"micro-batches per DP rank, lengths {estimate.lengths}", f"padded (b={cfg.train.micro_batch_size})",
+    header = [f"micro-batches per DP rank, lengths {estimate.lengths}", f"padded (b={cfg.trainer.micro_batch_size})",
               "imbalance", "useful", packed, "imbalance", "useful"]
     return [*_table(header, rows),
             f"  → lengths {estimate.lengths}: {estimate.description}; mean {estimate.mean_positions:,.0f} "

@@ -31,7 +31,7 @@ def expected_sync(cfg, hf, total_params: int) -> SyncEstimate | None:
     if transport not in ("nccl_broadcast", "cuda_ipc") or not cfg.cluster.gpus_per_node:
         return None
     nbytes = total_params * 2  # bf16
-    buckets = math.ceil(nbytes / (cfg.rollout.weight_bucket_mb * 2**20))
+    buckets = math.ceil(nbytes / (cfg.weight_sync.bucket_bytes))
     tensors = hf_tensor_count(hf)
     # one collective per tensor, except experts: one gather brings one from every expert-parallel rank
     expert_tensors = 3 * hf.num_experts * len(set(hf.moe_layers))

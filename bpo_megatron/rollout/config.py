@@ -37,7 +37,6 @@ class RolloutConfig:
     capture_routed_experts: bool = True
     seed: int = 0
     threads_per_engine: int = 1  # torch threads of the embedded engine
-    weight_bucket_mb: int = 512
     # An engine that dies, does not answer a generate call within generate_timeout_s (None: no
     # limit), makes no progress for stall_timeout_s while it has requests (no decoding step, or no
     # answer to a progress probe: a stopped or wedged process), or does not answer any other call
@@ -53,7 +52,7 @@ class RolloutConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
 
     def __post_init__(self) -> None:
-        for name in ("num_engines", "group_size", "max_new_tokens", "threads_per_engine", "weight_bucket_mb"):
+        for name in ("num_engines", "group_size", "max_new_tokens", "threads_per_engine"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):

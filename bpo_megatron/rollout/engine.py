@@ -141,7 +141,7 @@ class EngineSpec:
     check: Callable[[Any], None] = _no_check
     weight_dtype: Callable[[Any], str | None] = _engine_dtype
     captures_routing_without_gpu: bool = True  # R3 capture works on a CPU-only machine
-    exposes_weights: bool = False  # can report what it holds (train.verify_weight_sync)
+    exposes_weights: bool = False  # can report what it holds (weight_sync.verify)
     # a generation under way pauses for a weight update and continues with the new weights, each
     # token recording the version that sampled it (partial rollouts, train.async)
     partial_rollouts: bool = False

@@ -1,1 +1,22 @@
-"""What tests and benchmarks need beyond the product: random Hugging Face checkpoints."""
+"""The one kit tests, benchmarks and the GPU kit share beyond the product: tiny model configs and
+random checkpoints (``models``), training samples (``samples``), the train actor built through a
+:class:`~bpo_megatron.trainer.spec.TrainerSpec` (``trainer``), and routing seen from Megatron's
+routers (``routing``)."""
+
+from bpo_megatron.testing.models import MODEL_CONFIGS, TINY_MOE, random_checkpoint, random_model_dir, tiny_moe, write_config
+from bpo_megatron.testing.routing import DispatchRecorder, same_expert_sets
+from bpo_megatron.testing.samples import (
+    long_tailed,
+    make_samples,
+    random_routing,
+    random_tokens,
+    samples_of_lengths,
+    train_samples,
+)
+from bpo_megatron.testing.trainer import build_actor, flat_params
+
+__all__ = [
+    "MODEL_CONFIGS", "TINY_MOE", "DispatchRecorder", "build_actor", "flat_params", "long_tailed", "make_samples",
+    "random_checkpoint", "random_model_dir", "random_routing", "random_tokens", "same_expert_sets",
+    "samples_of_lengths", "tiny_moe", "train_samples", "write_config",
+]

@@ -1,11 +1,40 @@
-"""Random Hugging Face checkpoints for tests and benchmarks (no hub access needed)."""
+"""Tiny model configs and random Hugging Face checkpoints for tests and benchmarks (no hub access
+needed)."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
+
+# Tiny Qwen3 configs: ``tiny_qwen3_moe`` (2 MoE layers, top-2 of 4 experts) and ``tiny_qwen3`` (dense)
+MODEL_CONFIGS = Path(__file__).resolve().parent / "configs"
+TINY_MOE = MODEL_CONFIGS / "tiny_qwen3_moe" / "config.json"
+
+
+def tiny_moe():
+    """The tiny Qwen3-MoE's :class:`~bpo_megatron.models.HFModelConfig`."""
+    from bpo_megatron.models import HFModelConfig
+
+    return HFModelConfig.load(TINY_MOE)
+
+
+def write_config(config: dict[str, Any], directory: Path) -> Path:
+    """``config`` as ``directory/config.json``; the directory."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    return directory
+
+
+def random_model_dir(config: dict[str, Any], directory: Path, *, seed: int) -> Path:
+    """A random Hugging Face checkpoint of ``config`` in ``directory`` (made once: an existing
+    checkpoint there is kept)."""
+    if not (directory / "model.safetensors").exists() and not (directory / "model.safetensors.index.json").exists():
+        random_checkpoint(write_config(config, directory) / "config.json", directory, seed=seed)
+    return directory
 
 
 def random_checkpoint(config, out: str | Path, *, seed: int) -> Path:

@@ -40,7 +40,7 @@ from bpo_megatron.weights.flat_bucket import FlatBucket
 from bpo_megatron.weights.gather import ExportPlan
 from bpo_megatron.weights.host_staging import HostStaging
 
-# What the schedule runs: right-padded rows, or samples packed end to end (train.max_tokens_per_micro_batch).
+# What the schedule runs: right-padded rows, or samples packed end to end (trainer.max_tokens_per_micro_batch).
 Batch = MicroBatch | PackedMicroBatch
 
 
@@ -325,7 +325,7 @@ class TrainActor:
         return prepare_shares(samples, self.hf, dp_size=self.ranks.dp_size,
                               budget=self.trainer_cfg.max_tokens_per_micro_batch, cost=self.cost,
                               replaying=self.replay is not None and replaying,
-                              correction=self.loss_cfg.correction if training else "none")
+                              correction=self.loss_cfg.correction.name if training else "none")
 
     def _check_share(self, share: list[TrainSample], *, replaying: bool = True, training: bool = False) -> None:
         """A share comes from a driver that checked the whole batch: its routing ids are not read
@@ -333,7 +333,7 @@ class TrainActor:
         (balance.packs_in_lockstep), so no rank waits for another that refused."""
         self._check_onloaded()
         check_batch(share, self.hf, replaying=self.replay is not None and replaying, dp_size=1,
-                    correction=self.loss_cfg.correction if training else "none", routing_ids=False)
+                    correction=self.loss_cfg.correction.name if training else "none", routing_ids=False)
 
     def _check_onloaded(self) -> None:
         if self._offload.offloaded:

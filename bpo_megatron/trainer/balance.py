@@ -1,6 +1,6 @@
 """Balancing packed work over the data-parallel ranks and their micro-batches.
 
-Under ``train.max_tokens_per_micro_batch`` the ranks of a step run in lockstep: DDP reduces the
+Under ``trainer.max_tokens_per_micro_batch`` the ranks of a step run in lockstep: DDP reduces the
 gradients once every rank is done, pipeline stages pass micro-batch after micro-batch, and ranks
 sharing an expert-parallel group meet in an all-to-all at every MoE layer of every micro-batch.
 A step therefore takes as long as its costliest rank, and RL's response lengths are long-tailed:

@@ -1,9 +1,10 @@
-"""Settings of the train actor itself (model, loss, optimizer and layout have their own)."""
+"""The ``trainer`` section: settings of the train actor itself (model, loss, optimizer and layout
+have their own sections)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -18,20 +19,22 @@ class TrainerConfig:
     must fit the budget on its own.
 
     ``temperature`` must be the rollout engine's sampling temperature: the trainer's log π is
-    computed from logits / temperature, the same distribution the engine's log μ comes from.
+    computed from logits / temperature, the same distribution the engine's log μ comes from. In an
+    experiment it is ``rollout.temperature`` and the seed (Megatron's RNG) is the run's ``seed``:
+    neither is a key of this section.
     """
 
     micro_batch_size: int = 1  # samples per forward/backward micro-batch on each DP rank
-    temperature: float = 1.0
-    seed: int = 1234
+    temperature: float = field(default=1.0, metadata={"derived": "rollout.temperature"})
+    seed: int = field(default=1234, metadata={"derived": "the experiment's seed"})
     max_tokens_per_micro_batch: int = 0  # > 0: packed micro-batches of at most this many positions
 
     def __post_init__(self) -> None:
         if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
-            raise ValueError(f"train.micro_batch_size must be a positive integer, got {self.micro_batch_size!r}")
+            raise ValueError(f"trainer.micro_batch_size must be a positive integer, got {self.micro_batch_size!r}")
         budget = self.max_tokens_per_micro_batch
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise ValueError("train.max_tokens_per_micro_batch must be a non-negative integer (0: padded micro-batches "
-                             f"of train.micro_batch_size samples), got {budget!r}")
+            raise ValueError("trainer.max_tokens_per_micro_batch must be a non-negative integer (0: padded micro-batches "
+                             f"of trainer.micro_batch_size samples), got {budget!r}")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"train.temperature must be > 0, got {self.temperature}")
+            raise ValueError(f"trainer.temperature (rollout.temperature) must be > 0, got {self.temperature}")

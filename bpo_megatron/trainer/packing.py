@@ -3,7 +3,7 @@
 A padded micro-batch (:func:`~bpo_megatron.trainer.samples.collate`) spends compute on padding up
 to its longest sample; a packed one holds only real input positions. Each sample contributes its
 n − 1 input positions (``tokens[:-1]``), and a pack holds at most
-``train.max_tokens_per_micro_batch`` of them. Which samples share a pack, and which rank runs it,
+``trainer.max_tokens_per_micro_batch`` of them. Which samples share a pack, and which rank runs it,
 is :mod:`bpo_megatron.trainer.balance`'s choice (balanced by estimated cost); inside a pack samples
 keep their relative order, and the trainer returns results in sample order.
 
@@ -29,7 +29,7 @@ import torch
 
 from bpo_megatron.trainer.samples import MicroBatch, TrainSample, collate
 
-BUDGET_SETTING = "train.max_tokens_per_micro_batch"
+BUDGET_SETTING = "trainer.max_tokens_per_micro_batch"
 
 
 def input_positions(sample: TrainSample) -> int:

@@ -32,12 +32,13 @@ from bpo_megatron.rollout.sglang.protocol import generate_body
 from bpo_megatron.rollout.sglang.weights import flattened_bucket, inline_serializer, ipc_payload, ipc_update_body
 from bpo_megatron.rollout.types import response_slots
 from bpo_megatron.testing.models import random_checkpoint
+from bpo_megatron.testing import MODEL_CONFIGS
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
 STANDIN = HERE / "standin_server.py"
-FIXTURE = ROOT / "tests" / "fixtures" / "tiny_qwen3_moe" / "config.json"
+FIXTURE = MODEL_CONFIGS / "tiny_qwen3_moe" / "config.json"
 TP = 2
 
 pytestmark = [

@@ -15,7 +15,8 @@ import torch
 
 from bpo_megatron.gpu_smoke.checks.trainer_offload import snapshot
 from bpo_megatron.orchestration.host_values import device_tensors
-from bpo_megatron.gpu_smoke.common import build_actor, random_model_dir, random_tokens, single_rank_world
+from bpo_megatron.gpu_smoke.common import build_actor, single_rank_world
+from bpo_megatron.testing import random_model_dir, random_tokens
 from bpo_megatron.gpu_smoke.profiles import Profile
 from bpo_megatron.gpu_smoke.report import Outcome
 

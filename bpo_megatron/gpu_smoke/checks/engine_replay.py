@@ -9,16 +9,8 @@ from pathlib import Path
 import torch
 
 from bpo_megatron import platform
-from bpo_megatron.gpu_smoke.common import (
-    DispatchRecorder,
-    build_actor,
-    random_model_dir,
-    random_tokens,
-    same_expert_sets,
-    single_rank_world,
-    timed,
-    train_samples,
-)
+from bpo_megatron.gpu_smoke.common import build_actor, single_rank_world, timed
+from bpo_megatron.testing import DispatchRecorder, random_model_dir, random_tokens, same_expert_sets, train_samples
 from bpo_megatron.gpu_smoke.profiles import Profile
 from bpo_megatron.gpu_smoke.report import Outcome
 
@@ -57,7 +49,7 @@ def run(profile: Profile, workdir: Path) -> Outcome:
         watch = DispatchRecorder(actor.model, hf.num_experts_per_tok)
         with timed(times, "score_s"):
             replayed = actor.compute_logprobs(train)
-        dispatched = watch.per_sample(train, MICRO_BATCH)
+        dispatched = watch.per_sample(actor, train)
         free = actor.compute_logprobs(train, record_routing=True)
         actor.close()
 

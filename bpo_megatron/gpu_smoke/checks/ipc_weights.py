@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from bpo_megatron import platform
-from bpo_megatron.gpu_smoke.common import random_model_dir, synchronize
+from bpo_megatron.gpu_smoke.common import synchronize
+from bpo_megatron.testing import random_model_dir
 from bpo_megatron.gpu_smoke.profiles import Profile
 from bpo_megatron.gpu_smoke.report import Outcome
 from bpo_megatron.rollout.sglang.weights import flattened_bucket

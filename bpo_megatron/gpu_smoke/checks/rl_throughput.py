@@ -21,16 +21,8 @@ from pathlib import Path
 import torch
 
 from bpo_megatron import platform
-from bpo_megatron.gpu_smoke.common import (
-    build_actor,
-    device_name,
-    long_tailed,
-    random_tokens,
-    single_rank_world,
-    timed,
-    train_samples,
-    write_config,
-)
+from bpo_megatron.gpu_smoke.common import build_actor, device_name, single_rank_world, timed
+from bpo_megatron.testing import long_tailed, random_tokens, train_samples, write_config
 from bpo_megatron.gpu_smoke.profiles import Profile, bf16_peak_flops, finite
 from bpo_megatron.gpu_smoke.report import Outcome
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from bpo_megatron import platform
-from bpo_megatron.gpu_smoke.common import build_actor, random_model_dir, random_tokens, single_rank_world, timed
+from bpo_megatron.gpu_smoke.common import build_actor, single_rank_world, timed
+from bpo_megatron.testing import random_model_dir, random_tokens
 from bpo_megatron.gpu_smoke.profiles import Profile, finite
 from bpo_megatron.gpu_smoke.report import Outcome
 

@@ -239,7 +239,7 @@ class VLLMEngine(RolloutEngine):
 
     def named_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         raise NotImplementedError("vLLM holds fused (and possibly TP-sharded) weights, not Hugging Face tensors: "
-                                  "train.verify_weight_sync needs rollout.engine=hf")
+                                  "weight_sync.verify needs rollout.engine=hf")
 
     def begin_weight_update(self, version: int) -> None:
         self._live()

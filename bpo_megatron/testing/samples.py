@@ -1,30 +1,26 @@
-"""What tests run inside gloo ranks share: the tiny Qwen3-MoE, samples, and the one way tests
-build a train actor (pytest fixtures live in ``conftest.py``; rank functions cannot use them)."""
+"""Training samples for tests, benchmarks and the GPU kit: random tokens, log μ, advantages and
+R3 routing of known shapes, and RL's long-tailed response lengths."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import math
+from dataclasses import replace
 
 import torch
 
+from bpo_megatron.testing.models import tiny_moe
 from bpo_megatron.trainer.samples import TrainSample
-
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
-# Qwen3-30B-A3B's published config.json: the recipes' own copy is the one the tests read
-QWEN3_30B_A3B = Path(__file__).resolve().parents[1] / "configs" / "models" / "qwen3_30b_a3b"
-TINY_MOE = FIXTURES / "tiny_qwen3_moe" / "config.json"
-
-
-def tiny_moe():
-    from bpo_megatron.models import HFModelConfig
-
-    return HFModelConfig.load(TINY_MOE)
 
 
 def random_routing(n: int, hf, gen: torch.Generator) -> torch.Tensor:
     """Distinct top-k expert ids for n positions of every MoE layer."""
     scores = torch.rand(n, len(hf.moe_layers), hf.num_experts, generator=gen)
     return scores.argsort(dim=-1)[..., : hf.num_experts_per_tok]
+
+
+def random_tokens(count: int, length: int, vocab: int, *, seed: int) -> list[tuple[int, ...]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randint(0, vocab, (length,), generator=gen).tolist()) for _ in range(count)]
 
 
 def make_samples(count: int, *, seed: int, routing: bool = False, hf=None) -> list[TrainSample]:
@@ -70,35 +66,28 @@ def samples_of_lengths(positions: tuple[int, ...], prompts: tuple[int, ...], *, 
     return samples
 
 
-def build_actor(hf=None, *, tp=1, pp=1, ep=1, etp=None, replay=False, recompute="none", lr=1e-3, loss="bpo",
-                micro_batch_size=2, grad_clip=1.0, temperature=1.0, weights: str | None = None,
-                max_tokens_per_micro_batch=0):
-    """A train actor of ``hf`` (an ``HFModelConfig``, a config dict or path; the tiny MoE by
-    default) in the current gloo world; ``loss``: a loss name or a ``PolicyLossConfig``;
-    ``weights``: a Hugging Face directory to load. Release it with ``actor.close()``."""
-    from bpo_megatron.weights import load_hf_weights
-    from bpo_megatron.losses import PolicyLossConfig
-    from bpo_megatron.models import HFModelConfig, ModelOptions
-    from bpo_megatron.parallel import ParallelConfig
-    from bpo_megatron.trainer.actor import TrainActor
-    from bpo_megatron.trainer.config import TrainerConfig
-    from bpo_megatron.trainer.optimizer import OptimizerSettings
-
-    hf = tiny_moe() if hf is None else hf if isinstance(hf, HFModelConfig) else HFModelConfig.load(hf)
-    actor = TrainActor(
-        hf,
-        parallel=ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp),
-        model=ModelOptions(routing_replay=replay, recompute=recompute),
-        loss=loss if isinstance(loss, PolicyLossConfig) else PolicyLossConfig(name=loss),
-        optimizer=OptimizerSettings(lr=lr, grad_clip=grad_clip),
-        trainer=TrainerConfig(micro_batch_size=micro_batch_size, temperature=temperature,
-                              max_tokens_per_micro_batch=max_tokens_per_micro_batch),
-    )
-    if weights is not None:
-        load_hf_weights(actor.model, hf, weights)
-        actor.reload_optimizer_params()
-    return actor
+def train_samples(samples: list, advantages: torch.Tensor) -> list[TrainSample]:
+    """Training samples of engine samples (routing kept for R3), with the given advantages."""
+    return [TrainSample(tokens=s.tokens, response_start=s.prompt_tokens.numel(), rollout_logprobs=s.rollout_logprobs,
+                        advantage=float(a), routed_experts=s.routed_experts) for s, a in zip(samples, advantages.tolist())]
 
 
-def flat_params(actor) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in actor.model.named_parameters()}
+def long_tailed(samples: list, *, seed: int, at_cap: float = 0.3, shortest: float = 1 / 16) -> list:
+    """``samples`` (training samples) with their responses cut to RL's long-tailed lengths: a
+    share ``at_cap`` keeps its whole response, the rest keep a log-uniform length between
+    ``shortest`` of it and all of it (log μ and routing cut alike)."""
+    gen = torch.Generator().manual_seed(seed)
+    cut = []
+    for s in samples:
+        full = s.num_response_tokens
+        if float(torch.rand((), generator=gen)) < at_cap:
+            keep = full
+        else:
+            low = math.log(max(1.0, full * shortest))
+            keep = max(1, min(full, round(math.exp(low + float(torch.rand((), generator=gen)) * (math.log(full) - low)))))
+        end = s.response_start + keep
+        cut.append(replace(s, tokens=s.tokens[:end], rollout_logprobs=s.rollout_logprobs[:keep],
+                           routed_experts=None if s.routed_experts is None else s.routed_experts[:end - 1],
+                           old_logprobs=None if s.old_logprobs is None else s.old_logprobs[:keep],
+                           train_mask=None if s.train_mask is None else s.train_mask[:keep]))
+    return cut

@@ -1,0 +1,38 @@
+"""The one way tests, benchmarks and the GPU kit build a train actor: a
+:class:`~bpo_megatron.trainer.spec.TrainerSpec` of the sections they vary, the rest at defaults."""
+
+from __future__ import annotations
+
+import torch
+
+from bpo_megatron.testing.models import tiny_moe
+
+
+def build_actor(hf=None, *, tp=1, pp=1, ep=1, etp=None, replay=False, recompute="none", lr=1e-3, loss="bpo",
+                micro_batch_size=2, grad_clip=1.0, temperature=1.0, weights=None, max_tokens_per_micro_batch=0,
+                params_dtype=None):
+    """A train actor of ``hf`` (an ``HFModelConfig``, a config dict or path; the tiny MoE by
+    default) in the current torch.distributed world; ``loss``: a loss name or a
+    ``PolicyLossConfig``; ``weights``: a Hugging Face directory to load; ``params_dtype``: fp32 or
+    bf16 (None: the platform's default). Release it with ``actor.close()``."""
+    from bpo_megatron.models import ModelOptions
+    from bpo_megatron.parallel import ParallelConfig
+    from bpo_megatron.trainer.config import TrainerConfig
+    from bpo_megatron.trainer.optimizer import OptimizerSettings
+    from bpo_megatron.trainer.spec import TrainerSpec
+
+    return TrainerSpec(
+        hf=tiny_moe() if hf is None else hf,
+        parallel=ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp),
+        model=ModelOptions(routing_replay=replay, recompute=recompute, params_dtype=params_dtype),
+        loss=loss,
+        optimizer=OptimizerSettings(lr=lr, grad_clip=grad_clip),
+        trainer=TrainerConfig(micro_batch_size=micro_batch_size, temperature=temperature,
+                              max_tokens_per_micro_batch=max_tokens_per_micro_batch),
+        weights=weights,
+    ).build()
+
+
+def flat_params(actor) -> dict[str, torch.Tensor]:
+    """A copy of every parameter of ``actor``'s model by name."""
+    return {name: p.detach().clone() for name, p in actor.model.named_parameters()}
