@@ -92,7 +92,7 @@ class ExperimentConfig:
     def trainer_spec(self) -> TrainerSpec:
         """What each trainer rank is built from: the trainer's sections of this experiment (its
         log π at the engines' sampling temperature, the distribution log μ comes from)."""
-        return TrainerSpec(hf=self.hf_config(), parallel=self.parallel, model=self.model.options(), loss=self.loss,
+        return TrainerSpec(hf=self.hf_config(), parallel=self.parallel, model=self.model.options, loss=self.loss,
                            optimizer=self.optimizer,
                            trainer=replace(self.trainer, temperature=self.rollout.temperature, seed=self.seed))
 
@@ -125,11 +125,11 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
         raise ConfigError(
             f"minibatches of {cfg.minibatch_size} responses cannot be split over {cfg.data_parallel_size} "
             "data-parallel ranks (cluster.trainer_ranks / (parallel.tp × parallel.pp))")
-    if cfg.model.routing_replay and not cfg.rollout.capture_routed_experts:
+    if cfg.model.options.routing_replay and not cfg.rollout.capture_routed_experts:
         raise ConfigError("model.routing_replay=true (R3) needs rollout.capture_routed_experts=true: the trainer "
                           "replays the experts the engine records")
     spec = cfg.rollout.spec
-    if cfg.model.routing_replay and not spec.captures_routing_without_gpu and not platform.has_cuda():
+    if cfg.model.options.routing_replay and not spec.captures_routing_without_gpu and not platform.has_cuda():
         raise ConfigError(f"model.routing_replay=true with rollout.engine={spec.name}: it records routed experts only "
                           "on GPUs; use rollout.engine=hf on CPU")
     if cfg.train.asynchronous.max_staleness and cfg.cluster.colocate:
@@ -168,7 +168,7 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
                                     num_query_groups=hf.num_key_value_heads)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    if cfg.model.routing_replay and not hf.num_experts:
+    if cfg.model.options.routing_replay and not hf.num_experts:
         raise ConfigError("model.routing_replay=true needs a Mixture-of-Experts model; model.path is dense")
     _check_context_budget(cfg, hf)
 

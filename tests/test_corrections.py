@@ -129,7 +129,7 @@ def test_a_correction_without_recomputed_logprobs_is_refused_before_the_run(tmp_
         load_experiment(demo, ["loss.correction=tis"], check_model=False)
     cfg = load_experiment(demo, ["loss.name=grpo", "loss.correction=tis", "train.recompute_old_logprobs=true"],
                           check_model=False)
-    assert (cfg.loss.name, cfg.loss.correction.name, cfg.model.routing_replay) == ("grpo", "tis", True)  # GRPO+TIS+R3
+    assert (cfg.loss.name, cfg.loss.correction.name, cfg.model.options.routing_replay) == ("grpo", "tis", True)  # GRPO+TIS+R3
 
 
 def test_grpo_tis_r3_is_one_recipe_that_fits_its_cluster():
@@ -142,7 +142,7 @@ def test_grpo_tis_r3_is_one_recipe_that_fits_its_cluster():
     cfg = load_experiment(configs / "qwen3_30b_a3b_grpo_tis.yaml")
     assert (cfg.name, cfg.loss.name, cfg.loss.correction.name, cfg.loss.correction.tis_cap) == ("qwen3_30b_a3b_grpo_tis", "grpo",
                                                                                  "tis", 2.0)
-    assert cfg.train.recompute_old_logprobs and cfg.model.routing_replay
+    assert cfg.train.recompute_old_logprobs and cfg.model.options.routing_replay
     grpo = load_experiment(configs / "qwen3_30b_a3b_grpo.yaml")
     assert (cfg.loss.eps_low, cfg.loss.eps_high) == (grpo.loss.eps_low, grpo.loss.eps_high)
     assert make_plan(cfg, cfg.hf_config()).fits

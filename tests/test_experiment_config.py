@@ -20,7 +20,7 @@ DENSE = str(MODEL_CONFIGS / "tiny_qwen3")
 
 def test_the_demo_config_loads_and_resolves_its_model_path():
     cfg = load_experiment(DEMO)
-    assert cfg.model.routing_replay and cfg.rollout.capture_routed_experts
+    assert cfg.model.options.routing_replay and cfg.rollout.capture_routed_experts
     assert Path(cfg.model.path).is_dir() and cfg.hf_config().num_experts == 4
     assert cfg.minibatch_size == 16 * 8 // 2 and cfg.data_parallel_size == 2
 

@@ -172,7 +172,7 @@ def test_an_unset_params_dtype_is_decided_by_the_rank_that_builds_the_model(monk
     from bpo_megatron.experiment import load_experiment
 
     cfg = load_experiment(Path(__file__).parents[1] / "configs" / "tiny_moe_cpu.yaml", check_model=False)
-    on_driver = cfg.model.options()  # what the trainer workers are given
+    on_driver = cfg.model.options  # what the trainer workers are given
     assert on_driver.params_dtype is None
     with pytest.raises(ValueError, match=r"model\.params_dtype is unset.*ModelOptions\.resolved\(\)"):
         on_driver.torch_dtype  # nobody may read a dtype that was never decided
@@ -181,9 +181,9 @@ def test_an_unset_params_dtype_is_decided_by_the_rank_that_builds_the_model(monk
     assert on_rank.resolved().params_dtype == "bf16" and on_rank.resolved().torch_dtype == torch.bfloat16
     config = transformer_config(tiny_moe(), ParallelConfig(), on_rank)
     assert config.bf16 and config.params_dtype == config.pipeline_dtype == torch.bfloat16
-    # a dtype that is set is kept, on either platform; the experiment's model section stays one
+    # a dtype that is set is kept, on either platform; the experiment's model section holds the options
     assert ModelOptions(params_dtype="fp32").resolved().params_dtype == "fp32"
-    assert type(cfg.model.resolved()) is type(cfg.model) and cfg.model.resolved().path == cfg.model.path
+    assert type(cfg.model.options.resolved()) is ModelOptions
     monkeypatch.setattr(platform, "has_cuda", lambda: False)
     assert on_rank.resolved().params_dtype == "fp32"
     assert ModelOptions(params_dtype="bf16").resolved().params_dtype == "bf16"

@@ -328,6 +328,6 @@ def test_an_unset_params_dtype_is_planned_as_the_allocations_ranks_build_it():
     hf = HFModelConfig.load(QWEN3_30B)
     # the planner runs on a machine without a GPU; the trainer ranks of a GPU allocation train in bf16
     plan = make_plan(_recipe("model.params_dtype=null"), hf)
-    assert plan.cfg.model.params_dtype is None and plan.precision.param_bytes == 2
+    assert plan.cfg.model.options.params_dtype is None and plan.precision.param_bytes == 2
     cpu = make_plan(_recipe("model.params_dtype=null"), hf, Allocation(nodes=1, gpus_per_node=0, gpu_memory_gb=80))
     assert cpu.precision.param_bytes == 4 and cpu.host is None

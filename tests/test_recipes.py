@@ -34,7 +34,7 @@ def test_recipe_validates_with_its_model_and_fits_its_cluster(path):
     cfg = load_experiment(path, check_model=True)  # model.path: the shipped config.json
     assert cfg.name == path.stem
     assert cfg.data.train == "/data/dapo_math_17k.jsonl"
-    assert cfg.model.params_dtype == "bf16" and cfg.model.init == "pretrained"
+    assert cfg.model.options.params_dtype == "bf16" and cfg.model.init == "pretrained"
     plan = make_plan(cfg, cfg.hf_config())
     assert plan.fits, [c.message for c in plan.checks if not c.ok]
 
@@ -47,7 +47,7 @@ def test_main_setting_is_the_papers():
     assert (cfg.optimizer.lr, cfg.optimizer.betas, cfg.optimizer.weight_decay, cfg.optimizer.grad_clip) == (
         1e-6, (0.9, 0.98), 0.1, 1.0)
     assert (cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k) == (1.0, 1.0, 0)
-    assert cfg.model.routing_replay and cfg.rollout.capture_routed_experts  # R3
+    assert cfg.model.options.routing_replay and cfg.rollout.capture_routed_experts  # R3
     assert (cfg.loss.name, cfg.loss.bpo_eps, cfg.loss.bpo_cap, cfg.loss.agg) == ("bpo", 0.1, 3.0, "seq-mean-token-mean")
     # every bound and cap written out in the recipe itself, not left to the defaults
     loss = yaml.safe_load(MAIN.read_text())["loss"]
@@ -95,7 +95,7 @@ def test_ablation_setting_and_its_sweeps():
     assert (cfg.train.prompts_per_step, cfg.rollout.group_size, cfg.train.minibatches_per_step) == (128, 16, 4)
     assert cfg.minibatch_size == 512 and cfg.rollout.max_new_tokens == 8192 and cfg.train.steps == 1000
     assert (cfg.loss.bpo_eps, cfg.loss.bpo_cap) == (0.1, 3.0)
-    assert not cfg.model.routing_replay  # dense: nothing to replay
+    assert not cfg.model.options.routing_replay  # dense: nothing to replay
     assert abs(parameter_counts(cfg.hf_config())[0] - 4.02e9) / 4.02e9 < 0.01  # Qwen3-4B
     eps = plan_batch(str(ABLATION), ["loss.bpo_eps=0.05,0.1,0.2,0.3"], ExecutorSettings())
     cap = plan_batch(str(ABLATION), ["loss.bpo_cap=2,3,4"], ExecutorSettings())

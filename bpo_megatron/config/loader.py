@@ -4,7 +4,9 @@ Any frozen dataclass tree works: nested dataclasses become YAML mappings, ``Lite
 accept only their choices, tuples accept lists, ``X | None`` accepts null. An unknown key is
 refused with the list of valid ones; a value of the wrong type names its full dotted key. A field
 whose value another section decides (``field(metadata={"derived": "rollout.temperature"})``) is
-no key; a section class with ``SHORTHAND = "name"`` also accepts a plain value as that one key
+no key; a section composed of another whose keys it shows as its own
+(``field(metadata={"inline": True})``: ``model.routing_replay`` builds ``model.options``) reads
+and writes them at its level; a section class with ``SHORTHAND = "name"`` also accepts a plain value as that one key
 (``loss.correction: tis``); a key that moved is refused naming its new home (:func:`refuse_moved`).
 """
 
@@ -125,6 +127,15 @@ def refuse_moved(data: Mapping[str, Any], moved: Mapping[str, str]) -> None:
             raise ConfigError(f"{old} moved to {new}: write {nested} (override: {new}={node[name]!r})")
 
 
+def _inline(field: dataclasses.Field) -> bool:
+    return bool(field.metadata.get("inline"))
+
+
+def _keys(cls: type) -> set[str]:
+    """The keys a section of ``cls`` accepts."""
+    return {config_key(f) for f in dataclasses.fields(cls) if f.init and not derived_from(f)}
+
+
 def derived_from(field: dataclasses.Field) -> str | None:
     """The setting that decides a field no config sets (None: the field is a key)."""
     return field.metadata.get("derived")
@@ -137,14 +148,19 @@ def build(cls: type[T], data: Mapping[str, Any] | None, path: str = "") -> T:
         if derived_from(f) and config_key(f) in data:
             raise ConfigError(f"{_join(path, config_key(f))} is not a setting of its own: it is {derived_from(f)}; "
                               f"set that instead")
-    fields = {config_key(f): f for f in dataclasses.fields(cls) if f.init and not derived_from(f)}
-    unknown = sorted(set(data) - set(fields))
+    hints = typing.get_type_hints(cls)
+    fields = {config_key(f): f for f in dataclasses.fields(cls) if f.init and not derived_from(f) and not _inline(f)}
+    inline = {f.name: _keys(hints[f.name]) for f in dataclasses.fields(cls) if _inline(f)}
+    unknown = sorted(set(data) - set(fields) - {k for keys in inline.values() for k in keys})
     if unknown:
         where = f"{path}." if path else ""
+        valid = set(fields) | {k for keys in inline.values() for k in keys}
         raise ConfigError(f"unknown key {where}{unknown[0]}; valid keys{' of ' + path if path else ''}: "
-                          f"{', '.join(sorted(fields))}")
-    hints = typing.get_type_hints(cls)
-    kwargs = {fields[key].name: _coerce(hints[fields[key].name], value, _join(path, key)) for key, value in data.items()}
+                          f"{', '.join(sorted(valid))}")
+    kwargs = {fields[key].name: _coerce(hints[fields[key].name], value, _join(path, key))
+              for key, value in data.items() if key in fields}
+    for name, keys in inline.items():  # its keys written at this level, under this section's path
+        kwargs[name] = build(hints[name], {k: v for k, v in data.items() if k in keys}, path)
     try:
         return cls(**kwargs)
     except ConfigError:
@@ -157,8 +173,13 @@ def to_dict(config: Any) -> dict[str, Any]:
     """Plain data (tuples as lists), ready for YAML."""
     def plain(value: Any) -> Any:
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return {config_key(f): plain(getattr(value, f.name)) for f in dataclasses.fields(value)
-                    if not derived_from(f)}
+            out: dict[str, Any] = {}
+            for f in dataclasses.fields(value):
+                if _inline(f):
+                    out.update(plain(getattr(value, f.name)))
+                elif not derived_from(f):
+                    out[config_key(f)] = plain(getattr(value, f.name))
+            return out
         if isinstance(value, (tuple, list)):
             return [plain(v) for v in value]
         if isinstance(value, dict):

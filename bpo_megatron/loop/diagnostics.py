@@ -23,7 +23,7 @@ def routing_agreement(trainer, samples, cfg) -> dict[str, float]:
     # every data-parallel rank must get the same number of samples
     count = min(len(routed), cfg.train.routing_agreement_samples) // cfg.data_parallel_size * cfg.data_parallel_size
     subset = routed[:count]
-    if not subset or not cfg.model.routing_replay:
+    if not subset or not cfg.model.options.routing_replay:
         return {}
     scored = trainer.compute_logprobs(subset, record_routing=True)
     same = total = 0

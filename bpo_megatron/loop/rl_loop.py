@@ -74,7 +74,7 @@ def rl_step(run: RunSession, pipeline: RolloutPipeline, step: int) -> None:
                                             cfg.train.overlong_penalty)
         shaping.update(overlong)
     train_samples, metrics = training_samples(samples, rewards, cfg.rollout.group_size,
-                                              keep_routing=cfg.model.routing_replay,
+                                              keep_routing=cfg.model.options.routing_replay,
                                               asynchronous=bool(cfg.train.asynchronous.max_staleness))
     metrics.update(shaping)
     metrics.update(draw.metrics())

@@ -52,7 +52,7 @@ def sft_warmup(cfg, trainer, prompts, tokenizer, metrics_out, echo, *, agent=Non
         samples = [demonstrated(list(encoded.prompt_tokens), encoded.problem, tokenizer, agent)
                    for encoded in prompts.take(cfg.train.sft_batch_size)]
         # With R3 the trainer replays routing; here it replays its own, recorded in this forward.
-        replay = cfg.model.routing_replay
+        replay = cfg.model.options.routing_replay
         scored = trainer.compute_logprobs(samples, record_routing=replay)
         routing = scored.routed_experts if replay else [None] * len(samples)
         # μ = π_old = π: every loss weight and mismatch correction is exactly 1

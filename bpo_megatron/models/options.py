@@ -63,8 +63,7 @@ class ModelOptions:
             )
 
     def resolved(self) -> ModelOptions:
-        """These options with an unset ``params_dtype`` decided by this process's devices (the
-        same type: an experiment's ``ModelConfig`` stays one)."""
+        """These options with an unset ``params_dtype`` decided by this process's devices."""
         return self if self.params_dtype is not None else replace(self, params_dtype=default_params_dtype())
 
     def params_dtype_on(self, *, gpu: bool) -> ParamsDtype:

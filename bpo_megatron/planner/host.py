@@ -16,7 +16,7 @@ def step_sample_bytes(cfg) -> int:
     with routing replay, its routed experts (uint8 per MoE layer and top-k slot; counted when the
     model's config is readable here: a launch may name a checkpoint only the cluster has)."""
     routing = 0
-    if cfg.model.routing_replay:
+    if cfg.model.options.routing_replay:
         try:
             hf = cfg.hf_config()
         except (OSError, ValueError):

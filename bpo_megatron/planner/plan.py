@@ -129,14 +129,14 @@ def _replay_and_logprob_pass(cfg: ExperimentConfig, hf: HFModelConfig, params: S
     def replay(micro_batches_held: int) -> float:
         """R3 bytes: the routed experts of the micro-batch being loaded and the router ids of
         ``micro_batches_held`` micro-batches."""
-        if not cfg.model.routing_replay:
+        if not cfg.model.options.routing_replay:
             return 0.0
         return stage_replay_bytes(hf, p, params.layers, tokens=tokens, held_tokens=micro_batches_held * tokens)
 
     # The router ids of a micro-batch stay queued until recomputation replays them in backward;
     # without recomputation (and in a forward-only pass) the trainer drops them once its forward
     # has them (trainer/replay.py), so only the running micro-batch's are held.
-    training = replay(in_flight if cfg.model.recompute != "none" else 1)
+    training = replay(in_flight if cfg.model.options.recompute != "none" else 1)
     if not cfg.train.recompute_old_logprobs:
         return training, 0.0
     forward = forward_only_activation_bytes(hf, p, params.layers, tokens=tokens, act_bytes=act_bytes)
@@ -158,7 +158,7 @@ def make_plan(cfg: ExperimentConfig, hf: HFModelConfig, allocation: Allocation |
         distributed_optimizer = allocation.gpus_per_node > 0
     checks = layout_checks(cfg, hf, allocation)
     # what the trainer ranks of this allocation build (an unset dtype: bf16 with GPUs, fp32 without)
-    precision = Precision.of(cfg.model.params_dtype_on(gpu=allocation.gpus_per_node > 0))
+    precision = Precision.of(cfg.model.options.params_dtype_on(gpu=allocation.gpus_per_node > 0))
     p, ranks = cfg.parallel, cfg.cluster.trainer_ranks
     world_ok = _splits(cfg, hf)  # the memory model needs a layout the model can be cut into
     dp = ranks // (p.tp * p.pp) if world_ok else 1
@@ -171,8 +171,8 @@ def make_plan(cfg: ExperimentConfig, hf: HFModelConfig, allocation: Allocation |
     micro_batches = share if budget else max(1, share // cfg.trainer.micro_batch_size)
     stages = []
     if world_ok:
-        vocab_rows = model_vocab_size(hf, p, cfg.model) // p.tp
-        for params in rank_parameters(hf, p, cfg.model):
+        vocab_rows = model_vocab_size(hf, p, cfg.model.options) // p.tp
+        for params in rank_parameters(hf, p, cfg.model.options):
             in_flight = micro_batches_in_flight(p.pp, params.stage, micro_batches)
             logits = logits_bytes(vocab_rows, tokens, precision.param_bytes) if params.stage == p.pp - 1 else 0.0
             routing, logprob_pass = _replay_and_logprob_pass(cfg, hf, params, tokens=tokens, in_flight=in_flight,
@@ -182,7 +182,7 @@ def make_plan(cfg: ExperimentConfig, hf: HFModelConfig, allocation: Allocation |
                 static=static_memory(params, precision, dp=dp, expert_dp=expert_dp,
                                      distributed_optimizer=distributed_optimizer),
                 activations=stage_activation_bytes(hf, p, params.layers, tokens=tokens,
-                                                   recompute=cfg.model.recompute,
+                                                   recompute=cfg.model.options.recompute,
                                                    act_bytes=precision.param_bytes, in_flight=in_flight),
                 logits=logits,
                 in_flight=in_flight,

@@ -59,7 +59,7 @@ def _header(plan: Plan) -> list[str]:
         f"{hf.num_hidden_layers} layers{experts}",
         f"trainer: {cfg.cluster.trainer_ranks} ranks = tp {p.tp} × pp {p.pp} × dp {plan.dp}; ep {p.ep}, "
         f"etp {p.expert_tp} (expert dp {plan.expert_dp}); sequence parallel {'on' if p.sequence_parallel else 'off'}; "
-        f"recompute {cfg.model.recompute}; {_DTYPE_NAMES[plan.precision.param_bytes]} weights, {optimizer}",
+        f"recompute {cfg.model.options.recompute}; {_DTYPE_NAMES[plan.precision.param_bytes]} weights, {optimizer}",
         f"         {_micro_batches(plan)}",
     ]
     if plan.rollout:
@@ -100,16 +100,16 @@ def _training(plan: Plan) -> list[str]:
          else "  with the distributed optimizer",
          *[fmt(s.static.optimizer_replicated if plan.distributed_optimizer else s.static.optimizer_distributed)
            for s in stages]],
-        [f"activations (recompute {plan.cfg.model.recompute}, micro-batches in flight: "
+        [f"activations (recompute {plan.cfg.model.options.recompute}, micro-batches in flight: "
          f"{'/'.join(str(s.in_flight) for s in stages)})", *[fmt(s.activations) for s in stages]],
         ["logits (last stage, in place)", *[fmt(s.logits) for s in stages]],
     ]
-    if plan.cfg.model.routing_replay:
-        held = ("the micro-batches in flight" if plan.cfg.model.recompute != "none"
+    if plan.cfg.model.options.routing_replay:
+        held = ("the micro-batches in flight" if plan.cfg.model.options.recompute != "none"
                 else "every micro-batch of the pass: no recompute pops them")
         rows.append([f"R3 routed experts and router ids ({held})", *[fmt(s.routing) for s in stages]])
     if plan.cfg.train.recompute_old_logprobs:
-        ids = ", R3 ids of the running micro-batch" if plan.cfg.model.routing_replay else ""
+        ids = ", R3 ids of the running micro-batch" if plan.cfg.model.options.routing_replay else ""
         rows.append([f"log-prob pass instead of the above (forward only: one layer, logits{ids})",
                      *[fmt(s.logprob_pass) for s in stages]])
     rows += [
