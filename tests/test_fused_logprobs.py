@@ -56,8 +56,8 @@ def _fused(local, targets, group, temperature, inplace, *, launch=(16, 63), voca
     block, programs = launch
     logp, entropy = fused_vocab_parallel_logprobs(x, targets, group, temperature, True, inplace, vocab_size,
                                                   block=block, programs=programs)
-    (grad,) = torch.autograd.grad(logp, x, _upstream())
-    return {"logp": logp.detach(), "entropy": entropy, "grad": grad,
+    (grad,) = torch.autograd.grad(logp, x, _upstream().to(local.device))
+    return {"logp": logp.detach().cpu(), "entropy": entropy.cpu(), "grad": grad.cpu(),
             "untouched": torch.equal(leaf.detach(), local),
             "grad_in_logits_buffer": grad.data_ptr() == x.data_ptr()}
 
@@ -201,6 +201,26 @@ def test_forward_only_leaves_logits_untouched_even_inplace(fused):
     torch.testing.assert_close(got["logp"].double(), _reference(1.0, full_logits()[0])[0], rtol=FP32_TOL, atol=FP32_TOL)
 
 
+# ---- compiled on a GPU (a GPU session runs these; CI has none) ----
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="the compiled kernels need CUDA and triton")
+@pytest.mark.parametrize("launch", LAUNCHES + [(4096, 1024)])  # the last: the product's own launch
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_kernels_on_cuda_equal_full_vocabulary_log_softmax(launch, dtype):
+    logits, targets, _ = full_logits()
+    for temperature, inplace in itertools.product([1.0, 0.7], [False, True]):
+        got = _fused(logits.to("cuda", dtype), targets.cuda(), None, temperature, inplace, launch=launch)
+        ref = _reference(temperature, logits.to(dtype))
+        if dtype == torch.float32:
+            _assert_close(got, ref, FP32_TOL, (launch, temperature, inplace))
+        else:  # round to nearest on a GPU: half a bf16 ulp of the largest entry
+            torch.testing.assert_close(got["logp"].double(), ref[0], rtol=0, atol=1e-5)
+            assert (got["grad"].double() - ref[2]).abs().max() <= ref[2].abs().max() * 2.0**-8
+            assert torch.all(got["grad"][ZERO_ROWS] == 0)
+        assert got["grad_in_logits_buffer"] if inplace else got["untouched"]
+
+
 # ---- the choice of kernel (no triton needed) ----
 
 def test_fused_kernel_refuses_cpu_logits_and_unknown_kernels():
@@ -209,6 +229,15 @@ def test_fused_kernel_refuses_cpu_logits_and_unknown_kernels():
         vocab_parallel_logprobs(logits, targets, kernel="fused")
     with pytest.raises(ValueError, match="kernel must be one of"):
         vocab_parallel_logprobs(logits, targets, kernel="triton")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="the fused path is chosen on CUDA with triton only")
+def test_auto_on_cuda_is_the_fused_op():
+    logits, targets, _ = full_logits()
+    x = logits.cuda().requires_grad_()
+    logp = vocab_parallel_logprobs(x, targets.cuda())
+    assert type(logp.grad_fn).__name__ == "_FusedLogProbsBackward"
 
 
 def test_auto_on_cpu_is_the_chunked_op():
