@@ -65,3 +65,15 @@ def has_transformer_engine() -> bool:
     as a side effect of importing bpo-megatron (TE is a GPU-only extra).
     """
     return importlib.util.find_spec("transformer_engine") is not None
+
+
+@functools.cache
+def has_triton() -> bool:
+    """True when triton is installed (looked up, not imported: importing it is slow)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def runs_triton(device: torch.device) -> bool:
+    """True when triton kernels can run on tensors of ``device``: a CUDA device, triton installed.
+    Callers with a CPU fallback ask this; the fallback is the path on every other machine."""
+    return device.type == "cuda" and has_triton()

@@ -46,6 +46,21 @@ def test_cpu_smoke_run_passes_every_check_with_its_numbers(tmp_path):
     assert all(f"## {name}: pass" in markdown for name in CHECKS)
 
 
+def test_logprobs_kernel_table_lists_the_fused_kernels_as_not_run_on_a_cpu(tmp_path):
+    done = _smoke(tmp_path, "--checks", "logprobs_kernel")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    [check] = json.loads((tmp_path / "report" / "report.json").read_text())["checks"]
+    [rows] = check["tables"].values()
+    by_method = {(r["dtype"], r["method"]): r for r in rows}
+    assert set(by_method) == {(d, m) for d in ("bf16", "fp32")
+                              for m in ("megatron", "ours", "ours-inplace", "fused", "fused-inplace")}
+    for dtype in ("bf16", "fp32"):
+        for method in ("fused", "fused-inplace"):
+            assert by_method[dtype, method]["note"] == "not run: needs CUDA and triton"
+        assert by_method[dtype, "ours-inplace"]["note"] == "" and by_method[dtype, "ours-inplace"]["total_ms"] > 0
+    assert any("fused kernels were not run" in note for note in check["notes"])
+
+
 def test_unknown_checks_are_refused_and_a_check_out_of_time_is_a_reported_failure(tmp_path):
     refused = _smoke(tmp_path, "--checks", "trainer_step,warp_drive")
     assert refused.returncode == 2 and "warp_drive" in refused.stderr

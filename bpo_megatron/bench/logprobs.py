@@ -4,6 +4,9 @@ Compares, in one run and on the same logits, :func:`bpo_megatron.ops.vocab_paral
 (copy-safe and in-place) with Megatron-Core's ``vocab_parallel_cross_entropy`` and with a naive
 full-vocabulary ``log_softmax`` + gather (all-gathering the vocabulary when TP > 1). Reports
 forward/backward time (median of repeats) and the peak memory allocated on top of the logits.
+
+The ranks are gloo processes with CPU logits, so the op's fused triton kernels (CUDA only) get a
+row that says they were not run; the GPU kit's ``logprobs_kernel`` check times them.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ class BenchConfig:
     dtypes: tuple[str, ...] = ("fp32", "bf16")
     repeats: int = 3
     temperature: float = 1.0
-    methods: tuple[str, ...] = ("naive", "megatron", "ours", "ours-inplace")
+    methods: tuple[str, ...] = ("naive", "megatron", "ours", "ours-inplace", "fused", "fused-inplace")
 
 
 @dataclass
@@ -64,13 +67,22 @@ def _method_fns(tp_group) -> dict[str, LogProbFn]:
         scaled = logits / temperature if temperature != 1.0 else logits
         return -vocab_parallel_cross_entropy(scaled, targets)
 
-    def ours(logits, targets, temperature):
-        return vocab_parallel_logprobs(logits, targets, tp_group, temperature=temperature)
+    def ours(kernel, inplace):
+        def fn(logits, targets, temperature):
+            return vocab_parallel_logprobs(logits, targets, tp_group, temperature=temperature, inplace=inplace,
+                                           kernel=kernel)
+        return fn
 
-    def ours_inplace(logits, targets, temperature):
-        return vocab_parallel_logprobs(logits, targets, tp_group, temperature=temperature, inplace=True)
+    return {"naive": naive, "megatron": megatron, "ours": ours("chunked", False),
+            "ours-inplace": ours("chunked", True), "fused": ours("fused", False),
+            "fused-inplace": ours("fused", True)}
 
-    return {"naive": naive, "megatron": megatron, "ours": ours, "ours-inplace": ours_inplace}
+
+FUSED_NOT_RUN = "not run: the fused kernels need CUDA logits and triton"
+
+
+def _runs(method: str) -> bool:
+    return not method.startswith("fused")  # the ranks' logits are CPU tensors
 
 
 def _bench_rank(cfg: BenchConfig, tp: int, dtype_name: str) -> dict[str, dict]:
@@ -98,7 +110,7 @@ def _bench_rank(cfg: BenchConfig, tp: int, dtype_name: str) -> dict[str, dict]:
         fns = _method_fns(group)
         reference = None
         results: dict[str, MethodResult] = {}
-        for name in ("megatron",) + tuple(m for m in cfg.methods if m != "megatron"):
+        for name in ("megatron",) + tuple(m for m in cfg.methods if m != "megatron" and _runs(m)):
             fn, result = fns[name], MethodResult()
             for repeat in range(cfg.repeats + 1):  # the first run warms up
                 logits = fresh_logits().requires_grad_()  # in-place methods consume their input
@@ -134,6 +146,7 @@ class Row:
     backward_ms: float
     peak_mib: float
     max_abs_diff: float
+    note: str = ""  # why a method has no numbers
 
     @property
     def total_ms(self) -> float:
@@ -179,6 +192,9 @@ def format_table(rows: list[Row], cfg: BenchConfig) -> str:
         "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
+        if row.note:
+            lines.append(f"| {row.tp} | {row.dtype} | {row.method} | {row.note} |" + " |" * 6)
+            continue
         megatron = next(r for r in rows if (r.tp, r.dtype, r.method) == (row.tp, row.dtype, "megatron"))
         lines.append(
             f"| {row.tp} | {row.dtype} | {row.method} | {row.forward_ms:.0f} | {row.backward_ms:.0f} "
@@ -196,6 +212,9 @@ def run(cfg: BenchConfig) -> list[Row]:
             print(f"[bench] TP={tp} {dtype}: {', '.join(cfg.methods)} ...", file=sys.stderr, flush=True)
             per_rank = run_gloo_world(_bench_rank, tp, cfg, tp, dtype, timeout=3600)
             rows.extend(_merge_ranks(tp, dtype, per_rank))
+            nan = float("nan")
+            rows.extend(Row(tp, dtype, method, nan, nan, nan, nan, note=FUSED_NOT_RUN)
+                        for method in cfg.methods if not _runs(method))
     return rows
 
 

@@ -51,7 +51,7 @@ def environment() -> dict[str, Any]:
         "cuda": torch.version.cuda or "-",
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
-    for package in ("megatron-core", "transformers", "transformer-engine", "bpo-megatron"):
+    for package in ("megatron-core", "transformers", "transformer-engine", "triton", "bpo-megatron"):
         env[package] = _version(package)
     if torch.cuda.is_available():
         env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)

@@ -16,14 +16,22 @@ chunk by chunk. Memory: with ``inplace=False`` the logits are left untouched and
 allocation is the gradient itself; with ``inplace=True`` the caller gives up the logits buffer
 (fp32 logits then hold exp(z − m) after forward, and every dtype receives the gradient in place),
 so nothing of logits size is allocated at all.
+
+On CUDA with triton installed the same quantities come from the fused kernels of
+``fused_logprobs.py`` (one read of the logits forward, one read and one write backward);
+``kernel=`` forces either path. Both combine ranks through ``shards.combine_shards``.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 import torch.distributed as dist
+
+from bpo_megatron import platform
+from bpo_megatron.ops.shards import combine_shards, group_rank_size, valid_columns
 
 # Rows per pass are chosen so one fp32 temporary is about this large. On a CPU: big enough to
 # amortise per-op overhead, small enough to stay in cache. On a GPU no pass fits in cache anyway,
@@ -38,30 +46,15 @@ def _default_chunk_rows(vocab_shard: int, device: torch.device) -> int:
     return max(1, chunk_bytes // (4 * max(vocab_shard, 1)))
 
 
-def _valid_columns(vocab_size: int | None, rank: int, vocab_shard: int) -> int:
-    """How many leading columns of this rank's shard are real tokens. Padding can leave a rank
-    none at all (128 tokens padded to 128·TP at TP=2): that rank then contributes nothing to the
-    softmax, but still joins every collective."""
-    if vocab_size is None:
-        return vocab_shard
-    return max(0, min(vocab_shard, vocab_size - rank * vocab_shard))
-
-
-def _group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, group, temperature, chunk_rows, with_entropy, inplace, vocab_size):
         vocab_shard = logits.shape[-1]
         rows = targets.numel()
-        rank, world = _group_rank_size(group)
+        rank, _ = group_rank_size(group)
         # Columns past the real vocabulary (Megatron pads it to a multiple of 128·TP) are not
         # tokens: they are left out of the softmax and get no gradient.
-        valid = _valid_columns(vocab_size, rank, vocab_shard)
+        valid = valid_columns(vocab_size, rank, vocab_shard)
         flat = logits.view(rows, vocab_shard) if inplace else logits.reshape(rows, vocab_shard)
         local_target = targets.reshape(rows) - rank * vocab_shard
         owned = (local_target >= 0) & (local_target < vocab_shard)
@@ -116,33 +109,19 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             else:
                 sum_exp[start:stop] = z.exp_().sum(dim=-1)
 
-        global_max = local_max
-        if world > 1:
-            global_max = local_max.clone()
-            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
-        scale = torch.exp(local_max - global_max)
-        parts = [sum_exp * scale, torch.where(owned, target_logit, 0.0)]
-        if with_entropy:
-            shift = torch.where(sum_exp > 0, local_max - global_max, 0.0)  # 0, not −inf · 0, for no mass
-            parts.append(scale * (exp_dot + shift * sum_exp))
-        reduced = torch.stack(parts)
-        if world > 1:
-            dist.all_reduce(reduced, group=group)
-        total_exp = reduced[0]
-        log_total = torch.log(total_exp)
-        lse = global_max + log_total
-        logprobs = (reduced[1] - lse).view(targets.shape)
+        combined = combine_shards(local_max, sum_exp, target_logit, owned, exp_dot, group)
+        logprobs = combined.logprobs.view(targets.shape)
 
         if ctx.needs_input_grad[0]:
             # store_exp: π(v) = buffer · exp(m − M) / S;  otherwise π(v) = exp(z/T − lse).
-            row_term = scale / total_exp if store_exp else lse
+            row_term = combined.scale / combined.total_exp if store_exp else combined.lse
             # Save the input itself, not a view made here: autograd forbids in-place writes to
             # views created in forward.
             ctx.save_for_backward(logits, target_index, owned, row_term)
             ctx.meta = (logits.shape, inv_t, chunk_rows, store_exp, inplace, valid)
         if not with_entropy:
             return logprobs
-        entropy = (log_total - reduced[2] / total_exp).view(targets.shape)
+        entropy = combined.entropy.view(targets.shape)
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
@@ -190,6 +169,22 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         return grad.view(shape), None, None, None, None, None, None, None
 
 
+Kernel = Literal["auto", "fused", "chunked"]
+KERNELS: tuple[Kernel, ...] = ("auto", "fused", "chunked")
+
+
+def _use_fused(kernel: Kernel, device: torch.device) -> bool:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    runs = platform.runs_triton(device)
+    if kernel == "fused" and not runs:
+        raise ValueError(
+            f"kernel='fused' needs logits on a CUDA device and triton installed; the logits are on "
+            f"{device.type} and triton is {'' if platform.has_triton() else 'not '}installed "
+            f"(kernel='chunked' or 'auto' runs anywhere)")
+    return kernel == "fused" or (kernel == "auto" and runs)
+
+
 def vocab_parallel_logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -200,6 +195,7 @@ def vocab_parallel_logprobs(
     with_entropy: bool = False,
     inplace: bool = False,
     vocab_size: int | None = None,
+    kernel: Kernel = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log π(targets) from this rank's vocabulary shard of the logits.
 
@@ -218,6 +214,9 @@ def vocab_parallel_logprobs(
         vocab_size: the real vocabulary size when the logits carry padding columns (Megatron pads
             the vocabulary to a multiple of 128·TP); padding never enters the softmax. None: every
             column is a token.
+        kernel: ``"fused"``: triton kernels that read the logits once forward and once backward
+            (CUDA logits and triton needed; ``chunk_size`` does not apply); ``"chunked"``: the
+            PyTorch passes above, on any device; ``"auto"``: fused where it can run, else chunked.
 
     Returns:
         fp32 log-probs shaped like ``targets`` (and the entropy when ``with_entropy``).
@@ -237,7 +236,7 @@ def vocab_parallel_logprobs(
         raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
     if inplace and not logits.is_contiguous():
         raise ValueError("inplace=True needs contiguous logits (a copy would defeat its purpose)")
-    _, world = _group_rank_size(tp_group)
+    _, world = group_rank_size(tp_group)
     padded_vocab = logits.shape[-1] * world
     if vocab_size is not None and not 0 < vocab_size <= padded_vocab:
         raise ValueError(f"vocab_size={vocab_size} must be in [1, {padded_vocab}] (shard x TP)")
@@ -248,6 +247,11 @@ def vocab_parallel_logprobs(
             f"{'' if vocab_size is None else f', real vocabulary {vocab_size}'}), "
             f"got range [{int(targets.min())}, {int(targets.max())}]"
         )
+    if _use_fused(kernel, logits.device):
+        from bpo_megatron.ops.fused_logprobs import fused_vocab_parallel_logprobs
+
+        return fused_vocab_parallel_logprobs(
+            logits, targets, tp_group, float(temperature), with_entropy, inplace, vocab_size)
     chunk_rows = chunk_size or _default_chunk_rows(logits.shape[-1], logits.device)
     return _VocabParallelLogProbs.apply(
         logits, targets, tp_group, float(temperature), chunk_rows, with_entropy, inplace, vocab_size
