@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, Literal, get_args
 
+from bpo_megatron.config import ConfigError, build
 from bpo_megatron.rollout.agents.config import AgentConfig
 from bpo_megatron.rollout.engine import EngineSpec, engine_spec
-from bpo_megatron.rollout.hf.options import HFEngineOptions
-from bpo_megatron.rollout.sglang.options import SGLangOptions
-from bpo_megatron.rollout.vllm.options import VLLMOptions
 
 EngineName = Literal["hf", "sglang", "vllm"]
+_ENGINE_SECTIONS = get_args(EngineName)  # one section each, named as the engine registry names it
 
 
 @dataclass(frozen=True)
@@ -21,8 +21,9 @@ class RolloutConfig:
 
     ``capture_routed_experts`` makes the engine record the experts of every processed token;
     R3 (``model.routing_replay``) needs it. ``hf``, ``sglang`` and ``vllm`` are each engine's own
-    typed options (``rollout/<engine>/options.py``); only the section of the chosen engine is
-    used, by that engine alone. ``agent`` makes every response a conversation with a tool
+    typed options, built from a mapping by the dataclass its spec names (``EngineSpec.options``,
+    ``rollout/<engine>/options.py``), so this section imports no engine; only the section of the
+    chosen engine is used, by that engine alone; every engine the registry knows has one. ``agent`` makes every response a conversation with a tool
     (``rollout/agents``; off by default).
     """
 
@@ -46,12 +47,20 @@ class RolloutConfig:
     generate_timeout_s: float | None = None
     stall_timeout_s: float = 120.0
     max_restarts: int = 2
-    hf: HFEngineOptions = field(default_factory=HFEngineOptions)
-    sglang: SGLangOptions = field(default_factory=SGLangOptions)
-    vllm: VLLMOptions = field(default_factory=VLLMOptions)
+    # each engine's section (None or a mapping: built by its spec's options dataclass)
+    hf: Any = None
+    sglang: Any = None
+    vllm: Any = None
     agent: AgentConfig = field(default_factory=AgentConfig)
 
     def __post_init__(self) -> None:
+        for engine in _ENGINE_SECTIONS:
+            section = getattr(self, engine)
+            options = engine_spec(engine).options
+            if not isinstance(section, options):
+                if section is not None and not isinstance(section, Mapping):
+                    raise ConfigError(f"rollout.{engine} must be a section (mapping), got {section!r}")
+                object.__setattr__(self, engine, build(options, section or {}, f"rollout.{engine}"))
         for name in ("num_engines", "group_size", "max_new_tokens", "threads_per_engine"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
