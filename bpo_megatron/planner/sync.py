@@ -25,13 +25,44 @@ class SyncEstimate:
     parts: dict[str, float]  # what the time is made of
 
 
+@dataclass(frozen=True)
+class _Transfer:
+    """What every GPU transport's estimate starts from."""
+
+    nbytes: int  # the model in bf16
+    buckets: int
+    tensors: int  # Hugging Face tensors
+    gather: float  # seconds to bring every piece to trainer rank 0
+
+
+def _broadcast_parts(t: _Transfer) -> dict[str, float]:
+    """``nccl_broadcast``: rank 0 broadcasts each tensor to every engine's TP ranks; each bucket is
+    announced to every server over HTTP."""
+    return {"gather to trainer rank 0": t.gather,
+            "broadcast to the engines": t.nbytes / (INTER_NODE_GBPS * 1e9) + t.tensors * CALL_S,
+            "announcements": t.buckets * HTTP_S}
+
+
+def _ipc_parts(t: _Transfer) -> dict[str, float]:
+    """``cuda_ipc``: every trainer rank holds each bucket (one collective per bucket) and hands the
+    engine TP rank beside it a CUDA IPC handle."""
+    return {"gather to trainer rank 0": t.gather,
+            "spread to every trainer rank": t.nbytes / (INTER_NODE_GBPS * 1e9) + t.buckets * CALL_S,
+            "hand-over to the engines": t.buckets * IPC_BUCKET_S}
+
+
+# transport name -> what one sync over it is made of; transports not named here do not sync over
+# GPUs (the embedded engine's shared memory, Ray's object store) and get no estimate
+GPU_TRANSPORTS = {"nccl_broadcast": _broadcast_parts, "cuda_ipc": _ipc_parts}
+
+
 def expected_sync(cfg, hf, total_params: int) -> SyncEstimate | None:
     """None for engines that do not sync over a GPU transport (the embedded engine, vLLM)."""
     transport = cfg.rollout.spec.transport(cfg.rollout.options, cfg.cluster.colocate)
-    if transport not in ("nccl_broadcast", "cuda_ipc") or not cfg.cluster.gpus_per_node:
+    parts_of = GPU_TRANSPORTS.get(transport)
+    if parts_of is None or not cfg.cluster.gpus_per_node:
         return None
     nbytes = total_params * 2  # bf16
-    buckets = math.ceil(nbytes / (cfg.weight_sync.bucket_bytes))
     tensors = hf_tensor_count(hf)
     # one collective per tensor, except experts: one gather brings one from every expert-parallel rank
     expert_tensors = 3 * hf.num_experts * len(set(hf.moe_layers))
@@ -39,12 +70,6 @@ def expected_sync(cfg, hf, total_params: int) -> SyncEstimate | None:
     nodes = max(1, math.ceil(cfg.cluster.trainer_ranks / cfg.cluster.gpus_per_node))
     remote = (nodes - 1) / nodes  # the share of the pieces rank 0 receives from other nodes
     gather = nbytes * remote / (INTER_NODE_GBPS * 1e9) + nbytes * (1 - remote) / (NVLINK_GBPS * 1e9) + gathers * CALL_S
-    if transport == "nccl_broadcast":
-        parts = {"gather to trainer rank 0": gather,
-                 "broadcast to the engines": nbytes / (INTER_NODE_GBPS * 1e9) + tensors * CALL_S,
-                 "announcements": buckets * HTTP_S}
-    else:
-        parts = {"gather to trainer rank 0": gather,
-                 "spread to every trainer rank": nbytes / (INTER_NODE_GBPS * 1e9) + buckets * CALL_S,  # one per bucket
-                 "hand-over to the engines": buckets * IPC_BUCKET_S}
+    parts = parts_of(_Transfer(nbytes=nbytes, buckets=math.ceil(nbytes / cfg.weight_sync.bucket_bytes),
+                               tensors=tensors, gather=gather))
     return SyncEstimate(transport, sum(parts.values()), parts)
