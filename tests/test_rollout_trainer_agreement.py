@@ -19,7 +19,7 @@ import torch.distributed as dist
 from bpo_megatron import testing as th
 from bpo_megatron.parallel.local_world import run_gloo_world
 from bpo_megatron.testing.models import random_checkpoint
-from bpo_megatron.testing import MODEL_CONFIGS
+from bpo_megatron.testing import MODEL_CONFIGS, DispatchRecorder, same_expert_sets
 
 FIXTURE = MODEL_CONFIGS / "tiny_qwen3_moe"
 TIMEOUT = 120

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
-# The sizes are the tests' one tiny MoE (tests/fixtures/tiny_qwen3_moe), built here as a plain
+# The sizes are the tests' one tiny MoE (bpo_megatron/testing/configs/tiny_qwen3_moe), built here as a plain
 # Megatron GPT (local spec, Megatron's own defaults) to test the CPU compat layer on its own.
 _TINY = json.loads((MODEL_CONFIGS / "tiny_qwen3_moe" / "config.json").read_text())
 VOCAB_SIZE = _TINY["vocab_size"]

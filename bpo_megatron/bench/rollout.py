@@ -32,7 +32,7 @@ from bpo_megatron.testing.models import random_checkpoint
 
 MiB = 2**20
 
-# Qwen3-MoE shapes. "tiny" is tests/fixtures/tiny_qwen3_moe; "bench" is large enough (≈240 MB of
+# Qwen3-MoE shapes. "tiny" is the test kit's tiny_qwen3_moe (bpo_megatron/testing/configs); "bench" is large enough (≈240 MB of
 # fp32 weights) that a weight sync takes a measurable time on CPU.
 MODEL_SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(vocab_size=200, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
