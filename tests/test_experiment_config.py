@@ -83,8 +83,12 @@ def test_resolved_config_round_trips(tmp_path):
         (["rollout.engine=sglang", "weight_sync.verify=true"], "which rollout.engine=sglang does not allow"),
         # the embedded engine's own options are typed
         (["rollout.hf.dtype=fp16"], r"rollout.hf.dtype='fp16' must be one of 'fp32', 'bf16'"),
-        (["rollout.hf.max_rows=4"], "unknown key rollout.hf.max_rows; valid keys of rollout.hf: dtype, max_batch_rows"),
+        (["rollout.hf.max_rows=4"], "unknown key rollout.hf.max_rows; valid keys of rollout.hf: decode, dtype, "
+                                    "max_batch_rows, refill_every"),
         (["rollout.hf.max_batch_rows=0"], "rollout.hf.max_batch_rows must be >= 1"),
+        (["rollout.hf.decode=fast"], "rollout.hf.decode='fast' must be one of 'auto', 'transformers', 'static', "
+                                     "'cuda_graph'"),
+        (["rollout.hf.refill_every=0"], "rollout.hf.refill_every must be >= 1"),
         (["data.fields.question=prompt.0.content"], "data.fields.question is not a problem field"),
         # a loss that would depend on how samples are grouped into micro-batches
         (["loss.agg=seq-mean-token-sum-norm"], "set loss.norm_length .*rollout.max_new_tokens=4"),

@@ -5,6 +5,9 @@ step, fp32 logits / temperature → log-softmax = log μ (before top-k/top-p), t
 (see :mod:`hf_sampling`). All rows of all requests decode together with one KV cache: prompts are
 left-padded, masked and given their own position ids, so every row computes what a single unpadded
 forward computes (up to float summation order). Rows leave the batch (and the cache) as they finish.
+That is the ``transformers`` decode path; the ``static`` and ``cuda_graph`` paths
+(``rollout.hf.decode``, :mod:`bpo_megatron.rollout.hf.slots`) decode the same rows through fixed
+per-row KV slots with a functional step, refilling slots from the queue as rows finish.
 With capture on, the experts each MoE router picks for every processed token are recorded (R3), for
 the requests that want them (``GenerationRequest.capture_routing``); a batch none of whose requests
 wants them is decoded without capture.
@@ -28,8 +31,11 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from bpo_megatron.rollout.engine import EngineCapabilities, RolloutEngine
 from bpo_megatron.rollout.hf.capture import RoutingCapture, moe_routers
+from bpo_megatron.rollout.hf.decode import attention_for, check_supported, resolve_path
+from bpo_megatron.rollout.hf.options import check_decode
 from bpo_megatron.rollout.hf.sampling import BatchSampler, row_seeds
 from bpo_megatron.rollout.hf.shared_weights import SegmentLayout, SharedWeights
+from bpo_megatron.rollout.hf.slots import SlotRow, SlotSession, SlotSettings, left_padded
 from bpo_megatron.rollout.hf.weights import HFWeights
 from bpo_megatron.rollout.types import EngineHealth, GenerationRequest, Sample
 
@@ -65,14 +71,16 @@ class HFEngine(RolloutEngine):
     ``model_dir_or_model`` is a local checkpoint directory (loaded with ``dtype`` onto ``device``) or
     an already built model, used as is. ``threads`` sets torch's (process-wide) intra-op threads.
     ``max_batch_rows`` bounds the rows decoded together; more are split into batches of similar
-    prompt length.
+    prompt length. ``decode`` and ``refill_every`` choose the decode loop (``rollout.hf.decode``,
+    :class:`~bpo_megatron.rollout.hf.options.HFEngineOptions`).
     """
 
     def __init__(self, model_dir_or_model: str | Path | nn.Module, *, capture_routing: bool,
                  dtype: torch.dtype = torch.float32, threads: int = 1, device: str | torch.device = "cpu",
-                 max_batch_rows: int = 256) -> None:
+                 max_batch_rows: int = 256, decode: str = "auto", refill_every: int = 8) -> None:
         if threads < 1 or max_batch_rows < 1:
             raise ValueError(f"threads={threads} and max_batch_rows={max_batch_rows} must be >= 1")
+        check_decode(decode, refill_every)
         torch.set_num_threads(threads)
         if isinstance(model_dir_or_model, nn.Module):
             model = model_dir_or_model
@@ -83,6 +91,10 @@ class HFEngine(RolloutEngine):
         self._model: nn.Module | None = model.eval()
         self._device = next(model.parameters()).device
         self._max_batch_rows = max_batch_rows
+        self._decode_path = resolve_path(decode, self._device, next(model.parameters()).dtype)
+        if self._decode_path != "transformers":
+            check_supported(model)
+        self._refill_every = refill_every
         self._max_positions = getattr(model.config, "max_position_embeddings", None)
         self._weights = HFWeights(model)
         routers = moe_routers(model)
@@ -214,12 +226,36 @@ class HFEngine(RolloutEngine):
         # similar prompt lengths share a batch, so little of it is left padding
         order = sorted(range(len(rows)), key=lambda i: len(rows[i].request.prompt_tokens))
         with self._generating, torch.inference_mode():
+            if self._decode_path != "transformers":
+                return self._decode_in_slots(model, rows, order)
             for start in range(0, len(order), self._max_batch_rows):
                 chunk = order[start:start + self._max_batch_rows]
                 batch = self._decode(model, [rows[i] for i in chunk])
                 for position, i in enumerate(chunk):
                     samples[i] = self._sample(rows[i], batch, position)
         return samples
+
+    def _decode_in_slots(self, model: nn.Module, rows: list[_Row], order: list[int]) -> list[Sample]:
+        """All rows through one slot session, queued in ``order`` (slots refill as rows finish)."""
+        settings = SlotSettings(slots=self._max_batch_rows, refill_every=self._refill_every,
+                                attention=attention_for(self._decode_path),
+                                cuda_graph=self._decode_path == "cuda_graph")
+        queued = [SlotRow(rows[i].request.prompt_tokens, rows[i].request.sampling, rows[i].seed,
+                          rows[i].request.capture_routing) for i in order]
+        outputs = SlotSession(model, queued, settings, self._capture, self._gated).run()
+        samples: list[Sample | None] = [None] * len(rows)
+        for i, out in zip(order, outputs):
+            routed = out.routing if self._capture is not None and rows[i].request.capture_routing else None
+            samples[i] = _to_sample(rows[i], out.tokens, out.logprobs, out.versions, out.stopped, routed)
+        return samples
+
+    def _gated(self, forward):
+        """Run one forward pass between weight updates; its result and the weights version it used."""
+        version = self._forward_may_start()
+        try:
+            return forward(), version
+        finally:
+            self._forward_done()
 
     def _check_lengths(self, requests: list[GenerationRequest]) -> None:
         if self._max_positions is None:
@@ -233,7 +269,7 @@ class HFEngine(RolloutEngine):
 
     def _decode(self, model: nn.Module, rows: list[_Row]) -> _Batch:
         device = self._device
-        input_ids, mask, positions = _left_padded([r.request.prompt_tokens for r in rows], device)
+        input_ids, mask, positions = left_padded([r.request.prompt_tokens for r in rows], device)
         width = input_ids.shape[1]
         sampler = BatchSampler([r.request.sampling for r in rows], [r.seed for r in rows], device)
         steps = max(r.request.sampling.max_new_tokens for r in rows)
@@ -292,25 +328,30 @@ class HFEngine(RolloutEngine):
         return _Batch(tokens, logprobs, lengths, stopped, routing, routing_rows, width, versions)
 
     def _sample(self, row: _Row, batch: _Batch, i: int) -> Sample:
-        prompt = torch.tensor(row.request.prompt_tokens, dtype=torch.long)
         length = batch.lengths[i]
-        versions = batch.versions[i, :length].cpu().clone()
         routed = None
         if batch.routing is not None and batch.routing_rows[i] is not None:
             # real positions only: after the row's left padding, up to the last token fed back
-            first = batch.width - prompt.numel()
+            first = batch.width - len(row.request.prompt_tokens)
             routed = batch.routing[batch.routing_rows[i], first:batch.width + length - 1].to("cpu", copy=True)
-        return Sample(
-            request_id=row.request.request_id,
-            index=row.index,
-            prompt_tokens=prompt,
-            response_tokens=batch.tokens[i, :length].cpu().clone(),
-            rollout_logprobs=batch.logprobs[i, :length].cpu().clone(),
-            finish_reason="stop" if batch.stopped[i] else "length",
-            routed_experts=routed,
-            weight_version=int(versions.min()),  # the oldest weights that sampled a token of it
-            token_versions=versions,
-        )
+        return _to_sample(row, batch.tokens[i, :length].cpu().clone(), batch.logprobs[i, :length].cpu().clone(),
+                          batch.versions[i, :length].cpu().clone(), batch.stopped[i], routed)
+
+
+def _to_sample(row: _Row, tokens: torch.Tensor, logprobs: torch.Tensor, versions: torch.Tensor, stopped: bool,
+               routed: torch.Tensor | None) -> Sample:
+    """A row's sample from its outputs, all host tensors it may keep."""
+    return Sample(
+        request_id=row.request.request_id,
+        index=row.index,
+        prompt_tokens=torch.tensor(row.request.prompt_tokens, dtype=torch.long),
+        response_tokens=tokens,
+        rollout_logprobs=logprobs,
+        finish_reason="stop" if stopped else "length",
+        routed_experts=routed,
+        weight_version=int(versions.min()),  # the oldest weights that sampled a token of it
+        token_versions=versions,
+    )
 
 
 def _routing_rows(wanted: list[bool]) -> list[int | None]:
@@ -334,20 +375,3 @@ def _recorded(routing_rows: list[int | None], live: torch.Tensor | None, device:
     select = torch.tensor([j for j, _ in picked], dtype=torch.long, device=device)
     targets = torch.tensor([row for _, row in picked], dtype=torch.long, device=device)
     return select, targets
-
-
-def _left_padded(prompts: list[tuple[int, ...]], device: torch.device
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Token ids, attention mask and position ids ``[b, P]`` of prompts right-aligned in P columns.
-
-    Positions count real tokens only (a row's first prompt token is position 0), as in an unpadded
-    forward; transformers would otherwise number the padding too.
-    """
-    width = max(len(p) for p in prompts)
-    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, prompt in enumerate(prompts):
-        input_ids[i, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-    lengths = torch.tensor([len(p) for p in prompts])
-    mask = (torch.arange(width) >= width - lengths[:, None]).long()
-    positions = (mask.cumsum(1) - 1).clamp_min(0)
-    return input_ids.to(device), mask.to(device), positions.to(device)

@@ -11,7 +11,8 @@ def _build(options: HFEngineOptions, context: EngineContext) -> RolloutEngine:
     from bpo_megatron.rollout.hf.engine import HFEngine
 
     return HFEngine(context.model_dir, capture_routing=context.routing is not None, threads=context.threads,
-                    dtype=TORCH_DTYPES[options.dtype], max_batch_rows=options.max_batch_rows)
+                    dtype=TORCH_DTYPES[options.dtype], max_batch_rows=options.max_batch_rows,
+                    decode=options.decode, refill_every=options.refill_every)
 
 
 def _profile(options: HFEngineOptions, requests: int, gpus_per_engine: float) -> EngineProfile:

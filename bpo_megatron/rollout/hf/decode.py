@@ -1,0 +1,179 @@
+"""One decode step of a transformers Qwen3 / Qwen3-MoE model as a function of static buffers.
+
+Every slot of a :class:`SlotKVCache` feeds one token per step: the step reads ``tokens`` and
+``positions`` (``[slots]``), writes each slot's new key and value at its position, attends over the
+slot's positions ``0 … position`` and returns the last-position logits ``[slots, vocab]``; with
+routing capture it also writes the top-k experts of every MoE layer into ``routing``
+(``[slots, moe_layers, top_k]``) inside the step, with no hook and no host sync. Same shapes and
+addresses every step, so on CUDA the whole step is captured as one graph (:mod:`graphs`).
+
+The weights are read through the model's own modules at every call (projections, norms, the
+router's ``forward`` without its hooks), so an in-place weight update is seen by the next step, and
+the numerics are transformers' own except where two kernels sum in another order:
+
+* attention: on CUDA FlashAttention's variable-length kernel (native grouped-query attention, each
+  slot limited to its tokens by ``seqused_k``); elsewhere SDPA over the whole slot with a mask;
+* experts: token–expert pairs sorted by expert and multiplied by ``torch._grouped_mm`` (bf16 on
+  CUDA, any float dtype on a CPU), instead of transformers' loop over the experts hit (which syncs
+  with the host to find them).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from bpo_megatron.models.routing import expert_id_dtype
+from bpo_megatron.rollout.hf.capture import moe_routers
+from bpo_megatron.rollout.hf.kv_cache import SlotKVCache
+
+Attention = Literal["flash", "sdpa"]
+SUPPORTED = ("qwen3", "qwen3_moe")
+ResolvedPath = Literal["transformers", "static", "cuda_graph"]
+
+
+def resolve_path(decode: str, device: torch.device, dtype: torch.dtype) -> ResolvedPath:
+    """The decode loop ``rollout.hf.decode`` means on this device and dtype; the one place the
+    embedded engine chooses its CUDA-only kernels (graph capture, FlashAttention, bf16 grouped GEMM)."""
+    graphs_possible = device.type == "cuda" and dtype == torch.bfloat16
+    if decode == "auto":
+        return "cuda_graph" if graphs_possible else "transformers"
+    if decode == "cuda_graph" and not graphs_possible:
+        raise ValueError(f"rollout.hf.decode=cuda_graph needs a CUDA device and rollout.hf.dtype=bf16 "
+                         f"(FlashAttention and torch._grouped_mm are bf16 kernels); this engine has "
+                         f"{device.type} and {dtype}. Use decode=static (same step, eager) or auto")
+    return decode
+
+
+def attention_for(path: ResolvedPath) -> Attention:
+    return "flash" if path == "cuda_graph" else "sdpa"
+
+
+def check_supported(model: nn.Module) -> None:
+    """Refuse a model the functional step does not reproduce (rather than decode it wrongly)."""
+    config = model.config
+    if config.model_type not in SUPPORTED:
+        raise ValueError(f"rollout.hf.decode: the static decode path serves {SUPPORTED} models, not "
+                         f"{config.model_type!r}; use rollout.hf.decode=transformers")
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError("rollout.hf.decode: sliding-window attention is not supported by the static decode "
+                         "path; use rollout.hf.decode=transformers")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor, act: nn.Module) -> torch.Tensor:
+    """Σ_k weights[:, k] · down_e(act(gate_e(x)) · up_e(x)) with e = experts[:, k], for fused expert
+    weights ``gate_up`` ``[E, 2I, H]`` (gate rows then up rows) and ``down`` ``[E, H, I]``.
+
+    Static shapes and no host sync: the pairs are sorted by expert, per-expert counts come from a
+    scatter-add (``bincount`` would read its maximum back to the host), and the result is summed
+    over k in a fixed order.
+    """
+    tokens, topk = experts.shape
+    flat = experts.reshape(-1).long()
+    order = flat.argsort(stable=True)
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offsets = counts.cumsum(0, dtype=torch.int32)
+    pairs = x[order // topk]
+    gate, up = torch._grouped_mm(pairs, gate_up.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
+    out = torch._grouped_mm(act(gate) * up, down.transpose(-2, -1), offs=offsets)
+    unsorted = torch.empty_like(out)
+    unsorted[order] = out
+    return (unsorted.view(tokens, topk, -1) * weights[..., None].to(out.dtype)).sum(dim=1)
+
+
+class FunctionalDecoder:
+    """The decode step over a slot cache, for a transformers Qwen3 / Qwen3-MoE causal LM."""
+
+    def __init__(self, model: nn.Module, cache: SlotKVCache, *, attention: Attention,
+                 routing: torch.Tensor | None) -> None:
+        check_supported(model)
+        self._model = model
+        self._layers = list(model.model.layers)
+        self._cache = cache
+        self._attention = attention
+        device = cache.keys[0].device
+        routers = moe_routers(model)
+        self._moe_index = {id(router): i for i, router in enumerate(routers)}
+        self.routing = routing
+        if routing is not None and routing.shape[1] != len(routers):
+            raise ValueError(f"routing buffer has {routing.shape[1]} MoE layers, the model {len(routers)}")
+        # cos/sin of every position, from the model's own rotary module: each entry is the same
+        # product a forward at that position computes, so a table lookup changes no value
+        positions = torch.arange(cache.length, device=device)[None]
+        probe = torch.zeros(1, dtype=cache.keys[0].dtype, device=device)
+        cos, sin = model.model.rotary_emb(probe, positions)
+        self._cos, self._sin = cos[0], sin[0]
+        slots = cache.slots
+        self._slot_ids = torch.arange(slots, device=device)
+        self._mask_columns = torch.arange(cache.length, device=device)
+        # each slot a segment of `length` keys in the flattened cache (FlashAttention's varlen form)
+        self._cu_queries = torch.arange(slots + 1, dtype=torch.int32, device=device)
+        self._cu_keys = self._cu_queries * cache.length
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits ``[slots, vocab]`` of the next token of every slot; ``tokens`` and ``positions``
+        are ``[slots]`` (the token each slot feeds and where it sits)."""
+        hidden = self._model.model.embed_tokens(tokens)
+        cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
+        for index, layer in enumerate(self._layers):
+            residual = hidden
+            attended = self._attend(index, layer.self_attn, layer.input_layernorm(hidden), cos, sin, positions)
+            hidden = residual + attended
+            residual = hidden
+            hidden = residual + self._mlp(layer.mlp, layer.post_attention_layernorm(hidden))
+        return self._model.lm_head(self._model.model.norm(hidden))
+
+    def _attend(self, index: int, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+        slots, head_dim = x.shape[0], attn.head_dim
+        query = attn.q_norm(attn.q_proj(x).view(slots, -1, head_dim))
+        key = attn.k_norm(attn.k_proj(x).view(slots, -1, head_dim))
+        value = attn.v_proj(x).view(slots, -1, head_dim)
+        query = query * cos + _rotate_half(query) * sin
+        key = key * cos + _rotate_half(key) * sin
+        keys, values = self._cache.keys[index], self._cache.values[index]
+        keys[self._slot_ids, positions] = key
+        values[self._slot_ids, positions] = value
+        if self._attention == "flash":
+            out = self._flash(query, keys, values, positions, attn.scaling)
+        else:
+            mask = (self._mask_columns[None] <= positions[:, None])[:, None, None]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, None], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+                scale=attn.scaling, enable_gqa=True)[:, :, 0]
+        return attn.o_proj(out.reshape(slots, -1))
+
+    def _flash(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        slots, length, kv_heads, head_dim = keys.shape
+        used = (positions + 1).to(torch.int32)
+        return torch.ops.aten._flash_attention_forward(
+            query, keys.view(slots * length, kv_heads, head_dim), values.view(slots * length, kv_heads, head_dim),
+            self._cu_queries, self._cu_keys, 1, length, 0.0, False, False, scale=scale, seqused_k=used)[0]
+
+    def _mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        moe_layer = self._moe_index.get(id(getattr(mlp, "gate", None)))
+        if moe_layer is None:
+            return mlp(x)
+        # the router's own forward (not __call__): transformers' numerics, none of the capture hooks
+        _, weights, experts = mlp.gate.forward(x)
+        if self.routing is not None:
+            self.routing[:, moe_layer] = experts.to(self.routing.dtype)
+        fused = mlp.experts
+        return grouped_experts(x, experts, weights, fused.gate_up_proj, fused.down_proj, fused.act_fn)
+
+
+def routing_buffer(model: nn.Module, slots: int, device: torch.device) -> torch.Tensor:
+    """The step's routing output ``[slots, moe_layers, top_k]`` in the capture's id dtype."""
+    config = model.config
+    return torch.zeros(slots, len(moe_routers(model)), config.num_experts_per_tok,
+                       dtype=expert_id_dtype(config.num_experts), device=device)
