@@ -38,6 +38,12 @@ def test_cpu_smoke_run_passes_every_check_with_its_numbers(tmp_path):
     assert numbers["trainer_offload"]["parameter_storage_bytes_while_offloaded"] == 0
     assert numbers["driver_payloads"]["loaded_in_driver"] == numbers["driver_payloads"]["values"] == 7
     assert numbers["rl_throughput"]["response_tokens"] == 4 * 2 * 24
+    # both decode loops, side by side, scored against a teacher-forced recompute (fp32)
+    decode = numbers["rollout_decode"]
+    for path in ("transformers", "static"):
+        assert decode[f"{path}_routing_agreement"] == 1.0
+        assert decode[f"{path}_logp_max_abs_diff"] <= 1e-5
+        assert all(decode[f"{path}_{rows}_tokens_per_s"] > 0 for rows in (4, 8))
     # packed and padded micro-batches score the same long-tailed samples alike (fp32)
     assert numbers["rl_throughput"]["packed_logp_max_abs_diff"] <= 1e-5
     assert 0 < numbers["rl_throughput"]["varied_positions"] < 4 * 2 * (8 + 24)

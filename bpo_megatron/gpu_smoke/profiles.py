@@ -10,13 +10,27 @@ from typing import Any
 BF16_PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989.4e12, "H200": 989.4e12,
                    "A100": 312e12}
 
+# Data-sheet memory bandwidth (bytes/s); a decode step reads every weight and the KV cache once,
+# so bytes read per step / step time against this is how close decoding runs to its floor.
+HBM_PEAK_BYTES_PER_S = {"H100 PCIe": 2.0e12, "H100 NVL": 3.9e12, "H100": 3.35e12, "H200": 4.8e12,
+                        "A100": 2.039e12}
+
+
+def _by_device_name(table: dict[str, float], device_name: str) -> float | None:
+    for key in sorted(table, key=len, reverse=True):  # "H100 PCIe" before "H100"
+        if all(part in device_name for part in key.split()):
+            return table[key]
+    return None
+
 
 def bf16_peak_flops(device_name: str) -> float | None:
     """The data-sheet bf16 peak of a GPU named like ``NVIDIA H100 80GB HBM3`` (None if unknown)."""
-    for key in sorted(BF16_PEAK_FLOPS, key=len, reverse=True):  # "H100 PCIe" before "H100"
-        if all(part in device_name for part in key.split()):
-            return BF16_PEAK_FLOPS[key]
-    return None
+    return _by_device_name(BF16_PEAK_FLOPS, device_name)
+
+
+def hbm_peak_bytes_per_s(device_name: str) -> float | None:
+    """The data-sheet memory bandwidth of a GPU named like ``NVIDIA H100 80GB HBM3`` (None if unknown)."""
+    return _by_device_name(HBM_PEAK_BYTES_PER_S, device_name)
 
 
 def _qwen3_moe(**sizes: Any) -> dict[str, Any]:
@@ -47,6 +61,9 @@ class Profile:
     rl_prompt_tokens: int
     rl_new_tokens: int
     rl_micro_batch: int
+    decode_sequences: tuple[int, ...]  # rows decoded together, each size timed on both decode paths
+    decode_prompt_tokens: int
+    decode_new_tokens: int
     ipc_bytes: int  # size of the raw buffer the IPC bandwidth is measured with
     # Stated tolerances (see docs/gpu-validation.md for why these values)
     loss_rel_tol: float  # step-0 loss vs the fp32 CPU reference, relative
@@ -67,6 +84,7 @@ GPU = Profile(
     kernel_tokens=(4096, 16384), kernel_vocab=151936, kernel_repeats=5,
     engine_prompts=8, engine_n=4, engine_new_tokens=128,
     rl_prompts=16, rl_n=4, rl_prompt_tokens=64, rl_new_tokens=1024, rl_micro_batch=4,
+    decode_sequences=(64, 256), decode_prompt_tokens=64, decode_new_tokens=256,
     ipc_bytes=2 * 2**30,
     # bf16 keeps 8 significant bits (relative rounding 2^-9 ≈ 2e-3 per operation); through a few
     # layers and a 16k-way softmax that accumulates to ~1e-2 in log-probs.
@@ -86,6 +104,7 @@ CPU = Profile(
     kernel_tokens=(256,), kernel_vocab=8192, kernel_repeats=2,
     engine_prompts=4, engine_n=2, engine_new_tokens=12,
     rl_prompts=4, rl_n=2, rl_prompt_tokens=8, rl_new_tokens=24, rl_micro_batch=4,
+    decode_sequences=(4, 8), decode_prompt_tokens=8, decode_new_tokens=16,
     ipc_bytes=16 * 2**20,
     loss_rel_tol=1e-5, logp_mean_tol=1e-4,  # fp32 against fp32: summation order only
 )

@@ -39,11 +39,7 @@ def random_model_dir(config: dict[str, Any], directory: Path, *, seed: int) -> P
 
 def random_checkpoint(config, out: str | Path, *, seed: int) -> Path:
     """Save a random transformers model of ``config`` (a config object, or a directory or
-    ``config.json`` holding one) to ``out``.
-
-    The initialisation keeps logits (~N(0, 2²)) and router scores (~N(0, 4²)) far from uniform, so
-    a wrong position, mask or expert shows up in log μ and routing is not decided by near-ties.
-    """
+    ``config.json`` holding one) to ``out``, initialised by :func:`spread_weights_`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if isinstance(config, (str, Path)):
@@ -51,6 +47,16 @@ def random_checkpoint(config, out: str | Path, *, seed: int) -> Path:
         config = AutoConfig.from_pretrained(str(path.parent if path.suffix == ".json" else path))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    spread_weights_(model)
+    model.save_pretrained(str(out))
+    return Path(out)
+
+
+def spread_weights_(model) -> None:
+    """Re-initialise a transformers model in place (torch's global generator) so that logits
+    (~N(0, 2²)) and router scores (~N(0, 4²)) stay far from uniform: a wrong position, mask or
+    expert shows up in log μ, and routing is not decided by near-ties."""
+    config = model.config
     hidden = config.hidden_size
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -64,5 +70,3 @@ def random_checkpoint(config, out: str | Path, *, seed: int) -> Path:
                 param.normal_(0.0, 4.0 / math.sqrt(hidden))
             else:
                 param.normal_(0.0, 1.0 / math.sqrt(param.shape[-1]))
-    model.save_pretrained(str(out))
-    return Path(out)

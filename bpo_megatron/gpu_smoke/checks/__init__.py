@@ -15,6 +15,7 @@ CHECKS = LazyRegistry({
     "ipc_weights": "bpo_megatron.gpu_smoke.checks.ipc_weights",
     "trainer_offload": "bpo_megatron.gpu_smoke.checks.trainer_offload",
     "driver_payloads": "bpo_megatron.gpu_smoke.checks.driver_payloads",
+    "rollout_decode": "bpo_megatron.gpu_smoke.checks.rollout_decode",
     "rl_throughput": "bpo_megatron.gpu_smoke.checks.rl_throughput",
 }, unknown="unknown check {name!r}; choose from {listed}")
 

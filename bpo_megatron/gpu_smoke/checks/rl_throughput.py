@@ -127,6 +127,7 @@ def run(profile: Profile, workdir: Path) -> Outcome:
               f"vocab {hf.vocab_size}",
         total_params_b=total_params / 1e9, active_params_b=active_params / 1e9,
         samples=len(samples), prompt_tokens=prompt_tokens, response_tokens=generated,
+        rollout_decode_path=engine.decode_path,
         rollout_s=times["rollout_s"], rollout_tokens_per_s=generated / times["rollout_s"],
         rollout_mfu=mfu(rollout_flops, times["rollout_s"]),
         logprobs_s=times["logprobs_s"], logprobs_tokens_per_s=sum(positions) / times["logprobs_s"],
@@ -154,7 +155,8 @@ def run(profile: Profile, workdir: Path) -> Outcome:
     out.require(packed_gap <= profile.logp_mean_tol,
                 f"packed log-probs equal the padded ones (max |Δ| {packed_gap:.2e} ≤ {profile.logp_mean_tol})")
     out.require(synced > 0, f"the engine took the trainer's weights ({synced / 1e9:.2f} GB)")
-    out.notes.append("Rollout: the embedded transformers engine (eager, batch of all responses), not SGLang; "
+    out.notes.append(f"Rollout: the embedded engine (decode path {engine.decode_path}, all responses in one "
+                     "batch; rollout_decode compares the paths), not SGLang; "
                      "training: Megatron's local spec (no transformer-engine on this machine), experts "
                      "computed one after another. These are floors, not what a tuned cluster reaches.")
     return out

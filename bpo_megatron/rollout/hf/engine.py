@@ -119,6 +119,11 @@ class HFEngine(RolloutEngine):
     def model(self) -> nn.Module:
         return self._live_model()
 
+    @property
+    def decode_path(self) -> str:
+        """The decode loop ``decode`` resolved to on this device: transformers, static or cuda_graph."""
+        return self._decode_path
+
     # -- lifecycle -------------------------------------------------------------------------------
 
     def begin_weight_update(self, version: int) -> None:

@@ -1,0 +1,158 @@
+"""The embedded engine's two decode loops side by side on the throughput model (random weights):
+today's ``transformers`` loop and the static slot loop (``cuda_graph`` on a GPU, its eager twin
+``static`` on a CPU), at each batch size of the profile, every response running to the same length.
+
+Per run: rollout tokens/s, the decode step time (the difference between a full-length and a
+one-token generation of the same rows, over the steps between them, so prefill and graph capture
+are left out) and the memory bandwidth that step achieves: the bytes a decode step must read —
+every weight once (the input embedding only for the rows fed; all experts counted, as a batch of
+this size touches all of them) and each row's keys and values so far — over the step time, against
+the device's data-sheet bandwidth. Both loops are scored against a teacher-forced recompute
+(transformers' own forward over the whole sequence, the trainer's view): log μ and the routed experts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from bpo_megatron import platform
+from bpo_megatron.gpu_smoke.common import device_name, timed
+from bpo_megatron.gpu_smoke.profiles import Profile, hbm_peak_bytes_per_s
+from bpo_megatron.gpu_smoke.report import Outcome
+from bpo_megatron.testing import random_tokens, same_expert_sets
+
+TEMPERATURE = 1.0
+RECOMPUTE_ROWS = 4  # rows per teacher-forced forward (full-vocabulary fp32 log-softmax per position)
+
+
+def _model(profile: Profile):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bpo_megatron.models.options import TORCH_DTYPES
+    from bpo_megatron.testing.models import spread_weights_
+
+    config = AutoConfig.for_model(**profile.large_model)
+    torch.manual_seed(0)
+    with torch.device(platform.device()):  # random weights initialised where they live
+        model = AutoModelForCausalLM.from_config(config, dtype=TORCH_DTYPES[profile.dtype])
+    spread_weights_(model)  # routing far from ties, so a recompute can be compared expert by expert
+    return model.requires_grad_(False).eval()
+
+
+def step_bytes(model: torch.nn.Module, rows: int, mean_context: float) -> float:
+    """Bytes one decode step of ``rows`` rows reads: every weight once (the input embedding only
+    for the rows fed) and ``mean_context`` keys and values per row and layer."""
+    config = model.config
+    embedding = model.model.embed_tokens.weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights -= embedding.numel() * embedding.element_size() * (0 if config.tie_word_embeddings else 1)
+    weights += rows * config.hidden_size * embedding.element_size()
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * embedding.element_size()
+    return weights + rows * mean_context * kv_per_token
+
+
+def _recompute(model: torch.nn.Module, samples: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """|log μ − recomputed log μ| of every response token, and for every processed (token, MoE
+    layer) whether the recompute routed it to the same experts; samples of one length."""
+    routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    gaps, same = [], []
+    for start in range(0, len(samples), RECOMPUTE_ROWS):
+        group = samples[start:start + RECOMPUTE_ROWS]
+        tokens = torch.stack([s.tokens for s in group]).to(platform.device())
+        picked: list[torch.Tensor] = []
+        handles = [r.register_forward_hook(lambda module, args, out: picked.append(out[2])) for r in routers]
+        try:
+            with torch.inference_mode():
+                logits = model(input_ids=tokens[:, :-1]).logits.float()
+        finally:
+            for handle in handles:
+                handle.remove()
+        prompt = group[0].prompt_tokens.numel()
+        logprobs = torch.log_softmax(logits[:, prompt - 1:] / TEMPERATURE, dim=-1)
+        response = tokens[:, prompt:]
+        recomputed = logprobs.gather(2, response[..., None])[..., 0].cpu()
+        gaps.append((recomputed - torch.stack([s.rollout_logprobs for s in group])).abs().flatten())
+        if picked:
+            routed = torch.stack(picked, dim=1).view(len(group), tokens.shape[1] - 1, len(routers), -1).cpu()
+            same += [same_expert_sets(routed[i], s.routed_experts).flatten() for i, s in enumerate(group)]
+        del logits, logprobs
+    return torch.cat(gaps), torch.cat(same) if same else torch.ones(0, dtype=torch.bool)
+
+
+def run(profile: Profile, workdir: Path) -> Outcome:
+    from bpo_megatron.rollout import GenerationRequest, SamplingParams
+    from bpo_megatron.rollout.hf.engine import HFEngine
+
+    out = Outcome("rollout_decode")
+    model = _model(profile)
+    new_path = "cuda_graph" if platform.has_cuda() and profile.dtype == "bf16" else "static"
+    peak = hbm_peak_bytes_per_s(device_name()) if platform.has_cuda() else None
+    steps = profile.decode_new_tokens
+    rows_table, speedups, agreement = [], {}, {}
+    for sequences in profile.decode_sequences:
+        prompts = random_tokens(sequences, profile.decode_prompt_tokens, model.config.vocab_size, seed=sequences)
+
+        def requests(max_new_tokens: int) -> list:
+            return [GenerationRequest(f"p{i}", p, SamplingParams(temperature=TEMPERATURE, max_new_tokens=max_new_tokens,
+                                                                  seed=i))
+                    for i, p in enumerate(prompts)]
+
+        per_path = {}
+        for path in ("transformers", new_path):
+            engine = HFEngine(model, capture_routing=True, max_batch_rows=sequences, decode=path)
+            engine.generate(requests(2))  # warm-up: kernels, allocator, first graph capture
+            times: dict[str, float] = {}
+            with timed(times, "full_s"):
+                samples = engine.generate(requests(steps))
+            with timed(times, "one_s"):
+                engine.generate(requests(1))
+            engine.shutdown()
+            generated = sum(s.response_tokens.numel() for s in samples)
+            # a difference of two timings: on a CPU at the kit's tiny size it can be noise (nan then)
+            step_s = (times["full_s"] - times["one_s"]) / (steps - 1)
+            step_s = step_s if step_s > 0 else float("nan")
+            mean_context = profile.decode_prompt_tokens + steps / 2
+            bandwidth = step_bytes(model, sequences, mean_context) / step_s
+            per_path[path] = (samples, times["full_s"])
+            rows_table.append(dict(sequences=sequences, path=path, rollout_s=times["full_s"],
+                                   tokens_per_s=generated / times["full_s"], decode_step_ms=1e3 * step_s,
+                                   achieved_gb_per_s=bandwidth / 1e9,
+                                   hbm_fraction=bandwidth / peak if peak else float("nan")))
+            out.require(generated == sequences * steps,
+                        f"{path}, {sequences} sequences: every response ran to {steps} tokens ({generated})")
+        speedups[sequences] = per_path["transformers"][1] / per_path[new_path][1]
+        if sequences == profile.decode_sequences[0]:  # scored against the recompute at the first size
+            for path, (samples, _) in per_path.items():
+                agreement[path] = _recompute(model, samples)
+
+    out.tables["rollout tokens/s by decode path"] = rows_table
+    for row in rows_table:
+        key = f"{row['path']}_{row['sequences']}"
+        out.numbers.update({f"{key}_tokens_per_s": row["tokens_per_s"], f"{key}_step_ms": row["decode_step_ms"],
+                            f"{key}_hbm_gb_per_s": row["achieved_gb_per_s"]})
+    for sequences, speedup in speedups.items():
+        out.numbers[f"speedup_{sequences}"] = speedup
+    out.numbers["hbm_peak_tb_per_s"] = (peak or float("nan")) / 1e12
+    exact = profile.dtype == "fp32"  # fp32: summation order only; bf16 kernels may flip near-ties
+    for path, (gaps, same) in agreement.items():
+        out.numbers[f"{path}_logp_mean_abs_diff"] = float(gaps.mean())
+        out.numbers[f"{path}_logp_max_abs_diff"] = float(gaps.max())
+        out.numbers[f"{path}_routing_agreement"] = float(same.float().mean())
+    gaps, same = agreement[new_path]
+    out.require(float(gaps.mean()) <= profile.logp_mean_tol,
+                f"{new_path}: mean |log μ − recompute| ≤ {profile.logp_mean_tol:g} (got {float(gaps.mean()):.2e})")
+    reference = float(agreement["transformers"][1].float().mean())
+    wanted = 1.0 if exact else reference
+    out.require(float(same.float().mean()) >= wanted,
+                f"{new_path}: the routing it records is the recompute's "
+                f"{'on every (token, layer)' if exact else 'at least as often as the transformers loop'} "
+                f"({float(same.float().mean()):.4%} of {same.numel()}; transformers {reference:.4%})")
+    if platform.has_cuda():
+        out.require(all(s > 1.0 for s in speedups.values()),
+                    f"{new_path} is faster than the transformers loop at every size ({speedups})")
+    out.notes.append("HBM bandwidth counts the bytes a step must read (weights once, all experts; "
+                     "each row's keys and values so far, at the mean context), not what a loop actually "
+                     "moves: the transformers loop also copies the cache and repeats K/V heads.")
+    return out
