@@ -1,6 +1,8 @@
-"""The embedded engine's two decode loops side by side on the throughput model (random weights):
-today's ``transformers`` loop and the static slot loop (``cuda_graph`` on a GPU, its eager twin
-``static`` on a CPU), at each batch size of the profile, every response running to the same length.
+"""The embedded engine's decode loops side by side on the throughput model (random weights):
+today's ``transformers`` loop, the static slot loop run eagerly (``static``) and, on a GPU in bf16,
+the same step as a CUDA graph with FlashAttention (``cuda_graph``), at each batch size of the
+profile, every response running to the same length. ``static`` on the GPU separates what the
+kernels change from what graph capture could break.
 
 Per run: rollout tokens/s, the decode step time (the difference between a full-length and a
 one-token generation of the same rows, over the steps between them, so prefill and graph capture
@@ -87,7 +89,8 @@ def run(profile: Profile, workdir: Path) -> Outcome:
 
     out = Outcome("rollout_decode")
     model = _model(profile)
-    new_path = "cuda_graph" if platform.has_cuda() and profile.dtype == "bf16" else "static"
+    paths = ("transformers", "static") + (("cuda_graph",) if platform.has_cuda() and profile.dtype == "bf16" else ())
+    new_path = paths[-1]
     peak = hbm_peak_bytes_per_s(device_name()) if platform.has_cuda() else None
     steps = profile.decode_new_tokens
     rows_table, speedups, agreement = [], {}, {}
@@ -100,7 +103,7 @@ def run(profile: Profile, workdir: Path) -> Outcome:
                     for i, p in enumerate(prompts)]
 
         per_path = {}
-        for path in ("transformers", new_path):
+        for path in paths:
             engine = HFEngine(model, capture_routing=True, max_batch_rows=sequences, decode=path)
             engine.generate(requests(2))  # warm-up: kernels, allocator, first graph capture
             times: dict[str, float] = {}
@@ -144,10 +147,12 @@ def run(profile: Profile, workdir: Path) -> Outcome:
     out.require(float(gaps.mean()) <= profile.logp_mean_tol,
                 f"{new_path}: mean |log μ − recompute| ≤ {profile.logp_mean_tol:g} (got {float(gaps.mean()):.2e})")
     reference = float(agreement["transformers"][1].float().mean())
-    wanted = 1.0 if exact else reference
+    # bf16: the decode kernels differ from the recompute's, so near-tied routers may flip; the
+    # slot loop must do no worse than today's loop (half a percentage point of slack)
+    wanted = 1.0 if exact else reference - 0.005
     out.require(float(same.float().mean()) >= wanted,
                 f"{new_path}: the routing it records is the recompute's "
-                f"{'on every (token, layer)' if exact else 'at least as often as the transformers loop'} "
+                f"{'on every (token, layer)' if exact else 'as often as in the transformers loop (−0.5 pt)'} "
                 f"({float(same.float().mean()):.4%} of {same.numel()}; transformers {reference:.4%})")
     if platform.has_cuda():
         out.require(all(s > 1.0 for s in speedups.values()),
