@@ -163,3 +163,41 @@ def test_decode_option_is_checked_and_resolved_per_device(moe_dir):
     assert resolve_path("static", cpu, torch.bfloat16) == "static"
     with pytest.raises(ValueError, match="cuda_graph needs a CUDA device"):
         HFEngine(moe_dir, capture_routing=False, decode="cuda_graph")
+
+
+def test_a_weight_update_mid_generation_is_seen_from_the_next_step_as_in_the_transformers_path(moe_dir):
+    """A weight update requested after the third forward pass (another thread, as a sync reaching a
+    busy engine): both loops pause there, continue with the new weights and record the version
+    of every token; the static loop's samples equal today's loop's."""
+    import threading
+
+    old = dict(HFEngine(moe_dir, capture_routing=False).named_hf_weights())
+    new = {name: t + 0.05 * torch.randn(t.shape, generator=torch.Generator().manual_seed(3)) for name, t in old.items()}
+    request = [GenerationRequest("p", (5, 9, 2, 7), SamplingParams(temperature=1.0, max_new_tokens=10, seed=11))]
+
+    def interrupted(decode: str):
+        engine = HFEngine(moe_dir, capture_routing=True, decode=decode)
+        third_done, requested, forward_done, calls = threading.Event(), threading.Event(), engine._forward_done, [0]
+
+        def counting_done():
+            forward_done()
+            calls[0] += 1
+            if calls[0] == 3:  # hold the generation here until the update is requested
+                third_done.set()
+                assert requested.wait(30)
+
+        engine._forward_done = counting_done
+        result: list = []
+        worker = threading.Thread(target=lambda: result.extend(engine.generate(request)))
+        worker.start()
+        assert third_done.wait(30)
+        engine.begin_weight_update(1)
+        requested.set()
+        engine.update_weights(new.items())
+        engine.end_weight_update()
+        worker.join(30)
+        return result
+
+    [static], [reference] = interrupted("static"), interrupted("transformers")
+    assert static.token_versions.tolist() == [0, 0, 0] + [1] * 7 == reference.token_versions.tolist()
+    _same_samples([static], [reference])
