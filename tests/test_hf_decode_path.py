@@ -161,6 +161,8 @@ def test_decode_option_is_checked_and_resolved_per_device(moe_dir):
     assert resolve_path("auto", cuda, torch.float32) == "transformers"
     assert resolve_path("auto", cuda, torch.bfloat16) == "cuda_graph"
     assert resolve_path("static", cpu, torch.bfloat16) == "static"
+    with pytest.raises(ValueError, match="static on CUDA needs rollout.hf.dtype=bf16"):
+        resolve_path("static", cuda, torch.float32)
     with pytest.raises(ValueError, match="cuda_graph needs a CUDA device"):
         HFEngine(moe_dir, capture_routing=False, decode="cuda_graph")
 
@@ -201,3 +203,46 @@ def test_a_weight_update_mid_generation_is_seen_from_the_next_step_as_in_the_tra
     [static], [reference] = interrupted("static"), interrupted("transformers")
     assert static.token_versions.tolist() == [0, 0, 0] + [1] * 7 == reference.token_versions.tolist()
     _same_samples([static], [reference])
+
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and FlashAttention need a GPU")
+
+
+@cuda_only
+def test_graph_replay_changes_no_number_on_cuda(moe_dir):
+    """The same step (SDPA, bf16 grouped GEMM) eager and replayed as a CUDA graph: capture must
+    change nothing, so tokens, log μ and routing are bit for bit the same."""
+    from bpo_megatron.rollout.hf.slots import SlotRow, SlotSession, SlotSettings
+
+    engine = HFEngine(moe_dir, capture_routing=True, dtype=torch.bfloat16, device="cuda", decode="static")
+    rows = [SlotRow(r.prompt_tokens, r.sampling, seed, True) for r in _requests(200) for seed in (1, 2, 3)]
+
+    def run(cuda_graph: bool):
+        settings = SlotSettings(slots=4, refill_every=3, attention="sdpa", cuda_graph=cuda_graph)
+        with torch.inference_mode():
+            return SlotSession(engine.model, rows, settings, engine._capture, lambda step: (step(), 0)).run()
+
+    for eager, graphed in zip(run(False), run(True), strict=True):
+        assert torch.equal(eager.tokens, graphed.tokens)
+        assert torch.equal(eager.logprobs, graphed.logprobs)
+        assert torch.equal(eager.routing, graphed.routing)
+
+
+@cuda_only
+def test_cuda_graph_path_against_a_teacher_forced_recompute_on_cuda(moe_dir):
+    """auto = cuda_graph on a GPU in bf16 (FlashAttention varlen, one graph per session): log μ and
+    routing against transformers' own bf16 forward over each whole sequence. bf16 kernels sum
+    differently, so log μ agrees to bf16 precision and a near-tied router may flip."""
+    engine = HFEngine(moe_dir, capture_routing=True, dtype=torch.bfloat16, device="cuda", max_batch_rows=4,
+                      refill_every=3)
+    assert engine.decode_path == "cuda_graph"
+    samples = engine.generate(_requests(200))
+    gaps, same = [], []
+    for sample in samples:
+        logprobs, routing = _teacher_forced(engine.model, sample.tokens.cuda(), temperature=0.7)
+        response = logprobs[sample.prompt_tokens.numel() - 1:].gather(1, sample.response_tokens.cuda()[:, None])[:, 0]
+        gaps.append((response.cpu() - sample.rollout_logprobs).abs())
+        same.append((routing.sort(-1).values.cpu().to(torch.uint8) == sample.routed_experts.sort(-1).values).all(-1))
+    gaps, same = torch.cat(gaps), torch.cat([s.flatten() for s in same])
+    assert float(gaps.mean()) <= 0.05, float(gaps.mean())
+    assert float(same.float().mean()) >= 0.99, float(same.float().mean())

@@ -44,6 +44,9 @@ def resolve_path(decode: str, device: torch.device, dtype: torch.dtype) -> Resol
         raise ValueError(f"rollout.hf.decode=cuda_graph needs a CUDA device and rollout.hf.dtype=bf16 "
                          f"(FlashAttention and torch._grouped_mm are bf16 kernels); this engine has "
                          f"{device.type} and {dtype}. Use decode=static (same step, eager) or auto")
+    if decode == "static" and device.type == "cuda" and dtype != torch.bfloat16:
+        raise ValueError(f"rollout.hf.decode=static on CUDA needs rollout.hf.dtype=bf16 (torch._grouped_mm is a "
+                         f"bf16 kernel there); this engine has {dtype}. Use decode=transformers or auto")
     return decode
 
 
