@@ -19,6 +19,7 @@ from bpo_megatron.rollout.hf.engine import HFEngine
 from bpo_megatron.rollout.hf.options import HFEngineOptions
 from bpo_megatron.testing import MODEL_CONFIGS
 from bpo_megatron.testing.models import random_checkpoint
+from bpo_megatron.testing.recompute import teacher_forced
 
 TOLERANCE = 1e-5  # fp32 log μ: slot attention and grouped experts sum in another order
 
@@ -45,21 +46,6 @@ def _requests(vocab: int, **sampling) -> list[GenerationRequest]:
         params = {**dict(temperature=0.7, top_p=0.9, top_k=40, n=3, max_new_tokens=budget, seed=100 + i), **sampling}
         requests.append(GenerationRequest(f"q{i}", prompt, SamplingParams(**params)))
     return requests
-
-
-def _teacher_forced(model, tokens: torch.Tensor, temperature: float):
-    """log-softmax(logits / T) of every next token and every router's experts, from one unpadded
-    forward of ``tokens[:-1]`` (the trainer's recompute)."""
-    picked: list[torch.Tensor] = []
-    routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
-    handles = [r.register_forward_hook(lambda module, args, out: picked.append(out[2])) for r in routers]
-    try:
-        with torch.inference_mode():
-            logits = model(input_ids=tokens[None, :-1]).logits[0].float()
-    finally:
-        for handle in handles:
-            handle.remove()
-    return torch.log_softmax(logits / temperature, dim=-1), torch.stack(picked, dim=1) if picked else None
 
 
 def _same_samples(a, b) -> None:
@@ -90,7 +76,7 @@ def test_static_path_equals_a_teacher_forced_recompute_and_the_transformers_path
         sample.check(num_moe_layers=len(hf.moe_layers) or None, topk=hf.num_experts_per_tok or None)
         assert sample.response_tokens.numel() <= request.sampling.max_new_tokens
         prompt = sample.prompt_tokens.numel()
-        logprobs, routing = _teacher_forced(engine.model, sample.tokens, temperature=0.7)
+        logprobs, routing = teacher_forced(engine.model, sample.tokens, temperature=0.7)
         response_logprobs = logprobs[prompt - 1:].gather(1, sample.response_tokens[:, None])[:, 0]
         worst = max(worst, (response_logprobs - sample.rollout_logprobs).abs().max().item())
         assert sample.finish_reason == ("stop" if sample.response_tokens[-1].item() in stops else "length")
@@ -116,7 +102,7 @@ def test_same_tokens_as_the_transformers_path_for_greedy_and_unfiltered_sampling
         _same_samples(engine.generate(requests), reference)
     if sampling == dict(top_k=1):  # greedy: each token is the recompute's argmax
         for sample in reference:
-            logprobs, _ = _teacher_forced(engine.model, sample.tokens, temperature=0.7)
+            logprobs, _ = teacher_forced(engine.model, sample.tokens, temperature=0.7)
             argmax = logprobs[sample.prompt_tokens.numel() - 1:].argmax(-1)
             assert torch.equal(argmax, sample.response_tokens)
 
@@ -239,7 +225,7 @@ def test_cuda_graph_path_against_a_teacher_forced_recompute_on_cuda(moe_dir):
     samples = engine.generate(_requests(200))
     gaps, same = [], []
     for sample in samples:
-        logprobs, routing = _teacher_forced(engine.model, sample.tokens.cuda(), temperature=0.7)
+        logprobs, routing = teacher_forced(engine.model, sample.tokens.cuda(), temperature=0.7)
         response = logprobs[sample.prompt_tokens.numel() - 1:].gather(1, sample.response_tokens.cuda()[:, None])[:, 0]
         gaps.append((response.cpu() - sample.rollout_logprobs).abs())
         same.append((routing.sort(-1).values.cpu().to(torch.uint8) == sample.routed_experts.sort(-1).values).all(-1))

@@ -21,6 +21,7 @@ from bpo_megatron.rollout.hf.options import HFEngineOptions
 from bpo_megatron.rollout.hf.engine import HFEngine
 from bpo_megatron.testing.models import random_checkpoint
 from bpo_megatron.testing import MODEL_CONFIGS
+from bpo_megatron.testing.recompute import teacher_forced
 
 FIXTURES = MODEL_CONFIGS
 TOLERANCE = 1e-5  # fp32 log μ: KV-cache decoding sums in another order than one full forward
@@ -50,22 +51,6 @@ def _requests(vocab: int, lengths=(3, 17, 1, 30, 9), **sampling) -> list[Generat
             for i, length in enumerate(lengths)]
 
 
-def _teacher_forced(model, tokens: torch.Tensor, temperature: float):
-    """log-softmax(logits / T) of every next token and the experts every router picked, from one
-    unpadded forward of ``tokens[:-1]`` (the trainer's recompute)."""
-    picked: list[torch.Tensor] = []
-    routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
-    handles = [r.register_forward_hook(lambda module, args, out: picked.append(out[2])) for r in routers]
-    try:
-        with torch.inference_mode():
-            logits = model(input_ids=tokens[None, :-1]).logits[0].float()
-    finally:
-        for handle in handles:
-            handle.remove()
-    logprobs = torch.log_softmax(logits / temperature, dim=-1)
-    return logprobs, torch.stack(picked, dim=1) if picked else None
-
-
 @pytest.mark.parametrize("kind", ["moe", "dense"])
 def test_rollout_logprobs_and_routing_equal_a_teacher_forced_recompute(kind, moe_dir, dense_dir):
     path = moe_dir if kind == "moe" else dense_dir
@@ -82,7 +67,7 @@ def test_rollout_logprobs_and_routing_equal_a_teacher_forced_recompute(kind, moe
     for sample in samples:
         sample.check(num_moe_layers=len(hf.moe_layers) or None, topk=hf.num_experts_per_tok or None)
         prompt = sample.prompt_tokens.numel()
-        logprobs, routing = _teacher_forced(engine.model, sample.tokens, temperature=0.7)
+        logprobs, routing = teacher_forced(engine.model, sample.tokens, temperature=0.7)
         response_logprobs = logprobs[prompt - 1:].gather(1, sample.response_tokens[:, None])[:, 0]
         worst = max(worst, (response_logprobs - sample.rollout_logprobs).abs().max().item())
         # every sampled token lies inside top-k, then top-p, of the recomputed distribution
@@ -105,7 +90,7 @@ def test_sampling_follows_the_filtered_distribution_while_logprobs_stay_unfilter
     prompt = (5, 9, 2, 77)
     params = SamplingParams(temperature=0.8, top_k=6, top_p=0.7, max_new_tokens=1, n=3000, seed=3)
     samples = engine.generate([GenerationRequest("p", prompt, params)])
-    logprobs, _ = _teacher_forced(engine.model, torch.tensor(prompt + (0,)), temperature=0.8)
+    logprobs, _ = teacher_forced(engine.model, torch.tensor(prompt + (0,)), temperature=0.8)
     full = logprobs[-1].exp()
     ordered, order = full.sort(descending=True)
     kept = ordered[:6] / ordered[:6].sum()

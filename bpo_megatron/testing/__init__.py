@@ -1,5 +1,6 @@
 """The one kit tests, benchmarks and the GPU kit share beyond the product: tiny model configs and
-random checkpoints (``models``), training samples (``samples``), the train actor built through a
+random checkpoints (``models``), training samples (``samples``), a teacher-forced recompute
+(``recompute``), the train actor built through a
 :class:`~bpo_megatron.trainer.spec.TrainerSpec` (``trainer``), and routing seen from Megatron's
 routers (``routing``)."""
 

@@ -23,6 +23,7 @@ from bpo_megatron import platform
 from bpo_megatron.gpu_smoke.common import device_name, timed
 from bpo_megatron.gpu_smoke.profiles import Profile, hbm_peak_bytes_per_s
 from bpo_megatron.gpu_smoke.report import Outcome
+from bpo_megatron.testing.recompute import teacher_forced
 from bpo_megatron.testing import random_tokens, same_expert_sets
 
 TEMPERATURE = 1.0
@@ -58,28 +59,19 @@ def step_bytes(model: torch.nn.Module, rows: int, mean_context: float) -> float:
 def _recompute(model: torch.nn.Module, samples: list) -> tuple[torch.Tensor, torch.Tensor]:
     """|log μ − recomputed log μ| of every response token, and for every processed (token, MoE
     layer) whether the recompute routed it to the same experts; samples of one length."""
-    routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
     gaps, same = [], []
     for start in range(0, len(samples), RECOMPUTE_ROWS):
         group = samples[start:start + RECOMPUTE_ROWS]
         tokens = torch.stack([s.tokens for s in group]).to(platform.device())
-        picked: list[torch.Tensor] = []
-        handles = [r.register_forward_hook(lambda module, args, out: picked.append(out[2])) for r in routers]
-        try:
-            with torch.inference_mode():
-                logits = model(input_ids=tokens[:, :-1]).logits.float()
-        finally:
-            for handle in handles:
-                handle.remove()
         prompt = group[0].prompt_tokens.numel()
-        logprobs = torch.log_softmax(logits[:, prompt - 1:] / TEMPERATURE, dim=-1)
+        logprobs, routed = teacher_forced(model, tokens, TEMPERATURE, start=prompt - 1)
         response = tokens[:, prompt:]
         recomputed = logprobs.gather(2, response[..., None])[..., 0].cpu()
         gaps.append((recomputed - torch.stack([s.rollout_logprobs for s in group])).abs().flatten())
-        if picked:
-            routed = torch.stack(picked, dim=1).view(len(group), tokens.shape[1] - 1, len(routers), -1).cpu()
+        if routed is not None:
+            routed = routed.cpu()
             same += [same_expert_sets(routed[i], s.routed_experts).flatten() for i, s in enumerate(group)]
-        del logits, logprobs
+        del logprobs
     return torch.cat(gaps), torch.cat(same) if same else torch.ones(0, dtype=torch.bool)
 
 
