@@ -161,6 +161,29 @@ def test_unreplayable_routing_fails_before_any_compute():
     assert got["unchanged"] and got["step"] == 0, "nothing may be trained on bad rollout data"
 
 
+def _logprob_kernels() -> dict:
+    """The trainer's log-prob op as trainer.logprob_kernel picks it, on a CPU rank."""
+    samples = th.make_samples(4, seed=8)
+    got = {}
+    for kernel in ("auto", "chunked"):
+        actor = th.build_actor(logprob_kernel=kernel)
+        got[kernel] = actor.compute_logprobs(samples).logprobs
+        actor.close()
+    try:
+        th.build_actor(logprob_kernel="fused")
+    except ValueError as exc:
+        got["fused"] = str(exc)
+    return got
+
+
+def test_the_logprob_kernel_setting_reaches_the_op_and_a_cpu_rank_refuses_the_fused_one():
+    """On a CPU ``auto`` is the chunked op (the fused kernels need CUDA and triton), and a rank that
+    cannot run the fused kernels refuses ``trainer.logprob_kernel=fused`` when it is built."""
+    (got,) = run_gloo_world(_logprob_kernels, 1, timeout=TIMEOUT)
+    assert all(torch.equal(a, b) for a, b in zip(got["auto"], got["chunked"], strict=True))
+    assert "trainer.logprob_kernel=fused needs a GPU with triton" in got["fused"]
+
+
 def _bpo_step_vs_plain_pytorch() -> dict:
     """One actor step and the same step written with plain PyTorch on a copy of the model."""
     from dataclasses import replace

@@ -45,7 +45,7 @@ RESUME_SAFE = (
     "checkpoint.keep_last", "checkpoint.resume", "rollout.num_engines", "rollout.threads_per_engine",
     "weight_sync.bucket_mb", "rollout.hf.max_batch_rows", "rollout.hf.decode", "rollout.hf.refill_every",
     "rollout.generate_timeout_s",
-    "rollout.max_restarts", "rollout.stall_timeout_s", "eval.mode", "eval.engines",
+    "rollout.max_restarts", "rollout.stall_timeout_s", "eval.mode", "eval.engines", "trainer.logprob_kernel",
 )
 
 

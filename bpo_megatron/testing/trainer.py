@@ -10,7 +10,7 @@ from bpo_megatron.testing.models import tiny_moe
 
 def build_actor(hf=None, *, tp=1, pp=1, ep=1, etp=None, replay=False, recompute="none", lr=1e-3, loss="bpo",
                 micro_batch_size=2, grad_clip=1.0, temperature=1.0, weights=None, max_tokens_per_micro_batch=0,
-                params_dtype=None):
+                params_dtype=None, logprob_kernel="auto"):
     """A train actor of ``hf`` (an ``HFModelConfig``, a config dict or path; the tiny MoE by
     default) in the current torch.distributed world; ``loss``: a loss name or a
     ``PolicyLossConfig``; ``weights``: a Hugging Face directory to load; ``params_dtype``: fp32 or
@@ -28,7 +28,7 @@ def build_actor(hf=None, *, tp=1, pp=1, ep=1, etp=None, replay=False, recompute=
         loss=loss,
         optimizer=OptimizerSettings(lr=lr, grad_clip=grad_clip),
         trainer=TrainerConfig(micro_batch_size=micro_batch_size, temperature=temperature,
-                              max_tokens_per_micro_batch=max_tokens_per_micro_batch),
+                              max_tokens_per_micro_batch=max_tokens_per_micro_batch, logprob_kernel=logprob_kernel),
         weights=weights,
     ).build()
 

@@ -81,6 +81,9 @@ class TrainActor:
         parallel.validate_model(num_layers=hf.num_hidden_layers, num_experts=hf.num_experts,
                                 num_attention_heads=hf.num_attention_heads,
                                 num_query_groups=hf.num_key_value_heads)
+        if trainer.logprob_kernel == "fused" and not platform.runs_triton(platform.device()):
+            raise ValueError("trainer.logprob_kernel=fused needs a GPU with triton on every trainer rank; this rank has "
+                             "none (trainer.logprob_kernel=auto takes the fused kernels where they can run)")
         initialize_parallel(parallel, seed=trainer.seed)
         # An unset params_dtype is this rank's platform default (bf16 with a GPU), decided here
         # where the model lives, not by a driver that may have no GPU.
@@ -161,7 +164,7 @@ class TrainActor:
         def loss_func(micro: Batch, logits: torch.Tensor):
             logp, entropy = vocab_parallel_logprobs(
                 logits, micro.targets, self._tp_group, temperature=self.trainer_cfg.temperature,
-                with_entropy=True, inplace=True, vocab_size=self.hf.vocab_size)
+                with_entropy=True, inplace=True, vocab_size=self.hf.vocab_size, kernel=self.trainer_cfg.logprob_kernel)
             return logp.sum() * 0.0, {"logp": micro.as_padded(logp), "entropy": micro.as_padded(entropy),
                                       "micro": micro.padded}
 
@@ -209,7 +212,7 @@ class TrainActor:
         def loss_func(micro: Batch, logits: torch.Tensor):
             logp = vocab_parallel_logprobs(
                 logits, micro.targets, self._tp_group, temperature=self.trainer_cfg.temperature,
-                inplace=True, vocab_size=self.hf.vocab_size)
+                inplace=True, vocab_size=self.hf.vocab_size, kernel=self.trainer_cfg.logprob_kernel)
             # the padded layout whatever the model read: one loss, aggregation and statistics
             logp, view = micro.as_padded(logp), micro.padded
             loss, stats = policy_loss(logp, view.rollout_logprobs, view.advantages, view.train_mask,

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+LogprobKernel = Literal["auto", "fused", "chunked"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,10 @@ class TrainerConfig:
     temperature: float = field(default=1.0, metadata={"derived": "rollout.temperature"})
     seed: int = field(default=1234, metadata={"derived": "the experiment's seed"})
     max_tokens_per_micro_batch: int = 0  # > 0: packed micro-batches of at most this many positions
+    # the log-prob op (ops/vocab_parallel.py): auto takes the fused triton kernels on a GPU with
+    # triton and the chunked op elsewhere; chunked forces the PyTorch op everywhere (the path
+    # validated on an H100 before the fused kernels), fused refuses a rank that cannot run them
+    logprob_kernel: LogprobKernel = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
@@ -36,5 +43,7 @@ class TrainerConfig:
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
             raise ValueError("trainer.max_tokens_per_micro_batch must be a non-negative integer (0: padded micro-batches "
                              f"of trainer.micro_batch_size samples), got {budget!r}")
+        if self.logprob_kernel not in get_args(LogprobKernel):
+            raise ValueError(f"trainer.logprob_kernel={self.logprob_kernel!r} must be auto, fused or chunked")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(f"trainer.temperature (rollout.temperature) must be > 0, got {self.temperature}")
