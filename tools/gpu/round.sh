@@ -21,10 +21,10 @@ case "$PART" in
     timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_fused_logprobs.py \
         tests/test_hf_decode_path.py > "$OUT/cuda_tests.txt" 2>&1
     echo "cuda tests: exit $? (tail of $OUT/cuda_tests.txt)"; tail -15 "$OUT/cuda_tests.txt"
-    python3 -m bpo_megatron.gpu_smoke --out "$OUT/kit" --timeout 150 \
+    python3 -m bpo_megatron.gpu_smoke --out "$OUT/kit" --timeout 200 \
         --checks logprobs_kernel,rollout_decode,engine_replay ;;
   rest)
-    python3 -m bpo_megatron.gpu_smoke --out "$OUT/kit" --timeout 150 \
+    python3 -m bpo_megatron.gpu_smoke --out "$OUT/kit" --timeout 240 \
         --checks trainer_step,ipc_weights,trainer_offload,driver_payloads,rl_throughput ;;
   *) echo "round.sh: part must be new or rest, got $PART" >&2; exit 2 ;;
 esac
