@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from bpo_megatron.config import ConfigError
-from bpo_megatron.loop.config import LoopConfig
 from bpo_megatron.parallel.local_world import run_gloo_world
 from bpo_megatron.trainer.config import TrainerConfig
 from bpo_megatron.trainer.packing import check_fits, pack
@@ -101,8 +100,6 @@ def test_a_sample_over_the_budget_is_refused_naming_the_setting_the_sample_and_i
 def test_the_budget_must_be_a_non_negative_integer(value):
     with pytest.raises(ValueError, match="trainer.max_tokens_per_micro_batch must be a non-negative integer"):
         TrainerConfig(max_tokens_per_micro_batch=value)
-    with pytest.raises(ValueError, match="trainer.max_tokens_per_micro_batch must be a non-negative integer"):
-        LoopConfig(max_tokens_per_micro_batch=value)
 
 
 def test_an_experiment_whose_longest_sample_does_not_fit_is_refused_before_it_starts():
