@@ -104,7 +104,7 @@ RELATIVE_PATHS = ("model.path", "model.tokenizer")
 def load_experiment(path: str | Path | None, overrides: list[str] = (), *, check_model: bool = True) -> ExperimentConfig:
     """Read a YAML experiment (or only defaults with ``path=None``), apply overrides, validate."""
     data = load_yaml(path, relative_paths=RELATIVE_PATHS) if path is not None else {}
-    data = apply_overrides(data, list(overrides))
+    data = apply_overrides(data, list(overrides), ExperimentConfig)
     refuse_moved(data, ExperimentConfig.MOVED_KEYS)
     cfg = build(ExperimentConfig, data)
     validate(cfg, check_model=check_model)

@@ -101,6 +101,46 @@ def test_bad_configs_are_refused_naming_the_field(overrides, match):
         load_experiment(DEMO, overrides)
 
 
+@pytest.mark.parametrize("override, match", [
+    ("train.micro_batch_size=4", r"train.micro_batch_size moved to trainer.micro_batch_size: write trainer: "
+                                 r"\{micro_batch_size: 4\} \(override: trainer.micro_batch_size=4\)"),
+    ("train.max_tokens_per_micro_batch=64", "moved to trainer.max_tokens_per_micro_batch"),
+    ("train.seed=3", r"train.seed moved to seed: write seed: 3 \(override: seed=3\)"),
+    ("train.verify_weight_sync=true", "train.verify_weight_sync moved to weight_sync.verify"),
+    ("rollout.weight_bucket_mb=64", "rollout.weight_bucket_mb moved to weight_sync.bucket_mb"),
+    ("loss.tis_cap=3", r"loss.tis_cap moved to loss.correction.tis_cap: write loss: \{correction: \{tis_cap: 3\}\}"),
+    ("trainer.temperature=0.5", "trainer.temperature is not a setting of its own: it is rollout.temperature"),
+    ("trainer.seed=5", "trainer.seed is not a setting of its own: it is the experiment's seed"),
+    ("model.options.recompute=full", "unknown key model.options; valid keys of model: .*recompute"),
+])
+def test_a_key_that_moved_is_refused_naming_its_new_home(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_experiment(DEMO, [override], check_model=False)
+
+
+def test_settings_reach_their_owners_sections_and_the_trainer_spec():
+    cfg = load_experiment(DEMO, ["trainer.micro_batch_size=4", "trainer.logprob_kernel=chunked", "seed=7",
+                                 "weight_sync.bucket_mb=64", "weight_sync.verify=true", "rollout.temperature=0.7",
+                                 "model.recompute=full", "rollout.hf.max_batch_rows=32"])
+    spec = cfg.trainer_spec()
+    assert (spec.trainer.micro_batch_size, spec.trainer.logprob_kernel) == (4, "chunked")
+    assert (spec.trainer.seed, spec.trainer.temperature) == (7, 0.7)  # the run's seed, the engines' temperature
+    assert spec.model == cfg.model.options and spec.model.recompute == "full" and spec.hf.num_experts == 4
+    assert (cfg.weight_sync.bucket_bytes, cfg.weight_sync.verify) == (64 * 2**20, True)
+    assert cfg.rollout.options.max_batch_rows == 32  # the chosen engine's section, built by its spec's class
+
+
+def test_a_correction_by_name_takes_its_bounds_from_the_file_or_later_overrides(tmp_path):
+    """``loss.correction: tis`` is ``{name: tis}``: an override may then set a bound inside it, in the
+    file's shorthand or after an override that named the correction."""
+    child = tmp_path / "child.yaml"
+    child.write_text(f"extends: {DEMO}\nloss: {{correction: mis}}\ntrain: {{recompute_old_logprobs: true}}\n")
+    assert load_experiment(child, ["loss.correction.mis_cap=4"]).loss.correction.mis_cap == 4.0
+    cfg = load_experiment(DEMO, ["loss.correction=tis", "loss.correction.tis_cap=3",
+                                 "train.recompute_old_logprobs=true"], check_model=False)
+    assert (cfg.loss.correction.name, cfg.loss.correction.tis_cap, cfg.loss.correction.mis_cap) == ("tis", 3.0, 2.0)
+
+
 def test_malformed_override_and_file():
     with pytest.raises(ConfigError, match="not of the form"):
         load_experiment(DEMO, ["loss.name"])

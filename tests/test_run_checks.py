@@ -204,6 +204,25 @@ def test_settings_added_since_a_run_was_recorded_resume_at_their_defaults(run_di
     assert code == 2 and "train.dynamic_sampling: None -> True" in output
 
 
+def test_a_run_recorded_with_keys_that_moved_since_resumes_under_their_new_homes(run_dir, capsys):
+    """A run recorded before settings moved to their owners' sections (train.micro_batch_size,
+    train.seed, rollout.weight_bucket_mb, the correction as a plain value and its bounds beside it)
+    is the same run under the new keys, and a changed value is named at its new key."""
+    recorded = yaml.safe_load((run_dir / "config.yaml").read_text())
+    trainer, sync, loss = recorded.pop("trainer"), recorded.pop("weight_sync"), recorded["loss"]
+    recorded["train"].update(micro_batch_size=trainer["micro_batch_size"], seed=recorded.pop("seed"),
+                             max_tokens_per_micro_batch=trainer["max_tokens_per_micro_batch"],
+                             verify_weight_sync=sync["verify"])
+    recorded["rollout"]["weight_bucket_mb"] = sync["bucket_mb"]
+    correction = loss.pop("correction")
+    loss.update(correction=correction["name"], **{k: v for k, v in correction.items() if k != "name"})
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(recorded))
+    plan = prepare(_demo(run_dir))
+    assert plan.changes == {} and plan.state.step == 3
+    code, output = _train(capsys, f"logging.run_dir={run_dir}", "seed=7", "loss.correction.tis_cap=3")
+    assert code == 2 and "seed: 1234 -> 7" in output and "loss.correction.tis_cap: 2.0 -> 3.0" in output
+
+
 def test_a_changed_model_config_is_refused_naming_the_fields(run_dir, tmp_path):
     changed = tmp_path / "model"
     changed.mkdir()

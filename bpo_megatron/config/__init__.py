@@ -1,5 +1,13 @@
 """Experiment configs: typed sections owned by each component, YAML files and dotted overrides."""
 
-from bpo_megatron.config.loader import ConfigError, apply_overrides, build, load_yaml, refuse_moved, to_dict
+from bpo_megatron.config.loader import (
+    ConfigError,
+    apply_overrides,
+    build,
+    expand_shorthands,
+    load_yaml,
+    refuse_moved,
+    to_dict,
+)
 
-__all__ = ["ConfigError", "apply_overrides", "build", "load_yaml", "refuse_moved", "to_dict"]
+__all__ = ["ConfigError", "apply_overrides", "build", "expand_shorthands", "load_yaml", "refuse_moved", "to_dict"]

@@ -88,9 +88,13 @@ def _resolve_relative(data: dict[str, Any], base: Path, keys: tuple[str, ...]) -
             node[name] = str(base / value)
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """``["loss.name=grpo", "parallel.tp=2"]`` applied to a nested dict (values parsed as YAML)."""
+def apply_overrides(data: dict[str, Any], overrides: list[str], cls: type | None = None) -> dict[str, Any]:
+    """``["loss.name=grpo", "parallel.tp=2"]`` applied to a nested dict (values parsed as YAML).
+    With ``cls`` (the config class the dict is for) a section written in its shorthand, in the dict
+    or by an earlier override, takes keys of its mapping form (:func:`expand_shorthands`)."""
     for override in overrides:
+        if cls is not None:
+            data = expand_shorthands(cls, data)
         key, sep, raw = override.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {override!r} is not of the form section.key=value")
@@ -102,13 +106,41 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 raise ConfigError(f"override {override!r}: {part!r} is a value, not a section")
             node = child
         node[parts[-1]] = _parse(raw, f"override {override!r}") if raw.strip() else ""
-    return data
+    return data if cls is None else expand_shorthands(cls, data)
 
 
 def config_key(field: dataclasses.Field) -> str:
     """A field's key in YAML: its name, or ``metadata["key"]`` for a key Python cannot spell as
     a name (``train.async``: ``field(metadata={"key": "async"})``)."""
     return field.metadata.get("key", field.name)
+
+
+def expand_shorthands(cls: type, data: Any) -> Any:
+    """``data`` with every section of ``cls``'s tree written in its shorthand (``loss.correction:
+    tis``) expanded to its mapping (``{name: tis}``), so an override may set a key inside it
+    (``loss.correction.tis_cap=3``). Anything that is not a mapping where a section is expected
+    is left for :func:`build` to refuse."""
+    if not dataclasses.is_dataclass(cls):
+        return data
+    shorthand = getattr(cls, "SHORTHAND", None)
+    if shorthand and data is not None and not isinstance(data, Mapping):
+        return {shorthand: data}
+    if not isinstance(data, Mapping):
+        return data
+    hints = typing.get_type_hints(cls)
+    out = dict(data)
+    for f in dataclasses.fields(cls):
+        key = config_key(f)
+        if _inline(f):
+            out.update(expand_shorthands(hints[f.name], {k: v for k, v in out.items() if k in _keys(hints[f.name])}))
+        elif key in out:
+            hint = hints[f.name]
+            options = [o for o in get_args(hint) if o is not type(None)] if get_origin(hint) in (Union, types.UnionType) \
+                else [hint]
+            section = next((o for o in options if dataclasses.is_dataclass(o)), None)
+            if section is not None:
+                out[key] = expand_shorthands(section, out[key])
+    return out
 
 
 def refuse_moved(data: Mapping[str, Any], moved: Mapping[str, str]) -> None:
