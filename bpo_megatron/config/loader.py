@@ -6,8 +6,8 @@ refused with the list of valid ones; a value of the wrong type names its full do
 whose value another section decides (``field(metadata={"derived": "rollout.temperature"})``) is
 no key; a section composed of another whose keys it shows as its own
 (``field(metadata={"inline": True})``: ``model.routing_replay`` builds ``model.options``) reads
-and writes them at its level; a section class with ``SHORTHAND = "name"`` also accepts a plain value as that one key
-(``loss.correction: tis``); a key that moved is refused naming its new home (:func:`refuse_moved`).
+and writes them at its level; a section class with ``SHORTHAND = "name"`` also accepts a plain
+value as that one key (``loss.correction: tis``); a key that moved is refused naming its new home (:func:`refuse_moved`).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], cls: type | None
                 raise ConfigError(f"override {override!r}: {part!r} is a value, not a section")
             node = child
         node[parts[-1]] = _parse(raw, f"override {override!r}") if raw.strip() else ""
-    return data if cls is None else expand_shorthands(cls, data)
+    return data
 
 
 def config_key(field: dataclasses.Field) -> str:
@@ -183,10 +183,10 @@ def build(cls: type[T], data: Mapping[str, Any] | None, path: str = "") -> T:
     hints = typing.get_type_hints(cls)
     fields = {config_key(f): f for f in dataclasses.fields(cls) if f.init and not derived_from(f) and not _inline(f)}
     inline = {f.name: _keys(hints[f.name]) for f in dataclasses.fields(cls) if _inline(f)}
-    unknown = sorted(set(data) - set(fields) - {k for keys in inline.values() for k in keys})
+    valid = set(fields).union(*inline.values())
+    unknown = sorted(set(data) - valid)
     if unknown:
         where = f"{path}." if path else ""
-        valid = set(fields) | {k for keys in inline.values() for k in keys}
         raise ConfigError(f"unknown key {where}{unknown[0]}; valid keys{' of ' + path if path else ''}: "
                           f"{', '.join(sorted(valid))}")
     kwargs = {fields[key].name: _coerce(hints[fields[key].name], value, _join(path, key))
