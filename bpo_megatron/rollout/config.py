@@ -23,8 +23,8 @@ class RolloutConfig:
     R3 (``model.routing_replay``) needs it. ``hf``, ``sglang`` and ``vllm`` are each engine's own
     typed options, built from a mapping by the dataclass its spec names (``EngineSpec.options``,
     ``rollout/<engine>/options.py``), so this section imports no engine; only the section of the
-    chosen engine is used, by that engine alone; every engine the registry knows has one. ``agent`` makes every response a conversation with a tool
-    (``rollout/agents``; off by default).
+    chosen engine is used, by that engine alone. ``agent`` makes every response a conversation
+    with a tool (``rollout/agents``; off by default).
     """
 
     engine: EngineName = "hf"
