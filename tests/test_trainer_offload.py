@@ -151,6 +151,27 @@ def test_a_save_drops_the_spare_host_buffers_first():
     assert torch.equal(tensors[0], 2 * torch.arange(10.0))
 
 
+def test_dropping_spares_on_a_gpu_empties_the_pinned_host_cache(monkeypatch):
+    """The CUDA branch that failed every checkpoint save under torch 2.11 (it called
+    torch.accelerator.empty_host_cache, which 2.11 lacks), run on CPU: with CUDA it calls
+    torch._C._host_emptyCache once per drop, without CUDA never. That name exists in CUDA builds
+    only; tools/check_torch_names.py resolves it under torch 2.11 and 2.14.1 in CI."""
+    from bpo_megatron import platform
+    from bpo_megatron.trainer.offload import MemoryOffload
+
+    if torch.version.cuda is not None:
+        assert callable(torch._C._host_emptyCache)
+    calls = []
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: calls.append("emptied"), raising=False)
+    offload = MemoryOffload(lambda: [torch.arange(4.0)])
+    monkeypatch.setattr(platform, "has_cuda", lambda: False)
+    offload.drop_spares()
+    assert calls == []
+    monkeypatch.setattr(platform, "has_cuda", lambda: True)
+    offload.drop_spares()
+    assert calls == ["emptied"]
+
+
 def _save_after_offload(root: str) -> dict:
     import torch.distributed as dist
 

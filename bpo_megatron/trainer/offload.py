@@ -55,7 +55,11 @@ def release_host_cache() -> None:
     """Hand cached pinned host memory back to the operating system. Pinned buffers freed by torch
     stay in its host caching allocator (and count against the process's memory) until this."""
     if platform.has_cuda():
-        torch.accelerator.empty_host_cache()
+        # CUDA's pinned host caching allocator. Torch 2.11 lacks the public name
+        # (torch.accelerator.empty_host_cache); torch._C._host_emptyCache empties the same
+        # allocator in every torch the package admits, 2.11 to 2.14.1 (2.11's own CUDA graph
+        # capture calls it). CUDA builds only: CPU builds do not define it.
+        torch._C._host_emptyCache()
 
 
 class MemoryOffload:
