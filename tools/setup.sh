@@ -10,6 +10,12 @@
 #                                          PYTHONPATH, for the Megatron tests under the newest version
 #        bash tools/setup.sh --transformers-oldest -> .transformers-oldest: transformers 5.19.0 (what
 #                                          SGLang 0.5.23 pins), for the tests that use transformers
+#        bash tools/setup.sh --torch-oldest -> .torch-oldest: torch 2.11.0 (the oldest the package
+#                                          admits; PyPI's CUDA 13 build, what the GPU image runs) for
+#                                          tools/check_torch_names.py and tests/test_torch_window.py.
+#                                          It imports on a CPU machine with the CUDA 13 libraries of
+#                                          .venv-sglang (built first if missing), linked in as
+#                                          .torch-oldest/nvidia, where torch looks for them
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3.11}"
@@ -55,8 +61,9 @@ sglang.srt.managers.scheduler_components.weight_updater; print('sglang', m.versi
   exit 0
 fi
 
-# overlay DIR CONSTRAINTS IMPORT: install the packages pinned in CONSTRAINTS (no dependencies) into
-# DIR, to put before .venv's own with PYTHONPATH; a second run with the same pins does nothing.
+# overlay DIR CONSTRAINTS IMPORT [LINK]: install the packages pinned in CONSTRAINTS (no dependencies)
+# into DIR, to put before .venv's own with PYTHONPATH, and link the directory LINK into it; a second
+# run with the same pins does nothing.
 overlay() {
   TARGET="$1"
   WANT="$(cat "$2" | sha256sum | cut -d' ' -f1)"
@@ -69,6 +76,7 @@ overlay() {
   rm -rf "$TARGET"
   .venv/bin/python -m pip --disable-pip-version-check -q install --no-deps --ignore-requires-python \
       --target "$TARGET" -r "$2"
+  [ -z "${4:-}" ] || ln -s "$(realpath --relative-to="$TARGET" "$4")" "$TARGET/"
   echo "$WANT" > "$TARGET/.bpo-setup-stamp"
   echo "[setup] done: $(PYTHONPATH=$TARGET .venv/bin/python -W ignore -c "$3")"
   exit 0
@@ -83,6 +91,16 @@ fi
 if [ "${1:-}" = "--transformers-oldest" ]; then
   # the oldest transformers the package admits: the one SGLang 0.5.23 pins
   overlay .transformers-oldest tools/constraints-transformers-oldest.txt 'import transformers as t; print("transformers", t.__version__)'
+fi
+
+if [ "${1:-}" = "--torch-oldest" ]; then
+  # PyPI has no CPU build of torch 2.11 for Linux; its CUDA 13 build loads its CUDA libraries at
+  # import (a driver is not needed). torch 2.14.1 in .venv-sglang brings CUDA 13 libraries of the same
+  # major versions: .torch-oldest/nvidia links to them. CUDA builds also hold the CUDA-only names
+  # (torch._C._host_emptyCache, ProcessGroupNCCL) that a CPU build lacks.
+  bash "$0" --sglang
+  overlay .torch-oldest tools/constraints-torch-oldest.txt 'import torch; print("torch", torch.__version__)' \
+      "$(.venv-sglang/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia"
 fi
 
 new_venv .venv pyproject.toml tools/constraints-cpu.txt
