@@ -86,9 +86,8 @@ def test_resolved_config_round_trips(tmp_path):
         (["rollout.hf.max_rows=4"], "unknown key rollout.hf.max_rows; valid keys of rollout.hf: decode, dtype, "
                                     "max_batch_rows, refill_every"),
         (["rollout.hf.max_batch_rows=0"], "rollout.hf.max_batch_rows must be >= 1"),
-        (["rollout.hf.decode=fast"], "rollout.hf.decode='fast' must be one of 'auto', 'transformers', 'static', "
-                                     "'cuda_graph'"),
-        (["rollout.hf.refill_every=0"], "rollout.hf.refill_every must be >= 1"),
+        (["rollout.hf.decode=fast"], "rollout.hf.decode='fast' must be one of 'auto', 'eager', 'cuda_graph'"),
+        (["rollout.hf.refill_every=0"], "rollout.hf.refill_every must be between 1 and 64"),
         (["data.fields.question=prompt.0.content"], "data.fields.question is not a problem field"),
         # a loss that would depend on how samples are grouped into micro-batches
         (["loss.agg=seq-mean-token-sum-norm"], "set loss.norm_length .*rollout.max_new_tokens=4"),
@@ -112,6 +111,10 @@ def test_bad_configs_are_refused_naming_the_field(overrides, match):
     ("trainer.temperature=0.5", "trainer.temperature is not a setting of its own: it is rollout.temperature"),
     ("trainer.seed=5", "trainer.seed is not a setting of its own: it is the experiment's seed"),
     ("model.options.recompute=full", "unknown key model.options; valid keys of model: .*recompute"),
+    # a value naming a decode loop the embedded engine no longer has
+    ("rollout.hf.decode=transformers", r"rollout.hf.decode='transformers' is gone: the embedded engine has one "
+                                       r"decode loop now .*write rollout.hf.decode=eager"),
+    ("rollout.hf.decode=static", r"rollout.hf.decode='static' is gone: .*rollout.hf.decode=eager"),
 ])
 def test_a_key_that_moved_is_refused_naming_its_new_home(override, match):
     with pytest.raises(ConfigError, match=match):

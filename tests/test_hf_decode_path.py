@@ -1,11 +1,15 @@
-"""The embedded engine's static decode path (``rollout.hf.decode=static``: fixed per-row KV slots,
-a functional step, slots refilled from the queue) against independent references: a teacher-forced
-transformers forward (log μ and routed experts, fp32), the transformers decode path (the same
-tokens for greedy and seeded sampling), and transformers' own expert loop. The CUDA-graph path runs
-this same step; only its kernels (FlashAttention, bf16 grouped GEMM, graph replay) are GPU-only."""
+"""The embedded engine's decode loop (fixed per-row KV slots, a functional step with sampling and
+bookkeeping on the device, slots refilled from the queue) against independent references: a
+teacher-forced transformers forward (log μ and routed experts, fp32), the tokens a seed must give
+(each row's uniforms redrawn from its seed and inverted against the recomputed distribution in
+fp64), transformers' own expert loop; and what a captured CUDA graph needs of it: it owns what it
+reads, it is captured once per shape and reused, its replay changes no number."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -14,9 +18,12 @@ from safetensors.torch import load_file
 
 from bpo_megatron.models import HFModelConfig
 from bpo_megatron.rollout import GenerationRequest, SamplingParams
+from bpo_megatron.rollout.hf import graphs
 from bpo_megatron.rollout.hf.decode import grouped_experts, resolve_path
 from bpo_megatron.rollout.hf.engine import HFEngine
 from bpo_megatron.rollout.hf.options import HFEngineOptions
+from bpo_megatron.rollout.hf.sampling import UNIFORM_BLOCK, row_seeds
+from bpo_megatron.rollout.hf.slots import DecodeState, SlotRow, SlotSession, SlotSettings, StateShape
 from bpo_megatron.testing import MODEL_CONFIGS
 from bpo_megatron.testing.models import random_checkpoint
 from bpo_megatron.testing.recompute import teacher_forced
@@ -38,22 +45,67 @@ def dense_dir(tmp_path_factory) -> Path:
 
 def _requests(vocab: int, **sampling) -> list[GenerationRequest]:
     """Prompts of mixed lengths (1 … 30) and mixed response budgets, so rows finish at different
-    steps and slots are refilled while others decode."""
+    steps and slots are refilled while others decode; budgets past UNIFORM_BLOCK cross a block."""
     generator = torch.Generator().manual_seed(1)
     requests = []
-    for i, (length, budget) in enumerate(((3, 24), (17, 9), (1, 20), (30, 24), (9, 5))):
+    for i, (length, budget) in enumerate(((3, 24), (17, 9), (1, 70), (30, 24), (9, 5))):
         prompt = tuple(torch.randint(0, vocab, (length,), generator=generator).tolist())
         params = {**dict(temperature=0.7, top_p=0.9, top_k=40, n=3, max_new_tokens=budget, seed=100 + i), **sampling}
         requests.append(GenerationRequest(f"q{i}", prompt, SamplingParams(**params)))
     return requests
 
 
+def _reference_tokens(logprobs: torch.Tensor, params: SamplingParams, seed: int, filtered: bool) -> torch.Tensor:
+    """The tokens a row's seed must give against recomputed log μ ``[T, V]``: uniform t of the
+    row's stream (blocks of UNIFORM_BLOCK drawn in order from its generator) inverted, in fp64,
+    against softmax(logits / T) — after top-k then top-p, in descending order, when ``filtered``."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks = -(-logprobs.shape[0] // UNIFORM_BLOCK)
+    uniforms = torch.cat([torch.rand(UNIFORM_BLOCK, generator=generator) for _ in range(blocks)]).double()
+    tokens = []
+    for t, row in enumerate(logprobs.double()):
+        probs, order = row.exp(), torch.arange(row.numel())
+        if filtered:
+            probs, order = probs.sort(descending=True)
+            if params.top_k > 0:
+                probs = torch.where(torch.arange(probs.numel()) < params.top_k, probs, 0.0)
+            before = probs.cumsum(0) - probs
+            probs = torch.where(before < params.top_p * probs.sum(), probs, 0.0)
+        cdf = probs.cumsum(0)
+        tokens.append(int(order[int((cdf > uniforms[t] * cdf[-1]).nonzero()[0])]))
+    return torch.tensor(tokens)
+
+
+def _check_against_recompute(engine: HFEngine, requests, samples, temperature: float, *, moe: bool,
+                             stops=()) -> float:
+    """Every sample against a teacher-forced recompute: routing equal, the seed's tokens; returns
+    the worst |log μ − recomputed|."""
+    filtered = any(r.sampling.top_k > 0 or r.sampling.top_p < 1.0 for r in requests)
+    by_id = {r.request_id: r for r in requests}
+    worst = 0.0
+    for sample in samples:
+        request = by_id[sample.request_id]
+        prompt = sample.prompt_tokens.numel()
+        logprobs, routing = teacher_forced(engine.model, sample.tokens, temperature=temperature)
+        response = logprobs[prompt - 1:]
+        worst = max(worst, (response.gather(1, sample.response_tokens[:, None])[:, 0]
+                            - sample.rollout_logprobs).abs().max().item())
+        seed = row_seeds(request.sampling.seed, request.sampling.n)[sample.index]
+        expected = _reference_tokens(response, request.sampling, seed, filtered)
+        assert torch.equal(sample.response_tokens, expected), (sample.request_id, sample.index)
+        assert sample.response_tokens.numel() <= request.sampling.max_new_tokens
+        if stops:
+            assert sample.finish_reason == ("stop" if sample.response_tokens[-1].item() in stops else "length")
+        if moe and sample.routed_experts is not None:  # R3: every processed token's experts, as recomputed
+            assert torch.equal(sample.routed_experts, routing.to(sample.routed_experts.dtype)), sample.request_id
+    return worst
+
+
 def _same_samples(a, b) -> None:
-    """Same rows, tokens, finish reasons and routing; log μ within the sum of two paths' errors
-    against the exact value (each within TOLERANCE of a teacher-forced recompute)."""
     for x, y in zip(a, b, strict=True):
         assert (x.request_id, x.index, x.finish_reason) == (y.request_id, y.index, y.finish_reason)
         assert torch.equal(x.response_tokens, y.response_tokens), x.request_id
+        assert torch.equal(x.token_versions, y.token_versions)
         assert torch.allclose(x.rollout_logprobs, y.rollout_logprobs, atol=2 * TOLERANCE, rtol=0)
         assert (x.routed_experts is None) == (y.routed_experts is None)
         if x.routed_experts is not None:
@@ -61,72 +113,182 @@ def _same_samples(a, b) -> None:
 
 
 @pytest.mark.parametrize("kind", ["moe", "dense"])
-def test_static_path_equals_a_teacher_forced_recompute_and_the_transformers_path(kind, moe_dir, dense_dir):
+def test_the_decode_loop_equals_a_teacher_forced_recompute_and_the_seeds_draws(kind, moe_dir, dense_dir):
     path = moe_dir if kind == "moe" else dense_dir
     hf = HFModelConfig.load(path)
     # 4 slots for 15 rows, the host looking every 3 steps: rows enter and leave mid-decode
-    engine = HFEngine(path, capture_routing=True, decode="static", max_batch_rows=4, refill_every=3)
+    engine = HFEngine(path, capture_routing=True, max_batch_rows=4, refill_every=3)
+    assert engine.decode_path == "eager"
     stops = tuple(range(0, hf.vocab_size, 10))  # ~10% of the tokens: some rows stop, some run out
     requests = _requests(hf.vocab_size, stop_token_ids=stops)
     samples = engine.generate(requests)
 
     assert [(s.request_id, s.index) for s in samples] == [(r.request_id, i) for r in requests for i in range(3)]
-    worst = 0.0
-    for sample, request in zip(samples, [r for r in requests for _ in range(3)]):
+    for sample in samples:
         sample.check(num_moe_layers=len(hf.moe_layers) or None, topk=hf.num_experts_per_tok or None)
-        assert sample.response_tokens.numel() <= request.sampling.max_new_tokens
-        prompt = sample.prompt_tokens.numel()
-        logprobs, routing = teacher_forced(engine.model, sample.tokens, temperature=0.7)
-        response_logprobs = logprobs[prompt - 1:].gather(1, sample.response_tokens[:, None])[:, 0]
-        worst = max(worst, (response_logprobs - sample.rollout_logprobs).abs().max().item())
-        assert sample.finish_reason == ("stop" if sample.response_tokens[-1].item() in stops else "length")
-        if kind == "moe":  # R3: every processed token's experts, prompt and response, as recomputed
-            assert torch.equal(sample.routed_experts, routing.to(torch.uint8)), sample.request_id
-        else:
-            assert sample.routed_experts is None
+        assert (sample.routed_experts is None) == (kind == "dense")
+    worst = _check_against_recompute(engine, requests, samples, 0.7, moe=kind == "moe", stops=stops)
     assert worst <= TOLERANCE, worst
     assert {s.finish_reason for s in samples} == {"stop", "length"}
-
-    # the same rows through today's loop: the same seeded draws give the same tokens
-    _same_samples(HFEngine(path, capture_routing=True, decode="transformers").generate(requests), samples)
 
 
 @pytest.mark.parametrize("sampling", [dict(top_k=1), dict(temperature=1.0, top_p=1.0, top_k=0)],
                          ids=["greedy", "unfiltered"])
-def test_same_tokens_as_the_transformers_path_for_greedy_and_unfiltered_sampling(sampling, moe_dir):
+def test_outputs_depend_on_neither_the_slots_nor_the_refill_interval(sampling, moe_dir):
     requests = _requests(200, **sampling)
-    reference = HFEngine(moe_dir, capture_routing=True, decode="transformers").generate(requests)
-    for slots, refill_every in ((15, 8), (2, 1)):
-        engine = HFEngine(moe_dir, capture_routing=True, decode="static", max_batch_rows=slots,
-                          refill_every=refill_every)
-        _same_samples(engine.generate(requests), reference)
+    runs = [HFEngine(moe_dir, capture_routing=True, max_batch_rows=slots, refill_every=refill).generate(requests)
+            for slots, refill in ((15, 8), (2, 1), (4, 64))]
+    for other in runs[1:]:
+        _same_samples(other, runs[0])
+    engine = HFEngine(moe_dir, capture_routing=True)
+    temperature = requests[0].sampling.temperature
+    assert _check_against_recompute(engine, requests, runs[0], temperature, moe=True) <= TOLERANCE
     if sampling == dict(top_k=1):  # greedy: each token is the recompute's argmax
-        for sample in reference:
+        for sample in runs[0]:
             logprobs, _ = teacher_forced(engine.model, sample.tokens, temperature=0.7)
-            argmax = logprobs[sample.prompt_tokens.numel() - 1:].argmax(-1)
-            assert torch.equal(argmax, sample.response_tokens)
+            assert torch.equal(logprobs[sample.prompt_tokens.numel() - 1:].argmax(-1), sample.response_tokens)
 
 
 def test_only_the_requests_that_ask_record_routing_and_weight_updates_are_seen(moe_dir, tmp_path):
-    engine = HFEngine(moe_dir, capture_routing=True, decode="static", max_batch_rows=3, refill_every=2)
+    engine = HFEngine(moe_dir, capture_routing=True, max_batch_rows=3, refill_every=2)
     requests = [GenerationRequest(r.request_id, r.prompt_tokens, r.sampling, capture_routing=i % 2 == 0)
                 for i, r in enumerate(_requests(200))]
-    reference = HFEngine(moe_dir, capture_routing=True, decode="transformers").generate(requests)
     samples = engine.generate(requests)
     assert [s.routed_experts is not None for s in samples] == [i % 2 == 0 for i in range(5) for _ in range(3)]
-    _same_samples(samples, reference)
+    assert _check_against_recompute(engine, requests, samples, 0.7, moe=True) <= TOLERANCE
 
-    # an in-place weight update reaches the functional step (it reads the model's own modules)
+    # an in-place weight update reaches the functional step (it reads the model's own modules),
+    # and the decode state kept from the first generation is reused with the new weights
     other = random_checkpoint(MODEL_CONFIGS / "tiny_qwen3_moe", tmp_path / "other", seed=1)
     engine.update_weights(load_file(other / "model.safetensors").items())
     _same_samples(engine.generate(requests),
-                  HFEngine(other, capture_routing=True, decode="transformers").generate(requests))
+                  HFEngine(other, capture_routing=True, max_batch_rows=3, refill_every=2).generate(requests))
+    assert len(engine._states) == 1
+
+
+def test_decode_states_are_kept_per_shape_bucket_and_dropped_with_the_memory(moe_dir):
+    """A state (KV slots, buffers, graph) is built once per shape bucket and reused: a second
+    generation of similar shape takes the same object and gives what a fresh engine gives (nothing
+    of the previous rows' cache or buffers leaks); at most two states are kept; release_memory
+    drops them."""
+    engine = HFEngine(moe_dir, capture_routing=True, max_batch_rows=8, refill_every=4)
+    first, second = _requests(200), _requests(200, seed=9, max_new_tokens=60)
+    engine.generate(first)
+    [state] = engine._states._states.values()
+    samples = engine.generate(second)  # 30 + 60 (+ 4) falls in the bucket of 1 + 70 (+ 4): 128
+    assert list(engine._states._states.values()) == [state]
+    _same_samples(samples, HFEngine(moe_dir, capture_routing=True, max_batch_rows=8, refill_every=4).generate(second))
+    engine.generate([GenerationRequest("x", (1, 2), SamplingParams(max_new_tokens=3, seed=0))])  # 1 slot
+    engine.generate([GenerationRequest("y", (1, 2), SamplingParams(max_new_tokens=200, seed=0))])  # long
+    assert len(engine._states) == 2 and state not in engine._states._states.values()
+    engine.release_memory()
+    assert len(engine._states) == 0
+    assert StateShape.of([SlotRow((1,) * 30, SamplingParams(max_new_tokens=100, stop_token_ids=(1, 2, 3, 4, 5)), 0,
+                                  False)], SlotSettings(8, 4, "sdpa", False), capture=False) == \
+        StateShape(slots=1, length=256, routing=False, filtered=False, stop_width=8)
+
+
+@contextlib.contextmanager
+def _cpu_graph_capture(monkeypatch):
+    """torch.cuda's stream and graph API on a CPU: a replay runs the captured step again, which is
+    what a graph does provided the step reads only tensors it owns. Like a real graph, the fake
+    holds no Python reference to the step (a weak one: a replay after the step was freed fails,
+    where a GPU would read freed memory). Lets the graph path's construction, ownership and
+    warm-up run without a GPU; yields the weak references to the steps captured."""
+    captured: list = []
+
+    class Stream:
+        def wait_stream(self, other) -> None:
+            pass
+
+    class Graph:
+        def replay(self) -> None:
+            step = self.step()
+            assert step is not None, "replayed a graph whose step (and what it reads) was freed"
+            step()
+
+    @contextlib.contextmanager
+    def capture_into(graph):
+        yield
+
+    cuda = graphs.torch.cuda
+    monkeypatch.setattr(cuda, "Stream", Stream)
+    monkeypatch.setattr(cuda, "current_stream", lambda: Stream())
+    monkeypatch.setattr(cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(cuda, "graph", capture_into)
+    original = graphs.GraphedStep.__init__
+
+    def recording_init(self, step):
+        ref = weakref.WeakMethod(step) if hasattr(step, "__self__") else weakref.ref(step)
+        captured.append(ref)
+        original(self, step)
+        self._graph.step = ref
+
+    monkeypatch.setattr(graphs.GraphedStep, "__init__", recording_init)
+    yield captured
+
+
+def test_a_captured_step_keeps_alive_everything_it_reads(monkeypatch):
+    """The graph replays raw addresses: whatever the step closure reaches must live as long as the
+    graph, even when nothing else holds it (a decoder built inside a constructor, say)."""
+    class Decoder:
+        def __init__(self) -> None:
+            self.table = torch.arange(4.0)
+
+        def __call__(self) -> torch.Tensor:
+            return self.table * 2
+
+    def build() -> tuple[weakref.ref, graphs.GraphedStep]:  # as a constructor builds its step's decoder
+        decoder = Decoder()
+        return weakref.ref(decoder), graphs.GraphedStep(lambda: decoder())
+
+    with _cpu_graph_capture(monkeypatch):
+        alive, step = build()
+        gc.collect()
+        assert alive() is not None, "the graph's step must keep what its kernels read"
+        assert torch.equal(step(), torch.arange(4.0) * 2)
+        del step
+        gc.collect()
+        assert alive() is None
+
+
+def test_the_graph_path_owns_its_state_and_replays_it_as_the_eager_step(moe_dir, monkeypatch):
+    """The engine's graph path on a CPU (capture faked as above): the decode state — decoder,
+    cache, sampler — outlives its constructor through the graph alone, the warm-up steps leave no
+    trace, and replaying the captured step (no argument: every input read from the state's own
+    tensors) gives what the eager step gives."""
+    engine = HFEngine(moe_dir, capture_routing=True)
+    rows = [SlotRow(r.prompt_tokens, r.sampling, seed, True) for r in _requests(200) for seed in (1, 2, 3)]
+    settings = SlotSettings(slots=4, refill_every=3, attention="sdpa", cuda_graph=False)
+    shape = StateShape.of(rows, settings, capture=True)
+
+    def run(state: DecodeState):
+        with torch.inference_mode():
+            return SlotSession(engine.model, rows, settings, state, engine._capture,
+                               lambda forward: forward(0)).run()
+
+    eager = run(DecodeState(engine.model, shape, "sdpa", cuda_graph=False))
+    with _cpu_graph_capture(monkeypatch) as captured:
+        with torch.inference_mode():
+            state = DecodeState(engine.model, shape, "sdpa", cuda_graph=True)
+        owned = [weakref.ref(state.decoder), weakref.ref(state.cache), weakref.ref(state.sampler)]
+        graph = state._replay
+        del state
+        gc.collect()
+        assert all(ref() is not None for ref in owned), "the graph alone must keep its state alive"
+        state = captured[-1]().__self__
+        assert state._replay is graph
+        graphed = run(state)
+    for a, b in zip(eager, graphed, strict=True):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+        assert torch.equal(a.routing, b.routing)
 
 
 def test_grouped_experts_equal_transformers_expert_loop(moe_dir):
     """The step's expert GEMMs against the model's own experts module, on tokens routed so that
     one expert gets no token (an empty group) and others several."""
-    engine = HFEngine(moe_dir, capture_routing=False, decode="static")
+    engine = HFEngine(moe_dir, capture_routing=False)
     experts = engine.model.model.layers[0].mlp.experts
     x = torch.randn(6, experts.gate_up_proj.shape[-1], generator=torch.Generator().manual_seed(0))
     chosen = torch.tensor([[0, 2], [2, 0], [1, 2], [0, 1], [2, 1], [0, 2]])  # expert 3 unused
@@ -140,75 +302,60 @@ def test_grouped_experts_equal_transformers_expert_loop(moe_dir):
 def test_decode_option_is_checked_and_resolved_per_device(moe_dir):
     with pytest.raises(ValueError, match="rollout.hf.decode='fast'"):
         HFEngineOptions(decode="fast")
-    with pytest.raises(ValueError, match="refill_every"):
-        HFEngineOptions(refill_every=0)
+    for removed in ("transformers", "static"):  # the loops the engine no longer has: named with their successor
+        with pytest.raises(ValueError, match=f"decode='{removed}' is gone.*one decode loop.*rollout.hf.decode=eager"):
+            HFEngineOptions(decode=removed)
+    for bad in (0, UNIFORM_BLOCK + 1):
+        with pytest.raises(ValueError, match="refill_every must be between 1 and 64"):
+            HFEngineOptions(refill_every=bad)
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert resolve_path("auto", cpu, torch.float32) == "transformers"
-    assert resolve_path("auto", cuda, torch.float32) == "transformers"
+    assert resolve_path("auto", cpu, torch.float32) == "eager"
+    assert resolve_path("auto", cuda, torch.float32) == "eager"
     assert resolve_path("auto", cuda, torch.bfloat16) == "cuda_graph"
-    assert resolve_path("static", cpu, torch.bfloat16) == "static"
-    with pytest.raises(ValueError, match="static on CUDA needs rollout.hf.dtype=bf16"):
-        resolve_path("static", cuda, torch.float32)
+    assert resolve_path("eager", cpu, torch.bfloat16) == "eager"
+    assert resolve_path("eager", cuda, torch.float32) == "eager"
     with pytest.raises(ValueError, match="cuda_graph needs a CUDA device"):
         HFEngine(moe_dir, capture_routing=False, decode="cuda_graph")
 
 
-def test_a_weight_update_mid_generation_is_seen_from_the_next_step_as_in_the_transformers_path(moe_dir):
-    """A weight update requested after the third forward pass (another thread, as a sync reaching a
-    busy engine): both loops pause there, continue with the new weights and record the version
-    of every token; the static loop's samples equal today's loop's."""
-    import threading
+def test_a_model_the_loop_does_not_decode_is_refused(tmp_path):
+    import json
 
-    old = dict(HFEngine(moe_dir, capture_routing=False).named_hf_weights())
-    new = {name: t + 0.05 * torch.randn(t.shape, generator=torch.Generator().manual_seed(3)) for name, t in old.items()}
-    request = [GenerationRequest("p", (5, 9, 2, 7), SamplingParams(temperature=1.0, max_new_tokens=10, seed=11))]
+    config = json.loads((MODEL_CONFIGS / "tiny_qwen3" / "config.json").read_text())
+    with pytest.raises(ValueError, match="sliding-window.*rollout.engine=sglang"):
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-    def interrupted(decode: str):
-        engine = HFEngine(moe_dir, capture_routing=True, decode=decode)
-        third_done, requested, forward_done, calls = threading.Event(), threading.Event(), engine._forward_done, [0]
-
-        def counting_done():
-            forward_done()
-            calls[0] += 1
-            if calls[0] == 3:  # hold the generation here until the update is requested
-                third_done.set()
-                assert requested.wait(30)
-
-        engine._forward_done = counting_done
-        result: list = []
-        worker = threading.Thread(target=lambda: result.extend(engine.generate(request)))
-        worker.start()
-        assert third_done.wait(30)
-        engine.begin_weight_update(1)
-        requested.set()
-        engine.update_weights(new.items())
-        engine.end_weight_update()
-        worker.join(30)
-        return result
-
-    [static], [reference] = interrupted("static"), interrupted("transformers")
-    assert static.token_versions.tolist() == [0, 0, 0] + [1] * 7 == reference.token_versions.tolist()
-    _same_samples([static], [reference])
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**config, "use_sliding_window": True}))
+        HFEngine(model, capture_routing=False)
 
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and FlashAttention need a GPU")
 
 
-@cuda_only
-def test_graph_replay_changes_no_number_on_cuda(moe_dir):
-    """The same step (SDPA, bf16 grouped GEMM) eager and replayed as a CUDA graph: capture must
-    change nothing, so tokens, log μ and routing are bit for bit the same."""
-    from bpo_megatron.rollout.hf.slots import SlotRow, SlotSession, SlotSettings
-
-    engine = HFEngine(moe_dir, capture_routing=True, dtype=torch.bfloat16, device="cuda", decode="static")
+def _graph_and_eager(moe_dir, attention: str, scribble: bool):
+    engine = HFEngine(moe_dir, capture_routing=True, dtype=torch.bfloat16, device="cuda", decode="eager")
     rows = [SlotRow(r.prompt_tokens, r.sampling, seed, True) for r in _requests(200) for seed in (1, 2, 3)]
+    settings = SlotSettings(slots=4, refill_every=3, attention=attention, cuda_graph=False)
+    shape = StateShape.of(rows, settings, capture=True)
 
     def run(cuda_graph: bool):
-        settings = SlotSettings(slots=4, refill_every=3, attention="sdpa", cuda_graph=cuda_graph)
         with torch.inference_mode():
-            return SlotSession(engine.model, rows, settings, engine._capture, lambda step: (step(), 0)).run()
+            state = DecodeState(engine.model, shape, attention, cuda_graph)
+            if scribble:  # what a freed tensor's memory holds when something else reuses it
+                junk = [torch.full((1 << 20,), 7e4, device="cuda") for _ in range(64)]
+                del junk
+            return SlotSession(engine.model, rows, settings, state, engine._capture, lambda forward: forward(0)).run()
 
-    for eager, graphed in zip(run(False), run(True), strict=True):
+    return run(False), run(True)
+
+
+@cuda_only
+@pytest.mark.parametrize("attention", ["sdpa", "flash"])
+def test_graph_replay_changes_no_number_on_cuda(moe_dir, attention):
+    """The same step eager and replayed as a CUDA graph, with the memory freed after capture
+    scribbled over before the first replay: capture must change nothing, so tokens, log μ and
+    routing are bit for bit the same."""
+    for eager, graphed in zip(*_graph_and_eager(moe_dir, attention, scribble=True), strict=True):
         assert torch.equal(eager.tokens, graphed.tokens)
         assert torch.equal(eager.logprobs, graphed.logprobs)
         assert torch.equal(eager.routing, graphed.routing)
@@ -216,13 +363,15 @@ def test_graph_replay_changes_no_number_on_cuda(moe_dir):
 
 @cuda_only
 def test_cuda_graph_path_against_a_teacher_forced_recompute_on_cuda(moe_dir):
-    """auto = cuda_graph on a GPU in bf16 (FlashAttention varlen, one graph per session): log μ and
+    """auto = cuda_graph on a GPU in bf16 (FlashAttention varlen, graphs kept per shape): log μ and
     routing against transformers' own bf16 forward over each whole sequence. bf16 kernels sum
     differently, so log μ agrees to bf16 precision and a near-tied router may flip."""
     engine = HFEngine(moe_dir, capture_routing=True, dtype=torch.bfloat16, device="cuda", max_batch_rows=4,
                       refill_every=3)
     assert engine.decode_path == "cuda_graph"
     samples = engine.generate(_requests(200))
+    again = engine.generate(_requests(200))  # the kept graph, replayed for another generation
+    _same_samples(again, samples)
     gaps, same = [], []
     for sample in samples:
         logprobs, routing = teacher_forced(engine.model, sample.tokens.cuda(), temperature=0.7)

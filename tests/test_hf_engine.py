@@ -5,7 +5,6 @@ expert layout), and closed-form sampling distributions."""
 from __future__ import annotations
 
 import gc
-import time
 import weakref
 from pathlib import Path
 
@@ -254,35 +253,27 @@ def test_a_partial_rollout_records_both_versions_and_the_logprobs_it_sampled_wit
     prompt = (5, 9, 2, 7)
     request = [GenerationRequest("p", prompt, SamplingParams(temperature=1.0, max_new_tokens=10, seed=11,
                                                              stop_token_ids=()))]
-    forwards, third_done = [0], threading.Event()
-    original = model.forward
+    forwards, third_done, requested = [0], threading.Event(), threading.Event()
+    forward_done = engine._forward_done
 
-    def counting_forward(*args, **kwargs):
-        out = original(*args, **kwargs)
+    def counting_done():  # the gate's own hook: every forward pass, prefill and decode steps alike
+        forward_done()
         forwards[0] += 1
-        if forwards[0] == 3:  # hold the third forward until the update is requested
+        if forwards[0] == 3:  # hold the generation after its third forward until the update is requested
             third_done.set()
-            assert wait_for(lambda: engine.health().detail == "paused")
-        return out
+            assert requested.wait(30)
 
-    def wait_for(condition, timeout=30.0):
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.001)
-        return True
-
-    model.forward = counting_forward
+    engine._forward_done = counting_done
     result: list = []
     worker = threading.Thread(target=lambda: result.extend(engine.generate(request)))
     worker.start()
     assert third_done.wait(30)
-    engine.begin_weight_update(1)  # returns once the third forward is over
+    engine.begin_weight_update(1)  # a generation under way stops at its next step
+    requested.set()
     engine.update_weights(new.items())
     engine.end_weight_update()
     worker.join(30)
-    model.forward = original
+    engine._forward_done = forward_done
     [sample] = result
     assert sample.token_versions.tolist() == [0, 0, 0] + [1] * 7 and sample.weight_version == 0
 

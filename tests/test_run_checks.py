@@ -223,6 +223,18 @@ def test_a_run_recorded_with_keys_that_moved_since_resumes_under_their_new_homes
     assert code == 2 and "seed: 1234 -> 7" in output and "loss.correction.tis_cap: 2.0 -> 3.0" in output
 
 
+def test_a_run_recorded_with_a_decode_loop_since_removed_resumes(run_dir):
+    """rollout.hf.decode=transformers or static named loops the embedded engine no longer has: a
+    run recorded with either resumes (the loop changes how tokens are computed, not which: the
+    setting is resume-safe); a config that writes them is refused (tests/test_experiment_config.py)."""
+    for removed in ("transformers", "static"):
+        recorded = yaml.safe_load((run_dir / "config.yaml").read_text())
+        recorded["rollout"]["hf"]["decode"] = removed
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(recorded))
+        plan = prepare(_demo(run_dir))
+        assert plan.changes == {} and plan.state.step == 3
+
+
 def test_a_changed_model_config_is_refused_naming_the_fields(run_dir, tmp_path):
     changed = tmp_path / "model"
     changed.mkdir()

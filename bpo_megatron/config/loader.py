@@ -189,6 +189,10 @@ def build(cls: type[T], data: Mapping[str, Any] | None, path: str = "") -> T:
         where = f"{path}." if path else ""
         raise ConfigError(f"unknown key {where}{unknown[0]}; valid keys{' of ' + path if path else ''}: "
                           f"{', '.join(sorted(valid))}")
+    removed = getattr(cls, "REMOVED_VALUES", {})  # field key -> {value no longer valid: what to write}
+    for key, value in data.items():
+        if isinstance(value, str) and value in removed.get(key, {}):
+            raise ConfigError(f"{_join(path, key)}={value!r} {removed[key][value]}")
     kwargs = {fields[key].name: _coerce(hints[fields[key].name], value, _join(path, key))
               for key, value in data.items() if key in fields}
     for name, keys in inline.items():  # its keys written at this level, under this section's path

@@ -31,22 +31,22 @@ from bpo_megatron.rollout.hf.kv_cache import SlotKVCache
 
 Attention = Literal["flash", "sdpa"]
 SUPPORTED = ("qwen3", "qwen3_moe")
-ResolvedPath = Literal["transformers", "static", "cuda_graph"]
+ResolvedPath = Literal["eager", "cuda_graph"]
 
 
 def resolve_path(decode: str, device: torch.device, dtype: torch.dtype) -> ResolvedPath:
-    """The decode loop ``rollout.hf.decode`` means on this device and dtype; the one place the
-    embedded engine chooses its CUDA-only kernels (graph capture, FlashAttention, bf16 grouped GEMM)."""
+    """How ``rollout.hf.decode`` runs the step on this device and dtype; the one place the
+    embedded engine chooses its CUDA-only kernels (graph capture, FlashAttention, bf16 grouped GEMM).
+
+    ``eager`` runs anywhere: on CUDA in another dtype than bf16, ``torch._grouped_mm`` takes its
+    per-group fallback (which reads the group sizes on the host, so it cannot be captured)."""
     graphs_possible = device.type == "cuda" and dtype == torch.bfloat16
     if decode == "auto":
-        return "cuda_graph" if graphs_possible else "transformers"
+        return "cuda_graph" if graphs_possible else "eager"
     if decode == "cuda_graph" and not graphs_possible:
         raise ValueError(f"rollout.hf.decode=cuda_graph needs a CUDA device and rollout.hf.dtype=bf16 "
                          f"(FlashAttention and torch._grouped_mm are bf16 kernels); this engine has "
-                         f"{device.type} and {dtype}. Use decode=static (same step, eager) or auto")
-    if decode == "static" and device.type == "cuda" and dtype != torch.bfloat16:
-        raise ValueError(f"rollout.hf.decode=static on CUDA needs rollout.hf.dtype=bf16 (torch._grouped_mm is a "
-                         f"bf16 kernel there); this engine has {dtype}. Use decode=transformers or auto")
+                         f"{device.type} and {dtype}. Use decode=eager (same step, op by op) or auto")
     return decode
 
 
@@ -58,11 +58,11 @@ def check_supported(model: nn.Module) -> None:
     """Refuse a model the functional step does not reproduce (rather than decode it wrongly)."""
     config = model.config
     if config.model_type not in SUPPORTED:
-        raise ValueError(f"rollout.hf.decode: the static decode path serves {SUPPORTED} models, not "
-                         f"{config.model_type!r}; use rollout.hf.decode=transformers")
+        raise ValueError(f"rollout.engine=hf: the embedded engine decodes {SUPPORTED} models, not "
+                         f"{config.model_type!r}; serve it with rollout.engine=sglang or vllm")
     if getattr(config, "use_sliding_window", False):
-        raise ValueError("rollout.hf.decode: sliding-window attention is not supported by the static decode "
-                         "path; use rollout.hf.decode=transformers")
+        raise ValueError("rollout.engine=hf: the embedded engine does not decode sliding-window attention; "
+                         "serve the model with rollout.engine=sglang or vllm")
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """The decode step captured as one CUDA graph (CUDA only; the CPU runs the same step eagerly).
 
-A step launches a few hundred small kernels; replaying them as one graph removes the per-kernel
-Python and launch cost that dominates decoding at small batch. The captured step reads its inputs
-from static tensors and writes its outputs to tensors allocated during capture: callers copy new
-inputs in, replay, and read the same output tensors every time.
+A step launches a thousand-odd small kernels; replaying them as one graph removes the per-kernel
+Python and launch cost that dominates decoding at small batch. The captured kernels read and
+write raw device addresses: the step must only touch tensors that live as long as the graph, and
+those tensors must not be freed while it may replay, or the replay reads whatever reuses their
+memory. :class:`GraphedStep` therefore keeps the step callable itself — and through it the object
+that owns every tensor the step touches (:class:`~bpo_megatron.rollout.hf.slots.DecodeState`).
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ WARMUP_STEPS = 3  # eager runs on a side stream before capture, as torch.cuda.gr
 
 
 class GraphedStep:
-    """``step()`` captured once; calling replays it and returns the outputs captured."""
+    """``step()`` captured once; calling replays it. Holds ``step`` (and what it reaches) for as
+    long as the graph can replay."""
 
-    def __init__(self, step: Callable[[], tuple[torch.Tensor, ...]]) -> None:
+    def __init__(self, step: Callable[[], object]) -> None:
+        self._step = step  # owns what the graph reads: dropping it frees memory the replay still uses
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -29,6 +33,6 @@ class GraphedStep:
         with torch.cuda.graph(self._graph):
             self._outputs = step()
 
-    def __call__(self) -> tuple[torch.Tensor, ...]:
+    def __call__(self) -> object:
         self._graph.replay()
         return self._outputs

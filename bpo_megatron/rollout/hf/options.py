@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import ClassVar, Literal, get_args
 
 WeightDtype = Literal["fp32", "bf16"]
-# transformers: the model's own forward with a left-padded DynamicCache (today's loop);
-# static: a functional step over fixed per-row KV slots, eager (any device);
-# cuda_graph: the same step captured as one CUDA graph, FlashAttention and grouped GEMMs (CUDA, bf16);
-# auto: cuda_graph on a GPU in bf16, transformers otherwise
-DecodePath = Literal["auto", "transformers", "static", "cuda_graph"]
+# The engine has one decode loop (fixed per-row KV slots, a functional step: rollout/hf/slots.py);
+# this chooses how its step runs. eager: op by op (any device and dtype); cuda_graph: the step,
+# sampling and bookkeeping included, replayed as one CUDA graph with FlashAttention (CUDA, bf16);
+# auto: cuda_graph on a GPU in bf16, eager otherwise
+DecodePath = Literal["auto", "eager", "cuda_graph"]
+# values that named loops the engine no longer has -> what to write instead
+_ONE_LOOP = ("is gone: the embedded engine has one decode loop now (fixed per-row KV slots); write "
+             "rollout.hf.decode=eager (its step op by op, any device) or auto (a CUDA graph on a GPU in bf16)")
+REMOVED_DECODE = {"transformers": _ONE_LOOP, "static": _ONE_LOOP}
 
 
 @dataclass(frozen=True)
@@ -19,8 +23,11 @@ class HFEngineOptions:
     the weights and computes in: ``bf16`` against an fp32 trainer reproduces, on a CPU, the
     numerical gap between GPU inference kernels and the trainer that makes routing differ and
     that R3 closes. ``max_batch_rows`` bounds the rows decoded together. ``decode`` picks the
-    decode loop (:data:`DecodePath`); ``refill_every`` is how many steps the static paths run
-    between host syncs (finished rows leave and queued rows enter only then)."""
+    decode step runs (:data:`DecodePath`); ``refill_every`` is how many steps run between host
+    syncs (finished rows leave and queued rows enter only then; at most one uniform block,
+    ``UNIFORM_BLOCK`` steps, so each row's random stream can be drawn ahead at the sync)."""
+
+    REMOVED_VALUES: ClassVar[dict[str, dict[str, str]]] = {"decode": REMOVED_DECODE}  # refused by the loader
 
     dtype: WeightDtype = "fp32"
     max_batch_rows: int = 256
@@ -38,7 +45,12 @@ class HFEngineOptions:
 
 
 def check_decode(decode: str, refill_every: int) -> None:
+    from bpo_megatron.rollout.hf.sampling import UNIFORM_BLOCK
+
+    if decode in REMOVED_DECODE:
+        raise ValueError(f"rollout.hf.decode={decode!r} {REMOVED_DECODE[decode]}")
     if decode not in get_args(DecodePath):
         raise ValueError(f"rollout.hf.decode={decode!r} is unknown; choose one of {list(get_args(DecodePath))}")
-    if refill_every < 1:
-        raise ValueError(f"rollout.hf.refill_every must be >= 1, got {refill_every}")
+    if not 1 <= refill_every <= UNIFORM_BLOCK:
+        raise ValueError(f"rollout.hf.refill_every must be between 1 and {UNIFORM_BLOCK} (the steps a row's "
+                         f"random stream is drawn ahead), got {refill_every}")

@@ -67,105 +67,86 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
 
 
-class BatchSampler:
-    """Per-row sampling settings and random streams of one batch; rows can be dropped as they finish."""
-
-    def __init__(self, params: list[SamplingParams], seeds: list[int], device: torch.device) -> None:
-        self._device = device
-        self.temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-        self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
-        self.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-        self._filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
-        width = max(1, max(len(p.stop_token_ids) for p in params))
-        stops = [list(p.stop_token_ids) + [-1] * (width - len(p.stop_token_ids)) for p in params]
-        self.stop_ids = torch.tensor(stops, dtype=torch.long, device=device)  # -1 pads: never a token
-        self.max_new_tokens = torch.tensor([p.max_new_tokens for p in params], dtype=torch.long, device=device)
-        self._generators = [torch.Generator().manual_seed(s) for s in seeds]
-        self._uniforms = torch.empty(len(params), 0, device=device)
-
-    def sample(self, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens ``[b]`` and their log μ ``[b]`` (fp32) from last-position logits ``[b, V]``."""
-        return draw(logits, self.temperature, self.top_k, self.top_p, self._uniforms_at(step), self._filtered)
-
-    def _uniforms_at(self, step: int) -> torch.Tensor:
-        column = step % UNIFORM_BLOCK
-        if column == 0:  # steps start at 0; one small draw per row every UNIFORM_BLOCK steps
-            self._uniforms = torch.stack(
-                [torch.rand(UNIFORM_BLOCK, generator=g) for g in self._generators]).to(self._device)
-        return self._uniforms[:, column]
-
-    def is_stop(self, tokens: torch.Tensor) -> torch.Tensor:
-        return (tokens[:, None] == self.stop_ids).any(dim=1)
-
-    def keep(self, rows: torch.Tensor) -> None:
-        """Drop every row not in ``rows`` (indices into the current rows, ascending)."""
-        for name in ("temperature", "top_k", "top_p", "stop_ids", "max_new_tokens", "_uniforms"):
-            setattr(self, name, getattr(self, name)[rows])
-        self._generators = [self._generators[i] for i in rows.tolist()]
-
-
 class SlotSampler:
     """Sampling settings and random streams of the rows held in fixed decoding slots; a slot takes
     a new row when its row is done (:mod:`bpo_megatron.rollout.hf.slots`).
 
-    The random streams are :class:`BatchSampler`'s: a row's token ``t`` uses uniform ``t mod
-    UNIFORM_BLOCK`` of the row's block ``t // UNIFORM_BLOCK``, drawn from the row's own generator,
-    so a seed gives the same tokens in either engine loop. ``filtered`` is fixed for the session
-    (``BatchSampler`` decides it per batch; the two agree when the session is one batch).
+    A row's token ``t`` uses uniform ``t mod UNIFORM_BLOCK`` of the row's block ``t // UNIFORM_BLOCK``,
+    the blocks drawn in order from the row's own generator (seeded from its request's seed and its
+    index among the request's ``n`` samples), so a seed gives the same tokens whatever else is
+    batched with the request. Blocks are drawn on the host *ahead* of use, at the host syncs
+    (:meth:`draw_ahead`), into a ring of two blocks per slot on the device: :meth:`sample` then
+    reads its uniforms by the device-side token count alone, with no host work, so the whole
+    decode step, sampling included, can be replayed as one CUDA graph.
+
+    Every tensor is allocated once and written in place (a captured graph reads their addresses);
+    ``stop_width`` bounds the stop tokens a row may have. ``filtered`` is fixed for the sampler
+    (one request with top-k/top-p sends every row through the sorted draw, which picks another
+    token for the same uniform than the unfiltered draw).
     """
 
-    def __init__(self, slots: int, filtered: bool, device: torch.device) -> None:
+    def __init__(self, slots: int, filtered: bool, stop_width: int, device: torch.device) -> None:
         self._device = device
         self.filtered = filtered
         self.temperature = torch.ones(slots, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(slots, dtype=torch.long, device=device)
         self.top_p = torch.ones(slots, dtype=torch.float32, device=device)
         self.max_new_tokens = torch.ones(slots, dtype=torch.long, device=device)
-        self.stop_ids = torch.full((slots, 1), -1, dtype=torch.long, device=device)
-        self._uniforms = torch.zeros(slots, UNIFORM_BLOCK, device=device)
+        self.stop_ids = torch.full((slots, stop_width), -1, dtype=torch.long, device=device)  # -1: never a token
+        self._ring = torch.zeros(slots, 2, UNIFORM_BLOCK, device=device)
+        self._slot_ids = torch.arange(slots, device=device)
         self._generators: list[torch.Generator | None] = [None] * slots
-        self._drawn = [0] * slots  # tokens each slot's row has had uniforms for (host-side count)
+        self._blocks = [0] * slots  # blocks drawn so far for each slot's row
 
     def assign(self, slots: list[int], params: list[SamplingParams], seeds: list[int]) -> None:
-        """Give ``slots`` to new rows (their first token is sampled next)."""
+        """Give ``slots`` to new rows (their first token is sampled next: its uniform is drawn here)."""
+        width = self.stop_ids.shape[1]
+        if any(len(p.stop_token_ids) > width for p in params):
+            raise ValueError(f"a row has more than the sampler's {width} stop tokens")
         index = torch.tensor(slots, dtype=torch.long, device=self._device)
         self.temperature[index] = torch.tensor([p.temperature for p in params], device=self._device)
         self.top_k[index] = torch.tensor([p.top_k for p in params], device=self._device)
         self.top_p[index] = torch.tensor([p.top_p for p in params], device=self._device)
         self.max_new_tokens[index] = torch.tensor([p.max_new_tokens for p in params], device=self._device)
-        width = max(self.stop_ids.shape[1], max(len(p.stop_token_ids) for p in params))
-        if width > self.stop_ids.shape[1]:
-            pad = self.stop_ids.new_full((self.stop_ids.shape[0], width - self.stop_ids.shape[1]), -1)
-            self.stop_ids = torch.cat([self.stop_ids, pad], dim=1)
         stops = [list(p.stop_token_ids) + [-1] * (width - len(p.stop_token_ids)) for p in params]
         self.stop_ids[index] = torch.tensor(stops, dtype=torch.long, device=self._device)
         for slot, seed in zip(slots, seeds):
             self._generators[slot] = torch.Generator().manual_seed(seed)
-            self._drawn[slot] = 0
+            self._blocks[slot] = 0
+        self.draw_ahead({slot: 0 for slot in slots}, 1)
 
     def release(self, slot: int) -> None:
         self._generators[slot] = None
 
-    def sample(self, logits: torch.Tensor, slots: list[int] | None, count: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens and log μ from logits ``[len(slots), V]`` (None: every slot, in order);
-        ``count`` holds each of those slots' tokens sampled so far (on the device)."""
-        rows = range(len(self._generators)) if slots is None else slots
-        self._advance(rows)
-        index = slice(None) if slots is None else torch.tensor(slots, dtype=torch.long, device=self._device)
-        uniforms = self._uniforms[index].gather(1, (count % UNIFORM_BLOCK)[:, None])[:, 0]
-        return draw(logits, self.temperature[index], self.top_k[index], self.top_p[index], uniforms, self.filtered)
-
-    def _advance(self, rows) -> None:
-        """Draw a fresh block for every row about to use the first uniform of one. The host counts
-        tokens per row without reading the device: a row that finished between host syncs counts
-        on, harmlessly (its stream is dropped with it)."""
-        fresh = [s for s in rows if self._generators[s] is not None and self._drawn[s] % UNIFORM_BLOCK == 0]
+    def draw_ahead(self, counts: dict[int, int], steps: int) -> None:
+        """Make the uniforms of the next ``steps`` tokens of each slot in ``counts`` (slot -> tokens
+        its row has sampled) present on the device. ``steps`` ≤ UNIFORM_BLOCK, so the blocks in use
+        span at most two and the ring's older block is free when a new one is drawn."""
+        assert 1 <= steps <= UNIFORM_BLOCK
+        fresh: list[tuple[int, int, torch.Tensor]] = []
+        for slot, count in counts.items():
+            generator = self._generators[slot]
+            if generator is None:
+                continue
+            last = (count + steps - 1) // UNIFORM_BLOCK
+            while self._blocks[slot] <= last:
+                block = self._blocks[slot]
+                fresh.append((slot, block % 2, torch.rand(UNIFORM_BLOCK, generator=generator)))
+                self._blocks[slot] = block + 1
         if fresh:
-            blocks = torch.stack([torch.rand(UNIFORM_BLOCK, generator=self._generators[s]) for s in fresh])
-            self._uniforms[torch.tensor(fresh, device=self._device)] = blocks.to(self._device)
-        for s in rows:
-            self._drawn[s] += 1
+            slots = torch.tensor([f[0] for f in fresh], device=self._device)
+            parity = torch.tensor([f[1] for f in fresh], device=self._device)
+            self._ring[slots, parity] = torch.stack([f[2] for f in fresh]).to(self._device)
+
+    def sample(self, logits: torch.Tensor, count: torch.Tensor, slots: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and log μ from logits ``[len(slots), V]`` (``slots`` None: every slot, in order);
+        ``count`` holds each of those slots' tokens sampled so far (on the device)."""
+        index = self._slot_ids if slots is None else slots
+        uniforms = self._ring[index, (count // UNIFORM_BLOCK) % 2, count % UNIFORM_BLOCK]
+        if slots is None:
+            return draw(logits, self.temperature, self.top_k, self.top_p, uniforms, self.filtered)
+        return draw(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], uniforms, self.filtered)
 
     def is_stop(self, tokens: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         """Which of ``tokens`` (one per slot of ``slots``; None: every slot) end their row."""
