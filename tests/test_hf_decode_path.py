@@ -285,6 +285,26 @@ def test_the_graph_path_owns_its_state_and_replays_it_as_the_eager_step(moe_dir,
         assert torch.equal(a.routing, b.routing)
 
 
+def test_compiled_layers_give_the_eager_steps_tokens_and_log_mu(moe_dir):
+    """rollout.hf.compile: each decoder layer through torch.compile (the experts' GEMMs left
+    outside) — one compiled graph serves every layer, and the outputs are the eager step's: the
+    same tokens and routing, log μ within summation-order error; a second generation compiles
+    nothing more."""
+    import torch._dynamo.utils as dynamo_utils
+
+    requests = [GenerationRequest(f"q{i}", tuple(range(1, 3 + i)), SamplingParams(
+        temperature=0.7, top_k=40, top_p=0.9, n=2, max_new_tokens=12, seed=i)) for i in range(4)]
+    eager = HFEngine(moe_dir, capture_routing=True, max_batch_rows=4, refill_every=3).generate(requests)
+    torch._dynamo.reset()
+    engine = HFEngine(moe_dir, capture_routing=True, max_batch_rows=4, refill_every=3, compile_layers=True)
+    compiled = engine.generate(requests)
+    graphs_compiled = dynamo_utils.counters["stats"]["unique_graphs"]
+    assert 0 < graphs_compiled <= 3  # around the experts' call: before, after; not one per layer
+    _same_samples(compiled, eager)
+    _same_samples(engine.generate(requests), eager)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs_compiled
+
+
 def test_grouped_experts_equal_transformers_expert_loop(moe_dir):
     """The step's expert GEMMs against the model's own experts module, on tokens routed so that
     one expert gets no token (an empty group) and others several."""

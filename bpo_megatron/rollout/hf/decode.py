@@ -70,6 +70,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
+# outside a compiled layer: torch._grouped_mm's meta kernel (which compiling needs) takes bf16 only,
+# and the GEMMs it runs are one kernel each already
+@torch.compiler.disable
 def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor, act: nn.Module) -> torch.Tensor:
     """Σ_k weights[:, k] · down_e(act(gate_e(x)) · up_e(x)) with e = experts[:, k], for fused expert
@@ -97,7 +100,7 @@ class FunctionalDecoder:
     """The decode step over a slot cache, for a transformers Qwen3 / Qwen3-MoE causal LM."""
 
     def __init__(self, model: nn.Module, cache: SlotKVCache, *, attention: Attention,
-                 routing: torch.Tensor | None) -> None:
+                 routing: torch.Tensor | None, compile_layers: bool = False) -> None:
         check_supported(model)
         self._model = model
         self._layers = list(model.model.layers)
@@ -105,10 +108,18 @@ class FunctionalDecoder:
         self._attention = attention
         device = cache.keys[0].device
         routers = moe_routers(model)
-        self._moe_index = {id(router): i for i, router in enumerate(routers)}
         self.routing = routing
         if routing is not None and routing.shape[1] != len(routers):
             raise ValueError(f"routing buffer has {routing.shape[1]} MoE layers, the model {len(routers)}")
+        # per layer: is it a MoE layer, and the view of the routing buffer its router writes
+        moe_layer = {id(router): i for i, router in enumerate(routers)}
+        self._moe = [id(getattr(layer.mlp, "gate", None)) in moe_layer for layer in self._layers]
+        self._routing_views = [routing[:, moe_layer[id(layer.mlp.gate)]] if moe and routing is not None else None
+                               for layer, moe in zip(self._layers, self._moe)]
+        # torch.compile per layer (one compiled graph serves every layer of a kind: their modules
+        # are its inputs) fuses the elementwise work between the GEMMs — norms, RoPE, residuals,
+        # the KV write, routing bookkeeping — into a few kernels
+        self._layer_step = torch.compile(self._layer, dynamic=False) if compile_layers else self._layer
         # cos/sin of every position, from the model's own rotary module: each entry is the same
         # product a forward at that position computes, so a table lookup changes no value
         positions = torch.arange(cache.length, device=device)[None]
@@ -128,22 +139,26 @@ class FunctionalDecoder:
         hidden = self._model.model.embed_tokens(tokens)
         cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
         for index, layer in enumerate(self._layers):
-            residual = hidden
-            attended = self._attend(index, layer.self_attn, layer.input_layernorm(hidden), cos, sin, positions)
-            hidden = residual + attended
-            residual = hidden
-            hidden = residual + self._mlp(layer.mlp, layer.post_attention_layernorm(hidden))
+            hidden = self._layer_step(layer, self._cache.keys[index], self._cache.values[index], self._moe[index],
+                                      self._routing_views[index], hidden, cos, sin, positions)
         return self._model.lm_head(self._model.model.norm(hidden))
 
-    def _attend(self, index: int, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                positions: torch.Tensor) -> torch.Tensor:
+    def _layer(self, layer: nn.Module, keys: torch.Tensor, values: torch.Tensor, moe: bool,
+               routing: torch.Tensor | None, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        """One decoder layer; everything that differs between layers is an argument."""
+        hidden = hidden + self._attend(layer.self_attn, keys, values, layer.input_layernorm(hidden), cos, sin,
+                                       positions)
+        return hidden + self._mlp(layer.mlp, moe, routing, layer.post_attention_layernorm(hidden))
+
+    def _attend(self, attn: nn.Module, keys: torch.Tensor, values: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         slots, head_dim = x.shape[0], attn.head_dim
         query = attn.q_norm(attn.q_proj(x).view(slots, -1, head_dim))
         key = attn.k_norm(attn.k_proj(x).view(slots, -1, head_dim))
         value = attn.v_proj(x).view(slots, -1, head_dim)
         query = query * cos + _rotate_half(query) * sin
         key = key * cos + _rotate_half(key) * sin
-        keys, values = self._cache.keys[index], self._cache.values[index]
         keys[self._slot_ids, positions] = key
         values[self._slot_ids, positions] = value
         if self._attention == "flash":
@@ -163,14 +178,13 @@ class FunctionalDecoder:
             query, keys.view(slots * length, kv_heads, head_dim), values.view(slots * length, kv_heads, head_dim),
             self._cu_queries, self._cu_keys, 1, length, 0.0, False, False, scale=scale, seqused_k=used)[0]
 
-    def _mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        moe_layer = self._moe_index.get(id(getattr(mlp, "gate", None)))
-        if moe_layer is None:
+    def _mlp(self, mlp: nn.Module, moe: bool, routing: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        if not moe:
             return mlp(x)
         # the router's own forward (not __call__): transformers' numerics, none of the capture hooks
         _, weights, experts = mlp.gate.forward(x)
-        if self.routing is not None:
-            self.routing[:, moe_layer] = experts.to(self.routing.dtype)
+        if routing is not None:
+            routing.copy_(experts.to(routing.dtype))
         fused = mlp.experts
         return grouped_experts(x, experts, weights, fused.gate_up_proj, fused.down_proj, fused.act_fn)
 

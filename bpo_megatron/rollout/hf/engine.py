@@ -60,12 +60,14 @@ class HFEngine(RolloutEngine):
     an already built model, used as is. ``threads`` sets torch's (process-wide) intra-op threads.
     ``max_batch_rows`` bounds the rows decoded together (the slots; more rows wait in a queue,
     shortest prompts first). ``decode`` and ``refill_every`` choose how the decode step runs and how
-    often the host looks (``rollout.hf.decode``, :class:`~bpo_megatron.rollout.hf.options.HFEngineOptions`).
+    often the host looks, ``compile_layers`` whether its layers go through ``torch.compile``
+    (``rollout.hf``, :class:`~bpo_megatron.rollout.hf.options.HFEngineOptions`).
     """
 
     def __init__(self, model_dir_or_model: str | Path | nn.Module, *, capture_routing: bool,
                  dtype: torch.dtype = torch.float32, threads: int = 1, device: str | torch.device = "cpu",
-                 max_batch_rows: int = 256, decode: str = "auto", refill_every: int = 8) -> None:
+                 max_batch_rows: int = 256, decode: str = "auto", refill_every: int = 8,
+                 compile_layers: bool = False) -> None:
         if threads < 1 or max_batch_rows < 1:
             raise ValueError(f"threads={threads} and max_batch_rows={max_batch_rows} must be >= 1")
         check_decode(decode, refill_every)
@@ -83,6 +85,7 @@ class HFEngine(RolloutEngine):
         check_supported(model)
         self._states = DecodeStates()
         self._refill_every = refill_every
+        self._compile_layers = compile_layers
         self._max_positions = getattr(model.config, "max_position_embeddings", None)
         self._weights = HFWeights(model)
         routers = moe_routers(model)
@@ -231,12 +234,13 @@ class HFEngine(RolloutEngine):
         with self._generating, torch.inference_mode():
             settings = SlotSettings(slots=self._max_batch_rows, refill_every=self._refill_every,
                                     attention=attention_for(self._decode_path),
-                                    cuda_graph=self._decode_path == "cuda_graph")
+                                    cuda_graph=self._decode_path == "cuda_graph",
+                                    compile_layers=self._compile_layers)
             queued = [SlotRow(rows[i].request.prompt_tokens, rows[i].request.sampling, rows[i].seed,
                               rows[i].request.capture_routing) for i in order]
             shape = StateShape.of(queued, settings, capture=self._capture is not None
                                   and any(r.capture_routing for r in queued))
-            state = self._states.get(model, shape, settings.attention, settings.cuda_graph)
+            state = self._states.get(model, shape, settings)
             outputs = SlotSession(model, queued, settings, state, self._capture, self._gated).run()
         samples: list[Sample | None] = [None] * len(rows)
         for i, out in zip(order, outputs):

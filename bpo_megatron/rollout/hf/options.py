@@ -25,7 +25,9 @@ class HFEngineOptions:
     that R3 closes. ``max_batch_rows`` bounds the rows decoded together. ``decode`` picks the
     decode step runs (:data:`DecodePath`); ``refill_every`` is how many steps run between host
     syncs (finished rows leave and queued rows enter only then; at most one uniform block,
-    ``UNIFORM_BLOCK`` steps, so each row's random stream can be drawn ahead at the sync)."""
+    ``UNIFORM_BLOCK`` steps, so each row's random stream can be drawn ahead at the sync).
+    ``compile`` runs each decoder layer of the step through ``torch.compile`` (its elementwise
+    work fused between the GEMMs; compiled once per layer kind at the first generation)."""
 
     REMOVED_VALUES: ClassVar[dict[str, dict[str, str]]] = {"decode": REMOVED_DECODE}  # refused by the loader
 
@@ -33,6 +35,7 @@ class HFEngineOptions:
     max_batch_rows: int = 256
     decode: DecodePath = "auto"
     refill_every: int = 8
+    compile: bool = False
 
     def __post_init__(self) -> None:
         from bpo_megatron.models.options import TORCH_DTYPES

@@ -51,12 +51,14 @@ def bucket(value: int, smallest: int, cap: int | None = None) -> int:
 @dataclass(frozen=True)
 class SlotSettings:
     """How a session decodes: at most ``slots`` rows at once, the host looks every ``refill_every``
-    steps, which attention kernel the step uses and whether it is replayed as a CUDA graph."""
+    steps, which attention kernel the step uses, whether it is replayed as a CUDA graph and whether
+    its layers go through ``torch.compile``."""
 
     slots: int
     refill_every: int
     attention: Attention
     cuda_graph: bool
+    compile_layers: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,8 @@ class DecodeState:
     output buffers) and the graph keeps the step — and through it this state — alive.
     """
 
-    def __init__(self, model: nn.Module, shape: StateShape, attention: Attention, cuda_graph: bool) -> None:
+    def __init__(self, model: nn.Module, shape: StateShape, attention: Attention, cuda_graph: bool,
+                 compile_layers: bool = False) -> None:
         config = model.config
         parameter = next(model.parameters())
         device = self.device = parameter.device
@@ -136,7 +139,8 @@ class DecodeState:
                                  kv_heads=config.num_key_value_heads, head_dim=model.model.layers[0].self_attn.head_dim,
                                  dtype=parameter.dtype, device=device)
         self.routing_out = routing_buffer(model, slots, device) if shape.routing else None
-        self.decoder = FunctionalDecoder(model, self.cache, attention=attention, routing=self.routing_out)
+        self.decoder = FunctionalDecoder(model, self.cache, attention=attention, routing=self.routing_out,
+                                         compile_layers=compile_layers)
         self.sampler = SlotSampler(slots, shape.filtered, shape.stop_width, device)
         self.ids = torch.arange(slots, device=device)
         # the step's inputs and bookkeeping: static tensors, written in place
@@ -208,13 +212,13 @@ class DecodeStates:
         self._keep = keep
         self._states: OrderedDict[tuple, DecodeState] = OrderedDict()
 
-    def get(self, model: nn.Module, shape: StateShape, attention: Attention, cuda_graph: bool) -> DecodeState:
-        key = (shape, attention, cuda_graph)
+    def get(self, model: nn.Module, shape: StateShape, settings: SlotSettings) -> DecodeState:
+        key = (shape, settings.attention, settings.cuda_graph, settings.compile_layers)
         state = self._states.pop(key, None)
         if state is None:
             while len(self._states) >= self._keep:
                 self._states.popitem(last=False)
-            state = DecodeState(model, shape, attention, cuda_graph)
+            state = DecodeState(model, shape, settings.attention, settings.cuda_graph, settings.compile_layers)
         self._states[key] = state
         return state
 

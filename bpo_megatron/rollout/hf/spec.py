@@ -12,7 +12,8 @@ def _build(options: HFEngineOptions, context: EngineContext) -> RolloutEngine:
 
     return HFEngine(context.model_dir, capture_routing=context.routing is not None, threads=context.threads,
                     dtype=TORCH_DTYPES[options.dtype], max_batch_rows=options.max_batch_rows,
-                    decode=options.decode, refill_every=options.refill_every)
+                    decode=options.decode, refill_every=options.refill_every,
+                    compile_layers=options.compile)
 
 
 def _profile(options: HFEngineOptions, requests: int, gpus_per_engine: float) -> EngineProfile:
