@@ -284,6 +284,12 @@ def test_the_graph_path_owns_its_state_and_replays_it_as_the_eager_step(moe_dir,
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
         assert torch.equal(a.routing, b.routing)
 
+    # the state and its graph refer to each other: handing the memory back must still free them
+    engine._states._states["graphed"] = state
+    del state, graph
+    engine.release_memory()
+    assert all(ref() is None for ref in owned)
+
 
 def test_compiled_layers_give_the_eager_steps_tokens_and_log_mu(moe_dir):
     """rollout.hf.compile: each decoder layer through torch.compile (the experts' GEMMs left

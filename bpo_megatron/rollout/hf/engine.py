@@ -20,6 +20,7 @@ when the engine hands its memory back (:meth:`HFEngine.release_memory`).
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import threading
 from collections.abc import Iterable, Iterator
@@ -136,6 +137,7 @@ class HFEngine(RolloutEngine):
         generation allocates (and captures) again."""
         with self._generating:
             self._states.clear()
+            gc.collect()  # a state and its graph refer to each other: freed by the collector, not at once
             platform.release_cached_memory()
 
     def health(self) -> EngineHealth:
