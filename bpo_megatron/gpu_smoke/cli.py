@@ -1,7 +1,10 @@
-"""``python -m bpo_megatron.gpu_smoke --out DIR [--device cpu] [--checks a,b] [--timeout S]``.
+"""``python -m bpo_megatron.gpu_smoke --out DIR [--device cpu] [--checks a,b] [--timeout S]
+[--budgets a=S,b=S] [--total S]``.
 
-Each check runs in a child process (``python -m bpo_megatron.gpu_smoke.child``) with a time limit;
-the report is rewritten after every check, so a run cut short still leaves what it measured.
+Each check runs in a child process (``python -m bpo_megatron.gpu_smoke.child``) with a time limit:
+its ``--budgets`` entry, else ``--timeout``, and never more than what is left of ``--total`` (a
+check with less than ``MIN_START_S`` left is reported as not run). The report is rewritten after
+every check, so a run cut short still leaves what it measured.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ import time
 from pathlib import Path
 
 from bpo_megatron.gpu_smoke.checks import CHECKS
-from bpo_megatron.gpu_smoke.report import Outcome, environment, write
+from bpo_megatron.gpu_smoke.report import Outcome, environment, verdict, write
+
+MIN_START_S = 10.0  # a check is not started with less than this left of --total
+BUDGET_ENV = "BPO_GPU_SMOKE_BUDGET_S"  # tells a check its own limit (one that runs a subprocess bounds it)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,6 +35,11 @@ def _parser() -> argparse.ArgumentParser:
                              "auto: cuda when a GPU is visible")
     parser.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated subset of: {', '.join(CHECKS)}")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds each check may take (default 300)")
+    parser.add_argument("--budgets", default="", metavar="NAME=S,...",
+                        help="per-check limits in seconds, in place of --timeout for the checks named")
+    parser.add_argument("--total", type=float, default=None, metavar="S",
+                        help="seconds the whole run may take: a check's limit is cut to what is left, and a "
+                             f"check with less than {MIN_START_S:.0f} s left is reported as not run")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where checks write checkpoints (default: a temporary directory, removed after)")
     return parser
@@ -42,9 +53,25 @@ def _resolve_device(choice: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _budgets(text: str) -> dict[str, float]:
+    """``a=120,b=30`` -> {"a": 120.0, "b": 30.0}; ValueError naming a malformed entry."""
+    budgets = {}
+    for entry in (e.strip() for e in text.split(",") if e.strip()):
+        name, sep, seconds = entry.partition("=")
+        try:
+            value = float(seconds)
+        except ValueError:
+            value = float("nan")
+        if not sep or not value > 0:
+            raise ValueError(f"--budgets: {entry!r} is not NAME=SECONDS with SECONDS > 0")
+        budgets[name.strip()] = value
+    return budgets
+
+
 def _run_child(name: str, device: str, workdir: Path, timeout: float) -> Outcome:
     result = workdir / f"{name}.result.json"
     env = dict(os.environ)
+    env[BUDGET_ENV] = f"{timeout:.0f}"
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU profile must not touch a GPU that happens to be there
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -57,7 +84,7 @@ def _run_child(name: str, device: str, workdir: Path, timeout: float) -> Outcome
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)  # the check and anything it started
         process.wait()
-        return Outcome(name, error=f"check {name!r} did not finish within --timeout {timeout:.0f} s",
+        return Outcome(name, error=f"check {name!r} did not finish within its limit of {timeout:.0f} s",
                        seconds=time.perf_counter() - start)
     finally:
         if process.poll() is None:
@@ -76,6 +103,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --checks: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(CHECKS)}",
               file=sys.stderr)
         return 2
+    try:
+        budgets = _budgets(args.budgets)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if unknown := [n for n in budgets if n not in CHECKS]:
+        print(f"error: --budgets: unknown {', '.join(unknown)}; choose from {', '.join(CHECKS)}", file=sys.stderr)
+        return 2
     device = _resolve_device(args.device)
     if device == "cuda":
         import torch
@@ -85,16 +120,26 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     env = environment() if device == "cuda" else {**environment(), "device": "cpu"}
     outcomes: list[Outcome] = []
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bpo-gpu-smoke-") as scratch:
         workdir = args.workdir or Path(scratch)
         workdir.mkdir(parents=True, exist_ok=True)
         for name in names:
-            print(f"[gpu-smoke] {name} ...", flush=True)
-            outcome = _run_child(name, device, workdir, args.timeout)
+            limit = budgets.get(name, args.timeout)
+            left = None if args.total is None else args.total - (time.perf_counter() - started)
+            if left is not None and left < MIN_START_S:
+                outcome = Outcome(name, error=f"not run: {max(left, 0):.0f} s left of --total {args.total:.0f} s "
+                                              f"(its budget: {limit:.0f} s)")
+                outcomes.append(outcome)
+                write(args.out, env, outcomes, profile=device)
+                print(f"[gpu-smoke] {name}: not run ({max(left, 0):.0f} s left of --total)", flush=True)
+                continue
+            limit = limit if left is None else min(limit, left)
+            print(f"[gpu-smoke] {name} (limit {limit:.0f} s) ...", flush=True)
+            outcome = _run_child(name, device, workdir, limit)
             outcomes.append(outcome)
             write(args.out, env, outcomes, profile=device)
-            verdict = "pass" if outcome.passed else "FAIL"
-            print(f"[gpu-smoke] {name}: {verdict} ({outcome.seconds:.1f} s)", flush=True)
+            print(f"[gpu-smoke] {name}: {verdict(outcome)} ({outcome.seconds:.1f} s)", flush=True)
             for line in outcome.criteria:
                 print(f"    {line}", flush=True)
             if outcome.error:

@@ -65,6 +65,11 @@ class Profile:
     decode_prompt_tokens: int
     decode_new_tokens: int
     ipc_bytes: int  # size of the raw buffer the IPC bandwidth is measured with
+    # rl_loop: RL steps of configs/qwen3_moe_1gpu.yaml through `bpo-megatron train`, with these
+    # overrides ({models}: the recipes' model directory, configs/models)
+    loop_steps: int
+    loop_overrides: tuple[str, ...]
+    loop_routing_min: float  # the trainer's own routing equals the engine's on at least this share
     # Stated tolerances (see docs/gpu-validation.md for why these values)
     loss_rel_tol: float  # step-0 loss vs the fp32 CPU reference, relative
     logp_mean_tol: float  # mean |log π − reference| over response tokens, nats
@@ -86,6 +91,10 @@ GPU = Profile(
     rl_prompts=16, rl_n=4, rl_prompt_tokens=64, rl_new_tokens=1024, rl_micro_batch=4,
     decode_sequences=(64, 256), decode_prompt_tokens=64, decode_new_tokens=256,
     ipc_bytes=2 * 2**30,
+    loop_steps=2, loop_overrides=(),  # the recipe as written: the kit's throughput model, bf16
+    # a capture misaligned by a token or a layer agrees on ~0% of (token, layer) pairs; bf16 near-ties
+    # flipped 2.5% of them between engine and trainer in engine_replay (H100), random weights more
+    loop_routing_min=0.9,
     # bf16 keeps 8 significant bits (relative rounding 2^-9 ≈ 2e-3 per operation); through a few
     # layers and a 16k-way softmax that accumulates to ~1e-2 in log-probs.
     loss_rel_tol=2e-2, logp_mean_tol=0.1,
@@ -106,6 +115,13 @@ CPU = Profile(
     rl_prompts=4, rl_n=2, rl_prompt_tokens=8, rl_new_tokens=24, rl_micro_batch=4,
     decode_sequences=(4, 8), decode_prompt_tokens=8, decode_new_tokens=16,
     ipc_bytes=16 * 2**20,
+    loop_steps=2,
+    loop_overrides=(  # the CPU demo's model in fp32, no GPU, short responses, one engine thread
+        "model.path={models}/tiny_qwen3_moe", "model.params_dtype=fp32", "cluster.gpus_per_node=0",
+        "cluster.gpus_per_trainer_rank=0", "cluster.gpus_per_engine=0", "rollout.hf.dtype=fp32",
+        "rollout.threads_per_engine=1", "rollout.max_new_tokens=8", "train.prompts_per_step=8",
+        "trainer.max_tokens_per_micro_batch=64"),
+    loop_routing_min=0.99,
     loss_rel_tol=1e-5, logp_mean_tol=1e-4,  # fp32 against fp32: summation order only
 )
 

@@ -77,13 +77,22 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def verdict(outcome: Outcome, *, bold: bool = False) -> str:
+    """pass, FAIL, or "not run" (a check that could not start: no time left, Ray missing)."""
+    if outcome.passed:
+        return "pass"
+    if outcome.error.startswith("not run"):
+        return "not run"
+    return "**FAIL**" if bold else "FAIL"
+
+
 def markdown(env: dict[str, Any], outcomes: list[Outcome], *, profile: str) -> str:
     lines = [f"# GPU smoke report ({profile} profile)", "",
              " · ".join(f"{k}: {v}" for k, v in env.items()), "",
              "| check | result | seconds |", "|---|---|---|"]
-    lines += [f"| {o.name} | {'pass' if o.passed else '**FAIL**'} | {o.seconds:.1f} |" for o in outcomes]
+    lines += [f"| {o.name} | {verdict(o, bold=True)} | {o.seconds:.1f} |" for o in outcomes]
     for o in outcomes:
-        lines += ["", f"## {o.name}: {'pass' if o.passed else 'FAIL'}", ""]
+        lines += ["", f"## {o.name}: {verdict(o)}", ""]
         lines += [f"- {c}" for c in o.criteria]
         if o.numbers:
             lines += ["", "| number | value |", "|---|---|"]

@@ -1,26 +1,66 @@
 #!/usr/bin/env bash
-# Build, on this (CPU) machine, the wheels the GPU machine needs: Python 3.12 manylinux wheels of
-# tools/gpu/bundle-requirements.txt plus this package, into .gpu-bundle/ (git-ignored; pass it as
-# a carried path). Prints the bundle's size and refuses one over the 64 MiB a call can carry.
-# Usage: bash tools/gpu/build_bundle.sh [OUT_DIR]
+# Build, on this (CPU) machine, the wheels a GPU machine without a package registry needs, in two
+# folders (both git-ignored; each is one device call's carried path, so each must stay under the
+# 64 MiB a call carries):
+#   .gpu-bundle/        Python 3.12 manylinux wheels of tools/gpu/bundle-requirements.txt, this
+#                       package, and the tail of Ray's wheel       (call 2: tools/gpu/round.sh)
+#   .gpu-bundle-stage/  the head of Ray's wheel                      (call 1: tools/gpu/stage.sh)
+# Ray's cp312 wheel (~76 MiB) is larger than one call carries, so it travels in parts: split here
+# with `split`, its sha256 and each part's recorded in ray-wheel.manifest (in both folders); call 1
+# leaves its part under /tmp, call 2 joins the parts, checks the sha256 and installs the wheel.
+# Ray's version: the one .venv runs (RAY_VERSION=... to choose another). Refuses a folder over the limit.
+# Usage: bash tools/gpu/build_bundle.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-OUT="${1:-.gpu-bundle}"
+OUT=.gpu-bundle
+STAGE=.gpu-bundle-stage
 LIMIT_MIB=64
+STAGE_PART_MIB=60   # Ray's first part, carried alone in call 1 (the manifest and .gitignore beside it)
 PY="${PYTHON:-.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
-rm -rf "$OUT"
-mkdir -p "$OUT"
-"$PY" -m pip download --disable-pip-version-check -q --no-deps --only-binary=:all: \
-  --python-version 3.12 --implementation cp --abi cp312 \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any \
-  -d "$OUT" -r tools/gpu/bundle-requirements.txt
+DOWNLOAD=("$PY" -m pip download --disable-pip-version-check -q --no-deps --only-binary=:all:
+  --python-version 3.12 --implementation cp --abi cp312
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)
+
+rm -rf "$OUT" "$STAGE"
+mkdir -p "$OUT" "$STAGE"
+# the stage folder sits outside the repository's .gitignore: it ignores itself, so it never
+# travels as an untracked file of the work tree (only when carried)
+echo '*' > "$STAGE/.gitignore"
+"${DOWNLOAD[@]}" -d "$OUT" -r tools/gpu/bundle-requirements.txt
 "$PY" -m pip wheel --disable-pip-version-check -q --no-deps --no-build-isolation -w "$OUT" . >/dev/null
-bytes=$(du -cb "$OUT"/*.whl | tail -1 | cut -f1)
-echo "[gpu-bundle] $(ls "$OUT" | wc -l) wheels in $OUT, $((bytes / 1024 / 1024)) MiB ($bytes bytes):"
-ls -1 "$OUT" | sed 's/^/  /'
-if [ "$bytes" -gt $((LIMIT_MIB * 1024 * 1024)) ]; then
-  echo "[gpu-bundle] error: over the ${LIMIT_MIB} MiB a device call can carry" >&2
-  exit 1
-fi
+
+RAY_VERSION="${RAY_VERSION:-$("$PY" -m pip show ray 2>/dev/null | sed -n 's/^Version: //p')}"
+[ -n "$RAY_VERSION" ] || { echo "[gpu-bundle] error: Ray is not installed in $PY; set RAY_VERSION" >&2; exit 1; }
+TMP="$(mktemp -d)"
+trap 'rm -rf "$TMP"' EXIT
+"${DOWNLOAD[@]}" -d "$TMP" "ray==$RAY_VERSION"
+WHEEL="$(cd "$TMP" && ls ray-*.whl)"
+(cd "$TMP" && split -b "${STAGE_PART_MIB}M" -d -a 2 "$WHEEL" "$WHEEL.part-")
+MANIFEST="$TMP/ray-wheel.manifest"
+{
+  echo "# $WHEEL in parts, joined in this order by tools/gpu/round.sh; folder: where each part travels"
+  echo "wheel $(cd "$TMP" && sha256sum "$WHEEL" | cut -d' ' -f1) $WHEEL"
+  first=1
+  for part in $(cd "$TMP" && ls "$WHEEL".part-*); do
+    folder=$([ $first = 1 ] && echo "$STAGE" || echo "$OUT")
+    echo "part $(cd "$TMP" && sha256sum "$part" | cut -d' ' -f1) $part $folder"
+    mv "$TMP/$part" "$folder/"
+    first=0
+  done
+} > "$MANIFEST"
+cp "$MANIFEST" "$OUT/"
+cp "$MANIFEST" "$STAGE/"
+
+status=0
+for folder in "$OUT" "$STAGE"; do
+  bytes=$(du -cb "$folder" | tail -1 | cut -f1)
+  echo "[gpu-bundle] $folder: $(ls "$folder" | wc -l) files, $((bytes / 1024 / 1024)) MiB ($bytes bytes):"
+  ls -1 "$folder" | sed 's/^/  /'
+  if [ "$bytes" -gt $((LIMIT_MIB * 1024 * 1024)) ]; then
+    echo "[gpu-bundle] error: $folder is over the ${LIMIT_MIB} MiB a device call can carry" >&2
+    status=1
+  fi
+done
+exit $status

@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 from bpo_megatron.registry import LazyRegistry
 
-# name -> module; run in this order (cheap correctness first, the long throughput run last)
+# name -> module; run in this order (cheap correctness first, the long runs last: the throughput
+# step, then the RL loop through Ray)
 CHECKS = LazyRegistry({
     "trainer_step": "bpo_megatron.gpu_smoke.checks.trainer_step",
     "logprobs_kernel": "bpo_megatron.gpu_smoke.checks.logprobs_kernel",
@@ -17,6 +18,7 @@ CHECKS = LazyRegistry({
     "driver_payloads": "bpo_megatron.gpu_smoke.checks.driver_payloads",
     "rollout_decode": "bpo_megatron.gpu_smoke.checks.rollout_decode",
     "rl_throughput": "bpo_megatron.gpu_smoke.checks.rl_throughput",
+    "rl_loop": "bpo_megatron.gpu_smoke.checks.rl_loop",
 }, unknown="unknown check {name!r}; choose from {listed}")
 
 

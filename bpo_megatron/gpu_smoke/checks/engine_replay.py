@@ -1,6 +1,7 @@
-"""The embedded engine on the device: it generates with routing capture, and the trainer (same
-weights, R3 on) scores the samples: log π agrees with the engine's log μ and every token goes to
-the experts the engine recorded. Free routing (no replay) is measured for contrast."""
+"""The embedded engine on the device: it generates with routing capture (``rollout.hf.decode=auto``:
+its step as a CUDA graph on a GPU in bf16, op by op elsewhere), and the trainer (same weights, R3
+on) scores the samples: log π agrees with the engine's log μ and every token goes to the experts
+the engine recorded. Free routing (no replay) is measured for contrast."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def run(profile: Profile, workdir: Path) -> Outcome:
                 for i, p in enumerate(prompts)]
     with timed(times, "generate_s"):
         samples = engine.generate(requests)
+    decode_path = engine.decode_path
     engine.shutdown()
     del engine
     generated = sum(s.response_tokens.numel() for s in samples)
@@ -58,7 +60,7 @@ def run(profile: Profile, workdir: Path) -> Outcome:
     replay_same = torch.cat([same_expert_sets(d, s.routed_experts).flatten() for d, s in zip(dispatched, samples)])
     free_same = torch.cat([same_expert_sets(t, s.routed_experts).flatten() for t, s in zip(free.routed_experts, samples)])
     out.numbers.update(
-        engine_dtype=profile.dtype, samples=len(samples), response_tokens=generated,
+        engine_dtype=profile.dtype, decode_path=decode_path, samples=len(samples), response_tokens=generated,
         routed_pairs=int(replay_same.numel()), generate_s=times["generate_s"],
         generate_tokens_per_s=generated / times["generate_s"], score_s=times["score_s"],
         r3_logp_mean_abs_diff=float(gaps.mean()), r3_logp_max_abs_diff=float(gaps.max()),
@@ -68,7 +70,8 @@ def run(profile: Profile, workdir: Path) -> Outcome:
         routing_dtype=str(samples[0].routed_experts.dtype).replace("torch.", ""),
     )
     out.require(len(samples) == profile.engine_prompts * profile.engine_n and generated > 0,
-                f"{len(samples)} samples, {generated} response tokens generated on {platform.device().type}")
+                f"{len(samples)} samples, {generated} response tokens generated on {platform.device().type} "
+                f"(decode path {decode_path})")
     out.require(not on_device, f"samples leave the engine as host tensors ({len(on_device)} hold device routing)")
     out.require(float(replay_same.float().mean()) == 1.0,
                 f"R3: every (token, MoE layer) goes to the engine's experts "

@@ -1,0 +1,208 @@
+"""The RL loop itself: a few steps of ``configs/qwen3_moe_1gpu.yaml`` through ``bpo-megatron train``
+(Ray, one trainer rank and the embedded engine colocated on one device, the offload phases, R3,
+packed micro-batches, the weight sync, a checkpoint), in a subprocess with a bounded wait, judged
+from what the run writes: its ``metrics.jsonl`` and its checkpoint.
+
+On a GPU the recipe runs as written (the kit's throughput model, bf16; an engine the loop puts on
+the host aside, below); on a CPU (the CPU profile) with the CPU demo's tiny model in fp32. Reported per step: the time of each phase
+(``time/<phase>_s``: rollout, sync, train, and the driver's own), generated tokens per second per
+device (end to end, and the rollout phase's), the routing agreement (the trainer's own routing
+against the engine's recorded one on a few responses: what R3 replaces) and the mean
+|log π − log μ| of the step's update (trainer against engine: one minibatch per step, so the
+update's weights are those that sampled the batch).
+
+Where the engine runs is found first, as the loop builds it (the recipe's engine options through
+the hf engine's spec, ``rollout/hf/spec.py``, on a tiny model). On a GPU, an engine that the spec
+puts on the host instead computes in fp32 with shorter responses (``HOST_ENGINE_OVERRIDES``):
+bf16 matrix products on a host CPU without bf16 instructions run ~10× slower than fp32, which
+would spend the check's time on the host's arithmetic; the trainer, offload, sync and checkpoint
+still run on the GPU, and the report says so.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bpo_megatron.gpu_smoke.cli import BUDGET_ENV  # the check's limit, set by the kit
+from bpo_megatron.gpu_smoke.profiles import Profile, finite
+from bpo_megatron.gpu_smoke.report import Outcome
+
+ROOT = Path(__file__).resolve().parents[3]
+RECIPE = ROOT / "configs" / "qwen3_moe_1gpu.yaml"
+MODELS = ROOT / "configs" / "models"
+LOG_TAIL = 6000  # characters of the run's output kept in the report when it fails
+REPORT_MARGIN_S = 20.0  # of the check's limit, kept for reading the run and writing the outcome
+RAY_STAGE_ENV = "BPO_RAY_STAGE"  # "missing": tools/gpu/round.sh found no staged Ray wheel
+PHASES = ("rollout", "sync", "train", "driver")
+# on a GPU, when the loop puts the embedded engine on the host (see the module docstring)
+HOST_ENGINE_OVERRIDES = ("rollout.hf.dtype=fp32", "rollout.max_new_tokens=64", "train.prompts_per_step=16")
+
+
+def ray_missing() -> str | None:
+    """Why Ray cannot be imported here (None: it can)."""
+    try:
+        import ray  # noqa: F401
+    except ImportError as exc:  # Ray itself, or one of its own dependencies (jsonschema, ...)
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _not_run(why: str) -> Outcome:
+    out = Outcome("rl_loop")
+    if os.environ.get(RAY_STAGE_ENV) == "missing":
+        out.error = ("not run: Ray not staged. The loop runs its actors on Ray, which the GPU image lacks; its wheel "
+                     "is larger than one call carries, so `bash tools/gpu/stage.sh` (call 1, carry "
+                     ".gpu-bundle-stage) leaves part of it under /tmp and `bash tools/gpu/round.sh OUT` (call 2, carry "
+                     f".gpu-bundle) joins and installs it; call 1 did not run on this machine ({why})")
+    else:
+        out.error = (f"not run: Ray cannot be imported ({why}). `bpo-megatron train` runs its actors on Ray "
+                     "(pip install 'ray[default]'; on a GPU machine without a package registry: "
+                     "tools/gpu/build_bundle.sh here, then tools/gpu/stage.sh and tools/gpu/round.sh there, "
+                     "see docs/gpu-validation.md)")
+    return out
+
+
+def _tail(path: Path) -> str:
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    return text[-LOG_TAIL:]
+
+
+def _train(overrides: list[str], log: Path, limit_s: float) -> tuple[int | None, float]:
+    """``bpo-megatron train RECIPE overrides``, output to ``log``; the exit status (None: still
+    running at ``limit_s``, then stopped) and the wall time. It stays in this check's process
+    group, so the kit's kill at the check's limit ends it too; Ray's own processes end with the
+    driver that started them."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    command = [sys.executable, "-m", "bpo_megatron.cli", "train", str(RECIPE), *overrides]
+    start = time.perf_counter()
+    with log.open("w") as sink:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            return process.wait(timeout=max(limit_s, 1.0)), time.perf_counter() - start
+        except subprocess.TimeoutExpired:
+            process.terminate()  # the driver stops Ray and releases the run directory
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            return None, time.perf_counter() - start
+        finally:
+            if process.poll() is None:
+                process.kill()
+
+
+def _engine_placement(cfg) -> tuple[str, str]:
+    """Where the loop's engine build puts the embedded engine, and the decode path it resolves to
+    there: the recipe's engine options built on a tiny model, as the engine actor builds them."""
+    import tempfile
+
+    import torch
+
+    from bpo_megatron.gpu_smoke.profiles import CPU
+    from bpo_megatron.rollout.engine import EngineContext
+    from bpo_megatron.testing import random_model_dir
+
+    if cfg.rollout.engine != "hf":
+        return "-", "-"
+    with tempfile.TemporaryDirectory(prefix="rl-loop-probe-") as scratch:
+        model_dir = random_model_dir(CPU.small_model, Path(scratch) / "m", seed=0)
+        engine = cfg.rollout.spec.build(cfg.rollout.options, EngineContext(model_dir=str(model_dir), index=0,
+                                                                           routing=None, colocated=True))
+        try:
+            return next(engine.model.parameters()).device.type, engine.decode_path
+        finally:
+            engine.shutdown()
+            del engine
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the run's engine and trainer get the device whole
+
+
+def run(profile: Profile, workdir: Path) -> Outcome:
+    if (why := ray_missing()) is not None:
+        return _not_run(why)
+    from bpo_megatron.experiment import load_experiment
+    from bpo_megatron.observability.metrics import read_metrics
+    from bpo_megatron.trainer import checkpoint
+
+    out = Outcome("rl_loop")
+    run_dir = workdir / "rl_loop"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run (one left here would be resumed)
+    overrides = [o.format(models=MODELS) for o in profile.loop_overrides]
+    overrides += [f"train.steps={profile.loop_steps}", f"logging.run_dir={run_dir}", "logging.progress=false"]
+    cfg = load_experiment(RECIPE, overrides)  # refused here, naming the setting, before anything starts
+    device, decode = _engine_placement(cfg)
+    if profile.device == "cuda" and device == "cpu":
+        overrides[:0] = HOST_ENGINE_OVERRIDES
+        cfg = load_experiment(RECIPE, overrides)
+        device, decode = _engine_placement(cfg)
+        out.notes.append(f"The loop puts the embedded engine on the host (rollout/hf/spec.py loads its model on the "
+                         f"CPU): the rollout phase measures a CPU engine (decode path {decode}), here in fp32 with "
+                         f"shorter responses ({', '.join(HOST_ENGINE_OVERRIDES)}); the trainer, the offload phases, "
+                         "the sync and the checkpoint are the GPU's.")
+    out.numbers.update(engine_device=device, engine_decode_path=decode)
+    limit = float(os.environ.get(BUDGET_ENV, 900)) - REPORT_MARGIN_S
+    log = workdir / "rl_loop.log"
+    status, wall = _train(overrides, log, limit)
+    out.numbers.update(recipe=str(RECIPE.relative_to(ROOT)), overrides=" ".join(overrides[:-2]) or "-",
+                       exit_status="killed at the limit" if status is None else status, wall_s=wall)
+    records = [r for r in (read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else [])
+               if "time/step_s" in r]
+    devices = cfg.cluster.trainer_ranks if cfg.cluster.colocate else (
+        cfg.cluster.trainer_ranks + cfg.rollout.num_engines * max(1, int(cfg.cluster.gpus_per_engine)))
+    responses = cfg.train.prompts_per_step * cfg.rollout.group_size
+    table = []
+    for r in records:
+        generated = responses * r.get("response_length_mean", float("nan"))
+        table.append({"step": int(r["step"]), **{f"{p}_s": r.get(f"time/{p}_s", float("nan")) for p in PHASES},
+                      "step_s": r["time/step_s"], "generated_tokens": generated,
+                      "tokens_per_s_per_device": generated / r["time/step_s"] / devices,
+                      "rollout_tokens_per_s": generated / r.get("time/rollout_s", float("nan")),
+                      "routing_agreement": r.get("routing_agreement", float("nan")),
+                      "abs_logp_diff_mean": r.get("abs_logp_diff_mean", float("nan")),
+                      "loss": r.get("loss", float("nan")), "grad_norm": r.get("grad_norm", float("nan")),
+                      "offload_gb": r.get("offload_bytes", 0.0) / 1e9, "sync_gb": r.get("sync_bytes", 0.0) / 1e9,
+                      "sync_s": r.get("sync_seconds", 0.0)})
+    out.tables["per step"] = table
+    chosen = None
+    try:
+        chosen = checkpoint.select(run_dir / "checkpoints").path
+    except (OSError, ValueError) as exc:  # DamagedCheckpoint is a ValueError
+        out.notes.append(f"checkpoint: {exc}")
+    if status != 0 or len(records) < profile.loop_steps:
+        ended = f"did not finish within {limit:.0f} s" if status is None else f"exited with status {status}"
+        out.error = (f"`bpo-megatron train` {ended} after {len(records)} of {profile.loop_steps} steps; the tail of "
+                     f"its output ({log}):\n{_tail(log)}")
+    last = table[-1] if table else {}
+    if table:
+        agreement = min(row["routing_agreement"] for row in table)
+        gap = max(row["abs_logp_diff_mean"] for row in table)
+        out.numbers.update(
+            steps=len(table), devices=devices, responses_per_step=responses,
+            **{f"last_step_{p}_s": last[f"{p}_s"] for p in PHASES}, last_step_s=last["step_s"],
+            first_step_s=table[0]["step_s"], last_tokens_per_s_per_device=last["tokens_per_s_per_device"],
+            last_rollout_tokens_per_s=last["rollout_tokens_per_s"],
+            routing_agreement_min=agreement, abs_logp_diff_mean_max=gap,
+            offload_gb=max(row["offload_gb"] for row in table), sync_gb=last["sync_gb"])
+        out.require(len(table) >= profile.loop_steps and status == 0,
+                    f"{len(table)} of {profile.loop_steps} steps recorded and the run exited 0 (status {status})")
+        out.require(all(finite(row["loss"], row["grad_norm"], row["step_s"], row["abs_logp_diff_mean"])
+                        for row in table), "every step's loss, grad norm, |Δ log p| and time are finite")
+        out.require(math.isfinite(agreement) and agreement >= profile.loop_routing_min,
+                    f"routing agreement (trainer's own vs the engine's, the pairs R3 replays) ≥ "
+                    f"{profile.loop_routing_min:g} at every step (min {agreement:.4f})")
+        out.require(gap <= profile.logp_mean_tol,
+                    f"mean |log π − log μ| (the {cfg.model.options.params_dtype} trainer with R3 against the "
+                    f"{cfg.rollout.options.dtype} engine) ≤ "
+                    f"{profile.logp_mean_tol:g} at every step (max {gap:.2e})")
+    out.require(chosen is not None and checkpoint.step_of(chosen) == profile.loop_steps,
+                f"a checkpoint of step {profile.loop_steps} was written ({chosen})")
+    for bulky in ("checkpoints", "initial_hf"):  # GBs on a GPU; the checks after this one need the disk
+        shutil.rmtree(run_dir / bulky, ignore_errors=True)
+    return out
