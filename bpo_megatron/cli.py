@@ -38,6 +38,7 @@ BENCHMARKS = LazyRegistry({
     "background-eval": "bpo_megatron.bench.background_eval",
     "logprobs": "bpo_megatron.bench.logprobs",
     "mechanism": "bpo_megatron.bench.mechanism",
+    "ops": "bpo_megatron.bench.ops",
     "packing": "bpo_megatron.bench.packing",
     "rollout": "bpo_megatron.bench.rollout",
     "sglang-concurrency": "bpo_megatron.bench.sglang_concurrency",

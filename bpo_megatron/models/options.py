@@ -12,6 +12,7 @@ from bpo_megatron import platform
 ParamsDtype = Literal["fp32", "bf16"]
 Recompute = Literal["none", "full"]
 TokenDispatcher = Literal["alltoall", "allgather"]
+ExpertGemm = Literal["grouped", "sequential"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -45,12 +46,17 @@ class ModelOptions:
     recompute: Recompute = "none"  # "full": recompute every layer in backward (1 layer per unit)
     moe_token_dispatcher: TokenDispatcher = "alltoall"
     make_vocab_size_divisible_by: int = 128
+    # the local spec's MoE experts (no transformer-engine): "grouped": two torch._grouped_mm calls
+    # per layer; "sequential": Megatron's SequentialMLP, one expert at a time after a host sync.
+    # Same parameters and checkpoints either way.
+    expert_gemm: ExpertGemm = "grouped"
 
     def __post_init__(self) -> None:
         if self.params_dtype is not None:
             _check_choice("params_dtype", self.params_dtype, ParamsDtype)
         _check_choice("recompute", self.recompute, Recompute)
         _check_choice("moe_token_dispatcher", self.moe_token_dispatcher, TokenDispatcher)
+        _check_choice("expert_gemm", self.expert_gemm, ExpertGemm)
         if not isinstance(self.routing_replay, bool):
             raise ValueError(f"model.routing_replay={self.routing_replay!r} must be true or false")
         coeff = self.moe_aux_loss_coeff

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from bpo_megatron import platform
 from bpo_megatron.models.hf_config import HFModelConfig
-from bpo_megatron.models.options import ModelOptions
+from bpo_megatron.models.options import ExpertGemm, ModelOptions
 from bpo_megatron.parallel.config import ParallelConfig
 
 if TYPE_CHECKING:
@@ -149,13 +149,17 @@ def _moe_fields(hf: HFModelConfig, options: ModelOptions, *, te: bool) -> dict[s
         # the fused router computes its own top-k and would bypass the replayed expert choices
         "moe_router_fusion": te and not options.routing_replay,
         "moe_permute_fusion": te,
-        "moe_grouped_gemm": te,  # TE's grouped GEMM; the local spec loops over experts
+        "moe_grouped_gemm": te,  # TE's grouped GEMM; the local spec's experts: layer_spec(experts=...)
     }
 
 
-def layer_spec(hf: HFModelConfig, config: TransformerConfig) -> TransformerBlockSubmodules:
+def layer_spec(hf: HFModelConfig, config: TransformerConfig, *,
+               experts: ExpertGemm = "grouped") -> TransformerBlockSubmodules:
     """The decoder's module spec: transformer-engine modules on GPUs with TE, Megatron's local
-    torch modules otherwise, with the local core attention extended to packed sequences.
+    torch modules otherwise, with the local core attention extended to packed sequences and, with
+    ``experts="grouped"``, the local MoE experts as grouped GEMMs
+    (:class:`~bpo_megatron.models.grouped_experts.GroupedSequentialMLP`; ``"sequential"``:
+    Megatron's ``SequentialMLP``, one expert at a time). TE's experts are TE's own either way.
     ``config.moe_layer_freq`` picks a dense or MoE spec per layer, and only this pipeline stage's
     layers are kept."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -163,6 +167,8 @@ def layer_spec(hf: HFModelConfig, config: TransformerConfig) -> TransformerBlock
 
     if config.num_layers != hf.num_hidden_layers or not config.qk_layernorm:
         raise ValueError("layer_spec: config was not made by transformer_config for this model")
+    if experts not in ("grouped", "sequential"):
+        raise ValueError(f"layer_spec: experts={experts!r} must be 'grouped' or 'sequential'")
     te = uses_transformer_engine()
     # normalization="RMSNorm" makes the local spec use torch.nn.RMSNorm (WrappedTorchNorm) for
     # the layer and QK norms; TE's norms read config.normalization themselves.
@@ -173,7 +179,49 @@ def layer_spec(hf: HFModelConfig, config: TransformerConfig) -> TransformerBlock
         spec.layer_norm = WrappedTorchNorm
         # Megatron's local core attention refuses packed sequences (TE's takes them natively).
         spec.layer_specs = [_with_packed_attention(layer) for layer in spec.layer_specs]
+        if experts == "grouped":
+            # SequentialMLP loops over the experts after a host sync; the same modules and
+            # parameters run as two grouped GEMMs instead
+            spec.layer_specs = [_with_grouped_experts(layer) for layer in spec.layer_specs]
     return spec
+
+
+def _with_grouped_experts(layer: ModuleSpec) -> ModuleSpec:
+    """``layer`` with :class:`~bpo_megatron.models.grouped_experts.GroupedSequentialMLP` as the
+    experts of its MoE layer (dense layers unchanged). Megatron 0.16 describes the MoE layer and its
+    experts as ``ModuleSpec``s, 0.19 as ``functools.partial``s; both are copied, not edited."""
+    from functools import partial
+
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from bpo_megatron.models.grouped_experts import GroupedSequentialMLP
+
+    mlp = layer.submodules.mlp
+    if _built_class(mlp) is not MoELayer:
+        return layer
+    moe = mlp.keywords["submodules"] if isinstance(mlp, partial) else mlp.submodules
+    experts = moe.experts
+    if _built_class(experts) is not SequentialMLP:
+        raise RuntimeError(f"the local layer spec's experts are {experts!r}, not the SequentialMLP that "
+                           "GroupedSequentialMLP replaces")
+    if isinstance(experts, partial):
+        experts = partial(GroupedSequentialMLP, *experts.args, **experts.keywords)
+    else:
+        experts = replace(experts, module=GroupedSequentialMLP)
+    moe = replace(moe, experts=experts)
+    if isinstance(mlp, partial):
+        mlp = partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe})
+    else:
+        mlp = replace(mlp, submodules=moe)
+    return replace(layer, submodules=replace(layer.submodules, mlp=mlp))
+
+
+def _built_class(spec: object) -> object:
+    """The class a ``ModuleSpec`` or a ``functools.partial`` builds."""
+    from functools import partial
+
+    return spec.func if isinstance(spec, partial) else getattr(spec, "module", None)
 
 
 def _with_packed_attention(layer: ModuleSpec) -> ModuleSpec:
@@ -231,7 +279,7 @@ def build_gpt_model(
     config = transformer_config(hf, parallel, options)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(hf, config),
+        transformer_layer_spec=layer_spec(hf, config, experts=options.expert_gemm),
         vocab_size=model_vocab_size(hf, parallel, options),
         max_sequence_length=hf.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage() if pre_process is None else pre_process,
