@@ -225,14 +225,42 @@ def test_one_gpu_recipe_passes_the_run_check_on_a_cpu(tmp_path):
 
 def test_the_kits_cpu_overrides_of_the_recipe_validate():
     from bpo_megatron.experiment import load_experiment
-    from bpo_megatron.gpu_smoke.checks.rl_loop import HOST_ENGINE_OVERRIDES, MODELS
+    from bpo_megatron.gpu_smoke.checks.rl_loop import MODELS
     from bpo_megatron.gpu_smoke.profiles import CPU
 
     cfg = load_experiment(RECIPE, [o.format(models=MODELS) for o in CPU.loop_overrides])
     assert cfg.hf_config().num_hidden_layers == 2 and cfg.cluster.gpus_per_engine == 0
     assert cfg.rollout.options.dtype == cfg.model.options.params_dtype == "fp32"
-    host = load_experiment(RECIPE, list(HOST_ENGINE_OVERRIDES))  # the GPU profile's engine on a host
-    assert host.rollout.options.dtype == "fp32" and host.rollout.max_new_tokens < 256
+
+
+def test_the_embedded_engine_is_built_on_its_process_device(monkeypatch, tmp_path):
+    """The loop's engine actor builds the engine through its spec: on the device its placement
+    gave the process (a GPU under Ray's CUDA_VISIBLE_DEVICES), not always the host."""
+    import torch
+
+    from bpo_megatron import platform
+    from bpo_megatron.models import HFModelConfig
+    from bpo_megatron.models.routing import RoutingLayout
+    from bpo_megatron.rollout import EngineContext, engine_spec
+    from bpo_megatron.rollout.hf import engine as hf_engine
+    from bpo_megatron.rollout.hf.options import HFEngineOptions
+    from bpo_megatron.testing import MODEL_CONFIGS
+    from bpo_megatron.testing.models import random_checkpoint
+
+    model_dir = random_checkpoint(MODEL_CONFIGS / "tiny_qwen3_moe", tmp_path / "m", seed=0)
+    built = {}
+    real = hf_engine.HFEngine.__init__
+
+    def recording(self, *args, **kwargs):
+        built.update(kwargs)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(hf_engine.HFEngine, "__init__", recording)
+    monkeypatch.setattr(platform, "device", lambda: torch.device("cpu", 0))  # "the process's device"
+    engine = engine_spec("hf").build(HFEngineOptions(), EngineContext(str(model_dir), 0,
+                                                                      RoutingLayout.of(HFModelConfig.load(model_dir))))
+    assert built["device"] == torch.device("cpu", 0)
+    assert next(engine.model.parameters()).device == torch.device("cpu")
 
 
 # ------------------------------------------------------------------ the round's report

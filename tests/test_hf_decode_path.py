@@ -168,9 +168,9 @@ def test_only_the_requests_that_ask_record_routing_and_weight_updates_are_seen(m
 
 def test_decode_states_are_kept_per_shape_bucket_and_dropped_with_the_memory(moe_dir):
     """A state (KV slots, buffers, graph) is built once per shape bucket and reused: a second
-    generation of similar shape takes the same object and gives what a fresh engine gives (nothing
-    of the previous rows' cache or buffers leaks); at most two states are kept; release_memory
-    drops them."""
+    generation of similar shape, or a shorter one, takes the same object and gives what a fresh
+    engine gives (nothing of the previous rows' cache or buffers leaks); at most two states are
+    kept; release_memory drops them."""
     engine = HFEngine(moe_dir, capture_routing=True, max_batch_rows=8, refill_every=4)
     first, second = _requests(200), _requests(200, seed=9, max_new_tokens=60)
     engine.generate(first)
@@ -178,9 +178,14 @@ def test_decode_states_are_kept_per_shape_bucket_and_dropped_with_the_memory(moe
     samples = engine.generate(second)  # 30 + 60 (+ 4) falls in the bucket of 1 + 70 (+ 4): 128
     assert list(engine._states._states.values()) == [state]
     _same_samples(samples, HFEngine(moe_dir, capture_routing=True, max_batch_rows=8, refill_every=4).generate(second))
-    engine.generate([GenerationRequest("x", (1, 2), SamplingParams(max_new_tokens=3, seed=0))])  # 1 slot
-    engine.generate([GenerationRequest("y", (1, 2), SamplingParams(max_new_tokens=200, seed=0))])  # long
-    assert len(engine._states) == 2 and state not in engine._states._states.values()
+    engine.generate([GenerationRequest("x", (1, 2), SamplingParams(max_new_tokens=200, seed=0))])  # 1 slot, 256
+    [(_, long)] = [(k, s) for k, s in engine._states._states.items() if s is not state]
+    short = [GenerationRequest("y", (1, 2), SamplingParams(max_new_tokens=3, seed=0))]
+    samples = engine.generate(short)  # needs 64 positions: served by the kept 256 state
+    assert len(engine._states) == 2 and long in engine._states._states.values()
+    _same_samples(samples, HFEngine(moe_dir, capture_routing=True, max_batch_rows=8, refill_every=4).generate(short))
+    engine.generate([GenerationRequest(f"z{i}", (1, 2), SamplingParams(max_new_tokens=3, seed=0)) for i in range(2)])
+    assert len(engine._states) == 2 and state not in engine._states._states.values()  # the least recent went
     engine.release_memory()
     assert len(engine._states) == 0
     assert StateShape.of([SlotRow((1,) * 30, SamplingParams(max_new_tokens=100, stop_token_ids=(1, 2, 3, 4, 5)), 0,

@@ -41,7 +41,7 @@ PY="${PYTHON:-python3}"   # the GPU image's; on a CPU machine with .venv (a dry 
 INSTALL_S=60
 CUDA_TESTS_S=75
 KIT_ORDER=${KIT_ORDER:-logprobs_kernel,rollout_decode,engine_replay,rl_loop,trainer_step,rl_throughput,driver_payloads,trainer_offload,ipc_weights}
-KIT_BUDGETS=logprobs_kernel=40,rollout_decode=75,engine_replay=40,rl_loop=180,trainer_step=25,rl_throughput=120,driver_payloads=40,trainer_offload=20,ipc_weights=30
+KIT_BUDGETS=logprobs_kernel=40,rollout_decode=120,engine_replay=40,rl_loop=180,trainer_step=25,rl_throughput=120,driver_payloads=40,trainer_offload=20,ipc_weights=30
 
 T0=$(date +%s)
 left() { echo $((ROUND_S - ($(date +%s) - T0))); }

@@ -3,8 +3,8 @@
 packed micro-batches, the weight sync, a checkpoint), in a subprocess with a bounded wait, judged
 from what the run writes: its ``metrics.jsonl`` and its checkpoint.
 
-On a GPU the recipe runs as written (the kit's throughput model, bf16; an engine the loop puts on
-the host aside, below); on a CPU (the CPU profile) with the CPU demo's tiny model in fp32. Reported per step: the time of each phase
+On a GPU the recipe runs as written (the kit's throughput model, bf16); on a CPU (the CPU profile)
+with the CPU demo's tiny model in fp32. Reported per step: the time of each phase
 (``time/<phase>_s``: rollout, sync, train, and the driver's own), generated tokens per second per
 device (end to end, and the rollout phase's), the routing agreement (the trainer's own routing
 against the engine's recorded one on a few responses: what R3 replaces) and the mean
@@ -12,11 +12,8 @@ against the engine's recorded one on a few responses: what R3 replaces) and the 
 update's weights are those that sampled the batch).
 
 Where the engine runs is found first, as the loop builds it (the recipe's engine options through
-the hf engine's spec, ``rollout/hf/spec.py``, on a tiny model). On a GPU, an engine that the spec
-puts on the host instead computes in fp32 with shorter responses (``HOST_ENGINE_OVERRIDES``):
-bf16 matrix products on a host CPU without bf16 instructions run ~10× slower than fp32, which
-would spend the check's time on the host's arithmetic; the trainer, offload, sync and checkpoint
-still run on the GPU, and the report says so.
+the hf engine's spec, ``rollout/hf/spec.py``, on a tiny model): on a GPU it must be the GPU, with
+the decode path the recipe asks for.
 """
 
 from __future__ import annotations
@@ -40,8 +37,6 @@ LOG_TAIL = 6000  # characters of the run's output kept in the report when it fai
 REPORT_MARGIN_S = 20.0  # of the check's limit, kept for reading the run and writing the outcome
 RAY_STAGE_ENV = "BPO_RAY_STAGE"  # "missing": tools/gpu/round.sh found no staged Ray wheel
 PHASES = ("rollout", "sync", "train", "driver")
-# on a GPU, when the loop puts the embedded engine on the host (see the module docstring)
-HOST_ENGINE_OVERRIDES = ("rollout.hf.dtype=fp32", "rollout.max_new_tokens=64", "train.prompts_per_step=16")
 
 
 def ray_missing() -> str | None:
@@ -138,15 +133,9 @@ def run(profile: Profile, workdir: Path) -> Outcome:
     overrides += [f"train.steps={profile.loop_steps}", f"logging.run_dir={run_dir}", "logging.progress=false"]
     cfg = load_experiment(RECIPE, overrides)  # refused here, naming the setting, before anything starts
     device, decode = _engine_placement(cfg)
-    if profile.device == "cuda" and device == "cpu":
-        overrides[:0] = HOST_ENGINE_OVERRIDES
-        cfg = load_experiment(RECIPE, overrides)
-        device, decode = _engine_placement(cfg)
-        out.notes.append(f"The loop puts the embedded engine on the host (rollout/hf/spec.py loads its model on the "
-                         f"CPU): the rollout phase measures a CPU engine (decode path {decode}), here in fp32 with "
-                         f"shorter responses ({', '.join(HOST_ENGINE_OVERRIDES)}); the trainer, the offload phases, "
-                         "the sync and the checkpoint are the GPU's.")
     out.numbers.update(engine_device=device, engine_decode_path=decode)
+    if profile.device == "cuda":
+        out.require(device == "cuda", f"the loop builds the embedded engine on the GPU (got {device})")
     limit = float(os.environ.get(BUDGET_ENV, 900)) - REPORT_MARGIN_S
     log = workdir / "rl_loop.log"
     status, wall = _train(overrides, log, limit)

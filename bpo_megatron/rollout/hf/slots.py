@@ -92,6 +92,12 @@ class StateShape:
     filtered: bool  # the sampler's top-k/top-p draw
     stop_width: int
 
+    def serves(self, wanted: StateShape) -> bool:
+        """Whether a state of this shape can decode rows that need ``wanted``: as many slots, room
+        for as many positions and stop tokens, the same routing output and the same draw."""
+        return (self.slots == wanted.slots and self.length >= wanted.length and self.stop_width >= wanted.stop_width
+                and (self.routing, self.filtered) == (wanted.routing, wanted.filtered))
+
     @staticmethod
     def of(rows: list[SlotRow], settings: SlotSettings, capture: bool) -> StateShape:
         # a row may step refill_every − 1 times past its end before the host sees it is done
@@ -204,21 +210,27 @@ class DecodeState:
 
 
 class DecodeStates:
-    """The engine's decode states by shape, kept between generations so that a graph is captured
-    once per shape; at most ``keep`` of them (the least recently used goes first), and none after
-    :meth:`clear` (memory handed back, weights replaced in new storage, shutdown)."""
+    """The engine's decode states, kept between generations so that a graph is captured once per
+    shape; at most ``keep`` of them (the least recently used goes first), and none after
+    :meth:`clear` (memory handed back, weights replaced in new storage, shutdown). A generation
+    takes the smallest kept state that serves its shape (:meth:`StateShape.serves`: a shorter or
+    a one-token generation reuses a longer state rather than capturing another)."""
 
     def __init__(self, keep: int = 2) -> None:
         self._keep = keep
         self._states: OrderedDict[tuple, DecodeState] = OrderedDict()
 
     def get(self, model: nn.Module, shape: StateShape, settings: SlotSettings) -> DecodeState:
-        key = (shape, settings.attention, settings.cuda_graph, settings.compile_layers)
-        state = self._states.pop(key, None)
-        if state is None:
+        how = (settings.attention, settings.cuda_graph, settings.compile_layers)
+        serving = [key for key, state in self._states.items() if key[1:] == how and state.shape.serves(shape)]
+        if serving:
+            key = min(serving, key=lambda k: self._states[k].shape.length)
+            state = self._states.pop(key)
+        else:
             while len(self._states) >= self._keep:
                 self._states.popitem(last=False)
-            state = DecodeState(model, shape, settings.attention, settings.cuda_graph, settings.compile_layers)
+            key, state = (shape, *how), DecodeState(model, shape, settings.attention, settings.cuda_graph,
+                                                    settings.compile_layers)
         self._states[key] = state
         return state
 

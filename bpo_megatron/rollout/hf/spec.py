@@ -7,10 +7,13 @@ from bpo_megatron.rollout.hf.options import HFEngineOptions
 
 
 def _build(options: HFEngineOptions, context: EngineContext) -> RolloutEngine:
+    from bpo_megatron import platform
     from bpo_megatron.models.options import TORCH_DTYPES
     from bpo_megatron.rollout.hf.engine import HFEngine
 
+    # in process, on this process's own device: the GPU its placement gave it, else the CPU
     return HFEngine(context.model_dir, capture_routing=context.routing is not None, threads=context.threads,
+                    device=platform.device(),
                     dtype=TORCH_DTYPES[options.dtype], max_batch_rows=options.max_batch_rows,
                     decode=options.decode, refill_every=options.refill_every,
                     compile_layers=options.compile)
