@@ -150,6 +150,8 @@ def _router_replay_rank() -> dict[str, float]:
 def _patch_targets() -> dict[str, Any]:
     """The objects the compat layer replaces, by a readable name."""
     import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.optimizer as mcore_optimizer
     import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.tensor_parallel.random as mcore_random
     import megatron.core.transformer.moe.moe_utils as moe_utils
@@ -171,6 +173,9 @@ def _patch_targets() -> dict[str, Any]:
         "token_dispatcher.maybe_move_tensor_to_cpu": token_dispatcher.maybe_move_tensor_to_cpu,
         "WrappedTorchNorm.__new__": WrappedTorchNorm.__dict__["__new__"],
         "schedules.torch": schedules.torch,
+        "clip_grads.l2_norm_impl": clip_grads.l2_norm_impl,
+        "clip_grads.multi_tensor_scale_impl": clip_grads.multi_tensor_scale_impl,
+        "optimizer.multi_tensor_scale_impl": mcore_optimizer.multi_tensor_scale_impl,
     }
 
 
@@ -254,13 +259,47 @@ def test_compat_is_a_no_op_with_cuda() -> None:
     assert out["needs_cpu_compat"] is False
     assert out["applied"] == ()
     assert out["changed"] == []
-    # without transformer-engine the 0.16 router bug shows on GPUs too: only that is mended
-    # (0.17 fixed it upstream: nothing to mend there)
+    # without transformer-engine or apex two things show on GPUs too, and only they are mended:
+    # the 0.16 router bug (0.17 fixed it upstream) and the per-tensor syncs of the grad norm
+    multi_tensor = ["clip_grads.l2_norm_impl", "clip_grads.multi_tensor_scale_impl", "optimizer.multi_tensor_scale_impl"]
     if compat.megatron_minor() == 16:
-        assert out["fixed"] == ("define_te_general_gemm_without_te",)
-        assert out["changed_by_fixes"] == ["moe_utils.te_general_gemm"] and out["te_general_gemm"] is None
+        assert out["fixed"] == ("define_te_general_gemm_without_te", "multi_tensor_ops_without_per_tensor_syncs")
+        assert out["changed_by_fixes"] == ["moe_utils.te_general_gemm", *multi_tensor]
+        assert out["te_general_gemm"] is None
     else:
-        assert out["fixed"] == () and out["changed_by_fixes"] == []
+        assert out["fixed"] == ("multi_tensor_ops_without_per_tensor_syncs",)
+        assert out["changed_by_fixes"] == multi_tensor
+
+
+def test_foreach_multi_tensor_ops_equal_the_closed_form_without_a_host_read() -> None:
+    """The grad norm and scale that replace Megatron's apex-free fallbacks: the norm of many tensors
+    (fp32 and bf16, one empty) equals sqrt(Σ x²) in fp64 within fp32 rounding, with no device→host
+    read (``aten::_local_scalar_dense``) on the way; scaling in place and into other tensors."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ScalarReads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ScalarReads.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(shape, generator=generator) for shape in ((7, 3), (129,), (0,), (2, 2, 2))]
+    tensors.append(torch.randn(33, generator=generator).bfloat16())
+    exact = sum(float((t.double() ** 2).sum()) for t in tensors) ** 0.5
+    with ScalarReads():
+        norm, _ = compat.foreach_l2_norm(2048, torch.zeros(1), [tensors[:3], tensors[3:]], False)
+    assert ScalarReads.count == 0 and norm.shape == (1,) and norm.dtype == torch.float32
+    assert abs(float(norm) - exact) <= 1e-6 * exact
+    assert float(compat.foreach_l2_norm(2048, torch.zeros(1), [[]], False)[0]) == 0.0
+
+    sources = [t.clone() for t in tensors[:3]]
+    targets = [torch.empty_like(t) for t in sources]
+    compat.foreach_scale(2048, torch.zeros(1), [sources, targets], 0.25)
+    assert all(torch.equal(t, s * 0.25) for s, t in zip(sources, targets))
+    compat.foreach_scale(2048, torch.zeros(1), [sources, sources], 0.5)
+    assert all(torch.equal(scaled, original * 0.5) for original, scaled in zip(tensors[:3], sources))
 
 
 def test_tensor_parallel_with_sequence_parallel_matches_single_rank(reference) -> None:

@@ -156,6 +156,49 @@ def _define_te_general_gemm_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
+def foreach_l2_norm(_chunk_size: int, _noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]],
+                    _per_tensor: bool, *_args: Any) -> tuple[torch.Tensor, None]:
+    """The L2 norm of every tensor of ``tensor_lists`` together, as a one-element fp32 tensor on
+    their device: ``amp_C.multi_tensor_l2norm``'s contract, from torch's foreach norm (no host
+    read). Megatron's own fallback reads each tensor's norm back to the host."""
+    tensors = [t for tensors in tensor_lists for t in tensors]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float, device=platform.device()), None
+    # each tensor's norm accumulated and returned in fp32 (a bf16 tensor's too: Megatron's fallback
+    # rounded those to bf16 before summing)
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
+def foreach_scale(_chunk_size: int, _noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]],
+                  scale: float) -> None:
+    """``dst = src * scale`` for the pairs of ``tensor_lists = [srcs, dsts]``
+    (``amp_C.multi_tensor_scale``'s contract) with torch's foreach kernels."""
+    sources, targets = tensor_lists
+    if all(s is t for s, t in zip(sources, targets)):
+        torch._foreach_mul_(targets, scale)
+    else:
+        torch._foreach_copy_(targets, torch._foreach_mul(sources, scale))
+
+
+@_fix()
+def _multi_tensor_ops_without_per_tensor_syncs() -> None:
+    # Without apex or transformer-engine, Megatron's grad norm is megatron.core.utils'
+    # local_multi_tensor_l2_norm: `torch.tensor([norm of each tensor])` reads every tensor's norm
+    # back to the host (1,145 syncs a step on the GPU kit's model), and local_multi_tensor_scale
+    # runs two kernels per tensor (clipping, and the distributed optimizer's main → model copy).
+    # The same values from foreach kernels; the modules bound the fallbacks at import.
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.optimizer as mcore_optimizer
+    from megatron.core import utils as mcore_utils
+
+    for module in (clip_grads, mcore_optimizer):
+        if getattr(module, "l2_norm_impl", None) is mcore_utils.local_multi_tensor_l2_norm:
+            module.l2_norm_impl = foreach_l2_norm
+        if getattr(module, "multi_tensor_scale_impl", None) is mcore_utils.local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = foreach_scale
+
+
 # --------------------------------------------------------------------------------------------
 # torch.cuda entry points that Megatron calls unconditionally
 # --------------------------------------------------------------------------------------------
@@ -386,28 +429,6 @@ def _grad_stats_allocate_on_host() -> None:
     import megatron.core.optimizer.clip_grads as clip_grads
 
     clip_grads.torch = _TorchOnHost()  # type: ignore[assignment]
-
-
-@_patch
-def _grad_norm_kernel_returns_host_tensor() -> None:
-    # Without TE or apex, the grad norm comes from megatron.core.utils.local_multi_tensor_l2_norm,
-    # which returns the norm as `torch.tensor([norm], device="cuda")`. This is the same
-    # computation (norm of the per-tensor fp32 norms, as a one-element fp32 tensor) on the CPU.
-    import megatron.core.optimizer.clip_grads as clip_grads
-    from megatron.core import utils as mcore_utils
-
-    if clip_grads.l2_norm_impl is not mcore_utils.local_multi_tensor_l2_norm:
-        return  # a fused kernel (TE/apex) is in use; it is not ours to replace
-
-    def l2_norm(
-        _chunk_size: int, _noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]],
-        _per_tensor: bool, *_args: Any,
-    ) -> tuple[torch.Tensor, None]:
-        norms = [torch.linalg.vector_norm(t.float()) for tensors in tensor_lists for t in tensors]
-        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-        return total.reshape(1).to(device=platform.device(), dtype=torch.float), None
-
-    clip_grads.l2_norm_impl = l2_norm
 
 
 @_patch
