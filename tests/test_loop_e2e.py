@@ -121,9 +121,11 @@ NOT_REPRODUCIBLE = ("time", "train_time_s", "sync_seconds", "sync_bytes_per_s", 
 def test_staleness_zero_reproduces_the_synchronous_loop(tmp_path, ray_session):
     """train.async.max_staleness=0 goes through the rollout pipeline yet writes the metrics file the
     synchronous loop wrote: warm start, rewards, losses, clip and mask fractions, gradient norms,
-    routing agreement, weight-sync bytes and evaluation, record for record. Bit-for-bit on the
-    machine that recorded it; 1e-9 relative leaves room for another CPU's kernels, far below what
-    any change of sample, order or update moves."""
+    routing agreement, weight-sync bytes and evaluation, record for record. The record is from
+    76ae75b; since then the embedded engine's one decode loop and the trainer's grouped experts
+    and foreach grad norm add in another order (a loss moves by ~5e-8 relative, log μ by ~1e-6),
+    so values agree to 1e-5 relative (1e-7 absolute for the near-zero mismatch metrics): still far
+    below what any change of sample, order or update moves."""
     import json
 
     from bpo_megatron.experiment import load_experiment
@@ -141,7 +143,7 @@ def test_staleness_zero_reproduces_the_synchronous_loop(tmp_path, ray_session):
             if key == "offload_bytes":  # fp32 params + 2 Adam moments move; the dead gradients are freed since
                 assert new[key] == value * 3 / 4, (old["step"], key)
                 continue
-            assert new.get(key) == pytest.approx(value, rel=1e-9, abs=1e-12), (old["step"], key)
+            assert new.get(key) == pytest.approx(value, rel=1e-5, abs=1e-7), (old["step"], key, new.get(key), value)
             compared += 1
     assert compared > 150 and any(r.get("reward_mean", 0) > 0 for r in expected)
 
