@@ -31,16 +31,13 @@ from typing import Any
 import torch
 
 from bpo_megatron.parallel.local_world import run_gloo_world
+from bpo_megatron.testing.models import qwen3_moe_config
 
-MODEL: dict[str, Any] = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
-    "decoder_sparse_step": 1, "hidden_act": "silu", "mlp_only_layers": [], "norm_topk_prob": True,
-    "rms_norm_eps": 1e-6, "rope_scaling": None, "rope_theta": 1_000_000.0, "router_aux_loss_coef": 0.0,
-    "tie_word_embeddings": False, "torch_dtype": "float32", "use_sliding_window": False,
-    "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2,
-    "vocab_size": 1024, "max_position_embeddings": 4096,
-}
+MODEL: dict[str, Any] = qwen3_moe_config(
+    router_aux_loss_coef=0.0,
+    hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
+    vocab_size=1024, max_position_embeddings=4096)
 PAPER = {"prompt": (50, 300), "response": (256, 16_384), "at_cap": 0.3}
 RANKS = 2  # data-parallel ranks, one expert-parallel group
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
+from bpo_megatron.testing.models import qwen3_moe_config
 
 # Dense bf16 tensor-core peaks (no sparsity) from NVIDIA's data sheets; MFU is measured against them.
 BF16_PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989.4e12, "H200": 989.4e12,
@@ -31,17 +32,6 @@ def bf16_peak_flops(device_name: str) -> float | None:
 def hbm_peak_bytes_per_s(device_name: str) -> float | None:
     """The data-sheet memory bandwidth of a GPU named like ``NVIDIA H100 80GB HBM3`` (None if unknown)."""
     return _by_device_name(HBM_PEAK_BYTES_PER_S, device_name)
-
-
-def _qwen3_moe(**sizes: Any) -> dict[str, Any]:
-    config = {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
-        "decoder_sparse_step": 1, "hidden_act": "silu", "mlp_only_layers": [], "norm_topk_prob": True,
-        "rms_norm_eps": 1e-6, "rope_scaling": None, "rope_theta": 1_000_000.0, "router_aux_loss_coef": 0.001,
-        "tie_word_embeddings": False, "torch_dtype": "float32", "use_sliding_window": False,
-    }
-    config.update(sizes)
-    return config
 
 
 @dataclass(frozen=True)
@@ -78,11 +68,11 @@ class Profile:
 
 GPU = Profile(
     device="cuda", dtype="bf16",
-    small_model=_qwen3_moe(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+    small_model=qwen3_moe_config(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
                            num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                            num_hidden_layers=4, num_experts=16, num_experts_per_tok=4,
                            vocab_size=16384, max_position_embeddings=4096),
-    large_model=_qwen3_moe(hidden_size=1024, intermediate_size=3072, moe_intermediate_size=512,
+    large_model=qwen3_moe_config(hidden_size=1024, intermediate_size=3072, moe_intermediate_size=512,
                            num_attention_heads=16, num_key_value_heads=4, head_dim=128,
                            num_hidden_layers=16, num_experts=32, num_experts_per_tok=4,
                            vocab_size=151936, max_position_embeddings=4096),
@@ -102,11 +92,11 @@ GPU = Profile(
 
 CPU = Profile(
     device="cpu", dtype="fp32",
-    small_model=_qwen3_moe(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+    small_model=qwen3_moe_config(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                            num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
                            vocab_size=512, max_position_embeddings=256),
-    large_model=_qwen3_moe(hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+    large_model=qwen3_moe_config(hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                            num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
                            vocab_size=1024, max_position_embeddings=256),

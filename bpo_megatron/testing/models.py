@@ -22,6 +22,19 @@ def tiny_moe():
     return HFModelConfig.load(TINY_MOE)
 
 
+def qwen3_moe_config(**sizes: Any) -> dict[str, Any]:
+    """A Qwen3-MoE ``config.json`` (as a dict) of the given sizes: what transformers and the
+    trainer read, everything but the sizes fixed as the kit's models have them."""
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+        "decoder_sparse_step": 1, "hidden_act": "silu", "mlp_only_layers": [], "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6, "rope_scaling": None, "rope_theta": 1_000_000.0, "router_aux_loss_coef": 0.001,
+        "tie_word_embeddings": False, "torch_dtype": "float32", "use_sliding_window": False,
+    }
+    config.update(sizes)
+    return config
+
+
 def write_config(config: dict[str, Any], directory: Path) -> Path:
     """``config`` as ``directory/config.json``; the directory."""
     directory.mkdir(parents=True, exist_ok=True)
