@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, on this (CPU) machine, the wheels a GPU machine without a package registry needs, in two
-# folders (both git-ignored; each is one device call's carried path, so each must stay under the
-# 64 MiB a call carries):
+# folders (both git-ignored; each is what one run on the GPU machine brings along, so each must
+# stay under the 64 MiB a run can bring):
 #   .gpu-bundle/        Python 3.12 manylinux wheels of tools/gpu/bundle-requirements.txt, this
 #                       package, and the tail of Ray's wheel       (call 2: tools/gpu/round.sh)
 #   .gpu-bundle-stage/  the head of Ray's wheel                      (call 1: tools/gpu/stage.sh)
@@ -59,7 +59,7 @@ for folder in "$OUT" "$STAGE"; do
   echo "[gpu-bundle] $folder: $(ls "$folder" | wc -l) files, $((bytes / 1024 / 1024)) MiB ($bytes bytes):"
   ls -1 "$folder" | sed 's/^/  /'
   if [ "$bytes" -gt $((LIMIT_MIB * 1024 * 1024)) ]; then
-    echo "[gpu-bundle] error: $folder is over the ${LIMIT_MIB} MiB a device call can carry" >&2
+    echo "[gpu-bundle] error: $folder is over the ${LIMIT_MIB} MiB one run on the GPU machine can bring along" >&2
     status=1
   fi
 done

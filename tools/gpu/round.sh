@@ -6,9 +6,10 @@
 # left is reported as not run. The report to commit: OUT/<device>-<date>.md and .json (e.g.
 # OUT/h100-2026-12-01.md), ready to copy to docs/gpu-validation/.
 #
-# A visit is two device calls (bundle built here first: bash tools/gpu/build_bundle.sh):
-#   run(command="bash tools/gpu/stage.sh", carry=[".gpu-bundle-stage"], timeout_s=90)
-#   run(command="bash tools/gpu/round.sh $OUT", carry=[".gpu-bundle"], timeout_s=480)
+# A visit to a GPU machine without a package registry is two runs there, one right after the other
+# (the bundle built here first: bash tools/gpu/build_bundle.sh):
+#   1. bash tools/gpu/stage.sh        with .gpu-bundle-stage brought along (seconds)
+#   2. bash tools/gpu/round.sh OUT    with .gpu-bundle brought along (at most 8 minutes)
 # Without call 1 (Ray's head not under /tmp) it says so and runs everything else; rl_loop then
 # reports "not run: Ray not staged".
 #

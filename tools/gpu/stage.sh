@@ -3,7 +3,7 @@
 # tools/gpu/build_bundle.sh) under /tmp, each part checked against the sha256 its manifest records,
 # for call 2 (tools/gpu/round.sh) to join with the tail that .gpu-bundle carries. Files under /tmp
 # outlive a call while the machine stays up between calls.
-#   run(command="bash tools/gpu/stage.sh", carry=[".gpu-bundle-stage"], timeout_s=90)
+#   bash tools/gpu/stage.sh    (run on the GPU machine with .gpu-bundle-stage brought along)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SRC="${STAGE_SRC:-.gpu-bundle-stage}"
