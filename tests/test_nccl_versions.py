@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -51,12 +50,16 @@ else:
     runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 
-# Trainer rank 0: hosts the group, reports its NCCL version, then broadcasts one tensor or not.
+# Trainer rank 0: hosts the group (on a port the OS assigns, which it prints), reports its NCCL
+# version, then broadcasts one tensor or not.
 SENDER = '''
-import json, sys, torch
+import datetime, json, sys, torch, torch.distributed as dist
 from bpo_megatron.rollout.sglang.weights import DistributedWeightSender
 torch.set_num_threads(1)
-sender = DistributedWeightSender("127.0.0.1", int(sys.argv[1]), 2, "gloo", sys.argv[2], timeout_s=60)
+store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=60))
+print(f"port {store.port}", flush=True)
+sender = DistributedWeightSender(store, 2, "gloo", sys.argv[1], timeout_s=60)
 print("version " + json.dumps(sender.nccl_version()), flush=True)
 if sys.stdin.readline().strip() == "broadcast":
     sender.broadcast([("w", torch.arange(8, dtype=torch.float32))])
@@ -88,12 +91,6 @@ def fake_interpreter(directory: Path, version: tuple[int, ...]) -> Path:
     path.write_text(FAKE_INTERPRETER.format(python=sys.executable, version=version))
     path.chmod(0o755)
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Member:
@@ -147,9 +144,9 @@ def weight_group(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "0"}
 
     def start(trainer_python: Path, engine_python: Path) -> tuple[Member, Member]:
-        port = _free_port()
-        members.append(Member([str(trainer_python), str(tmp_path / "sender.py"), str(port), GROUP], env))
-        members.append(Member([str(engine_python), str(tmp_path / "member.py"), str(port), GROUP], env))
+        members.append(Member([str(trainer_python), str(tmp_path / "sender.py"), GROUP], env))
+        port = members[-1].line("port")  # the port its rendezvous got as it bound
+        members.append(Member([str(engine_python), str(tmp_path / "member.py"), port, GROUP], env))
         members[-1].line("joined")
         return members[-2], members[-1]
 

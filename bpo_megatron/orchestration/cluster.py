@@ -1,22 +1,26 @@
-"""Starting Ray: an embedded local instance by default, or joining an existing cluster."""
+"""Starting Ray (an embedded local instance by default, or joining an existing cluster), and
+rendezvous stores hosted on a Ray node."""
 
 from __future__ import annotations
 
+import datetime
 import os
-import socket
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+def host_rendezvous(timeout_s: float):
+    """A rendezvous store hosted in this process on a port the OS assigns as it binds, and where
+    this node's peers reach it (the node's address as Ray knows it): ``(store, address, port)``.
 
-
-def address_and_free_port() -> tuple[str, int]:
-    """This node's address (as Ray knows it) and a port free on it: a rendezvous to host here."""
+    Binding port 0 and handing out the port the store got leaves no window: a port probed free
+    and bound later can be taken in between (Ray's own workers bind ephemeral ports all the
+    time), and then a whole trainer world fails to start."""
     import ray
+    import torch.distributed as dist
 
-    return ray.util.get_node_ip_address(), free_port()
+    address = ray.util.get_node_ip_address()
+    store = dist.TCPStore(address, 0, None, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    return store, address, store.port
 
 
 def start_ray(cluster, *, cpus_needed: int) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from bpo_megatron.orchestration.cluster import address_and_free_port
 from bpo_megatron.orchestration.engine_group import EngineGroup, EnginesFailed, PendingGeneration
 from bpo_megatron.orchestration.placement import Placement, plan_layout
 from bpo_megatron.orchestration.workers import TrainWorker
@@ -86,19 +85,15 @@ class TrainerGroup:
         self._owns_placement = placement is None
         self.placement = placement or Placement(plan_layout(cfg.cluster, num_engines=0),
                                                 timeout_s=cfg.cluster.placement_timeout_s)
-        # The rendezvous address is rank 0's node, found by running a task on its slot.
-        options = self.placement.trainer_options(0)
-        probe = ray.remote(address_and_free_port).options(num_cpus=0, scheduling_strategy=options["scheduling_strategy"])
-        address, port = ray.get(probe.remote())
         actor = ray.remote(TrainWorker)
         spec = cfg.trainer_spec()
-        self.workers = [
-            actor.options(**self.placement.trainer_options(rank)).remote(spec, rank, ranks, f"{address}:{port}",
-                                                                         threads_per_rank)
-            for rank in range(ranks)
-        ]
+        self.workers = [actor.options(**self.placement.trainer_options(rank)).remote(spec, rank, ranks, threads_per_rank)
+                        for rank in range(ranks)]
+        # Rank 0 hosts the rendezvous, on a port bound as it was chosen; then every rank joins.
+        master = self._collect([self.workers[0].rendezvous.remote()], "start-up")[0]
         # each rank's data-parallel index and size, and whether it returns its share's results
-        self.layout: list[tuple[int, int, bool]] = self._collect([w.ready.remote() for w in self.workers], "start-up")
+        self.layout: list[tuple[int, int, bool]] = self._collect([w.join.remote(master) for w in self.workers],
+                                                                 "start-up")
         self.dp_size = self.layout[0][1]
         self.hf, self.replaying = spec.hf, spec.model.routing_replay
         self.correction = spec.loss.correction.name
@@ -182,14 +177,15 @@ class TrainerGroup:
         """The NCCL version rank 0 runs (None without NCCL)."""
         return self.call("nccl_version")[0]
 
-    def weight_group_address(self) -> tuple[str, int]:
-        """Where rank 0 hosts a weight group: its node's address and a free port."""
-        return self.call("weight_group_address")[0]
+    def host_weight_group(self, role: str) -> tuple[str, int]:
+        """Rank 0 starts hosting the rendezvous of the weight group of the engines of ``role``:
+        its node's address and the port it got."""
+        return self.call("host_weight_group", role)[0]
 
-    def open_weight_group(self, transport: str, address: str, port: int, world_size: int, role: str) -> list:
-        """Start hosting the weight group of ``transport`` for the engines of ``role`` (rank 0);
+    def open_weight_group(self, transport: str, world_size: int, role: str) -> list:
+        """Form the weight group of ``transport`` for the engines of ``role`` at rank 0's rendezvous;
         returns the calls under way, :meth:`wait` for them once the engines have joined."""
-        return self.submit("open_weight_group", transport, address, port, world_size, role)
+        return self.submit("open_weight_group", transport, world_size, role)
 
     def close_transport(self, transport: str, role: str) -> None:
         """Every rank releases its ``transport`` to the engines of ``role`` (e.g. a weight group

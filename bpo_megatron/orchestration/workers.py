@@ -15,24 +15,45 @@ import torch.distributed as dist
 
 from bpo_megatron import platform
 from bpo_megatron.observability.library_logs import quiet_library_logs
+from bpo_megatron.orchestration.cluster import host_rendezvous
 from bpo_megatron.orchestration.host_values import returns_host_values
+
+# How long a rendezvous waits for its members: a trainer rank for rank 0's store, a weight group's
+# host for the engines' TP ranks.
+START_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 @returns_host_values
 class TrainWorker:
     """One rank of the trainer world: a :class:`~bpo_megatron.trainer.actor.TrainActor`."""
 
-    def __init__(self, spec, rank: int, world_size: int, master: str, threads: int = 1) -> None:
+    def __init__(self, spec, rank: int, world_size: int, threads: int = 1) -> None:
         """``spec``: the :class:`~bpo_megatron.trainer.spec.TrainerSpec` every rank builds its
-        actor from (the experiment's trainer sections, not the experiment)."""
+        actor from (the experiment's trainer sections, not the experiment). The rank joins its
+        world and builds the actor in :meth:`join`; rank 0 hosts the world's rendezvous from here
+        on (:meth:`rendezvous`)."""
         quiet_library_logs()
         torch.set_num_threads(threads)
         platform.bind_device()  # before NCCL binds this rank to a GPU
-        dist.init_process_group(backend=platform.distributed_backend(), init_method=f"tcp://{master}",
-                                rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=30))
-        self.rank, self.hf = rank, spec.hf
+        self.rank, self.world_size, self.spec, self.hf = rank, world_size, spec, spec.hf
         self._transports: dict[tuple[str, str], Any] = {}  # (transport, engine group) -> it (a group stays open)
-        self.actor = spec.build()
+        self._weight_stores: dict[str, Any] = {}  # engine group -> the store its weight group will meet at
+        self._store = host_rendezvous(START_TIMEOUT.total_seconds())[0] if rank == 0 else None
+
+    def rendezvous(self) -> str:
+        """Where rank 0 hosts the world's rendezvous (``address:port``)."""
+        return f"{self._store.host}:{self._store.port}"
+
+    def join(self, master: str) -> tuple[int, int, bool]:
+        """Join the trainer world at ``master`` (rank 0's :meth:`rendezvous`), build the actor, and
+        say where this rank stands (:meth:`ready`)."""
+        if self._store is None:
+            host, port = master.rsplit(":", 1)
+            self._store = dist.TCPStore(host, int(port), self.world_size, is_master=False, timeout=START_TIMEOUT)
+        dist.init_process_group(backend=platform.distributed_backend(), store=self._store, rank=self.rank,
+                                world_size=self.world_size, timeout=datetime.timedelta(minutes=30))
+        self.actor = self.spec.build()
+        return self.ready()
 
     def ready(self) -> tuple[int, int, bool]:
         """Where this rank stands: its data-parallel index and size, and whether it returns the
@@ -79,11 +100,13 @@ class TrainWorker:
     def load(self, root: str, verify: bool = True) -> dict[str, Any]:
         return self.actor.load(root, verify=verify)
 
-    def weight_group_address(self) -> tuple[str, int]:
-        """Where the weight group's rendezvous will be: this rank's node and a free port."""
-        from bpo_megatron.orchestration.cluster import address_and_free_port
-
-        return address_and_free_port()
+    def host_weight_group(self, channel: str = "rollout") -> tuple[str, int] | None:
+        """Rank 0 starts hosting the rendezvous of the weight group of ``channel``'s engines and
+        says where it is (its node's address and the port it got); None from the others."""
+        if self.rank != 0:
+            return None
+        self._weight_stores[channel], address, port = host_rendezvous(START_TIMEOUT.total_seconds())
+        return address, port
 
     def nccl_version(self):
         """The NCCL version this rank runs (None without NCCL): what the weight group checks."""
@@ -91,13 +114,12 @@ class TrainWorker:
 
         return DistributedWeightSender.nccl_version()
 
-    def open_weight_group(self, transport: str, master_address: str, master_port: int, world_size: int,
-                          channel: str = "rollout") -> None:
-        """Rank 0 joins (and hosts) the group of ``transport`` shared with the engines' TP ranks;
-        others do nothing. ``channel``: which engine group it serves (rollout or evaluation
-        engines: a group each)."""
+    def open_weight_group(self, transport: str, world_size: int, channel: str = "rollout") -> None:
+        """Rank 0 forms the group of ``transport`` shared with the engines' TP ranks at the
+        rendezvous :meth:`host_weight_group` opened, and waits for them to join; others do nothing.
+        ``channel``: which engine group it serves (rollout or evaluation engines: a group each)."""
         if self.rank == 0:
-            self._transport(transport, channel).open(master_address, master_port, world_size,
+            self._transport(transport, channel).open(self._weight_stores.pop(channel), world_size,
                                                      platform.distributed_backend())
 
     def push_weights(self, transport: str, endpoints: list, version: int, bucket_bytes: int, verify: bool,

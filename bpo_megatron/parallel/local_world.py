@@ -13,7 +13,6 @@ import io
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable
@@ -36,12 +35,6 @@ class GlooWorldError(RuntimeError):
     """A rank raised, died, or the world did not finish within its timeout."""
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _context() -> mp.context.BaseContext:
     ctx = mp.get_context("forkserver")
     # Preloading makes every rank a fork of a process that already imported torch; the
@@ -60,13 +53,9 @@ def _rank_main(fn, rank, world_size, port, timeout_s, args, kwargs, results) -> 
     except RuntimeError:  # already fixed in this process; the intra-op setting is what matters
         pass
     try:
-        dist.init_process_group(
-            backend="gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(backend="gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         out = fn(*args, **kwargs)
         # Serialised to bytes here: a tensor put on the queue as is would be shared through a file
         # descriptor that dies with this process before the parent reads it.
@@ -101,9 +90,15 @@ def run_gloo_world(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    import torch.distributed as dist
+
     ctx = _context()
     results = ctx.Queue()
-    port = _free_port()
+    # The world's rendezvous lives here, on a port bound as the OS assigned it (a port probed free
+    # and bound later by a rank can be taken in between); it outlives every rank.
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    port = store.port
     procs = [
         ctx.Process(
             target=_rank_main,

@@ -85,9 +85,9 @@ def _form_weight_group(trainer, engines, transport: str, sender: type) -> None:
         trainer.close_transport(transport, engines.role)
     servers = engines.endpoints()
     sender.check_members(trainer.nccl_version(), engines.nccl_versions)
-    address, port = trainer.weight_group_address()
+    address, port = trainer.host_weight_group(engines.role)
     offsets, world = sender.group_ranks(servers)
-    opening = trainer.open_weight_group(transport, address, port, world, engines.role)  # rank 0 hosts, engines join
+    opening = trainer.open_weight_group(transport, world, engines.role)  # rank 0 hosts, engines join
     engines.join_weight_group(address, port, offsets, world)
     trainer.wait(opening, "open_weight_group")
     engines.weight_group = members

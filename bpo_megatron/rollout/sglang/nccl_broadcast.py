@@ -53,11 +53,11 @@ class NcclBroadcast:
         if trainer_version is not None:
             check_nccl_versions(trainer_version, engine_versions())
 
-    def open(self, master_address: str, master_port: int, world_size: int, backend: str) -> None:
-        """Host the group's rendezvous and wait for every engine rank to join (they are asked to,
-        at the same time, by the driver)."""
+    def open(self, store, world_size: int, backend: str) -> None:
+        """Form the group at ``store`` (the rendezvous this process hosts) and wait for every
+        engine rank to join (they are asked to, at the same time, by the driver)."""
         self.close()
-        self.sender = DistributedWeightSender(master_address, master_port, world_size, backend, GROUP_NAME)
+        self.sender = DistributedWeightSender(store, world_size, backend, GROUP_NAME)
 
     def prepare(self, endpoints: list[EngineEndpoint]) -> None:
         """``endpoints``: every engine in the group (all of them: a broadcast needs every member)."""

@@ -27,13 +27,15 @@ _DEVICE_PREFIX = {"gloo": "cpu", "nccl": "cuda"}
 class DistributedWeightSender:
     """Rank 0 of the update group shared with the server's TP ranks (not this process's world)."""
 
-    def __init__(self, master_address: str, master_port: int, world_size: int, backend: str,
-                 group_name: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, store: dist.TCPStore, world_size: int, backend: str, group_name: str,
+                 timeout_s: float = 600.0) -> None:
+        """``store``: the group's rendezvous, hosted by this process (the engines' ranks join it at
+        its host and port)."""
         if backend not in _DEVICE_PREFIX:
             raise ValueError(f"weight update backend must be 'nccl' or 'gloo', got {backend!r}")
         self.group_name = group_name
         timeout = datetime.timedelta(seconds=timeout_s)
-        self._store = dist.TCPStore(master_address, master_port, world_size, is_master=True, timeout=timeout)
+        self._store = store
         store = dist.PrefixStore(f"{_DEVICE_PREFIX[backend]}/", dist.PrefixStore(
             f"{group_name}/", dist.PrefixStore(group_name, self._store)))
         if backend == "gloo":
