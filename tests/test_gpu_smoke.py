@@ -55,6 +55,18 @@ def test_cpu_smoke_run_passes_every_check_with_its_numbers(tmp_path):
     assert numbers["rl_throughput"]["packed_logp_max_abs_diff"] <= 1e-5
     assert 0 < numbers["rl_throughput"]["varied_positions"] < 4 * 2 * (8 + 24)
     assert numbers["rl_throughput"]["packed_train_tokens_per_s"] > 0 < numbers["rl_throughput"]["padded_train_tokens_per_s"]
+    # every fast path off in turn and all off, from the same weights: fp32 steps equal the reference's
+    from bpo_megatron.gpu_smoke.checks.train_fast_paths import variants
+
+    rows = checks["train_fast_paths"]["tables"]["train step with and without each fast path"]
+    assert [row["variant"] for row in rows] == list(variants()) and len(rows) >= 3
+    assert all(abs(row["loss"] / rows[-1]["loss"] - 1) <= 1e-6 for row in rows)
+    assert all(abs(row["grad_norm"] / rows[-1]["grad_norm"] - 1) <= 1e-6 for row in rows)
+    assert rows[0]["aten_ops"] > 0 and rows[0]["host_syncs"] >= 0 and rows[0]["kernels"] == 0  # no GPU here
+    trace = tmp_path / "work" / "traces" / "train_micro_batch.json.gz"
+    import gzip
+
+    assert json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     markdown = (tmp_path / "report" / "report.md").read_text()
     assert all(f"## {name}: pass" in markdown for name in CHECKS)
 

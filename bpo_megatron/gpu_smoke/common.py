@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,13 +21,12 @@ from bpo_megatron.gpu_smoke.profiles import Profile
 def single_rank_world(timeout_s: float = 300.0) -> Iterator[None]:
     """A torch.distributed world of this process alone (NCCL on a GPU, gloo on a CPU), as a
     trainer with world size 1 runs; torn down on exit."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)  # a port bound as assigned
     if platform.has_cuda():
         torch.cuda.set_device(platform.device())
-    dist.init_process_group(backend=platform.distributed_backend(), init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(backend=platform.distributed_backend(), store=store, rank=0, world_size=1,
+                            timeout=timeout)
     try:
         yield
     finally:
@@ -51,14 +49,16 @@ def timed(into: dict[str, float], key: str) -> Iterator[None]:
 
 
 def build_actor(profile: Profile, config: dict[str, Any], *, replay: bool, micro_batch_size: int,
-                lr: float = 1e-5, weights: Path | None = None, temperature: float = 1.0):
+                lr: float = 1e-5, weights: Path | None = None, temperature: float = 1.0,
+                max_tokens_per_micro_batch: int = 0, model_options: dict[str, Any] | None = None):
     """A one-rank Megatron train actor in the profile's precision (bf16 + Megatron's distributed
     optimizer on a GPU; fp32 on a CPU), loaded from ``weights`` if given (the kit's
     :func:`~bpo_megatron.testing.build_actor`, with BPO's loss)."""
     from bpo_megatron import testing
 
     return testing.build_actor(config, replay=replay, micro_batch_size=micro_batch_size, lr=lr, loss="bpo",
-                               temperature=temperature, weights=weights, params_dtype=profile.dtype)
+                               temperature=temperature, weights=weights, params_dtype=profile.dtype,
+                               max_tokens_per_micro_batch=max_tokens_per_micro_batch, model_options=model_options)
 
 
 def device_name() -> str:

@@ -10,11 +10,12 @@ from bpo_megatron.testing.models import tiny_moe
 
 def build_actor(hf=None, *, tp=1, pp=1, ep=1, etp=None, replay=False, recompute="none", lr=1e-3, loss="bpo",
                 micro_batch_size=2, grad_clip=1.0, temperature=1.0, weights=None, max_tokens_per_micro_batch=0,
-                params_dtype=None, logprob_kernel="auto"):
+                params_dtype=None, logprob_kernel="auto", model_options=None):
     """A train actor of ``hf`` (an ``HFModelConfig``, a config dict or path; the tiny MoE by
     default) in the current torch.distributed world; ``loss``: a loss name or a
     ``PolicyLossConfig``; ``weights``: a Hugging Face directory to load; ``params_dtype``: fp32 or
-    bf16 (None: the platform's default). Release it with ``actor.close()``."""
+    bf16 (None: the platform's default); ``model_options``: further ``ModelOptions`` fields (e.g.
+    ``{"expert_gemm": "sequential"}``). Release it with ``actor.close()``."""
     from bpo_megatron.models import ModelOptions
     from bpo_megatron.parallel import ParallelConfig
     from bpo_megatron.trainer.config import TrainerConfig
@@ -24,7 +25,8 @@ def build_actor(hf=None, *, tp=1, pp=1, ep=1, etp=None, replay=False, recompute=
     return TrainerSpec(
         hf=tiny_moe() if hf is None else hf,
         parallel=ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp),
-        model=ModelOptions(routing_replay=replay, recompute=recompute, params_dtype=params_dtype),
+        model=ModelOptions(routing_replay=replay, recompute=recompute, params_dtype=params_dtype,
+                           **(model_options or {})),
         loss=loss,
         optimizer=OptimizerSettings(lr=lr, grad_clip=grad_clip),
         trainer=TrainerConfig(micro_batch_size=micro_batch_size, temperature=temperature,

@@ -41,8 +41,8 @@ PY="${PYTHON:-python3}"   # the GPU image's; on a CPU machine with .venv (a dry 
 # part's work; expected times in docs/gpu-validation.md ("The next GPU visit").
 INSTALL_S=60
 CUDA_TESTS_S=75
-KIT_ORDER=${KIT_ORDER:-logprobs_kernel,rollout_decode,engine_replay,rl_loop,trainer_step,rl_throughput,driver_payloads,trainer_offload,ipc_weights}
-KIT_BUDGETS=logprobs_kernel=40,rollout_decode=120,engine_replay=40,rl_loop=180,trainer_step=25,rl_throughput=120,driver_payloads=40,trainer_offload=20,ipc_weights=30
+KIT_ORDER=${KIT_ORDER:-logprobs_kernel,rollout_decode,engine_replay,rl_loop,trainer_step,rl_throughput,train_fast_paths,driver_payloads,trainer_offload,ipc_weights}
+KIT_BUDGETS=logprobs_kernel=40,rollout_decode=120,engine_replay=40,rl_loop=180,trainer_step=25,rl_throughput=120,train_fast_paths=90,driver_payloads=40,trainer_offload=20,ipc_weights=30
 
 T0=$(date +%s)
 left() { echo $((ROUND_S - ($(date +%s) - T0))); }
@@ -140,6 +140,8 @@ timeout $((limit + 15)) "$PY" -m bpo_megatron.gpu_smoke --out "$OUT/kit" --workd
     --checks "$KIT_ORDER" --budgets "$KIT_BUDGETS" --total "$limit" 2>&1 | tee "$OUT/kit.txt" | grep "^\[gpu-smoke\]"
 status=${PIPESTATUS[0]}
 record kit "$limit" $(($(date +%s) - start)) "$status" "$KIT_BUDGETS"
+# the profiler traces the checks wrote (train_fast_paths: one micro-batch's step), to commit beside the report
+if [ -d "$WORK/kit/traces" ]; then mkdir -p "$OUT/traces" && cp "$WORK/kit/traces/"* "$OUT/traces/"; fi
 
 # ---- 4. the report to commit
 "$PY" -m bpo_megatron.gpu_smoke.round_report "$OUT" --device "$DEVICE"

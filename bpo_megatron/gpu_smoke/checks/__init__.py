@@ -18,6 +18,7 @@ CHECKS = LazyRegistry({
     "driver_payloads": "bpo_megatron.gpu_smoke.checks.driver_payloads",
     "rollout_decode": "bpo_megatron.gpu_smoke.checks.rollout_decode",
     "rl_throughput": "bpo_megatron.gpu_smoke.checks.rl_throughput",
+    "train_fast_paths": "bpo_megatron.gpu_smoke.checks.train_fast_paths",
     "rl_loop": "bpo_megatron.gpu_smoke.checks.rl_loop",
 }, unknown="unknown check {name!r}; choose from {listed}")
 
