@@ -13,6 +13,7 @@ ParamsDtype = Literal["fp32", "bf16"]
 Recompute = Literal["none", "full"]
 TokenDispatcher = Literal["alltoall", "allgather"]
 ExpertGemm = Literal["grouped", "sequential"]
+CoreAttention = Literal["auto", "fused", "unfused"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -22,6 +23,17 @@ def default_params_dtype(gpu: bool | None = None) -> ParamsDtype:
     the tests compare against fp32 references. ``gpu`` None: whether the calling process has one,
     so call it where the model is built (:meth:`ModelOptions.resolved`), never on a driver."""
     return "bf16" if (platform.has_cuda() if gpu is None else gpu) else "fp32"
+
+
+def local_core_attention(choice: CoreAttention, gpu: bool | None = None) -> CoreAttention:
+    """The core attention of the local spec that ``choice`` names: ``"auto"`` is torch's fused
+    kernels on GPUs (where the unfused one's score matrices cost memory and time) and Megatron's
+    unfused reference on CPU (what the CPU tests compare against). ``gpu`` None: whether the
+    calling process has one, so call it where the model is built, never on a driver."""
+    _check_choice("attention", choice, CoreAttention)
+    if choice != "auto":
+        return choice
+    return "fused" if (platform.has_cuda() if gpu is None else gpu) else "unfused"
 
 
 @dataclass(frozen=True)
@@ -36,8 +48,8 @@ class ModelOptions:
 
     ``params_dtype`` unset (None) is the platform default of the process that builds the model
     (:func:`default_params_dtype`): options travel from a driver without a GPU to trainer ranks
-    with one, and a default taken on the driver would train the GPUs in fp32. Builders call
-    :meth:`resolved` first.
+    with one, and a default taken on the driver would train the GPUs in fp32. ``attention="auto"``
+    is decided the same way. Builders call :meth:`resolved` first.
     """
 
     params_dtype: ParamsDtype | None = None
@@ -50,6 +62,11 @@ class ModelOptions:
     # per layer; "sequential": Megatron's SequentialMLP, one expert at a time after a host sync.
     # Same parameters and checkpoints either way.
     expert_gemm: ExpertGemm = "grouped"
+    # the local spec's core attention (no transformer-engine; TE's attention is TE's): "fused":
+    # torch's SDPA for padded batches and FlashAttention's varlen kernel for packed ones on CUDA in
+    # bf16 (models.fused_attention); "unfused": Megatron's DotProductAttention, packed rows one
+    # sample at a time; "auto": fused on GPUs, unfused on CPU (local_core_attention). No parameters.
+    attention: CoreAttention = "auto"
 
     def __post_init__(self) -> None:
         if self.params_dtype is not None:
@@ -57,6 +74,7 @@ class ModelOptions:
         _check_choice("recompute", self.recompute, Recompute)
         _check_choice("moe_token_dispatcher", self.moe_token_dispatcher, TokenDispatcher)
         _check_choice("expert_gemm", self.expert_gemm, ExpertGemm)
+        _check_choice("attention", self.attention, CoreAttention)
         if not isinstance(self.routing_replay, bool):
             raise ValueError(f"model.routing_replay={self.routing_replay!r} must be true or false")
         coeff = self.moe_aux_loss_coeff
@@ -69,8 +87,12 @@ class ModelOptions:
             )
 
     def resolved(self) -> ModelOptions:
-        """These options with an unset ``params_dtype`` decided by this process's devices."""
-        return self if self.params_dtype is not None else replace(self, params_dtype=default_params_dtype())
+        """These options with an unset ``params_dtype`` and ``attention="auto"`` decided by this
+        process's devices."""
+        if self.params_dtype is not None and self.attention != "auto":
+            return self
+        return replace(self, params_dtype=self.params_dtype or default_params_dtype(),
+                       attention=local_core_attention(self.attention))
 
     def params_dtype_on(self, *, gpu: bool) -> ParamsDtype:
         """The dtype a rank with (``gpu``) or without a GPU builds the model in: for planning

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from bpo_megatron import platform
 from bpo_megatron.models.hf_config import HFModelConfig
-from bpo_megatron.models.options import ExpertGemm, ModelOptions
+from bpo_megatron.models.options import CoreAttention, ExpertGemm, ModelOptions, local_core_attention
 from bpo_megatron.parallel.config import ParallelConfig
 
 if TYPE_CHECKING:
@@ -153,10 +153,14 @@ def _moe_fields(hf: HFModelConfig, options: ModelOptions, *, te: bool) -> dict[s
     }
 
 
-def layer_spec(hf: HFModelConfig, config: TransformerConfig, *,
+def layer_spec(hf: HFModelConfig, config: TransformerConfig, *, attention: CoreAttention = "auto",
                experts: ExpertGemm = "grouped") -> TransformerBlockSubmodules:
     """The decoder's module spec: transformer-engine modules on GPUs with TE, Megatron's local
-    torch modules otherwise, with the local core attention extended to packed sequences and, with
+    torch modules otherwise, with the local core attention ``attention`` names
+    (:func:`~bpo_megatron.models.options.local_core_attention`: ``"fused"``, torch's fused kernels,
+    :class:`~bpo_megatron.models.fused_attention.FusedDotProductAttention`; ``"unfused"``,
+    Megatron's extended to packed sequences,
+    :class:`~bpo_megatron.models.packed_attention.PackedDotProductAttention`) and, with
     ``experts="grouped"``, the local MoE experts as grouped GEMMs
     (:class:`~bpo_megatron.models.grouped_experts.GroupedSequentialMLP`; ``"sequential"``:
     Megatron's ``SequentialMLP``, one expert at a time). TE's experts are TE's own either way.
@@ -169,6 +173,7 @@ def layer_spec(hf: HFModelConfig, config: TransformerConfig, *,
         raise ValueError("layer_spec: config was not made by transformer_config for this model")
     if experts not in ("grouped", "sequential"):
         raise ValueError(f"layer_spec: experts={experts!r} must be 'grouped' or 'sequential'")
+    attention = local_core_attention(attention)
     te = uses_transformer_engine()
     # normalization="RMSNorm" makes the local spec use torch.nn.RMSNorm (WrappedTorchNorm) for
     # the layer and QK norms; TE's norms read config.normalization themselves.
@@ -177,8 +182,9 @@ def layer_spec(hf: HFModelConfig, config: TransformerConfig, *,
         # The local block's final norm is apex's FusedLayerNorm whenever apex is installed, and
         # that refuses RMSNorm; use the same torch RMSNorm as the layers.
         spec.layer_norm = WrappedTorchNorm
-        # Megatron's local core attention refuses packed sequences (TE's takes them natively).
-        spec.layer_specs = [_with_packed_attention(layer) for layer in spec.layer_specs]
+        # Megatron's local core attention refuses packed sequences (TE's takes them natively)
+        # and keeps every score matrix; both replacements take packed rows
+        spec.layer_specs = [_with_core_attention(layer, attention) for layer in spec.layer_specs]
         if experts == "grouped":
             # SequentialMLP loops over the experts after a host sync; the same modules and
             # parameters run as two grouped GEMMs instead
@@ -224,19 +230,24 @@ def _built_class(spec: object) -> object:
     return spec.func if isinstance(spec, partial) else getattr(spec, "module", None)
 
 
-def _with_packed_attention(layer: ModuleSpec) -> ModuleSpec:
-    """``layer`` with :class:`~bpo_megatron.models.packed_attention.PackedDotProductAttention`
-    as its core attention (copies: the specs Megatron returns may be shared between layers)."""
+def _with_core_attention(layer: ModuleSpec, attention: CoreAttention) -> ModuleSpec:
+    """``layer`` with the core attention ``attention`` names:
+    :class:`~bpo_megatron.models.fused_attention.FusedDotProductAttention` (``"fused"``) or
+    :class:`~bpo_megatron.models.packed_attention.PackedDotProductAttention` (``"unfused"``), both
+    Megatron's ``DotProductAttention`` taking packed sequences (copies: the specs Megatron returns
+    may be shared between layers)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+    from bpo_megatron.models.fused_attention import FusedDotProductAttention
     from bpo_megatron.models.packed_attention import PackedDotProductAttention
 
-    attention = layer.submodules.self_attention
-    if attention.submodules.core_attention is not DotProductAttention:
-        raise RuntimeError(f"the local layer spec's core attention is {attention.submodules.core_attention!r}, "
-                           "not the DotProductAttention that packed attention extends")
-    attention = replace(attention, submodules=replace(attention.submodules, core_attention=PackedDotProductAttention))
-    return replace(layer, submodules=replace(layer.submodules, self_attention=attention))
+    core = {"fused": FusedDotProductAttention, "unfused": PackedDotProductAttention}[attention]
+    attention_spec = layer.submodules.self_attention
+    if attention_spec.submodules.core_attention is not DotProductAttention:
+        raise RuntimeError(f"the local layer spec's core attention is {attention_spec.submodules.core_attention!r}, "
+                           f"not the DotProductAttention that {core.__name__} extends")
+    attention_spec = replace(attention_spec, submodules=replace(attention_spec.submodules, core_attention=core))
+    return replace(layer, submodules=replace(layer.submodules, self_attention=attention_spec))
 
 
 def _check_process_groups(parallel: ParallelConfig) -> None:
@@ -279,7 +290,8 @@ def build_gpt_model(
     config = transformer_config(hf, parallel, options)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(hf, config, experts=options.expert_gemm),
+        transformer_layer_spec=layer_spec(hf, config, attention=options.attention,
+                                          experts=options.expert_gemm),
         vocab_size=model_vocab_size(hf, parallel, options),
         max_sequence_length=hf.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage() if pre_process is None else pre_process,

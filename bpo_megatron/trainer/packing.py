@@ -85,7 +85,11 @@ class PackedMicroBatch:
 
 def pack(samples: list[TrainSample], *, pad_to_multiple: int = 1, with_routing: bool = False) -> PackedMicroBatch:
     """``samples`` end to end in one row, ``T`` rounded up to ``pad_to_multiple`` by a trailing
-    padding segment (loss-masked; routed to experts 0..k−1 as :func:`collate` routes padding)."""
+    padding segment (loss-masked; routed to experts 0..k−1 as :func:`collate` routes padding).
+    Its segment bounds are checked here, on the host, once per micro-batch; the attention layers
+    take them as they are."""
+    from bpo_megatron.models.packed_attention import check_packed_seq_params
+
     lengths = [input_positions(s) for s in samples]
     real = sum(lengths)
     total = -(-real // pad_to_multiple) * pad_to_multiple
@@ -109,7 +113,7 @@ def pack(samples: list[TrainSample], *, pad_to_multiple: int = 1, with_routing: 
         source[row, :n] = torch.arange(start, start + n)
         if routed is not None:
             routed[0, start : start + n] = sample.routed_experts
-    return PackedMicroBatch(
+    micro = PackedMicroBatch(
         input_ids=input_ids,
         position_ids=position_ids,
         targets=targets,
@@ -119,3 +123,5 @@ def pack(samples: list[TrainSample], *, pad_to_multiple: int = 1, with_routing: 
         padded=padded,
         source=source,
     )
+    check_packed_seq_params(micro.packed_seq_params(), total=total)
+    return micro
