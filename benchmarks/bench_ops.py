@@ -1,5 +1,6 @@
 """ATen ops and host syncs per training micro-batch and optimizer step, experts as SequentialMLP
-against grouped GEMMs (CPU, the project's train actor).
+against grouped GEMMs and the token dispatch as Megatron's against sorted (CPU, the project's train
+actor).
 
     python benchmarks/bench_ops.py                  # 2 layers (+1 for the per-layer row)
     python benchmarks/bench_ops.py --tokens 256 --micro-batches 4

@@ -156,8 +156,9 @@ def test_model_options_defaults_and_validation() -> None:
     assert options.moe_aux_loss_coeff == 0.0 and options.routing_replay is False
     assert options.recompute == "none"
     assert (options.moe_token_dispatcher, options.make_vocab_size_divisible_by) == ("alltoall", 128)
+    assert options.moe_dispatch == "sorted"
     for field, value in [("params_dtype", "fp8"), ("recompute", "selective"),
-                         ("moe_token_dispatcher", "flex"), ("moe_aux_loss_coeff", -0.1),
+                         ("moe_token_dispatcher", "flex"), ("moe_dispatch", "fused"), ("moe_aux_loss_coeff", -0.1),
                          ("make_vocab_size_divisible_by", 0), ("routing_replay", 1)]:
         with pytest.raises(ValueError, match=rf"model\.{field}="):
             ModelOptions(**{field: value})
@@ -379,14 +380,14 @@ def test_moe_layer_shapes(summaries) -> None:
     assert shapes[f"{mlp}.experts.local_experts.3.linear_fc1.weight"] == (2 * 32, 64)  # gate+up
     assert shapes[f"{mlp}.experts.local_experts.3.linear_fc2.weight"] == (64, 32)
     assert shapes["output_layer.weight"] == (256, 64)  # untied, padded vocabulary
-    assert summaries["moe"]["mlp_kinds"] == ["MoELayer", "MoELayer"]
+    assert summaries["moe"]["mlp_kinds"] == ["SortedDispatchMoELayer"] * 2  # Megatron's MoELayer, sorted dispatch
     assert summaries["dense"]["mlp_kinds"] == ["MLP", "MLP"]
     assert "output_layer.weight" not in summaries["dense"]["shapes"]  # tied to the embedding
 
 
 def test_mlp_only_layers_build_dense(summaries) -> None:
     out = summaries["mixed"]
-    assert out["mlp_kinds"] == ["MLP", "MoELayer"]
+    assert out["mlp_kinds"] == ["MLP", "SortedDispatchMoELayer"]
     assert out["shapes"]["decoder.layers.0.mlp.linear_fc1.weight"] == (2 * 128, 64)
     hf = tiny_moe(mlp_only_layers=[0])
     assert out["num_params"] == parameter_counts(hf)[0] + 2 * (256 - 200) * 64

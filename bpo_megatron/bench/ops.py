@@ -1,5 +1,6 @@
 """Benchmark: ATen ops and host syncs per training micro-batch and per optimizer step, with the
-local spec's MoE experts as Megatron's SequentialMLP and as grouped GEMMs.
+local spec's MoE experts as Megatron's SequentialMLP and as grouped GEMMs, and its token dispatch
+as Megatron's and by sorting (``model.moe_dispatch``).
 
 The project's own train actor (world size 1 over gloo, fp32 on CPU, R3 replay, BPO) trains a
 Qwen3-MoE with the kit throughput model's layer shape (``profiles`` large model: 32 experts top-4,
@@ -100,8 +101,10 @@ def _count(fn) -> dict[str, int]:
             "data_shaped": ops.data_shaped, "tolist_cpu": sum(py.calls.values())}
 
 
-def _measure(expert_gemm: str, model: dict, micro_batches: int, tokens: int) -> dict[str, dict[str, float]]:
-    """On a world-size-1 gloo rank: counts per micro-batch and per step for ``expert_gemm``."""
+def _measure(expert_gemm: str, dispatch: str, model: dict, micro_batches: int, tokens: int
+             ) -> dict[str, dict[str, float]]:
+    """On a world-size-1 gloo rank: counts per micro-batch and per step for ``expert_gemm`` and
+    ``dispatch``."""
     from bpo_megatron.models import HFModelConfig, ModelOptions
     from bpo_megatron.parallel import ParallelConfig
     from bpo_megatron.testing.samples import random_routing
@@ -113,7 +116,7 @@ def _measure(expert_gemm: str, model: dict, micro_batches: int, tokens: int) -> 
     hf = HFModelConfig.load(model)
     actor = TrainerSpec(
         hf=hf, parallel=ParallelConfig(),
-        model=ModelOptions(routing_replay=True, params_dtype="fp32", expert_gemm=expert_gemm),
+        model=ModelOptions(routing_replay=True, params_dtype="fp32", expert_gemm=expert_gemm, moe_dispatch=dispatch),
         loss="bpo", optimizer=OptimizerSettings(lr=1e-4),
         trainer=TrainerConfig(micro_batch_size=1),
     ).build()
@@ -141,14 +144,14 @@ COLUMNS = ("ops", "mm", "grouped_mm", "scalar_reads", "data_shaped", "tolist_cpu
 
 
 def table(results: dict[str, dict], micro_batches: int) -> str:
-    lines = [f"| experts | counted over | {' | '.join(COLUMNS)} |", "|---|---|" + "---:|" * len(COLUMNS)]
-    for gemm, res in results.items():
+    lines = [f"| experts | dispatch | counted over | {' | '.join(COLUMNS)} |", "|---|---|---|" + "---:|" * len(COLUMNS)]
+    for (gemm, dispatch), res in results.items():
         for part, label in (("micro_batch", "one micro-batch"),
                             ("layer", "one layer of a micro-batch"),
                             ("step_overhead", "a step beyond its micro-batches"),
                             ("step", f"a step of {micro_batches} micro-batches")):
             row = " | ".join(f"{res[part][c]:,.0f}" for c in COLUMNS)
-            lines.append(f"| {gemm} | {label} | {row} |")
+            lines.append(f"| {gemm} | {dispatch} | {label} | {row} |")
     return "\n".join(lines)
 
 
@@ -159,25 +162,28 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     parser.add_argument("--micro-batches", type=int, default=2, help="k: micro-batches of the smaller step")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per sample (one sample per micro-batch)")
     parser.add_argument("--experts", nargs="+", default=["sequential", "grouped"], choices=["sequential", "grouped"])
+    parser.add_argument("--dispatch", nargs="+", default=["megatron", "sorted"], choices=["megatron", "sorted"],
+                        help="model.moe_dispatch values to measure (each with every --experts value)")
     parser.add_argument("--kit-layers", type=int, default=16, help="layer count to extrapolate to (the kit model's)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     results = {}
     for gemm in args.experts:
-        (base,) = run_gloo_world(_measure, 1, gemm, {**MODEL, "num_hidden_layers": args.layers},
-                                 args.micro_batches, args.tokens, timeout=1200)
-        (deeper,) = run_gloo_world(_measure, 1, gemm, {**MODEL, "num_hidden_layers": args.layers + 1},
-                                   args.micro_batches, args.tokens, timeout=1200)
-        base["layer"] = {k: deeper["micro_batch"][k] - v for k, v in base["micro_batch"].items()}
-        results[gemm] = base
+        for dispatch in args.dispatch:
+            (base,) = run_gloo_world(_measure, 1, gemm, dispatch, {**MODEL, "num_hidden_layers": args.layers},
+                                     args.micro_batches, args.tokens, timeout=1200)
+            (deeper,) = run_gloo_world(_measure, 1, gemm, dispatch, {**MODEL, "num_hidden_layers": args.layers + 1},
+                                       args.micro_batches, args.tokens, timeout=1200)
+            base["layer"] = {k: deeper["micro_batch"][k] - v for k, v in base["micro_batch"].items()}
+            results[gemm, dispatch] = base
     print(f"model: {args.layers} layers (and {args.layers + 1} for the per-layer row), {MODEL['num_experts']} experts "
           f"top-{MODEL['num_experts_per_tok']}, {MODEL['num_attention_heads']}/{MODEL['num_key_value_heads']} heads, "
           f"hidden {MODEL['hidden_size']}; one sample of {args.tokens} tokens per micro-batch; fp32 CPU, R3 replay, BPO")
     print(table(results, args.micro_batches))
-    for gemm, res in results.items():
+    for (gemm, dispatch), res in results.items():
         mb, layer = res["micro_batch"], res["layer"]
         at_kit = {k: mb[k] + (args.kit_layers - args.layers) * layer[k] for k in ("ops", "mm", "tolist_cpu")}
-        print(f"{gemm}: at {args.kit_layers} layers (extrapolated) {at_kit['ops']:,.0f} ops, {at_kit['mm']:,.0f} mm, "
-              f"{at_kit['tolist_cpu']:,.0f} tolist/cpu per micro-batch")
+        print(f"{gemm}, {dispatch} dispatch: at {args.kit_layers} layers (extrapolated) {at_kit['ops']:,.0f} ops, "
+              f"{at_kit['mm']:,.0f} mm, {at_kit['tolist_cpu']:,.0f} tolist/cpu per micro-batch")
     return 0
 
 

@@ -14,6 +14,7 @@ Recompute = Literal["none", "full"]
 TokenDispatcher = Literal["alltoall", "allgather"]
 ExpertGemm = Literal["grouped", "sequential"]
 CoreAttention = Literal["auto", "fused", "unfused"]
+MoeDispatch = Literal["sorted", "megatron"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -67,6 +68,10 @@ class ModelOptions:
     # bf16 (models.fused_attention); "unfused": Megatron's DotProductAttention, packed rows one
     # sample at a time; "auto": fused on GPUs, unfused on CPU (local_core_attention). No parameters.
     attention: CoreAttention = "auto"
+    # the local spec's MoE token dispatch (no transformer-engine): "sorted": tokens permuted by sorting
+    # their expert ids, no host sync per layer at EP=1 and only the all-to-all's split sizes at EP>1
+    # (models.sorted_dispatch); "megatron": Megatron's dispatchers as they are. Same parameters either way.
+    moe_dispatch: MoeDispatch = "sorted"
 
     def __post_init__(self) -> None:
         if self.params_dtype is not None:
@@ -75,6 +80,7 @@ class ModelOptions:
         _check_choice("moe_token_dispatcher", self.moe_token_dispatcher, TokenDispatcher)
         _check_choice("expert_gemm", self.expert_gemm, ExpertGemm)
         _check_choice("attention", self.attention, CoreAttention)
+        _check_choice("moe_dispatch", self.moe_dispatch, MoeDispatch)
         if not isinstance(self.routing_replay, bool):
             raise ValueError(f"model.routing_replay={self.routing_replay!r} must be true or false")
         coeff = self.moe_aux_loss_coeff

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from bpo_megatron import platform
 from bpo_megatron.models.hf_config import HFModelConfig
-from bpo_megatron.models.options import CoreAttention, ExpertGemm, ModelOptions, local_core_attention
+from bpo_megatron.models.options import CoreAttention, ExpertGemm, ModelOptions, MoeDispatch, local_core_attention
 from bpo_megatron.parallel.config import ParallelConfig
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ def _moe_fields(hf: HFModelConfig, options: ModelOptions, *, te: bool) -> dict[s
 
 
 def layer_spec(hf: HFModelConfig, config: TransformerConfig, *, attention: CoreAttention = "auto",
-               experts: ExpertGemm = "grouped") -> TransformerBlockSubmodules:
+               experts: ExpertGemm = "grouped", dispatch: MoeDispatch = "sorted") -> TransformerBlockSubmodules:
     """The decoder's module spec: transformer-engine modules on GPUs with TE, Megatron's local
     torch modules otherwise, with the local core attention ``attention`` names
     (:func:`~bpo_megatron.models.options.local_core_attention`: ``"fused"``, torch's fused kernels,
@@ -163,7 +163,10 @@ def layer_spec(hf: HFModelConfig, config: TransformerConfig, *, attention: CoreA
     :class:`~bpo_megatron.models.packed_attention.PackedDotProductAttention`) and, with
     ``experts="grouped"``, the local MoE experts as grouped GEMMs
     (:class:`~bpo_megatron.models.grouped_experts.GroupedSequentialMLP`; ``"sequential"``:
-    Megatron's ``SequentialMLP``, one expert at a time). TE's experts are TE's own either way.
+    Megatron's ``SequentialMLP``, one expert at a time) and, with ``dispatch="sorted"``, the MoE
+    layers' tokens dispatched by sorting
+    (:class:`~bpo_megatron.models.sorted_dispatch.SortedDispatchMoELayer`; ``"megatron"``: Megatron's
+    dispatchers). TE's experts and TE's fused permutation are TE's own either way.
     ``config.moe_layer_freq`` picks a dense or MoE spec per layer, and only this pipeline stage's
     layers are kept."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -174,6 +177,8 @@ def layer_spec(hf: HFModelConfig, config: TransformerConfig, *, attention: CoreA
     if experts not in ("grouped", "sequential"):
         raise ValueError(f"layer_spec: experts={experts!r} must be 'grouped' or 'sequential'")
     attention = local_core_attention(attention)
+    if dispatch not in ("sorted", "megatron"):
+        raise ValueError(f"layer_spec: dispatch={dispatch!r} must be 'sorted' or 'megatron'")
     te = uses_transformer_engine()
     # normalization="RMSNorm" makes the local spec use torch.nn.RMSNorm (WrappedTorchNorm) for
     # the layer and QK norms; TE's norms read config.normalization themselves.
@@ -189,6 +194,10 @@ def layer_spec(hf: HFModelConfig, config: TransformerConfig, *, attention: CoreA
             # SequentialMLP loops over the experts after a host sync; the same modules and
             # parameters run as two grouped GEMMs instead
             spec.layer_specs = [_with_grouped_experts(layer) for layer in spec.layer_specs]
+        if dispatch == "sorted":
+            # Megatron's dispatchers read token counts on the host in every MoE layer; sorting the
+            # expert ids needs none at EP=1
+            spec.layer_specs = [_with_sorted_dispatch(layer) for layer in spec.layer_specs]
     return spec
 
 
@@ -220,6 +229,25 @@ def _with_grouped_experts(layer: ModuleSpec) -> ModuleSpec:
         mlp = partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe})
     else:
         mlp = replace(mlp, submodules=moe)
+    return replace(layer, submodules=replace(layer.submodules, mlp=mlp))
+
+
+def _with_sorted_dispatch(layer: ModuleSpec) -> ModuleSpec:
+    """``layer`` with :class:`~bpo_megatron.models.sorted_dispatch.SortedDispatchMoELayer` as its
+    MoE layer (dense layers unchanged; a copy, as in :func:`_with_grouped_experts`)."""
+    from functools import partial
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from bpo_megatron.models.sorted_dispatch import SortedDispatchMoELayer
+
+    mlp = layer.submodules.mlp
+    if _built_class(mlp) is not MoELayer:
+        return layer
+    if isinstance(mlp, partial):
+        mlp = partial(SortedDispatchMoELayer, *mlp.args, **mlp.keywords)
+    else:
+        mlp = replace(mlp, module=SortedDispatchMoELayer)
     return replace(layer, submodules=replace(layer.submodules, mlp=mlp))
 
 
@@ -291,7 +319,7 @@ def build_gpt_model(
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(hf, config, attention=options.attention,
-                                          experts=options.expert_gemm),
+                                          experts=options.expert_gemm, dispatch=options.moe_dispatch),
         vocab_size=model_vocab_size(hf, parallel, options),
         max_sequence_length=hf.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage() if pre_process is None else pre_process,

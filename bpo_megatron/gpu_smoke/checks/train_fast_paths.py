@@ -35,6 +35,7 @@ from bpo_megatron.trainer.samples import TrainSample
 # fast path -> the model options that turn it off (each on by default where it applies)
 FAST_PATHS: dict[str, dict[str, Any]] = {
     "grouped_experts": {"expert_gemm": "sequential"},
+    "sorted_dispatch": {"moe_dispatch": "megatron"},
 }
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
