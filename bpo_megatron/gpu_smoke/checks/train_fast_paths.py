@@ -35,6 +35,7 @@ from bpo_megatron.trainer.samples import TrainSample
 # fast path -> the model options that turn it off (each on by default where it applies)
 FAST_PATHS: dict[str, dict[str, Any]] = {
     "grouped_experts": {"expert_gemm": "sequential"},
+    "fused_attention": {"attention": "unfused"},
     "sorted_dispatch": {"moe_dispatch": "megatron"},
 }
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
@@ -73,12 +74,12 @@ def _fingerprint(actor) -> float:
 def profile_step(actor, samples: list[TrainSample], trace: Path) -> dict[str, float]:
     """One training step over ``samples`` under ``torch.profiler``: kernels, host syncs, the GPU's
     idle share of the step's wall time; the trace written gzipped to ``trace``."""
-    from torch.profiler import ProfilerActivity, profile
+    import torch.profiler
 
     cuda = platform.has_cuda()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    activity = torch.profiler.ProfilerActivity
     synchronize()
-    with profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=[activity.CPU] + ([activity.CUDA] if cuda else [])) as prof:
         actor.train_step(samples)
         synchronize()
     events = prof.events()
