@@ -13,8 +13,8 @@ import pytest
 from bpo_megatron.experiment import load_experiment
 from bpo_megatron.parallel import ParallelConfig
 from bpo_megatron.planner import format_plan, make_plan
-from bpo_megatron.planner.activations import (forward_only_activation_bytes, logits_bytes, micro_batch_positions,
-                                              stage_activation_bytes)
+from bpo_megatron.planner.activations import (forward_only_activation_bytes, layer_constant_bytes, logits_bytes,
+                                              micro_batch_positions, stage_activation_bytes)
 from bpo_megatron.planner.batches import (LENGTH_DISTRIBUTIONS, estimate_batches, lockstep_groups, packed_pass,
                                           padded_pass)
 from bpo_megatron.planner.layout import Allocation, layout_checks
@@ -51,17 +51,21 @@ def test_activations_logits_and_r3_scale_with_the_budget_padded_to_tp():
     [stage] = plan.stages
     assert plan.tokens_per_micro_batch == 36_864
     layers = tuple(range(48))
+    # the one stage is the first and the last (the embedding's ids, the final norm and output layer's input)
     assert stage.activations == stage_activation_bytes(hf, cfg.parallel, layers, tokens=36_864, recompute="full",
-                                                       act_bytes=2, in_flight=1)
+                                                       act_bytes=2, in_flight=1, first=True, last=True)
     vocab_rows = 152_064 // 4  # padded vocabulary over tp 4
     assert stage.logits == logits_bytes(vocab_rows, 36_864, 2) == 36_864 * vocab_rows * 2 + 2 * 2**28
     # R3: the micro-batch's routed experts (uint8, 48 MoE layers × top-8) and, held until recomputation
     # pops them, the int64 ids of this rank's sequence shard for its 48 routers
     assert stage.routing == 36_864 * 48 * 8 * 1 + 36_864 * 48 * 8 * 8 / 4
     assert stage.total == stage.static.total + stage.activations + stage.logits + stage.routing + 4e9
-    # memory grows linearly with the budget: twice the budget, twice each per-micro-batch term
+    # memory grows linearly with the budget: twice the budget, twice each per-micro-batch term, but
+    # for the rebuilt layer's stacked expert weights (16 local experts of 3·2048·768 bf16), whatever the length
     double = make_plan(_cfg(MAIN, "trainer.max_tokens_per_micro_batch=73728"), hf).stages[0]
-    assert double.activations == pytest.approx(2 * stage.activations)
+    stacked = layer_constant_bytes(hf, cfg.parallel, 0, 2)
+    assert stacked == 16 * (2 * 3 * 2048 * 768 + 4)
+    assert double.activations - stacked == pytest.approx(2 * (stage.activations - stacked))
     assert double.routing == pytest.approx(2 * stage.routing)
     assert micro_batch_positions(ParallelConfig(tp=1), longest=10_239, micro_batch_size=3, budget=0) == 3 * 10_239
     assert micro_batch_positions(ParallelConfig(tp=4), longest=10_239, micro_batch_size=3, budget=0) == 3 * 10_240
@@ -201,6 +205,22 @@ def test_recipes_pack_under_a_budget_that_holds_their_longest_sample(recipe):
     budget = cfg.trainer.max_tokens_per_micro_batch
     assert longest <= budget and budget % cfg.parallel.tp == 0
     assert make_plan(cfg, cfg.hf_config()).fits
+
+
+def test_the_one_gpu_recipe_takes_a_budget_its_gpu_holds():
+    """The one-GPU recipe packs 32,768 positions a micro-batch (2–3 a step instead of 8–9 at 8,192):
+    its plan fits 80 GB with that budget, which is under what memory allows (≈ 39.7k by the
+    measured activation terms) and a multiple of 4,096."""
+    from bpo_megatron.planner.plan import largest_budget
+
+    cfg = _cfg(CONFIGS / "qwen3_moe_1gpu.yaml")
+    plan = make_plan(cfg, cfg.hf_config())
+    budget = cfg.trainer.max_tokens_per_micro_batch
+    assert budget == plan.tokens_per_micro_batch == 32_768 and budget % 4096 == 0
+    assert plan.fits and plan.train_peak <= 80e9
+    largest = largest_budget(plan)
+    assert budget <= largest < budget + 2 * 4096
+    assert f"memory allows trainer.max_tokens_per_micro_batch up to {largest}" in format_plan(plan)
 
 
 @pytest.mark.parametrize("recipe", [MAIN, DISAGGREGATED], ids=["colocated", "disaggregated"])

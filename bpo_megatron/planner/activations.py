@@ -1,24 +1,78 @@
-"""Activation memory of one training micro-batch on one rank: an estimate, documented term by term.
+"""Activation memory of one training micro-batch on one rank: what the local spec with the fused
+core attention keeps for backward, term by term, measured.
 
-Per token and layer, with ``b`` bytes per activation (the model dtype), tensor parallelism ``tp``
-with sequence parallelism (every activation below is split over TP, either by sequence or by
-heads/columns), flash attention (no ``[s, s]`` score matrix is kept) and no dropout:
+Every term below is what autograd saves during a forward of the local spec (Megatron's torch
+modules, ``model.attention: fused``, the grouped experts and the sorted dispatch of
+``bpo_megatron.models``), counted by buffer: views of one buffer (the key and value split from the
+fused QKV output, the gate and up halves of fc1's output) are one. ``tests/test_activation_memory.py``
+measures it (``bpo_megatron.testing.activations``: a ``saved_tensors_hooks`` pack hook over one
+forward, fp32, on CPU, at two lengths and layer counts, TP 1 and TP 2 with sequence parallelism)
+and checks every per-token term and per-layer constant here against it within 1%; they agree to the
+byte. (Megatron's dispatchers, ``model.moe_dispatch: megatron``, keep a boolean routing map and one
+int64 index per routed row where the sorted dispatch keeps two and the top-k ids: up to 0.5% less
+per MoE layer in the measured shapes.)
 
-attention   b · (4h + (q + 2kv)·d + (q + kv)·d + q·d) / tp
-            the input norm's input and output, the fused QKV output, the normalised and rotated
-            q and k that flash attention keeps, and its output (the output projection's input);
-dense MLP   b · 3·ffn / tp                      fc1's output (gate and up) and the SwiGLU output;
-MoE MLP     (b · k · (2h·etp + 3·I) + 8·E) / tp  per routed copy of a token (top-k): the
-            dispatched hidden state and the combine input (whole ``h``, gathered over the
-            ``etp`` ranks of an expert), fc1's output and the SwiGLU output (I / etp columns on
-            each of the etp ranks), and the router's fp32 logits and probabilities. Routing is
-            assumed balanced (R3 replays the engine's routing; there is no capacity dropping).
+Per token of the micro-batch and layer on one rank, with ``b`` bytes per activation (the model
+dtype), tensor parallelism ``tp`` with sequence parallelism (norms, residuals and routers work on a
+sequence shard; attention heads, MLP columns and expert rows are split), ``h`` hidden size,
+``q``/``kv`` query/key-value heads of width ``d``, ``ffn`` the dense MLP's width, ``E`` experts of
+width ``I``, top-``k`` routing, ``etp`` expert tensor parallelism, and no dropout:
 
-``h`` hidden size, ``q``/``kv`` query/key-value heads of width ``d``, ``E`` experts, ``I`` the
-expert FFN size. Recompute ``full`` (one layer per checkpoint) keeps only each layer's input,
-``b·h / tp`` per token, and rebuilds one layer at a time in backward, so one layer's full set is
-added once. The MoE all-to-all adds send and receive buffers of the dispatched tokens,
-``2 · b · k · h / tp`` per token, live for one layer at a time.
+attention   (2h·b + 2·norm(h)          the input norm's and the pre-MLP norm's inputs, with what
+                                       each norm keeps beyond its input
+             + b·h                     the QKV linear's input (the input norm's output)
+             + b·(q + 2kv)·d           the fused QKV output (the k norm's input and flash
+                                       attention's v are views of it)
+             + b·q·d if kv/tp > 1      the query copied out of it (grouped heads are interleaved
+                                       with their keys; with one group per rank it is a view)
+             + q·norm(d) + kv·norm(d)  the q and k norms (per head, beyond their inputs)
+             + b·(q + kv)·d            the rotated q and k that flash attention keeps
+             + b·q·d + 4q) / tp        its output (the output projection's input, the same
+                                       buffer) and its fp32 log-sum-exp per head
+            + 4·b·d                    RoPE's cos and sin of the query's and the key's call (not
+                                       split: every TP rank rotates the whole sequence)
+dense MLP   b·(h + 5·ffn) / tp         fc1's input and output (gate and up), SiLU(gate), up +
+                                       glu_linear_offset (a new buffer even at 0), their product
+                                       (fc2's input)
+MoE MLP     (b·h + 4E + 20k) / tp      the router's input, the fp32 probabilities ``[T, E]`` (the
+                                       dispatcher's gather keeps them) and per top-k slot the
+                                       router's int64 id, fp32 probability and the dispatcher's
+                                       int64 id
+            + k·etp/tp · (b·(h + 6·I/etp) + 20)
+                                       per routed row (``k·etp/tp`` rows per token: each row on
+                                       the ``etp`` ranks of its expert): the dispatched hidden
+                                       state, fc1's output (2·I/etp), SiLU, up + offset, their
+                                       product, the product times the row's probability (fc2's
+                                       input), the fp32 probability and two int64 permutation
+                                       indices. Routing is assumed balanced (R3 replays the
+                                       engine's routing; there is no capacity dropping).
+
+``norm(w)`` is what an RMSNorm over ``w`` features keeps beyond its input: its fp32 ``rstd``, 4
+bytes, on a GPU (torch's fused ``_fused_rms_norm`` saves the input and ``rstd``); on a CPU torch
+composes it of elementwise ops, which also keep ``x·rstd``, ``b·w`` more (``gpu=False``; the
+measurement runs there). The plan counts what the ranks of its allocation run.
+
+Per layer and micro-batch, whatever its length: the grouped experts (``model.expert_gemm:
+grouped``, more than one local expert) stack the layer's ``E/ep`` local expert weights for one
+``torch._grouped_mm`` each, and autograd keeps that copy, ``b·3·h·I/etp`` per expert, plus the int32
+group offsets, until the micro-batch's backward: one copy per MoE layer and micro-batch in flight.
+
+The ends of the model, per token: the first stage's int64 token ids (and the boolean vocabulary
+mask of the vocab-parallel embedding under TP, 1 byte), the last stage's final norm
+(``b·h + norm(h)``) and output layer's input (``b·h``), both ``/ tp``.
+
+Recompute ``full`` (one layer per checkpoint) keeps only each layer's input, ``b·h / tp`` per
+token, and the rotary angles ``[T, 1, 1, d]`` in fp32 once for all checkpoints, and rebuilds one
+layer at a time in backward, so one layer's full set (with its stacked expert weights) is added
+once. The MoE dispatch adds the dispatched and the combined rows, ``2 · b · k · h / tp`` per
+token, live for one layer at a time (not kept for backward, so not measured).
+
+Transformer-engine (the spec on GPUs with TE) is assumed to keep no more than this: its norms are
+fused into the following linear (input, rstd and the normalised output it multiplies), its fused
+RoPE keeps no cos and sin, its attention keeps q, k, v, the output and the log-sum-exp as flash
+attention does here, and its grouped experts stack no weight copy; the plan's figure is an upper
+bound there. ``model.attention: unfused`` (Megatron's reference, the CPU default) keeps every
+head's ``[s, s]`` probabilities, which is not modelled: the plan assumes the fused attention.
 
 With pipeline parallelism, 1F1B keeps ``pp − stage`` micro-batches in flight on a stage (at most
 the number of micro-batches).
@@ -40,22 +94,84 @@ all its micro-batches until the trainer clears them after the pass.
 from __future__ import annotations
 
 from bpo_megatron.models.hf_config import HFModelConfig
+from bpo_megatron.models.options import ExpertGemm
 from bpo_megatron.models.routing import expert_id_dtype
 from bpo_megatron.ops.vocab_parallel import _CHUNK_BYTES
 from bpo_megatron.parallel import ParallelConfig
 
+FP32, INT32, INT64 = 4, 4, 8  # routers, norm and softmax statistics, and indices, whatever the model dtype
 
-def layer_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, layer: int, act_bytes: int) -> float:
-    """Bytes kept for backward per token by one decoder layer without recomputation."""
-    h, d, tp = hf.hidden_size, hf.head_dim, parallel.tp
+
+def norm_kept_bytes(width: int, act_bytes: int, *, gpu: bool) -> float:
+    """What an RMSNorm over ``width`` features keeps for backward beyond its input: the fp32
+    ``rstd``; on a CPU, where torch composes the norm of elementwise ops, also ``x·rstd``."""
+    return FP32 + (0 if gpu else act_bytes * width)
+
+
+def attention_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, act_bytes: int, *, gpu: bool = True
+                              ) -> float:
+    """The attention half of a layer (with both layer norms), per token on one rank (module
+    docstring)."""
+    h, d, tp, b = hf.hidden_size, hf.head_dim, parallel.tp, act_bytes
     q, kv = hf.num_attention_heads, hf.num_key_value_heads
-    attention = act_bytes * (4 * h + (q + 2 * kv) * d + (q + kv) * d + q * d)
-    if layer in set(hf.moe_layers):
-        k, etp = hf.num_experts_per_tok, parallel.expert_tp
-        mlp = act_bytes * k * (2 * h * etp + 3 * hf.moe_intermediate_size) + 8 * hf.num_experts
-    else:
-        mlp = act_bytes * 3 * hf.intermediate_size
-    return (attention + mlp) / tp
+    norms = 2 * (b * h + norm_kept_bytes(h, b, gpu=gpu))
+    qkv = b * h + b * (q + 2 * kv) * d + (b * q * d if kv // tp > 1 else 0)
+    qk_norms = q * norm_kept_bytes(d, b, gpu=gpu) + kv * norm_kept_bytes(d, b, gpu=gpu)
+    flash = b * (q + kv) * d + b * q * d + FP32 * q
+    rope = 4 * b * d
+    return (norms + qkv + qk_norms + flash) / tp + rope
+
+
+def mlp_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, layer: int, act_bytes: int) -> float:
+    """The MLP of ``layer`` (dense or MoE), per token on one rank (module docstring)."""
+    h, tp, b = hf.hidden_size, parallel.tp, act_bytes
+    if layer not in set(hf.moe_layers):
+        return b * (h + 5 * hf.intermediate_size) / tp
+    k, etp = hf.num_experts_per_tok, parallel.expert_tp
+    router = b * h + FP32 * hf.num_experts + k * (INT64 + FP32 + INT64)
+    row = b * (h + 6 * hf.moe_intermediate_size / etp) + FP32 + 2 * INT64
+    return (router + k * etp * row) / tp
+
+
+def layer_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, layer: int, act_bytes: int, *,
+                          gpu: bool = True) -> float:
+    """Bytes kept for backward per token by one decoder layer without recomputation."""
+    return attention_bytes_per_token(hf, parallel, act_bytes, gpu=gpu) + mlp_bytes_per_token(hf, parallel, layer,
+                                                                                             act_bytes)
+
+
+def layer_constant_bytes(hf: HFModelConfig, parallel: ParallelConfig, layer: int, act_bytes: int, *,
+                         expert_gemm: ExpertGemm = "grouped") -> float:
+    """Bytes one decoder layer keeps per micro-batch whatever its length: the grouped experts'
+    stacked copy of the layer's local expert weights and their int32 group offsets (nothing for a
+    dense layer, Megatron's sequential experts or a single local expert, which runs unstacked)."""
+    local_experts = hf.num_experts // parallel.ep
+    if layer not in set(hf.moe_layers) or expert_gemm != "grouped" or local_experts < 2:
+        return 0.0
+    weights = 3 * hf.hidden_size * hf.moe_intermediate_size // parallel.expert_tp
+    return local_experts * (act_bytes * weights + INT32)
+
+
+def checkpoint_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, act_bytes: int) -> float:
+    """Bytes a layer keeps per token under full recompute: its input (a sequence shard under
+    TP), which its checkpoint saves to rebuild the layer in backward."""
+    return act_bytes * hf.hidden_size / parallel.tp
+
+
+def ends_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, act_bytes: int, *, first: bool, last: bool,
+                         recompute: str, gpu: bool = True) -> float:
+    """Bytes kept per token outside the decoder layers on a stage: the first stage's token ids
+    (and the vocab-parallel embedding's mask under TP), the last stage's final norm and output
+    layer's input, and under full recompute the rotary angles the checkpoints share."""
+    h, tp, b = hf.hidden_size, parallel.tp, act_bytes
+    kept = 0.0
+    if first:
+        kept += INT64 + (1 if tp > 1 else 0)
+    if last:
+        kept += (2 * b * h + norm_kept_bytes(h, b, gpu=gpu)) / tp
+    if recompute == "full":
+        kept += FP32 * hf.head_dim
+    return kept
 
 
 def dispatch_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, act_bytes: int) -> float:
@@ -69,18 +185,22 @@ def micro_batches_in_flight(pp: int, stage: int, num_micro_batches: int) -> int:
 
 
 def stage_activation_bytes(hf: HFModelConfig, parallel: ParallelConfig, layers: tuple[int, ...], *,
-                           tokens: int, recompute: str, act_bytes: int, in_flight: int) -> float:
-    """Activation bytes of a pipeline stage holding ``layers``, ``in_flight`` micro-batches of
-    ``tokens`` tokens each."""
-    per_layer = [layer_bytes_per_token(hf, parallel, layer, act_bytes) for layer in layers]
+                           tokens: int, recompute: str, act_bytes: int, in_flight: int, first: bool = False,
+                           last: bool = False, expert_gemm: ExpertGemm = "grouped", gpu: bool = True) -> float:
+    """Activation bytes of a pipeline stage holding ``layers`` (the ``first`` and/or ``last``
+    stage: with the model's ends), ``in_flight`` micro-batches of ``tokens`` tokens each, on a GPU
+    or (``gpu=False``) a CPU."""
+    per_layer = [tokens * layer_bytes_per_token(hf, parallel, layer, act_bytes, gpu=gpu)
+                 + layer_constant_bytes(hf, parallel, layer, act_bytes, expert_gemm=expert_gemm) for layer in layers]
     if recompute == "full":
-        kept = len(layers) * act_bytes * hf.hidden_size / parallel.tp
+        kept = len(layers) * tokens * checkpoint_bytes_per_token(hf, parallel, act_bytes)
         rebuilt_once = max(per_layer, default=0.0)
     else:
         kept = sum(per_layer)
         rebuilt_once = 0.0
-    transient = dispatch_bytes_per_token(hf, parallel, act_bytes) if layers else 0.0
-    return tokens * (in_flight * kept + rebuilt_once + transient)
+    ends = tokens * ends_bytes_per_token(hf, parallel, act_bytes, first=first, last=last, recompute=recompute, gpu=gpu)
+    transient = tokens * dispatch_bytes_per_token(hf, parallel, act_bytes) if layers else 0.0
+    return in_flight * (kept + ends) + rebuilt_once + transient
 
 
 def logits_bytes(vocab_rows: int, tokens: int, act_bytes: int) -> float:
@@ -129,10 +249,13 @@ def stage_replay_bytes(hf: HFModelConfig, parallel: ParallelConfig, layers: tupl
 
 
 def forward_only_activation_bytes(hf: HFModelConfig, parallel: ParallelConfig, layers: tuple[int, ...], *,
-                                  tokens: int, act_bytes: int) -> float:
-    """A forward-only pass (no autograd): one layer's activations live at a time, plus the MoE
-    dispatch buffers."""
+                                  tokens: int, act_bytes: int, expert_gemm: ExpertGemm = "grouped",
+                                  gpu: bool = True) -> float:
+    """A forward-only pass (no autograd): one layer's activations live at a time (its stacked
+    expert weights with them), plus the MoE dispatch buffers."""
     if not layers:
         return 0.0
-    per_layer = max(layer_bytes_per_token(hf, parallel, layer, act_bytes) for layer in layers)
-    return tokens * (per_layer + dispatch_bytes_per_token(hf, parallel, act_bytes))
+    per_layer = max(tokens * layer_bytes_per_token(hf, parallel, layer, act_bytes, gpu=gpu)
+                    + layer_constant_bytes(hf, parallel, layer, act_bytes, expert_gemm=expert_gemm)
+                    for layer in layers)
+    return per_layer + tokens * dispatch_bytes_per_token(hf, parallel, act_bytes)

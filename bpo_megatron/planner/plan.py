@@ -121,7 +121,7 @@ def _splits(cfg: ExperimentConfig, hf: HFModelConfig) -> bool:
 
 
 def _replay_and_logprob_pass(cfg: ExperimentConfig, hf: HFModelConfig, params: StageParams, *, tokens: int,
-                             in_flight: int, logits: float, dp: int, act_bytes: int) -> tuple[float, float]:
+                             in_flight: int, logits: float, dp: int, act_bytes: int, gpu: bool) -> tuple[float, float]:
     """R3 memory at the training pass's peak, and the log-prob pass's peak beyond the static
     memory (0 when ``train.recompute_old_logprobs`` is off)."""
     p = cfg.parallel
@@ -139,7 +139,8 @@ def _replay_and_logprob_pass(cfg: ExperimentConfig, hf: HFModelConfig, params: S
     training = replay(in_flight if cfg.model.options.recompute != "none" else 1)
     if not cfg.train.recompute_old_logprobs:
         return training, 0.0
-    forward = forward_only_activation_bytes(hf, p, params.layers, tokens=tokens, act_bytes=act_bytes)
+    forward = forward_only_activation_bytes(hf, p, params.layers, tokens=tokens, act_bytes=act_bytes,
+                                            expert_gemm=cfg.model.options.expert_gemm, gpu=gpu)
     return training, forward + logits + replay(1)
 
 
@@ -158,7 +159,9 @@ def make_plan(cfg: ExperimentConfig, hf: HFModelConfig, allocation: Allocation |
         distributed_optimizer = allocation.gpus_per_node > 0
     checks = layout_checks(cfg, hf, allocation)
     # what the trainer ranks of this allocation build (an unset dtype: bf16 with GPUs, fp32 without)
-    precision = Precision.of(cfg.model.options.params_dtype_on(gpu=allocation.gpus_per_node > 0))
+    # and run (torch's fused RMSNorm on GPUs keeps less than its composite on CPUs)
+    gpu = allocation.gpus_per_node > 0
+    precision = Precision.of(cfg.model.options.params_dtype_on(gpu=gpu))
     p, ranks = cfg.parallel, cfg.cluster.trainer_ranks
     world_ok = _splits(cfg, hf)  # the memory model needs a layout the model can be cut into
     dp = ranks // (p.tp * p.pp) if world_ok else 1
@@ -176,14 +179,17 @@ def make_plan(cfg: ExperimentConfig, hf: HFModelConfig, allocation: Allocation |
             in_flight = micro_batches_in_flight(p.pp, params.stage, micro_batches)
             logits = logits_bytes(vocab_rows, tokens, precision.param_bytes) if params.stage == p.pp - 1 else 0.0
             routing, logprob_pass = _replay_and_logprob_pass(cfg, hf, params, tokens=tokens, in_flight=in_flight,
-                                                            logits=logits, dp=dp, act_bytes=precision.param_bytes)
+                                                            logits=logits, dp=dp, act_bytes=precision.param_bytes,
+                                                            gpu=gpu)
             stages.append(StagePlan(
                 params=params,
                 static=static_memory(params, precision, dp=dp, expert_dp=expert_dp,
                                      distributed_optimizer=distributed_optimizer),
                 activations=stage_activation_bytes(hf, p, params.layers, tokens=tokens,
                                                    recompute=cfg.model.options.recompute,
-                                                   act_bytes=precision.param_bytes, in_flight=in_flight),
+                                                   act_bytes=precision.param_bytes, in_flight=in_flight,
+                                                   first=params.stage == 0, last=params.stage == p.pp - 1,
+                                                   expert_gemm=cfg.model.options.expert_gemm, gpu=gpu),
                 logits=logits,
                 in_flight=in_flight,
                 reserved=RESERVED_BYTES if allocation.gpus_per_node else 0.0,

@@ -1,9 +1,10 @@
 """The one kit tests, benchmarks and the GPU kit share beyond the product: tiny model configs and
 random checkpoints (``models``), training samples (``samples``), a teacher-forced recompute
 (``recompute``), the train actor built through a
-:class:`~bpo_megatron.trainer.spec.TrainerSpec` (``trainer``), and routing seen from Megatron's
-routers (``routing``)."""
+:class:`~bpo_megatron.trainer.spec.TrainerSpec` (``trainer``), routing seen from Megatron's
+routers (``routing``), and the activation memory autograd keeps, measured (``activations``)."""
 
+from bpo_megatron.testing.activations import MeasuredActivations, measure_activations, saved_activation_bytes
 from bpo_megatron.testing.models import MODEL_CONFIGS, TINY_MOE, random_checkpoint, random_model_dir, tiny_moe, write_config
 from bpo_megatron.testing.routing import DispatchRecorder, same_expert_sets
 from bpo_megatron.testing.samples import (
@@ -17,7 +18,8 @@ from bpo_megatron.testing.samples import (
 from bpo_megatron.testing.trainer import build_actor, flat_params
 
 __all__ = [
-    "MODEL_CONFIGS", "TINY_MOE", "DispatchRecorder", "build_actor", "flat_params", "long_tailed", "make_samples",
-    "random_checkpoint", "random_model_dir", "random_routing", "random_tokens", "same_expert_sets",
-    "samples_of_lengths", "tiny_moe", "train_samples", "write_config",
+    "MODEL_CONFIGS", "TINY_MOE", "DispatchRecorder", "MeasuredActivations", "build_actor", "flat_params",
+    "long_tailed", "make_samples", "measure_activations", "random_checkpoint", "random_model_dir", "random_routing",
+    "random_tokens", "same_expert_sets", "samples_of_lengths", "saved_activation_bytes", "tiny_moe", "train_samples",
+    "write_config",
 ]

@@ -1,0 +1,114 @@
+"""The planner's activation terms (``bpo_megatron/planner/activations.py``) against what autograd
+actually saves: one forward of the train actor's model (the local spec, fused attention, fp32, on
+CPU) measured by ``bpo_megatron.testing.activations`` at two lengths and three layer counts, which
+separates the per-token bytes of a MoE layer and of a dense layer, the per-layer constant (the
+grouped experts' stacked weight copy) and the model's ends. Three shapes: grouped-query attention
+(4 query heads on 2 KV heads: the query is copied out of the fused QKV output) with top-2 of 8
+experts; multi-query attention (one KV head: the query is a view) with top-3 of 6 experts at another
+width; and the first at TP=2 with sequence parallelism (expert TP 2). Also with full recompute,
+which keeps each layer's input and the rotary angles. Every term equals the planner's for a CPU
+(``gpu=False``: torch's composite RMSNorm) within 1%; the GPU's terms differ from them by the
+composite norms' ``x·rstd`` alone, a closed form."""
+
+from __future__ import annotations
+
+import pytest
+
+from bpo_megatron.models import HFModelConfig
+from bpo_megatron.parallel import ParallelConfig
+from bpo_megatron.parallel.local_world import run_gloo_world
+from bpo_megatron.planner.activations import (checkpoint_bytes_per_token, ends_bytes_per_token, layer_bytes_per_token,
+                                              layer_constant_bytes)
+from bpo_megatron.testing.models import qwen3_moe_config
+
+REL = 0.01  # the planner's terms against the measurement (they agree to the byte: any gap is a new saved tensor)
+FP32 = 4
+GQA = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+           head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, max_position_embeddings=1024)
+MQA = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=1,
+           head_dim=32, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48, max_position_embeddings=1024)
+# name -> (sizes, tp, recompute); a world of 2 ranks runs them all (tp 1: two data-parallel replicas)
+CASES = {
+    "gqa_top2": (GQA, 1, "none"),
+    "mqa_top3": (MQA, 1, "none"),
+    "gqa_top2_tp2_sp": (GQA, 2, "none"),
+    "gqa_top2_recompute": (GQA, 1, "full"),
+    "gqa_top2_tp2_sp_recompute": (GQA, 2, "full"),
+}
+TIMEOUT = 240
+
+
+def _measure_cases() -> dict:
+    from bpo_megatron.testing.activations import measure_activations
+
+    return {name: measure_activations(sizes, tp=tp, recompute=recompute)
+            for name, (sizes, tp, recompute) in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    return run_gloo_world(_measure_cases, 2, timeout=TIMEOUT)[0]
+
+
+def _planned_model(sizes: dict) -> HFModelConfig:
+    """The sizes as the planner reads them: layer 0 a MoE layer, layer 1 a dense one."""
+    return HFModelConfig.load(qwen3_moe_config(**sizes, num_hidden_layers=2, mlp_only_layers=[1]))
+
+
+@pytest.mark.parametrize("case", [name for name, (_, _, recompute) in CASES.items() if recompute == "none"])
+def test_layer_terms_are_what_autograd_saves(measured, case):
+    """Per token: a MoE layer and a dense layer as the planner counts them for a CPU; per layer:
+    the MoE layer's stacked expert weights (and group offsets), none for a dense layer; the ends
+    (token ids, final norm, output layer's input)."""
+    sizes, tp, _ = CASES[case]
+    hf, parallel, got = _planned_model(sizes), ParallelConfig(tp=tp), measured[case]
+    moe, dense = 0, 1
+    assert got.moe_layer_per_token == pytest.approx(layer_bytes_per_token(hf, parallel, moe, FP32, gpu=False), rel=REL)
+    assert got.dense_layer_per_token == pytest.approx(layer_bytes_per_token(hf, parallel, dense, FP32, gpu=False),
+                                                      rel=REL)
+    assert got.moe_layer_constant == pytest.approx(layer_constant_bytes(hf, parallel, moe, FP32), rel=REL)
+    assert got.dense_layer_constant == layer_constant_bytes(hf, parallel, dense, FP32) == 0
+    assert got.ends_per_token == pytest.approx(
+        ends_bytes_per_token(hf, parallel, FP32, first=True, last=True, recompute="none", gpu=False), rel=REL)
+    assert got.ends_constant == 0
+
+
+def test_a_moe_layer_of_the_grouped_query_shape_byte_for_byte(measured):
+    """By hand, fp32 at TP=1 (h 128, 4 query and 2 KV heads of 32, top-2 of 8 experts of 64): per
+    token, the attention half keeps 6,704 bytes (the two layer norms' inputs, rstd and x·rstd
+    2 · 1,028; the QKV input 512; the fused QKV output 1,024; the query's copy 512; the q and k
+    norms' rstd and x·rstd (4 + 2) · 132; RoPE's cos and sin 512; the rotated q and k 768; the
+    attention output 512; its log-sum-exp 16) and the MoE half 4,720 (the router's input 512; its
+    probabilities, top-k ids and weights 72; two routed rows of 4 · (128 + 6 · 64) + 20); per layer
+    and micro-batch, the 8 experts' stacked weights, 3 · 128 · 64 fp32 each, and 8 int32 offsets."""
+    got = measured["gqa_top2"]
+    assert got.moe_layer_per_token == 6_704 + 4_720 == 11_424
+    assert got.moe_layer_constant == 8 * (3 * 128 * 64 * 4 + 4) == 786_464
+
+
+@pytest.mark.parametrize("case", [name for name, (_, _, recompute) in CASES.items() if recompute == "full"])
+def test_full_recompute_keeps_each_layers_input_and_the_rotary_angles_once(measured, case):
+    sizes, tp, _ = CASES[case]
+    hf, parallel, got = _planned_model(sizes), ParallelConfig(tp=tp), measured[case]
+    kept = checkpoint_bytes_per_token(hf, parallel, FP32)
+    assert got.moe_layer_per_token == pytest.approx(kept, rel=REL)
+    assert got.dense_layer_per_token == pytest.approx(kept, rel=REL)
+    assert got.moe_layer_constant == got.dense_layer_constant == 0  # the checkpointed forward keeps no stack
+    assert got.ends_per_token == pytest.approx(
+        ends_bytes_per_token(hf, parallel, FP32, first=True, last=True, recompute="full", gpu=False), rel=REL)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_gpu_keeps_less_than_a_cpu_by_the_composite_norms_normalised_inputs(tp):
+    """Not measured here (no GPU): torch's fused RMSNorm on CUDA saves its input and rstd
+    (``_fused_rms_norm`` in derivatives.yaml), where the CPU's composite also keeps ``x·rstd``:
+    per layer the input and pre-MLP norms' ``b·h`` each and the q and k norms' ``b·d`` per head;
+    per model the final norm's ``b·h``, all split over TP."""
+    hf, parallel, b = _planned_model(GQA), ParallelConfig(tp=tp), 2
+    h, d, q, kv = 128, 32, 4, 2
+    for layer in (0, 1):
+        gap = layer_bytes_per_token(hf, parallel, layer, b, gpu=False) - layer_bytes_per_token(hf, parallel, layer, b)
+        assert gap == b * (2 * h + (q + kv) * d) / tp
+    ends = {gpu: ends_bytes_per_token(hf, parallel, b, first=True, last=True, recompute="none", gpu=gpu)
+            for gpu in (False, True)}
+    assert ends[False] - ends[True] == b * h / tp
