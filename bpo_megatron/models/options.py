@@ -26,6 +26,22 @@ def default_params_dtype(gpu: bool | None = None) -> ParamsDtype:
     return "bf16" if (platform.has_cuda() if gpu is None else gpu) else "fp32"
 
 
+# The local spec's fast paths (the model without transformer-engine): name -> (the options that
+# turn it on, those that turn it off: Megatron's reference modules). Each is on by default where it
+# applies; the GPU kit times a step without each in turn (train_fast_paths), tests compare all of
+# them on against all off.
+FAST_PATHS: dict[str, tuple[dict[str, str], dict[str, str]]] = {
+    "grouped_experts": ({"expert_gemm": "grouped"}, {"expert_gemm": "sequential"}),
+    "fused_attention": ({"attention": "fused"}, {"attention": "unfused"}),
+    "sorted_dispatch": ({"moe_dispatch": "sorted"}, {"moe_dispatch": "megatron"}),
+}
+
+
+def fast_path_options(*, on: bool) -> dict[str, str]:
+    """The options that turn every fast path of :data:`FAST_PATHS` on (or off)."""
+    return {key: value for paths in FAST_PATHS.values() for key, value in paths[0 if on else 1].items()}
+
+
 def local_core_attention(choice: CoreAttention, gpu: bool | None = None) -> CoreAttention:
     """The core attention of the local spec that ``choice`` names: ``"auto"`` is torch's fused
     kernels on GPUs (where the unfused one's score matrices cost memory and time) and Megatron's

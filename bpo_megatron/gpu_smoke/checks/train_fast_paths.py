@@ -32,23 +32,18 @@ from bpo_megatron.testing import random_tokens
 from bpo_megatron.testing.samples import random_routing
 from bpo_megatron.trainer.samples import TrainSample
 
-# fast path -> (the model options that turn it on, those that turn it off); on by default on a GPU,
-# and turned on here on a CPU too, so the kit's CPU mode runs every fast path
-FAST_PATHS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "grouped_experts": ({"expert_gemm": "grouped"}, {"expert_gemm": "sequential"}),
-    "fused_attention": ({"attention": "fused"}, {"attention": "unfused"}),
-    "sorted_dispatch": ({"moe_dispatch": "sorted"}, {"moe_dispatch": "megatron"}),
-}
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
 def variants() -> dict[str, dict[str, Any]]:
-    """Every fast path on, each one off in turn, all off: name -> model options."""
-    on_all = {key: value for on, _ in FAST_PATHS.values() for key, value in on.items()}
-    off_all = {key: value for _, off in FAST_PATHS.values() for key, value in off.items()}
+    """Every fast path on (also on a CPU, where some are off by default), each one off in turn, all
+    off: name -> model options."""
+    from bpo_megatron.models.options import FAST_PATHS, fast_path_options
+
+    on_all = fast_path_options(on=True)
     return {"all fast paths": on_all,
             **{f"without {name}": {**on_all, **off} for name, (_, off) in FAST_PATHS.items()},
-            "reference (none)": off_all}
+            "reference (none)": fast_path_options(on=False)}
 
 
 def _samples(profile: Profile, hf) -> list[TrainSample]:
