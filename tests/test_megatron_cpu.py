@@ -157,6 +157,7 @@ def _patch_targets() -> dict[str, Any]:
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
     import megatron.core.transformer.utils as transformer_utils
+    from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     return {
@@ -176,6 +177,7 @@ def _patch_targets() -> dict[str, Any]:
         "clip_grads.l2_norm_impl": clip_grads.l2_norm_impl,
         "clip_grads.multi_tensor_scale_impl": clip_grads.multi_tensor_scale_impl,
         "optimizer.multi_tensor_scale_impl": mcore_optimizer.multi_tensor_scale_impl,
+        "rope_utils._apply_rotary_pos_emb_thd": rope_utils._apply_rotary_pos_emb_thd,
     }
 
 
@@ -259,16 +261,19 @@ def test_compat_is_a_no_op_with_cuda() -> None:
     assert out["needs_cpu_compat"] is False
     assert out["applied"] == ()
     assert out["changed"] == []
-    # without transformer-engine or apex two things show on GPUs too, and only they are mended:
-    # the 0.16 router bug (0.17 fixed it upstream) and the per-tensor syncs of the grad norm
-    multi_tensor = ["clip_grads.l2_norm_impl", "clip_grads.multi_tensor_scale_impl", "optimizer.multi_tensor_scale_impl"]
+    # without transformer-engine or apex three things show on GPUs too, and only they are mended:
+    # the 0.16 router bug (0.17 fixed it upstream), the per-tensor syncs of the grad norm and the
+    # packed RoPE's host reads
+    mended = ["clip_grads.l2_norm_impl", "clip_grads.multi_tensor_scale_impl", "optimizer.multi_tensor_scale_impl",
+                    "rope_utils._apply_rotary_pos_emb_thd"]
+    always = ("multi_tensor_ops_without_per_tensor_syncs", "packed_rotary_embedding_without_host_reads")
     if compat.megatron_minor() == 16:
-        assert out["fixed"] == ("define_te_general_gemm_without_te", "multi_tensor_ops_without_per_tensor_syncs")
-        assert out["changed_by_fixes"] == ["moe_utils.te_general_gemm", *multi_tensor]
+        assert out["fixed"] == ("define_te_general_gemm_without_te", *always)
+        assert out["changed_by_fixes"] == ["moe_utils.te_general_gemm", *mended]
         assert out["te_general_gemm"] is None
     else:
-        assert out["fixed"] == ("multi_tensor_ops_without_per_tensor_syncs",)
-        assert out["changed_by_fixes"] == multi_tensor
+        assert out["fixed"] == always
+        assert out["changed_by_fixes"] == mended
 
 
 def test_foreach_multi_tensor_ops_equal_the_closed_form_without_a_host_read() -> None:

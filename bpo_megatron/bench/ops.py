@@ -1,6 +1,7 @@
-"""Benchmark: ATen ops and host syncs per training micro-batch and per optimizer step, with the
-local spec's MoE experts as Megatron's SequentialMLP and as grouped GEMMs, and its token dispatch
-as Megatron's and by sorting (``model.moe_dispatch``).
+"""Benchmark: ATen ops and host syncs per training micro-batch and per optimizer step, before and
+after each fast path of the local spec (``models.options.FAST_PATHS``): Megatron's modules, then the
+fast paths turned on one after another (grouped-GEMM experts, fused attention, the sorted MoE
+dispatch), each row with the ones before it. Micro-batches are packed (``thd``, one sample each).
 
 The project's own train actor (world size 1 over gloo, fp32 on CPU, R3 replay, BPO) trains a
 Qwen3-MoE with the kit throughput model's layer shape (``profiles`` large model: 32 experts top-4,
@@ -101,10 +102,8 @@ def _count(fn) -> dict[str, int]:
             "data_shaped": ops.data_shaped, "tolist_cpu": sum(py.calls.values())}
 
 
-def _measure(expert_gemm: str, dispatch: str, model: dict, micro_batches: int, tokens: int
-             ) -> dict[str, dict[str, float]]:
-    """On a world-size-1 gloo rank: counts per micro-batch and per step for ``expert_gemm`` and
-    ``dispatch``."""
+def _measure(options: dict[str, str], model: dict, micro_batches: int, tokens: int) -> dict[str, dict[str, float]]:
+    """On a world-size-1 gloo rank: counts per micro-batch and per step with the model ``options``."""
     from bpo_megatron.models import HFModelConfig, ModelOptions
     from bpo_megatron.parallel import ParallelConfig
     from bpo_megatron.testing.samples import random_routing
@@ -116,9 +115,9 @@ def _measure(expert_gemm: str, dispatch: str, model: dict, micro_batches: int, t
     hf = HFModelConfig.load(model)
     actor = TrainerSpec(
         hf=hf, parallel=ParallelConfig(),
-        model=ModelOptions(routing_replay=True, params_dtype="fp32", expert_gemm=expert_gemm, moe_dispatch=dispatch),
+        model=ModelOptions(routing_replay=True, params_dtype="fp32", **options),
         loss="bpo", optimizer=OptimizerSettings(lr=1e-4),
-        trainer=TrainerConfig(micro_batch_size=1),
+        trainer=TrainerConfig(micro_batch_size=1, max_tokens_per_micro_batch=tokens),  # packed, one sample each
     ).build()
     gen = torch.Generator().manual_seed(0)
 
@@ -143,15 +142,28 @@ def _measure(expert_gemm: str, dispatch: str, model: dict, micro_batches: int, t
 COLUMNS = ("ops", "mm", "grouped_mm", "scalar_reads", "data_shaped", "tolist_cpu")
 
 
+def cumulative_variants() -> dict[str, dict[str, str]]:
+    """Megatron's modules, then each fast path turned on in :data:`FAST_PATHS` order on top of the
+    ones before it: label -> model options."""
+    from bpo_megatron.models.options import FAST_PATHS, fast_path_options
+
+    options = fast_path_options(on=False)
+    variants = {"none (Megatron's modules)": dict(options)}
+    for name, (on, _) in FAST_PATHS.items():
+        options.update(on)
+        variants[f"+ {name}"] = dict(options)
+    return variants
+
+
 def table(results: dict[str, dict], micro_batches: int) -> str:
-    lines = [f"| experts | dispatch | counted over | {' | '.join(COLUMNS)} |", "|---|---|---|" + "---:|" * len(COLUMNS)]
-    for (gemm, dispatch), res in results.items():
-        for part, label in (("micro_batch", "one micro-batch"),
-                            ("layer", "one layer of a micro-batch"),
-                            ("step_overhead", "a step beyond its micro-batches"),
-                            ("step", f"a step of {micro_batches} micro-batches")):
+    lines = [f"| fast paths | counted over | {' | '.join(COLUMNS)} |", "|---|---|" + "---:|" * len(COLUMNS)]
+    for label, res in results.items():
+        for part, what in (("micro_batch", "one micro-batch"),
+                           ("layer", "one layer of a micro-batch"),
+                           ("step_overhead", "a step beyond its micro-batches"),
+                           ("step", f"a step of {micro_batches} micro-batches")):
             row = " | ".join(f"{res[part][c]:,.0f}" for c in COLUMNS)
-            lines.append(f"| {gemm} | {dispatch} | {label} | {row} |")
+            lines.append(f"| {label} | {what} | {row} |")
     return "\n".join(lines)
 
 
@@ -161,29 +173,27 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
                         help="layers of the measured model (a model of one more layer gives the per-layer row)")
     parser.add_argument("--micro-batches", type=int, default=2, help="k: micro-batches of the smaller step")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per sample (one sample per micro-batch)")
-    parser.add_argument("--experts", nargs="+", default=["sequential", "grouped"], choices=["sequential", "grouped"])
-    parser.add_argument("--dispatch", nargs="+", default=["megatron", "sorted"], choices=["megatron", "sorted"],
-                        help="model.moe_dispatch values to measure (each with every --experts value)")
     parser.add_argument("--kit-layers", type=int, default=16, help="layer count to extrapolate to (the kit model's)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     results = {}
-    for gemm in args.experts:
-        for dispatch in args.dispatch:
-            (base,) = run_gloo_world(_measure, 1, gemm, dispatch, {**MODEL, "num_hidden_layers": args.layers},
-                                     args.micro_batches, args.tokens, timeout=1200)
-            (deeper,) = run_gloo_world(_measure, 1, gemm, dispatch, {**MODEL, "num_hidden_layers": args.layers + 1},
-                                       args.micro_batches, args.tokens, timeout=1200)
-            base["layer"] = {k: deeper["micro_batch"][k] - v for k, v in base["micro_batch"].items()}
-            results[gemm, dispatch] = base
+    for label, options in cumulative_variants().items():
+        (base,) = run_gloo_world(_measure, 1, options, {**MODEL, "num_hidden_layers": args.layers},
+                                 args.micro_batches, args.tokens, timeout=1200)
+        (deeper,) = run_gloo_world(_measure, 1, options, {**MODEL, "num_hidden_layers": args.layers + 1},
+                                   args.micro_batches, args.tokens, timeout=1200)
+        base["layer"] = {k: deeper["micro_batch"][k] - v for k, v in base["micro_batch"].items()}
+        results[label] = base
     print(f"model: {args.layers} layers (and {args.layers + 1} for the per-layer row), {MODEL['num_experts']} experts "
           f"top-{MODEL['num_experts_per_tok']}, {MODEL['num_attention_heads']}/{MODEL['num_key_value_heads']} heads, "
-          f"hidden {MODEL['hidden_size']}; one sample of {args.tokens} tokens per micro-batch; fp32 CPU, R3 replay, BPO")
+          f"hidden {MODEL['hidden_size']}; one packed sample of {args.tokens} tokens per micro-batch; fp32 CPU, "
+          "R3 replay, BPO")
     print(table(results, args.micro_batches))
-    for (gemm, dispatch), res in results.items():
+    for label, res in results.items():
         mb, layer = res["micro_batch"], res["layer"]
-        at_kit = {k: mb[k] + (args.kit_layers - args.layers) * layer[k] for k in ("ops", "mm", "tolist_cpu")}
-        print(f"{gemm}, {dispatch} dispatch: at {args.kit_layers} layers (extrapolated) {at_kit['ops']:,.0f} ops, "
-              f"{at_kit['mm']:,.0f} mm, {at_kit['tolist_cpu']:,.0f} tolist/cpu per micro-batch")
+        at_kit = {k: mb[k] + (args.kit_layers - args.layers) * layer[k] for k in COLUMNS}
+        print(f"{label}: at {args.kit_layers} layers (extrapolated) {at_kit['ops']:,.0f} ops, {at_kit['mm']:,.0f} mm, "
+              f"{at_kit['scalar_reads']:,.0f} scalar reads, {at_kit['data_shaped']:,.0f} data-shaped, "
+              f"{at_kit['tolist_cpu']:,.0f} tolist/cpu per micro-batch")
     return 0
 
 

@@ -199,6 +199,47 @@ def _multi_tensor_ops_without_per_tensor_syncs() -> None:
             module.multi_tensor_scale_impl = foreach_scale
 
 
+def packed_rotary_embedding(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Megatron's ``_apply_rotary_pos_emb_thd`` (RoPE over a packed row) without host reads: each
+    position's frequencies are gathered by its position within its segment, computed on the
+    device from ``cu_seqlens`` (``searchsorted``), and the row is rotated at once by Megatron's own
+    ``_apply_rotary_pos_emb_bshd``, the function Megatron applies to each segment's slice: the
+    same values, element for element. Megatron's version reads the segment lengths back to the host
+    (``tolist``) and slices the row once per segment, for queries and keys of every layer. Context
+    parallelism and multi-latent attention's interleaving keep Megatron's version."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    def rotate(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False,
+               *args: Any, mscale: float = 1.0, cp_group=None, **kwargs: Any) -> torch.Tensor:
+        mla = args or any(kwargs.values())
+        if cp_group is None or cp_group.size() != 1 or mla:
+            return original(t, cu_seqlens, freqs, rotary_interleaved, *args, mscale=mscale, cp_group=cp_group,
+                            **kwargs)
+        total = t.shape[0]
+        if freqs.size(0) == total:  # frequencies of the whole packed row (Megatron's "exact mapping")
+            packed = freqs[:total]
+        else:  # frequencies of the longest segment: each segment starts again at position 0
+            index = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+            starts = cu_seqlens[torch.searchsorted(cu_seqlens, index, right=True) - 1]
+            packed = freqs[(index - starts).to(freqs.device)]
+        return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), packed, rotary_interleaved=rotary_interleaved,
+                                                     mscale=mscale).squeeze(1)
+
+    rotate.megatron = original
+    return rotate
+
+
+@_fix()
+def _packed_rotary_embedding_without_host_reads() -> None:
+    # Packed micro-batches (thd) rotate queries and keys with _apply_rotary_pos_emb_thd, which
+    # reads the segment lengths to the host and loops over the segments: 2 host syncs and ops in
+    # proportion to the samples of a micro-batch in every layer (apply_rotary_pos_emb finds it by
+    # its module name at each call). Same values without either.
+    from megatron.core.models.common.embeddings import rope_utils
+
+    rope_utils._apply_rotary_pos_emb_thd = packed_rotary_embedding(rope_utils._apply_rotary_pos_emb_thd)
+
+
 # --------------------------------------------------------------------------------------------
 # torch.cuda entry points that Megatron calls unconditionally
 # --------------------------------------------------------------------------------------------
