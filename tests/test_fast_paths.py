@@ -1,12 +1,13 @@
 """Every fast path of the local spec at once (``models.options.FAST_PATHS``: grouped-GEMM experts,
 fused attention, the sorted MoE dispatch) against Megatron's reference modules, for every registered
 policy loss: one optimizer step from the same weights gives the same loss, grad norm and updated
-parameters (fp32, within summation order) at TP=2 with sequence parallel, with R3 replay and
-packing on. Each fast path alone is compared at TP=2+SP, EP=2 and PP=2 in its own test file
+parameters (fp32, within summation order) at TP=2 with sequence parallel, EP=2 and PP=2, with R3
+replay and packing on. Each fast path alone is compared at those layouts in its own test file
 (``test_grouped_experts.py``, ``test_fused_attention.py``, ``test_sorted_dispatch.py``)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from bpo_megatron import testing as th
@@ -20,7 +21,10 @@ RTOL = 1e-6
 ADAM_EPS = 1e-3
 
 
-def _actor(loss: str, options: dict):
+LAYOUTS = {"tp2_sp": dict(tp=2), "ep2": dict(ep=2), "pp2": dict(pp=2)}  # sequence parallel with TP by default
+
+
+def _actor(loss: str, options: dict, layout: dict):
     from bpo_megatron.models import ModelOptions
     from bpo_megatron.parallel import ParallelConfig
     from bpo_megatron.trainer.config import TrainerConfig
@@ -29,7 +33,7 @@ def _actor(loss: str, options: dict):
 
     return TrainerSpec(
         hf=th.tiny_moe(),
-        parallel=ParallelConfig(tp=2),  # sequence parallel with TP by default
+        parallel=ParallelConfig(**layout),
         model=ModelOptions(routing_replay=True, params_dtype="fp32", **options),
         loss=loss,
         optimizer=OptimizerSettings(lr=1e-3, grad_clip=1.0, eps=ADAM_EPS),
@@ -37,7 +41,7 @@ def _actor(loss: str, options: dict):
     ).build()
 
 
-def _every_loss_both_ways(directory: str) -> dict:
+def _every_loss_both_ways(directory: str, layout: dict) -> dict:
     """On every rank, per loss: the reference steps from fresh weights (saved first), every fast
     path on loads them and steps; both steps' metrics and parameters."""
     from bpo_megatron.losses import POLICY_LOSSES
@@ -48,7 +52,7 @@ def _every_loss_both_ways(directory: str) -> dict:
     for loss in sorted(POLICY_LOSSES):
         got = {}
         for on in (False, True):
-            actor = _actor(loss, fast_path_options(on=on))
+            actor = _actor(loss, fast_path_options(on=on), layout)
             if on:
                 actor.load(f"{directory}/{loss}")
             else:
@@ -60,15 +64,16 @@ def _every_loss_both_ways(directory: str) -> dict:
     return results
 
 
-def test_every_fast_path_steps_like_the_reference_for_every_loss(tmp_path):
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_every_fast_path_steps_like_the_reference_for_every_loss(tmp_path, name):
     from bpo_megatron.losses import POLICY_LOSSES
 
-    results = run_gloo_world(_every_loss_both_ways, 2, str(tmp_path), timeout=TIMEOUT)
+    results = run_gloo_world(_every_loss_both_ways, 2, str(tmp_path), LAYOUTS[name], timeout=TIMEOUT)
     assert len(POLICY_LOSSES) >= 6 and all(set(per_loss) == set(POLICY_LOSSES) for per_loss in results)
     for rank, per_loss in enumerate(results):
         for loss, got in per_loss.items():
             (reference, ref_params), (fast, fast_params) = got[False], got[True]
-            where = f"rank {rank} {loss}"
+            where = f"{name} rank {rank} {loss}"
             for key in ("loss", "grad_norm"):
                 # a loss near 0 (a difference of terms near 1) is compared on the terms' scale
                 scale = max(abs(reference[key]), 1.0 if key == "loss" else 1e-12)
