@@ -572,7 +572,8 @@ def test_the_eval_command_talks_to_the_agent(tmp_path, monkeypatch, capsys):
     assert "procedural:mul2" in capsys.readouterr().out
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.slow  # two whole runs (CI time): each half runs in the default suite, background evaluation
+@pytest.mark.timeout(900)  # in test_background_eval.py, evaluation through the agent in the test above
 def test_background_evaluation_talks_to_the_agent_as_inline_evaluation_does(tmp_path, ray_session, small_run):
     """eval.mode=background with the calculator: the evaluation engines hold conversations too
     (each round polled, none waited for), and every evaluation equals the inline run's."""
