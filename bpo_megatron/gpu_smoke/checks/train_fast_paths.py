@@ -28,8 +28,7 @@ from bpo_megatron.gpu_smoke.checks.rl_throughput import forward_flops
 from bpo_megatron.gpu_smoke.common import build_actor, device_name, single_rank_world, synchronize, timed
 from bpo_megatron.gpu_smoke.profiles import Profile, bf16_peak_flops, finite
 from bpo_megatron.gpu_smoke.report import Outcome
-from bpo_megatron.testing import random_tokens
-from bpo_megatron.testing.samples import random_routing
+from bpo_megatron.testing.samples import samples_of_lengths
 from bpo_megatron.trainer.samples import TrainSample
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
@@ -47,15 +46,12 @@ def variants() -> dict[str, dict[str, Any]]:
 
 
 def _samples(profile: Profile, hf) -> list[TrainSample]:
-    """RL-shaped samples: the throughput profile's prompt and response lengths, R3 routing,
-    advantages of both signs."""
+    """RL-shaped samples (the kit's): the throughput profile's prompt and response lengths, R3
+    routing, advantages of both signs."""
     count = 2 * profile.rl_micro_batch
-    length = profile.rl_prompt_tokens + profile.rl_new_tokens
-    gen = torch.Generator().manual_seed(3)
-    return [TrainSample(tokens=torch.tensor(tokens), response_start=profile.rl_prompt_tokens,
-                        rollout_logprobs=-torch.rand(profile.rl_new_tokens, generator=gen) - 1.0,
-                        advantage=1.0 if i % 2 else -1.0, routed_experts=random_routing(length - 1, hf, gen))
-            for i, tokens in enumerate(random_tokens(count, length, hf.vocab_size, seed=5))]
+    positions = profile.rl_prompt_tokens + profile.rl_new_tokens - 1
+    return samples_of_lengths((positions,) * count, (profile.rl_prompt_tokens,) * count, seed=3, old_spread=0.0,
+                              hf=hf)
 
 
 def _fingerprint(actor) -> float:
