@@ -3,11 +3,11 @@
 # folders (both git-ignored; each is what one run on the GPU machine brings along, so each must
 # stay under the 64 MiB a run can bring):
 #   .gpu-bundle/        Python 3.12 manylinux wheels of tools/gpu/bundle-requirements.txt, this
-#                       package, and the tail of Ray's wheel       (call 2: tools/gpu/round.sh)
-#   .gpu-bundle-stage/  the head of Ray's wheel                      (call 1: tools/gpu/stage.sh)
-# Ray's cp312 wheel (~76 MiB) is larger than one call carries, so it travels in parts: split here
-# with `split`, its sha256 and each part's recorded in ray-wheel.manifest (in both folders); call 1
-# leaves its part under /tmp, call 2 joins the parts, checks the sha256 and installs the wheel.
+#                       package, and the tail of Ray's wheel       (second run: tools/gpu/round.sh)
+#   .gpu-bundle-stage/  the head of Ray's wheel                      (first run: tools/gpu/stage.sh)
+# Ray's cp312 wheel (~76 MiB) is larger than one run may bring along, so it travels in parts: split here
+# with `split`, its sha256 and each part's recorded in ray-wheel.manifest (in both folders); the first run
+# leaves its part under /tmp, the second run joins the parts, checks the sha256 and installs the wheel.
 # Ray's version: the one .venv runs (RAY_VERSION=... to choose another). Refuses a folder over the limit.
 # Usage: bash tools/gpu/build_bundle.sh
 set -euo pipefail
@@ -15,7 +15,7 @@ cd "$(dirname "$0")/../.."
 OUT=.gpu-bundle
 STAGE=.gpu-bundle-stage
 LIMIT_MIB=64
-STAGE_PART_MIB=60   # Ray's first part, carried alone in call 1 (the manifest and .gitignore beside it)
+STAGE_PART_MIB=60   # Ray's first part, brought along alone to the first run (the manifest and .gitignore beside it)
 PY="${PYTHON:-.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
 DOWNLOAD=("$PY" -m pip download --disable-pip-version-check -q --no-deps --only-binary=:all:
@@ -26,7 +26,7 @@ DOWNLOAD=("$PY" -m pip download --disable-pip-version-check -q --no-deps --only-
 rm -rf "$OUT" "$STAGE"
 mkdir -p "$OUT" "$STAGE"
 # the stage folder sits outside the repository's .gitignore: it ignores itself, so it never
-# travels as an untracked file of the work tree (only when carried)
+# travels as an untracked file of the work tree (only when brought along)
 echo '*' > "$STAGE/.gitignore"
 "${DOWNLOAD[@]}" -d "$OUT" -r tools/gpu/bundle-requirements.txt
 "$PY" -m pip wheel --disable-pip-version-check -q --no-deps --no-build-isolation -w "$OUT" . >/dev/null

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One GPU visit's main call: install the carried bundle once, then run, ordered by value and each
+# One GPU visit's main run: install the bundle brought along once, then run, ordered by value and each
 # part time-boxed, everything the GPU validation has: the CUDA-only tests, then every check of the
 # kit (python -m bpo_megatron.gpu_smoke) with its own budget, all within ROUND_S seconds (default
-# 465: one call of at most 8 minutes). A part cut short keeps what it wrote; a part with no time
+# 465: one run of at most 8 minutes). A part cut short keeps what it wrote; a part with no time
 # left is reported as not run. The report to commit: OUT/<device>-<date>.md and .json (e.g.
 # OUT/h100-2026-12-01.md), ready to copy to docs/gpu-validation/.
 #
@@ -10,7 +10,7 @@
 # (the bundle built here first: bash tools/gpu/build_bundle.sh):
 #   1. bash tools/gpu/stage.sh        with .gpu-bundle-stage brought along (seconds)
 #   2. bash tools/gpu/round.sh OUT    with .gpu-bundle brought along (at most 8 minutes)
-# Without call 1 (Ray's head not under /tmp) it says so and runs everything else; rl_loop then
+# Without the first run (Ray's head not under /tmp) it says so and runs everything else; rl_loop then
 # reports "not run: Ray not staged".
 #
 # --device cpu: a dry run on a CPU machine: the same steps, the kit's CPU profile, the CUDA tests
@@ -60,7 +60,7 @@ else
 fi
 echo "[round] $DEVICE, ${ROUND_S} s; $(head -1 "$OUT/gpu.txt")"
 
-# ---- 1. install: the bundle's wheels and Ray (its head staged by call 1, its tail carried here)
+# ---- 1. install: the bundle's wheels and Ray (its head staged by the first run, its tail brought along to this one)
 start=$(date +%s)
 wheels=()
 note=""
@@ -88,8 +88,8 @@ elif [ ${#wheels[@]} -gt 0 ] && [ -f "$BUNDLE/ray-wheel.manifest" ]; then
   done < "$BUNDLE/ray-wheel.manifest"
   if [ -n "$missing" ]; then
     export BPO_RAY_STAGE=missing
-    note="$note${note:+; }Ray not staged (missing under $STAGE_DIR:$missing): call 1, bash tools/gpu/stage.sh with .gpu-bundle-stage carried, did not run on this machine; rl_loop will not run"
-    echo "[round] Ray not staged: $STAGE_DIR lacks$missing (call 1: bash tools/gpu/stage.sh, carry .gpu-bundle-stage); running everything else" >&2
+    note="$note${note:+; }Ray not staged (missing under $STAGE_DIR:$missing): the first run, bash tools/gpu/stage.sh with .gpu-bundle-stage brought along, did not run on this machine; rl_loop will not run"
+    echo "[round] Ray not staged: $STAGE_DIR lacks$missing (first run: bash tools/gpu/stage.sh, with .gpu-bundle-stage brought along); running everything else" >&2
   else
     mkdir -p "$STAGE_DIR"
     cat "${parts[@]}" > "$STAGE_DIR/$RAY_WHEEL"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# On a GPU machine without a package registry: install the carried bundle's wheels (.gpu-bundle, made
+# On a GPU machine without a package registry: install the bundle's wheels brought along (.gpu-bundle, made
 # by tools/gpu/build_bundle.sh; Ray not included: tools/gpu/round.sh joins and installs it) into a
 # private directory and run the kit with the arguments given, writing report.json/report.md to
-# OUT_DIR. A visit's main call is tools/gpu/round.sh; this is for a second look at some checks.
+# OUT_DIR. A visit's main run is tools/gpu/round.sh; this is for a second look at some checks.
 # Usage: bash tools/gpu/smoke.sh OUT_DIR [arguments of python -m bpo_megatron.gpu_smoke]
 #   bash tools/gpu/smoke.sh OUT --checks trainer_step,driver_payloads --timeout 200
 set -euo pipefail

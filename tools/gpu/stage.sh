@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Call 1 of a GPU visit (seconds): leave the carried head of Ray's wheel (.gpu-bundle-stage, made by
+# The first run of a GPU visit (seconds): leave the head, brought along, of Ray's wheel (.gpu-bundle-stage, made by
 # tools/gpu/build_bundle.sh) under /tmp, each part checked against the sha256 its manifest records,
-# for call 2 (tools/gpu/round.sh) to join with the tail that .gpu-bundle carries. Files under /tmp
-# outlive a call while the machine stays up between calls.
+# for the second run (tools/gpu/round.sh) to join with the tail that .gpu-bundle brings. Files under /tmp
+# outlive a run while the machine stays up between runs.
 #   bash tools/gpu/stage.sh    (run on the GPU machine with .gpu-bundle-stage brought along)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -10,7 +10,7 @@ SRC="${STAGE_SRC:-.gpu-bundle-stage}"
 DEST="${STAGE_DIR:-/tmp/bpo-gpu-stage}"
 MANIFEST="$SRC/ray-wheel.manifest"
 if [ ! -f "$MANIFEST" ]; then
-  echo "[stage] error: $MANIFEST is missing: build it here with 'bash tools/gpu/build_bundle.sh' and carry $SRC" >&2
+  echo "[stage] error: $MANIFEST is missing: build it here with 'bash tools/gpu/build_bundle.sh' and bring $SRC along" >&2
   exit 1
 fi
 mkdir -p "$DEST"
@@ -29,4 +29,4 @@ if [ "$staged" = 0 ]; then
   echo "[stage] error: $SRC holds none of the parts $MANIFEST lists" >&2
   exit 1
 fi
-echo "[stage] $staged part(s) of $(sed -n 's/^wheel [0-9a-f]* //p' "$MANIFEST") staged in $DEST ($(du -sh "$DEST" | cut -f1)); now: bash tools/gpu/round.sh OUT (carry .gpu-bundle)"
+echo "[stage] $staged part(s) of $(sed -n 's/^wheel [0-9a-f]* //p' "$MANIFEST") staged in $DEST ($(du -sh "$DEST" | cut -f1)); now: bash tools/gpu/round.sh OUT (bring .gpu-bundle along)"
