@@ -4,7 +4,8 @@
 # kit (python -m bpo_megatron.gpu_smoke) with its own budget, all within ROUND_S seconds (default
 # 465: one run of at most 8 minutes). A part cut short keeps what it wrote; a part with no time
 # left is reported as not run. The report to commit: OUT/<device>-<date>.md and .json (e.g.
-# OUT/h100-2026-12-01.md), ready to copy to docs/gpu-validation/.
+# OUT/h100-2026-12-01.md), ready to copy to docs/gpu-validation/; beside them OUT/traces/ and
+# OUT/round-raw.tar.gz (the parts' own outputs the report was built from).
 #
 # A visit to a GPU machine without a package registry is two runs there, one right after the other
 # (the bundle built here first: bash tools/gpu/build_bundle.sh):
@@ -145,5 +146,13 @@ if [ -d "$WORK/kit/traces" ]; then mkdir -p "$OUT/traces" && cp "$WORK/kit/trace
 
 # ---- 4. the report to commit
 "$PY" -m bpo_megatron.gpu_smoke.round_report "$OUT" --device "$DEVICE"
+# what the report was built from, in one archive: the report, its JSON, the archive and the traces are
+# then the few files to take home (a machine's way back may bound how many files a run returns)
+raw=(parts.tsv gpu.txt install.txt cuda_tests.txt kit.txt kit)
+present=()
+for name in "${raw[@]}"; do [ -e "$OUT/$name" ] && present+=("$name"); done
+if [ ${#present[@]} -gt 0 ] && tar -czf "$OUT/round-raw.tar.gz" -C "$OUT" "${present[@]}"; then
+  (cd "$OUT" && rm -rf "${present[@]}")
+fi
 rm -rf "$WORK"
 echo "[round] done in $(($(date +%s) - T0)) s"
