@@ -46,6 +46,12 @@ def test_interrupted_then_resumed_at_another_layout(tmp_path, ray_session, small
     # TP=2 scores what the engine sampled: the gap is the first minibatch's update (lr 3e-4), no more
     assert last["abs_logp_diff_mean"] < 1e-2
     assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000004"
+    # each save says when it starts and what it wrote, so a run stopped during one says so
+    saved = run_dir / "checkpoints" / "step-00000004"
+    on_disk = sum(p.stat().st_size for p in saved.rglob("*") if p.is_file() and p.name != "checksums.json")
+    assert any(line.startswith("saving the checkpoint of step 4 under ") for line in lines), lines
+    assert on_disk > 1e6 and any(line.startswith(f"saved the checkpoint of step 4: {on_disk / 1e9:.3f} GB in ")
+                                 for line in lines), lines
     assert (run_dir / "curves.png").is_file() and (run_dir / "config.yaml").is_file()
     assert any(line.startswith("[####################] step 4/4 | reward") for line in lines)
 

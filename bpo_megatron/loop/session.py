@@ -12,6 +12,7 @@ down, the placement removed, Ray stopped if this run started it, the lock releas
 from __future__ import annotations
 
 import sys
+import time
 
 from bpo_megatron.data.rewards import reward_fn
 from bpo_megatron.eval.avg_at_k import BestCheckpoint
@@ -28,6 +29,7 @@ from bpo_megatron.orchestration.groups import EngineGroup, TrainerGroup, run_pla
 from bpo_megatron.orchestration.placement import EVALUATION
 from bpo_megatron.orchestration.phases import DevicePhases
 from bpo_megatron.rollout.agents import with_agent
+from bpo_megatron.trainer.checkpoint import checkpoint_bytes, step_dir_name
 from bpo_megatron.weight_sync.session import sync_weights
 
 
@@ -152,7 +154,12 @@ class RunSession:
         # an evaluation of this step still running is run again by a resume from here, whose metrics
         # keep the records written so far (not that evaluation's, which may come later)
         state.eval_pending, state.metrics_records = self.evaluations.pending_steps(), self.metrics_out.records
-        self.trainer.save(str(checkpoint_root(self.cfg)), step, state.to_dict(), self.cfg.checkpoint.keep_last)
+        root = checkpoint_root(self.cfg)
+        self.echo(f"saving the checkpoint of step {step} under {root} ...")
+        start = time.perf_counter()
+        self.trainer.save(str(root), step, state.to_dict(), self.cfg.checkpoint.keep_last)
+        self.echo(f"saved the checkpoint of step {step}: {checkpoint_bytes(root / step_dir_name(step)) / 1e9:.3f} GB "
+                  f"in {time.perf_counter() - start:.1f} s")
         plot_runs([self.cfg.run_dir], self.cfg.run_dir / "curves.png", labels=[self.cfg.name])
 
     def finish(self) -> dict:

@@ -193,6 +193,14 @@ def _optimizer_format(optimizer) -> str:
     return "per-parameter" if optimizer_state.per_parameter(optimizer) else "megatron"
 
 
+def checkpoint_bytes(directory: Path) -> int:
+    """The bytes of a saved checkpoint's files, as its checksum manifest records them (0 if it has none)."""
+    manifest = directory / integrity.MANIFEST
+    if not manifest.is_file():
+        return 0
+    return sum(int(entry["bytes"]) for entry in json.loads(manifest.read_text()).values())
+
+
 def save(root: str | Path, step: int, model: torch.nn.Module, optimizer, trainer_state: dict[str, Any],
          *, layout: dict[str, int], keep_last: int | None = None) -> Path:
     """Collectively save ``model`` (the unwrapped GPTModel chunk) and ``optimizer`` (every rank calls)."""

@@ -38,12 +38,12 @@ SITE="${SITE:-/tmp/bpo-gpu-site}"
 WORK="${WORK:-/tmp/bpo-round-work}"   # checkpoints and scratch: never under OUT (it comes back)
 PY="${PYTHON:-python3}"   # the GPU image's; on a CPU machine with .venv (a dry run), .venv's
 [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
-# Budgets (seconds, caps) from the last H100 run (docs/gpu-validation/h100-2026-11-24.md) and each
-# part's work; expected times in docs/gpu-validation.md ("The next GPU visit").
+# Order: what has not yet passed on a GPU first. Budgets (seconds, caps) from the last run
+# (docs/gpu-validation/h200-2026-11-27.md); expected times in docs/gpu-validation.md ("The next GPU visit").
 INSTALL_S=60
 CUDA_TESTS_S=75
-KIT_ORDER=${KIT_ORDER:-logprobs_kernel,rollout_decode,engine_replay,rl_loop,trainer_step,rl_throughput,train_fast_paths,driver_payloads,trainer_offload,ipc_weights}
-KIT_BUDGETS=logprobs_kernel=40,rollout_decode=120,engine_replay=40,rl_loop=180,trainer_step=25,rl_throughput=120,train_fast_paths=90,driver_payloads=40,trainer_offload=20,ipc_weights=30
+KIT_ORDER=${KIT_ORDER:-rl_loop,rollout_decode,train_fast_paths,rl_throughput,engine_replay,trainer_step,driver_payloads,trainer_offload,ipc_weights,logprobs_kernel}
+KIT_BUDGETS=rl_loop=240,rollout_decode=90,train_fast_paths=60,rl_throughput=60,engine_replay=25,trainer_step=25,driver_payloads=40,trainer_offload=20,ipc_weights=30,logprobs_kernel=25
 
 T0=$(date +%s)
 left() { echo $((ROUND_S - ($(date +%s) - T0))); }
