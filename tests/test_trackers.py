@@ -325,3 +325,28 @@ def test_the_demo_mirrors_its_metrics_to_every_tracker_across_a_resume(tmp_path,
     assert "eval/mean_avg@2" in expected and "time/rollout_s" in expected
     for name, points in READERS.items():
         assert points(tmp_path) == expected, name
+
+
+def test_a_requested_tracker_whose_package_is_missing_is_refused_by_check_and_before_the_run(tmp_path, capsys,
+                                                                                            monkeypatch):
+    import importlib.util
+
+    from bpo_megatron.cli import main
+    from bpo_megatron.loop import rl_loop
+
+    def started(*args, **kwargs):  # Ray and the model must never be reached
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(rl_loop, "execute", started)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    why = ("logging.trackers lists wandb, but its package 'wandb' is not installed: pip install wandb, or drop wandb "
+           "from logging.trackers")
+    for extra in (["--check"], []):
+        code = main(["train", DEMO, "logging.trackers=[tensorboard,wandb]", f"logging.run_dir={tmp_path}/r", *extra])
+        assert code == 2
+        assert f"bpo-megatron train: {why}" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+    # the implicit TensorBoard of logging.trackers: null is not checked here (a tracker that cannot
+    # start is a warning: test_a_tracker_that_cannot_start_is_a_warning_and_the_others_go_on)
+    assert main(["train", DEMO, f"logging.run_dir={tmp_path}/r", "--check"]) == 0

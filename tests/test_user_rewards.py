@@ -65,6 +65,15 @@ def judge(record, response):
     return {"score": 1.0, "tokens": 2} if response == record["answer"] else {"score": 0.0, "tokens": 4}
 
 
+def fixable(record, response):
+    """Right on the dry call (the reference answer); raises on any other response until the file
+    REWARD_FIXED names exists (the user's fix)."""
+    import os
+    if response.strip() == record["answer"] or os.path.exists(os.environ.get("REWARD_FIXED", "/nonexistent")):
+        return 1.0 if response.strip() == record["answer"] else 0.0
+    raise KeyError("the judge's table has no entry for this response")
+
+
 def nan(record, response):
     return math.nan
 
@@ -199,7 +208,7 @@ REFUSED = {
                                          r"hold the score as 'score'"),
     "a call that raises": ("raises", r"record \(id 'only'.*raised KeyError: 'solution'"),
     "a missing function": ("absent", r"data.reward='user_rewards_demo:absent': module 'user_rewards_demo' \(.*"
-                                     r"user_rewards_demo.py\) has no function 'absent'; it defines high, judge, "
+                                     r"user_rewards_demo.py\) has no function 'absent'; it defines fixable, high, judge, "
                                      r"nan, no_score, one_arg, raises, right, text"),
     "a wrong signature": ("one_arg", r"one_arg\(record\) cannot be called as function\(record, response\)"),
 }
@@ -313,6 +322,57 @@ def test_a_call_past_the_timeout_scores_zero_and_the_rest_are_scored(user_module
         reward.close()
 
 
+def test_a_batch_the_reward_failed_on_beyond_the_share_is_refused(user_module, recwarn):
+    from bpo_megatron.data.reward_values import RewardFailed
+
+    problems = [Problem(f"q{i}", "2+3", "5") for i in range(10)]
+    reward = FunctionReward(f"{user_module}:judge", workers=1, timeout_s=SCORING_TIMEOUT_S)
+    try:
+        # 1 of 10 scored responses failed: at the share allowed (0.1), the batch is trained on
+        one_bad = [_sample("boom")] + [_sample("5")] * 9
+        tally = RewardTally()
+        rewards = score(one_bad, problems, CharTokenizer(), reward, truncated_reward=0.0, tally=tally,
+                        max_failed_frac=0.1)
+        assert rewards.tolist() == [0.0] + [1.0] * 9
+        # 2 of 9 scored (the truncated one is not scored): beyond it; counted first, then refused
+        two_bad = [_sample("4"), _sample("nan"), _sample("boom")] + [_sample("5")] * 6 + [_sample("boom", "length")]
+        tally = RewardTally()
+        with pytest.raises(RewardFailed, match=re.escape(
+                f"data.reward={user_module}:judge: 2 of the batch's 9 scored responses failed (22%, more than "
+                "data.reward_max_failed_frac=0.1); the first, record 'q1', returned nan (float): a score must be a "
+                "finite number in [-1, 1]. Nothing was trained on this batch: fix the reward (or set "
+                "data.on_reward_failure=skip_step to skip such steps)")):
+            score(two_bad, problems, CharTokenizer(), reward, truncated_reward=0.0, tally=tally, max_failed_frac=0.1)
+        assert tally.metrics()["reward/invalid"] == 1 and tally.metrics()["reward/errors"] == 1
+        # 0: the first failure stops; 1: never (the metrics still count them)
+        with pytest.raises(RewardFailed, match="1 of the batch's 10 scored responses failed"):
+            score(one_bad, problems, CharTokenizer(), reward, truncated_reward=0.0, max_failed_frac=0.0)
+        score(two_bad, problems, CharTokenizer(), reward, truncated_reward=0.0, max_failed_frac=1.0)
+    finally:
+        reward.close()
+
+
+def test_a_function_that_hangs_on_every_call_costs_the_batch_its_deadline(user_module, recwarn):
+    import time
+
+    # 12 hung calls, 2 workers, 5 s each: ≈ 30 s one timeout after another; the batch gets 4 s
+    reward = FunctionReward(f"{user_module}:judge", workers=2, timeout_s=5.0, batch_timeout_s=4.0)
+    try:
+        problems = [Problem(f"q{i}", "2+3", "5") for i in range(12)]
+        tally = RewardTally()
+        start = time.monotonic()
+        rewards = score([_sample("hang")] * 12, problems, CharTokenizer(), reward, truncated_reward=0.0, tally=tally)
+        took = time.monotonic() - start
+        assert rewards.tolist() == [0.0] * 12 and tally.metrics()["reward/errors"] == 12
+        assert 4.0 <= took < 12.0, took
+        assert any(f"record 'q0' was not scored within the batch's 4 s (data.reward_batch_timeout_s)" in str(w.message)
+                   for w in recwarn.list)
+        # the next batch gets a fresh pool and its own deadline
+        assert score([_sample("5")], problems[:1], CharTokenizer(), reward, truncated_reward=0.0).tolist() == [1.0]
+    finally:
+        reward.close()
+
+
 def test_a_service_gets_one_batch_per_call_and_its_errors_are_counted(monkeypatch, recwarn):
     monkeypatch.setattr(reward_service, "RETRY_BACKOFF_S", 0.01)
     problems = [Problem("a", "1+1", "2", source="add"), Problem("b", "2+2", "4"), Problem("c", "3+3", "6"),
@@ -372,6 +432,11 @@ def test_reward_settings_are_checked():
         DataConfig(reward_timeout_s=0)
     with pytest.raises(ValueError, match=r"data.reward_retries must be >= 0 \(0: one attempt only\), got -1"):
         DataConfig(reward_retries=-1)
+    with pytest.raises(ValueError, match=r"data.reward_max_failed_frac must be a share in \[0, 1\] \(0: stop at the "
+                                         r"first failed response, 1: never\), got 1.5"):
+        DataConfig(reward_max_failed_frac=1.5)
+    with pytest.raises(ValueError, match="data.reward_batch_timeout_s must be a positive number of seconds, got -1"):
+        DataConfig(reward_batch_timeout_s=-1)
     assert DataConfig(reward="pkg.sub.module:score_fn").reward == "pkg.sub.module:score_fn"
     assert DataConfig(reward="https://rewards.internal:8443/v1/score").reward_retries == 2
 
@@ -416,3 +481,44 @@ def test_a_reward_service_trains_the_demo(tmp_path, ray_session, small_run):
     # first the dry call: the first training record, its reference answer as the response
     assert len(received[0]) == 1 and received[0][0]["response"] == received[0][0]["answer"]
     assert len(received) > 2  # then the steps' batches and the evaluations'
+
+
+@pytest.mark.timeout(600)
+def test_a_reward_that_fails_mid_run_stops_it_before_training_and_it_resumes_once_fixed(
+        user_module, tmp_path, capsys, monkeypatch):
+    """The dry call passes (the reference answer); every model response raises. The run stops on
+    step 1's batch, before any optimizer step, exit 1 naming the reward, the record and the error
+    and the resume command; once the reward is fixed the same command resumes and finishes."""
+    fixed = tmp_path / "fixed"
+    monkeypatch.setenv("REWARD_FIXED", str(fixed))
+    run_dir = tmp_path / "run"
+    args = ("train.steps=2", f"data.reward={user_module}:fixable", f"logging.run_dir={run_dir}",
+            "rollout.max_new_tokens=4", "eval.every=0", "train.sft_warmup_steps=0")
+    code, output = _train(capsys, *args)
+    assert code == 1, output
+    assert re.search(rf"bpo-megatron train: data.reward={user_module}:fixable: \d+ of the batch's \d+ scored responses "
+                     r"failed \(\d+%, more than data.reward_max_failed_frac=0.1\); the first, record '[^']+', raised "
+                     r"KeyError: .the judge's table has no entry for this response.*Nothing was trained on this batch",
+                     output), output
+    assert "the run stopped; resume it from its newest checkpoint with: bpo-megatron train" in output
+    metrics = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+    assert not [r for r in metrics if r.get("step", 0) >= 1], "nothing of step 1 was recorded or trained"
+    assert not (run_dir / "checkpoints" / "step-00000001").exists()
+    fixed.touch()
+    code, output = _train(capsys, *args)
+    assert code == 0, output
+    steps = [r for r in read_metrics(run_dir) if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["reward/errors"] == 0 for r in steps)
+    # skip_step instead: a step whose batch failed is recorded as skipped and trains nothing
+    fixed.unlink()
+    skipping = tmp_path / "skipping"
+    code, output = _train(capsys, "train.steps=1", f"data.reward={user_module}:fixable", f"logging.run_dir={skipping}",
+                          "rollout.max_new_tokens=4", "eval.every=0", "train.sft_warmup_steps=0",
+                          "data.on_reward_failure=skip_step")
+    assert code == 0, output
+    assert re.search(r"step 1/1 skipped, nothing trained: data.reward=\S+: \d+ of the batch's", output), output
+    (record,) = [r for r in read_metrics(skipping) if r.get("step") == 1]
+    assert record["reward/skipped_step"] == 1.0 and record["reward/errors"] > 0
+    assert "loss" not in record and "grad_norm" not in record
+    assert (skipping / "checkpoints" / "latest").read_text() == "step-00000001"

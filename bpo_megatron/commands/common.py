@@ -26,8 +26,8 @@ def override_list(text: str) -> tuple[str, ...]:
 
 
 def report_failure(prog: str, exc: Exception, resume_command: list[str]) -> int:
-    """A run that stopped on a failed rank or engine: the rank's traceback if it raised, then
-    one line saying what failed and how to resume."""
+    """A run that stopped on a failed rank, engine or reward: the rank's traceback if it raised,
+    then one line saying what failed and how to resume."""
     details = getattr(exc, "details", "")
     if details:
         print(details.rstrip(), file=sys.stderr)

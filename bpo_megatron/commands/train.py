@@ -29,6 +29,7 @@ def main(argv: list[str]) -> int:
     if cfg is None:
         return REFUSED
     from bpo_megatron.config import ConfigError
+    from bpo_megatron.data.reward_values import RewardFailed
     from bpo_megatron.loop.preflight import prepare, summary
     from bpo_megatron.loop.rl_loop import execute
     from bpo_megatron.orchestration.groups import EnginesFailed, TrainerFailed
@@ -47,7 +48,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:  # the run directory was taken between the check and the start
         print(f"{prog}: {exc}", file=sys.stderr)
         return REFUSED
-    except (TrainerFailed, EnginesFailed) as exc:
+    except (TrainerFailed, EnginesFailed, RewardFailed) as exc:
         return report_failure(prog, exc, ["bpo-megatron", "train", *argv])
     best = result["best_step"]
     print(f"done: {result['step']} steps; best eval mean {result['best_mean']:.3f} at step {best}"

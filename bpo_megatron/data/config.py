@@ -40,6 +40,13 @@ class DataConfig:
     ``bpo_megatron.data.user_reward`` and ``bpo_megatron.data.reward_service``), checked with a dry
     call before a run starts. A service is given ``reward_timeout_s`` to answer a batch, and
     ``reward_retries`` more attempts when it does not (or fails with a 5xx).
+    A user function's calls run within ``reward_batch_timeout_s`` for a whole batch (besides
+    each call's own scoring timeout), so a function that hangs on every response costs a step that
+    much, not a timeout per response. A batch in which more than ``reward_max_failed_frac`` of the
+    scored responses failed (the reward raised, timed out or returned an invalid value) is not
+    trained on: ``on_reward_failure`` ``stop`` ends the run (exit 1, resumable from its newest
+    checkpoint once the reward is fixed), ``skip_step`` records the step as skipped
+    (``reward/skipped_step``) and goes on. A service that fails a whole batch always stops the run.
     ``truncated_reward`` is the training reward of a response cut off by the length limit
     (``rollout.max_new_tokens``), whatever its text ends with. Evaluation counts such a response
     as wrong whatever this says: Avg@k counts correct answers."""
@@ -55,6 +62,9 @@ class DataConfig:
     truncated_reward: float = 0.0
     reward_timeout_s: float = reward_service.TIMEOUT_S
     reward_retries: int = reward_service.RETRIES
+    reward_batch_timeout_s: float = 600.0
+    reward_max_failed_frac: float = 0.1
+    on_reward_failure: Literal["stop", "skip_step"] = "stop"
 
     def __post_init__(self) -> None:
         from bpo_megatron.data.problems import check_field_map
@@ -67,6 +77,12 @@ class DataConfig:
             raise ValueError(f"data.reward_timeout_s must be a positive number of seconds, got {self.reward_timeout_s}")
         if self.reward_retries < 0:
             raise ValueError(f"data.reward_retries must be >= 0 (0: one attempt only), got {self.reward_retries}")
+        if not (self.reward_batch_timeout_s > 0 and math.isfinite(self.reward_batch_timeout_s)):
+            raise ValueError(f"data.reward_batch_timeout_s must be a positive number of seconds, got "
+                             f"{self.reward_batch_timeout_s}")
+        if not 0.0 <= self.reward_max_failed_frac <= 1.0:
+            raise ValueError(f"data.reward_max_failed_frac must be a share in [0, 1] (0: stop at the first failed "
+                             f"response, 1: never), got {self.reward_max_failed_frac}")
         if self.template not in TEMPLATES:
             raise ValueError(f"data.template={self.template!r} is unknown; choose one of {sorted(TEMPLATES)}")
         if self.max_prompt_tokens < 1:

@@ -29,7 +29,7 @@ import urllib.request
 from typing import Any
 from urllib.parse import urlsplit
 
-from bpo_megatron.data.reward_values import Outcome, RecordReward, read_value
+from bpo_megatron.data.reward_values import Outcome, RecordReward, RewardFailed, read_value
 
 RETRY_BACKOFF_S = 0.5  # the wait before the first retry, doubled before each further one
 # The defaults of data.reward_timeout_s and data.reward_retries: a batch of a few thousand
@@ -38,7 +38,7 @@ TIMEOUT_S = 60.0
 RETRIES = 2
 
 
-class ServiceError(RuntimeError):
+class ServiceError(RewardFailed):
     """The reward service could not score a batch; the message names the URL, the batch's first
     record and what failed."""
 

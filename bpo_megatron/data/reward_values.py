@@ -12,8 +12,11 @@ Anything else is invalid: NaN or another number outside [-1, 1], a string, a dic
 counts' own metrics). An invalid value, a call that raises and one that outlives its timeout all
 score 0 and are counted (``reward/invalid``, ``reward/errors``), the first of each kind with a
 warning naming its record: a response is always scored, so the batch keeps its shape, and a
-broken reward shows in the metrics instead of silently steering training. Before a run starts its
-dry call refuses such a reward outright (:func:`bpo_megatron.loop.preflight.check_reward`).
+broken reward shows in the metrics instead of silently steering training. A batch in which more
+than ``data.reward_max_failed_frac`` of the responses failed so is not trained on: the run stops
+(:class:`RewardFailed`, resumable once the reward is fixed) or, with
+``data.on_reward_failure=skip_step``, the step is skipped. Before a run starts its dry call refuses
+such a reward outright (:func:`bpo_megatron.loop.preflight.check_reward`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ from bpo_megatron.data.problems import Problem
 
 RESERVED_EXTRAS = ("invalid", "errors")  # the names of the counts' own metrics (reward/invalid, reward/errors)
 Failure = Literal["invalid", "error"]
+
+
+class RewardFailed(RuntimeError):
+    """A user reward failed on too much of a batch to train on it (or, a service, on the whole
+    batch): the run stops before training on it, resumable once the reward is fixed."""
 
 
 class RewardWarning(UserWarning):

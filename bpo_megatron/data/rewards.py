@@ -214,7 +214,8 @@ def reward_fn(spec: str, data: DataConfig | None = None, *, workers: int | None 
     scores``), or a user's :class:`~bpo_megatron.data.reward_values.RecordReward`, a function
     (imported here: a missing module or function raises ValueError naming it; scored in
     ``workers`` processes, default :func:`scoring_workers`) or a service, whose
-    ``data.reward_timeout_s`` and ``data.reward_retries`` ``data`` gives (default: the defaults)."""
+    ``data.reward_timeout_s`` and ``data.reward_retries`` ``data`` gives (default: the defaults); a
+    function's batches run within ``data.reward_batch_timeout_s`` (without ``data``: no bound)."""
     if spec in REWARDS:
         return REWARDS[spec]
     if (why := unknown_reward(spec)) is not None:
@@ -223,4 +224,5 @@ def reward_fn(spec: str, data: DataConfig | None = None, *, workers: int | None 
         settings = {} if data is None else {"timeout_s": data.reward_timeout_s, "retries": data.reward_retries}
         return RewardService(spec, **settings)
     # a user's function scores like math-verify: as many worker processes, the same timeout
-    return FunctionReward(spec, workers=workers or scoring_workers(), timeout_s=SCORING_TIMEOUT_S)
+    return FunctionReward(spec, workers=workers or scoring_workers(), timeout_s=SCORING_TIMEOUT_S,
+                          batch_timeout_s=None if data is None else data.reward_batch_timeout_s)

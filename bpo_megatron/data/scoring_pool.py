@@ -4,12 +4,16 @@ math-verify bounds its parsing with ``signal.alarm`` (a process's main thread on
 reward may hang, so scores are computed in worker processes. A call past ``timeout_s`` is
 abandoned, and with it its pool: its worker would stay busy with the call for good, and every
 later call queued behind it would time out in turn, scoring 0 without a word. The calls still
-pending are sent to a fresh pool, so each round settles at least the call that timed out.
+pending are sent to a fresh pool, so each round settles at least the call that timed out. With
+``deadline_s``, a whole batch of calls gets that long: at the deadline every call not yet settled
+is abandoned (``timed_out``, ``past_deadline``) with its pool, so a function that hangs on every
+call costs the batch ``deadline_s``, not ``timeout_s`` per call.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -18,6 +22,7 @@ from typing import Any, Callable
 class CallResult:
     value: Any = None
     timed_out: bool = False
+    past_deadline: bool = False  # timed out because the batch's deadline passed, not its own timeout
     error: str | None = None  # the exception a call raised (or its result failed to pickle)
 
     @property
@@ -36,11 +41,16 @@ class TimedPool:
         self.replaced = 0
         self._pool = None
 
-    def run(self, fn: Callable, calls: list[tuple]) -> list[CallResult]:
-        """``fn(*args)`` for every ``args`` of ``calls``, in order."""
+    def run(self, fn: Callable, calls: list[tuple], deadline_s: float | None = None) -> list[CallResult]:
+        """``fn(*args)`` for every ``args`` of ``calls``, in order; all of them within
+        ``deadline_s`` seconds when given (see the module docstring)."""
+        end = None if deadline_s is None else time.monotonic() + deadline_s
         results: dict[int, CallResult] = {}
         pending = list(range(len(calls)))
         while pending:
+            if end is not None and time.monotonic() >= end:
+                results.update({i: CallResult(timed_out=True, past_deadline=True) for i in pending})
+                break
             if self._pool is None:
                 self._pool = multiprocessing.Pool(self.workers)
             running = {i: self._pool.apply_async(fn, calls[i]) for i in pending}
@@ -49,10 +59,12 @@ class TimedPool:
                 if hung and not call.ready():
                     pending.append(i)  # queued behind the hung call, or running beside it: to a fresh pool
                     continue
+                wait = self.timeout_s if end is None else max(0.0, min(self.timeout_s, end - time.monotonic()))
                 try:
-                    results[i] = CallResult(value=call.get(timeout=self.timeout_s))
+                    results[i] = CallResult(value=call.get(timeout=wait))
                 except multiprocessing.TimeoutError:
-                    results[i] = CallResult(timed_out=True)
+                    past = wait < self.timeout_s  # cut by the batch's deadline, not by its own timeout
+                    results[i] = CallResult(timed_out=True, past_deadline=past)
                     hung = True
                 except Exception as exc:  # noqa: BLE001 - whatever the call raised, or a result that does not pickle
                     results[i] = CallResult(error=f"{type(exc).__name__}: {exc}")

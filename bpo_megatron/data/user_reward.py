@@ -93,21 +93,27 @@ class FunctionReward(RecordReward):
     within ``timeout_s``. Loading it in this process first refuses a missing module or function
     by name, before a worker process is started."""
 
-    def __init__(self, spec: str, *, workers: int, timeout_s: float) -> None:
+    def __init__(self, spec: str, *, workers: int, timeout_s: float, batch_timeout_s: float | None = None) -> None:
         super().__init__(spec)
         load(spec)
         if workers < 1:
             raise ValueError(f"a user reward needs at least 1 worker process, got workers={workers}")
-        self.workers, self.timeout_s = workers, timeout_s
+        self.workers, self.timeout_s, self.batch_timeout_s = workers, timeout_s, batch_timeout_s
         self._pool = TimedPool(workers, timeout_s)
 
     def outcomes(self, records: list[dict[str, str]], responses: list[str]) -> list[Outcome]:
         results = self._pool.run(_score_one, [(self.spec, record, response)
-                                              for record, response in zip(records, responses)])
-        return [result.value if result.ok else Outcome(failure="error", detail=(
-                    f"did not return within {self.timeout_s:g} s (the scoring timeout)" if result.timed_out
-                    else f"failed in a scoring worker process: {result.error}"))
+                                              for record, response in zip(records, responses)],
+                                 deadline_s=self.batch_timeout_s)
+        return [result.value if result.ok else Outcome(failure="error", detail=self._failure(result))
                 for result in results]
+
+    def _failure(self, result) -> str:
+        if result.past_deadline:
+            return f"was not scored within the batch's {self.batch_timeout_s:g} s (data.reward_batch_timeout_s)"
+        if result.timed_out:
+            return f"did not return within {self.timeout_s:g} s (the scoring timeout)"
+        return f"failed in a scoring worker process: {result.error}"
 
     def close(self) -> None:
         self._pool.close()

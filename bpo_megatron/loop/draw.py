@@ -4,7 +4,9 @@
 and round, so a resumed run asks again exactly what it asked). :class:`StepDraw` is one step's
 ``draw(count, round)``: round 0 takes the step's planned batch from the rollout pipeline, a later
 round (dynamic sampling) draws fresh prompts; either way the responses are scored, and what the
-reward and the rollouts report besides the scores is kept for the step's metrics.
+reward and the rollouts report besides the scores is kept for the step's metrics. A batch a user's
+reward failed on beyond ``data.reward_max_failed_frac`` raises
+:class:`~bpo_megatron.data.reward_values.RewardFailed` instead.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class StepDraw:
                 samples = run.rollouts.generate(run.requests(batch, self.step, round_))
         problems = [e.problem for e in batch for _ in range(run.cfg.rollout.group_size)]
         return samples, score(samples, problems, run.tokenizer, run.verify,
-                              truncated_reward=run.cfg.data.truncated_reward, tally=self.tally)
+                              truncated_reward=run.cfg.data.truncated_reward, tally=self.tally,
+                              max_failed_frac=run.cfg.data.reward_max_failed_frac)
 
     def metrics(self) -> dict[str, float]:
         """The reward's extras and counts, the batch's staleness, and the agent's errors."""

@@ -79,6 +79,19 @@ def load_data(cfg, tokenizer, *, cursor: int = 0) -> tuple[PromptStream, list[Ev
     return prompts, eval_sets
 
 
+def check_trackers(cfg) -> None:
+    """Every tracker ``logging.trackers`` asks for can start: its package is installed. (The
+    implicit TensorBoard of ``logging.trackers: null`` only warns when it cannot, as a tracker
+    that fails mid-run does.)"""
+    if cfg.logging.trackers is None:
+        return
+    from bpo_megatron.observability.trackers import missing_package
+
+    for name in cfg.logging.trackers:
+        if (why := missing_package(name)) is not None:
+            raise RunRefused(why)
+
+
 def check_reward(cfg, problem: Problem, what: str = "the first training record") -> str | None:
     """A user's ``data.reward`` (a function or a service) loaded and called once, on ``problem``
     with its reference answer as the response: a module or function that is missing, a service
@@ -248,6 +261,7 @@ def prepare(cfg, *, override_resume: tuple[str, ...] = ()) -> RunPlan:
         check_pretrained_weights(cfg, hf)
     tokenizer = load_run_tokenizer(cfg, hf)
     prompts, eval_sets = load_data(cfg, tokenizer, cursor=state.data_cursor)
+    check_trackers(cfg)
     if (scored := check_reward(cfg, prompts.peek().problem)) is not None:
         notes.append(scored)
     agent, agent_note = check_agent(cfg, tokenizer, prompts.peek().problem)

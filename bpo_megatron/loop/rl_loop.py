@@ -7,7 +7,8 @@ weights go to the engines. With ``train.async.max_staleness`` k > 0 the batches 
 steps generate while a step trains (:mod:`bpo_megatron.loop.rollout_pipeline`). Evaluation and
 checkpoints every few steps, evaluation inline or beside training (:mod:`bpo_megatron.loop.evaluation`);
 a killed run resumes from its newest checkpoint exactly (same data, same seeds), and its metrics
-record each step once.
+record each step once. A batch a user's reward failed on is never trained on
+(``data.on_reward_failure``: the run stops, or the step is skipped).
 Everything the run reads is checked first (:mod:`bpo_megatron.loop.preflight`).
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import random
 
+from bpo_megatron.data.reward_values import RewardFailed
 from bpo_megatron.loop import diagnostics
 from bpo_megatron.loop.batch_shaping import dynamic_batch, punish_overlong
 from bpo_megatron.loop.draw import StepDraw
@@ -64,11 +66,17 @@ def rl_step(run: RunSession, pipeline: RolloutPipeline, step: int) -> None:
     pipeline.plan(step)  # this step's batch and, asynchronously, those of the next max_staleness steps
     draw = StepDraw(run, pipeline, step, timer)  # prompts × G responses and their rewards
     shaping: dict[str, float] = {}
-    if cfg.train.dynamic_sampling:  # only groups whose rewards vary, drawing more prompts
-        samples, rewards, shaping = dynamic_batch(draw, cfg.train.prompts_per_step, cfg.rollout.group_size,
-                                                  cfg.train.dynamic_sampling_max_rounds)
-    else:
-        samples, rewards = draw(cfg.train.prompts_per_step, 0)
+    try:
+        if cfg.train.dynamic_sampling:  # only groups whose rewards vary, drawing more prompts
+            samples, rewards, shaping = dynamic_batch(draw, cfg.train.prompts_per_step, cfg.rollout.group_size,
+                                                      cfg.train.dynamic_sampling_max_rounds)
+        else:
+            samples, rewards = draw(cfg.train.prompts_per_step, 0)
+    except RewardFailed as failure:  # a user's reward failed on too much of the batch to train on it
+        if cfg.data.on_reward_failure == "stop":
+            raise
+        run.skip_step(step, pipeline.resume_cursor(), {**draw.metrics(), **timer.metrics()}, failure)
+        return
     if cfg.train.overlong_buffer:
         rewards, overlong = punish_overlong(samples, rewards, cfg.rollout.max_new_tokens, cfg.train.overlong_buffer,
                                             cfg.train.overlong_penalty)

@@ -138,6 +138,14 @@ class RunSession:
         self.echo(summary_line(step, self.cfg.train.steps, metrics, bar=self.cfg.logging.progress))
         self.evaluations.poll()
 
+    def skip_step(self, step: int, data_cursor, metrics: dict[str, float], failure: Exception) -> None:
+        """A step that trains nothing (``data.on_reward_failure=skip_step``): recorded as skipped
+        (``reward/skipped_step``), saying why, and saved on the usual schedule."""
+        self.echo(f"step {step}/{self.cfg.train.steps} skipped, nothing trained: {failure}")
+        self.state.step, self.state.data_cursor = step, data_cursor
+        self.record(step, {**metrics, "reward/skipped_step": 1.0})
+        self.checkpoint(step)
+
     def checkpoint(self, step: int) -> None:
         """Save at ``checkpoint.every`` steps and at the last, once the evaluations before it are
         recorded (the last: every evaluation)."""

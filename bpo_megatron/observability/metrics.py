@@ -12,6 +12,8 @@ from typing import Any, Sequence
 # What the one-line summary shows, in order: (metric, label, format)
 SUMMARY = (
     ("reward_mean", "reward", ".3f"),
+    ("reward/errors", "reward errors", ".0f"),  # a user reward's failed calls and invalid values (scored 0)
+    ("reward/invalid", "invalid", ".0f"),
     ("loss", "loss", ".4f"),
     ("clip_frac", "masked", ".3f"),
     ("weight_mean", "w", ".3f"),

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bpo_megatron.data.problems import Problem
-from bpo_megatron.data.reward_values import Outcome, RecordReward, record_of
+from bpo_megatron.data.reward_values import Outcome, RecordReward, RewardFailed, record_of
 from bpo_megatron.rollout import Sample
 
 
@@ -54,22 +54,42 @@ class RewardTally:
                 **{f"reward/{name}": self.sums[name] / self.counts[name] for name in sorted(self.sums)}}
 
 
+def refuse_failed_batch(spec: str, records: list[dict[str, str]], outcomes: list[Outcome],
+                        max_failed_frac: float) -> None:
+    """:class:`RewardFailed` when more than ``max_failed_frac`` of a batch's scoring calls failed
+    (raised, timed out, returned an invalid value): a batch scored mostly 0 by a broken reward
+    would train the policy on noise. The message names the reward, the share and the first failed
+    record with what it raised or returned."""
+    failed = [(record, outcome) for record, outcome in zip(records, outcomes) if outcome.failure is not None]
+    if not outcomes or len(failed) <= max_failed_frac * len(outcomes):
+        return
+    record, outcome = failed[0]
+    raise RewardFailed(f"data.reward={spec}: {len(failed)} of the batch's {len(outcomes)} scored responses failed "
+                       f"({len(failed) / len(outcomes):.0%}, more than data.reward_max_failed_frac={max_failed_frac:g}); "
+                       f"the first, record {record['id']!r}, {outcome.detail}. Nothing was trained on this batch: fix "
+                       "the reward (or set data.on_reward_failure=skip_step to skip such steps)")
+
+
 def score(samples: list[Sample], problems: list[Problem], tokenizer, reward_fn, *, truncated_reward: float,
-          tally: RewardTally | None = None) -> torch.Tensor:
+          tally: RewardTally | None = None, max_failed_frac: float | None = None) -> torch.Tensor:
     """Rewards in sample order (``problems`` holds each sample's problem). A truncated response
     scores ``truncated_reward`` (``data.truncated_reward``) unverified: its text may end in the
     reference answer mid-derivation, and rewarding that teaches nothing about finishing.
 
     A built-in verifier reads the reference answers; a user's reward
     (:class:`~bpo_megatron.data.reward_values.RecordReward`) the whole problem records, and what it
-    reports besides the scores is added to ``tally``."""
+    reports besides the scores is added to ``tally``; with ``max_failed_frac`` a batch that failed
+    beyond it raises :class:`RewardFailed` (:func:`refuse_failed_batch`), after the tally counted it."""
     finished = [i for i, s in enumerate(samples) if not truncated(s)]
     rewards = [float(truncated_reward)] * len(samples)
     texts = response_texts([samples[i] for i in finished], tokenizer)
     if isinstance(reward_fn, RecordReward):
-        outcomes = reward_fn.score_records([record_of(problems[i]) for i in finished], texts)
+        records = [record_of(problems[i]) for i in finished]
+        outcomes = reward_fn.score_records(records, texts)
         if tally is not None:
             tally.add(outcomes)
+        if max_failed_frac is not None:
+            refuse_failed_batch(reward_fn.spec, records, outcomes, max_failed_frac)
         verified = [outcome.score for outcome in outcomes]
     else:
         verified = reward_fn(texts, [problems[i].answer for i in finished])

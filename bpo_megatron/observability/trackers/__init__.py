@@ -32,6 +32,17 @@ def tracker_class(name: str) -> type["Tracker"]:
     return TRACKERS.load(name)
 
 
+def missing_package(name: str) -> str | None:
+    """Why tracker ``name`` cannot start here (its package is not installed), or None."""
+    import importlib.util
+
+    package = tracker_class(name).package
+    if package and importlib.util.find_spec(package) is None:
+        return (f"logging.trackers lists {name}, but its package {package!r} is not installed: pip install "
+                f"{package}, or drop {name} from logging.trackers")
+    return None
+
+
 @dataclass(frozen=True)
 class TrackedRun:
     """What every tracker is told about the run."""
@@ -58,12 +69,14 @@ class Tracker:
     ``recorded``: the ledger entry of the previous attempt (``run_id`` and where that run lives),
     empty for a run this tracker has not seen. ``continued``: whether this attempt continues the
     run that holds the previous attempt's points (False: it starts empty). ``record()``: what to
-    write into the ledger so the next attempt continues this run. ``rewinds``: the tracker drops
+    write into the ledger so the next attempt continues this run. ``package``: what must be
+    installed for it to start (checked before a run that lists it starts). ``rewinds``: the tracker drops
     the points of steps after ``run.resume_after`` itself (TensorBoard's purge); the others cannot
     delete a point, so they keep what an interrupted attempt logged past its checkpoint.
     """
 
     rewinds: ClassVar[bool] = False
+    package: ClassVar[str] = ""  # the module the tracker needs, and the pip package that brings it
     continued: bool = False
 
     def __init__(self, run: TrackedRun, recorded: dict[str, Any]) -> None:

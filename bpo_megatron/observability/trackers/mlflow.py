@@ -59,6 +59,7 @@ def client(uri: str):
 
 
 class MlflowTracker(Tracker):
+    package = "mlflow"
     def __init__(self, run: TrackedRun, recorded: dict[str, Any]) -> None:
         from mlflow.entities import Param, RunTag
         from mlflow.exceptions import MlflowException

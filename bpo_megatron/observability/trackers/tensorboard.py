@@ -11,6 +11,7 @@ from bpo_megatron.observability.trackers import TrackedRun, Tracker
 
 
 class TensorBoardTracker(Tracker):
+    package = "tensorboard"
     rewinds = True  # purge_step hides the events of steps after the checkpoint
 
     def __init__(self, run: TrackedRun, recorded: dict[str, Any]) -> None:

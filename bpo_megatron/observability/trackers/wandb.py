@@ -19,6 +19,7 @@ STEP_METRIC = "step"
 
 
 class WandbTracker(Tracker):
+    package = "wandb"
     def __init__(self, run: TrackedRun, recorded: dict[str, Any]) -> None:
         import wandb
 
