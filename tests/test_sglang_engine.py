@@ -286,3 +286,34 @@ def test_every_api_key_is_read_by_sglangs_argument_parser_as_a_value(monkeypatch
         server._remove_key_file()
         assert parser.parse_args(["--api-key", server.api_key]).api_key == server.api_key
         assert len(server.api_key) == 64 and int(server.api_key, 16) >= 0
+
+
+def test_the_servers_log_never_holds_its_api_key(tmp_path):
+    """A server that prints its arguments (as SGLang does), on stdout and stderr, through the
+    supervisor that ServerProcess starts it with: the log has each line, the key replaced."""
+    import os
+    import subprocess
+    import sys
+
+    from bpo_megatron.rollout.sglang.server import ServerProcess
+
+    server = ServerProcess.__new__(ServerProcess)
+    server._key_file = None
+    server._write_key()
+    key, key_file = server.api_key, server._key_file
+    try:
+        printer = ("import sys, yaml; k = yaml.safe_load(open(sys.argv[1]))['api-key']; "
+                   "print(f\"server_args=ServerArgs(api_key='{k}', port=1)\"); "
+                   "print(f'Traceback: bad key {k}!', file=sys.stderr); print('last line, no key', end='')")
+        log = tmp_path / "server.log"
+        with open(log, "wb") as out:
+            status = subprocess.run([sys.executable, "-m", "bpo_megatron.rollout.sglang.supervise", "--parent",
+                                     str(os.getpid()), "--interval", "0.05", "--redact-key-in", str(key_file), "--",
+                                     sys.executable, "-c", printer, str(key_file)], stdout=out, timeout=60).returncode
+        assert status == 0
+        text = log.read_text()
+        assert key not in text
+        assert sorted(text.splitlines()) == sorted(["server_args=ServerArgs(api_key='<api-key>', port=1)",
+                                                    "Traceback: bad key <api-key>!", "last line, no key"])
+    finally:
+        server._remove_key_file()

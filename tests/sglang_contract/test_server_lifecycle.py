@@ -152,8 +152,9 @@ def test_a_server_refuses_callers_without_its_key_and_the_key_is_never_shown(che
         request_json("GET", f"{url}/health", timeout=10.0)
         assert len(engine.generate(requests(count=1))) == 2
         assert key not in " ".join(engine.server.command()) and key not in repr(engine.endpoint())
-        assert key in Path(engine.server.log_path).read_text(), "SGLang logs its arguments, the key among them"
-        assert key not in engine.server.log_tail(10_000) and server_module.REDACTED in engine.server.log_tail(10_000)
+        # SGLang logs its arguments, the key among them: the log holds them with the key replaced
+        log = Path(engine.server.log_path).read_text()
+        assert key not in log and "'api_key': '<api-key>'" in log, log[:2000]
         assert not [p for p in Path(os.environ.get("TMPDIR", "/tmp")).glob("sglang-key-*.yaml")
                     if p.stat().st_mtime > time.time() - 600 and key in p.read_text()], "the key file is removed"
     finally:

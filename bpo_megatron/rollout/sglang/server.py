@@ -7,8 +7,9 @@ at each start (a port a dead server may still hold is never reused).
 Each start gets a fresh secret (SGLang's ``--api-key``): a server reachable from the cluster
 network would otherwise take weight updates from anyone on it. The key reaches SGLang in a
 private config file (``--config``, mode 0600, removed once the server answers), so it is never on
-a command line, in the run directory or in a message: the server's log, which SGLang writes its
-arguments into, is shown with the key blanked. ``/health`` runs no generation
+a command line, in the run directory, in a message or in the server's log: SGLang logs its
+arguments, the key among them, and the supervisor writes that output to the log with the key
+replaced (``--redact-key-in``). ``/health`` runs no generation
 (``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false`` in the server's environment): a generation
 while the server's KV cache is released would kill it.
 """
@@ -38,7 +39,6 @@ class ServerStartError(RuntimeError):
 STOP_GRACE_S = 20.0  # the server's time to exit on SIGTERM before it is killed
 # what the server's own environment must say (SGLang reads these, we never do)
 SERVER_ENVIRONMENT = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
-REDACTED = "<api-key>"
 
 
 def _free_port(host: str) -> int:
@@ -64,8 +64,9 @@ class ServerProcess:
     def command(self) -> list[str]:
         """The supervised server command line (the key is in the config file, not here)."""
         config = [] if self._key_file is None else ["--config", str(self._key_file)]
+        redact = [] if self._key_file is None else ["--redact-key-in", str(self._key_file)]
         return [sys.executable, "-m", "bpo_megatron.rollout.sglang.supervise", "--parent", str(os.getpid()),
-                "--grace", str(STOP_GRACE_S), "--", *self.cfg.launch_command(self.port), *config]
+                "--grace", str(STOP_GRACE_S), *redact, "--", *self.cfg.launch_command(self.port), *config]
 
     def _write_key(self) -> None:
         # hex: SGLang merges the config file into its argv, where a value starting with "-" (as a
@@ -136,6 +137,4 @@ class ServerProcess:
             text = self.log_path.read_text(errors="replace")
         except OSError:
             return "(no log)"
-        if self.api_key:  # SGLang logs its arguments, the key among them
-            text = text.replace(self.api_key, REDACTED)
         return "\n".join(text.splitlines()[-lines:])
