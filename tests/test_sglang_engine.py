@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import base64
 import inspect
+import json
 import pickle
+import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +19,7 @@ import torch
 from bpo_megatron.models.routing import RoutingLayout
 from bpo_megatron.rollout import GenerationRequest, SamplingParams
 from bpo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
+from bpo_megatron.rollout.sglang.options import SGLangOptions
 from bpo_megatron.rollout.sglang.protocol import ProtocolError, decode_sample, generate_body
 from bpo_megatron.rollout.types import response_slots as expand
 from bpo_megatron.rollout.sglang.weights import ALIGN, flattened_bucket, inline_serializer, ipc_payload, ipc_update_body
@@ -317,3 +321,108 @@ def test_the_servers_log_never_holds_its_api_key(tmp_path):
                                                     "Traceback: bad key <api-key>!", "last line, no key"])
     finally:
         server._remove_key_file()
+
+
+class _GenerateServer:
+    """A /generate and /health on 127.0.0.1 answering as SGLang does (one request per POST);
+    ``behaviour(n)`` for the n-th POST (1-based): "answer", "drop" (close the connection without a
+    word) or a number of seconds to wait before answering."""
+
+    def __init__(self, behaviour):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.posts: list[str] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's name
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                (rid,) = body["rid"]  # one request per POST
+                outer.posts.append(rid)
+                what = behaviour(len(outer.posts))
+                if what == "drop":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if isinstance(what, (int, float)):
+                    time.sleep(what)
+                self._send([{"output_ids": [9, 4], "meta_info": {
+                    "id": rid, "finish_reason": {"type": "stop", "matched": 4},
+                    "output_token_logprobs": [[-0.5, 9, None], [-1.25, 4, None]],
+                    "weight_versions": [{"version": "default", "start": 0, "end": 2}]}}])
+
+            def do_GET(self):  # noqa: N802
+                self._send({})
+
+            def _send(self, answer):
+                data = json.dumps(answer).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+def _client(url, **kwargs):
+    from bpo_megatron.rollout.sglang.client import GenerationClient
+    from bpo_megatron.rollout.sglang.engine import PAUSE_MODE
+
+    settings = dict(max_inflight=4, request_timeout_s=None, max_retries=2, capture_routing=False, routing=None,
+                    pause_mode=PAUSE_MODE)
+    return GenerationClient(url, None, **{**settings, **kwargs})
+
+
+def _one_slot():
+    return expand([GenerationRequest("r", (1, 2, 3))])
+
+
+def test_a_request_has_no_deadline_by_default_so_a_long_queue_costs_no_retry():
+    """A request that waits in SGLang's queue is not timed out and sent again (from token 0, at
+    the back of the queue): no deadline per request unless one is set; the stall watch bounds a
+    server that stops making progress."""
+    from bpo_megatron.rollout.sglang.client import RolloutFailed
+
+    assert SGLangOptions().request_timeout_s is None
+    with _GenerateServer(lambda n: 2.5) as server:  # every answer waits 2.5 s (a long queue)
+        (sample,) = _client(server.url).generate(_one_slot())
+        assert sample.response_tokens.tolist() == [9, 4] and server.posts == ["r#0"]
+    with _GenerateServer(lambda n: 2.5) as server:  # a deadline shorter than the queue: each retry re-queues
+        with pytest.raises(RolloutFailed, match=r"request r#0 failed 2 times \(last: POST .* gave no answer within "):
+            _client(server.url, request_timeout_s=1.0, max_retries=1).generate(_one_slot())
+        assert server.posts == ["r#0", "r#0.retry1"]
+    with pytest.raises(ValueError, match="rollout.sglang.request_timeout_s must be > 0 seconds, or null"):
+        SGLangOptions(request_timeout_s=0)
+
+
+def test_a_connection_lost_by_one_request_to_a_live_server_is_retried_not_taken_for_its_death():
+    """A dropped connection (a keep-alive race, one bad socket) costs that request a retry when the
+    server still answers /health; only a server that does not is given up (the engine is lost)."""
+    from bpo_megatron.rollout.sglang.http import ServerUnavailable
+
+    probes = []
+    with _GenerateServer(lambda n: "drop" if n == 1 else "answer") as server:
+        (sample,) = _client(server.url, healthy=lambda: probes.append(1) or True).generate(_one_slot())
+        assert sample.response_tokens.tolist() == [9, 4]
+        assert server.posts == ["r#0", "r#0.retry1"] and probes == [1]
+    for healthy in (lambda: False, None):  # the server is gone, or nobody can tell: lost
+        with _GenerateServer(lambda n: "drop" if n == 1 else "answer") as server:
+            with pytest.raises(ServerUnavailable):
+                _client(server.url, healthy=healthy).generate(_one_slot())
+            assert server.posts == ["r#0"]

@@ -5,7 +5,11 @@ itself: a client only has to keep it supplied. A batched ``/generate`` holds its
 until its longest answer ends, so with RL's long-tailed lengths a batch of posts leaves the pool
 mostly idle; here every sample is its own request on one event loop (aiohttp), and as each
 returns the next is posted. A retried request gets a fresh ``rid`` (SGLang refuses an id it may
-still hold). Decoding an answer — SGLang's routed experts arrive as base64 int32 rows of every
+still hold). A request has no deadline by default (``rollout.sglang.request_timeout_s``: one would
+count the time it waits in SGLang's queue); a server that stops making progress is the stall
+watch's to find. A connection that breaks is the server's death only when the server no longer
+answers ``/health``: otherwise (a keep-alive race, one dropped socket) the request is sent again.
+Decoding an answer — SGLang's routed experts arrive as base64 int32 rows of every
 layer — runs in worker threads, off the event loop, and keeps only the MoE layers in the smallest
 integer type.
 """
@@ -14,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 from bpo_megatron.models.routing import RoutingLayout
 from bpo_megatron.rollout.sglang.http import RequestTimeout, ServerError, ServerUnavailable
@@ -23,6 +29,8 @@ from bpo_megatron.rollout.sglang.protocol import decode_sample, generate_body
 from bpo_megatron.rollout.types import ResponseSlot, Sample
 
 DECODE_THREADS = 2  # base64 → uint8 routing decoding beside the event loop
+CONNECT_TIMEOUT_S = 60.0  # opening a connection to a live server takes far less, however long its queue
+HEALTH_REUSE_S = 1.0  # the requests a server's death breaks together share one health probe
 
 
 class RolloutFailed(RuntimeError):
@@ -54,16 +62,25 @@ class _Attempt:
 
 
 class GenerationClient:
-    def __init__(self, base_url: str, api_key: str | None, *, max_inflight: int, request_timeout_s: float,
-                 max_retries: int, capture_routing: bool, routing: RoutingLayout | None, pause_mode: str) -> None:
+    def __init__(self, base_url: str, api_key: str | None, *, max_inflight: int, request_timeout_s: float | None,
+                 max_retries: int, capture_routing: bool, routing: RoutingLayout | None, pause_mode: str,
+                 healthy: Callable[[], bool] | None = None) -> None:
         """``pause_mode``: how the engine pauses for weight updates (which tokens' routing it
-        re-prefills, :func:`~bpo_megatron.rollout.sglang.protocol.decode_sample`)."""
+        re-prefills, :func:`~bpo_megatron.rollout.sglang.protocol.decode_sample`).
+        ``request_timeout_s``: each request's deadline (None: none; connecting is bounded by
+        ``CONNECT_TIMEOUT_S`` either way). ``healthy``: whether the server is alive and answers
+        (its process, ``/health``); a request whose connection breaks is sent again when it is,
+        within ``max_retries``, and the server is given up as lost only when it is not (without
+        ``healthy``: at once)."""
         self.url = f"{base_url}/generate"
         self.headers = {"Content-Type": "application/json"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self.max_inflight, self.timeout_s, self.max_retries = max_inflight, request_timeout_s, max_retries
         self.capture_routing, self.routing, self.pause_mode = capture_routing, routing, pause_mode
+        self.healthy = healthy
+        self._health_lock: asyncio.Lock | None = None
+        self._health_seen: tuple[float, bool] | None = None  # (when, what) the last probe found
 
     def generate(self, slots: list[ResponseSlot]) -> list[Sample]:
         """Every slot's sample, in slot order. Raises :class:`ServerUnavailable` as soon as the
@@ -75,7 +92,8 @@ class GenerationClient:
         import aiohttp
 
         inflight = asyncio.Semaphore(self.max_inflight)
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=CONNECT_TIMEOUT_S)
+        self._health_lock = asyncio.Lock()
         connector = aiohttp.TCPConnector(limit=self.max_inflight)
         with ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="sglang-decode") as decoder:
             async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=self.headers) as session:
@@ -96,13 +114,33 @@ class GenerationClient:
                 async with inflight:
                     payload = await self._post(session, sent)
                 return await asyncio.get_running_loop().run_in_executor(decoder, self._decode, sent, payload)
+            except ServerUnavailable as exc:  # the connection broke: the server's death, or one request's bad luck
+                if not await self._server_healthy():
+                    raise
+                attempt += 1
+                if attempt > self.max_retries:
+                    raise RolloutFailed(f"request {slot.rid} lost its connection {attempt} times to a server that "
+                                        f"answers /health (last: {exc}); raise rollout.sglang.max_retries") from exc
             except (RequestTimeout, ServerError) as exc:
                 if isinstance(exc, ServerError) and not exc.retryable:
                     raise RolloutFailed(f"SGLang refused request {sent.rid}: {exc}") from exc
                 attempt += 1
                 if attempt > self.max_retries:
                     raise RolloutFailed(f"request {slot.rid} failed {attempt} times (last: {exc}); raise "
-                                        "rollout.sglang.request_timeout_s or rollout.sglang.max_retries") from exc
+                                        "rollout.sglang.request_timeout_s (or null it) or rollout.sglang.max_retries"
+                                        ) from exc
+
+    async def _server_healthy(self) -> bool:
+        """``healthy()`` off the event loop, probed once for the requests that broke together (a
+        finding is reused for ``HEALTH_REUSE_S``)."""
+        if self.healthy is None:
+            return False
+        async with self._health_lock:
+            now = time.monotonic()
+            if self._health_seen is None or now - self._health_seen[0] > HEALTH_REUSE_S:
+                alive = await asyncio.get_running_loop().run_in_executor(None, self.healthy)
+                self._health_seen = (time.monotonic(), bool(alive))
+            return self._health_seen[1]
 
     async def _post(self, session, slot: _Attempt) -> bytes:
         import aiohttp
@@ -116,7 +154,9 @@ class GenerationClient:
                     raise ServerError(f"POST {self.url} -> HTTP {response.status}: {detail}",
                                       retryable=response.status >= 500)
         except asyncio.TimeoutError as exc:
-            raise RequestTimeout(f"POST {self.url} gave no answer within {self.timeout_s:.0f}s") from exc
+            raise RequestTimeout(f"POST {self.url} gave no answer within {self.timeout_s:.0f}s (or did not connect "
+                                 f"within {CONNECT_TIMEOUT_S:.0f}s)" if self.timeout_s else
+                                 f"POST {self.url} did not connect within {CONNECT_TIMEOUT_S:.0f}s") from exc
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
             raise ServerUnavailable(f"POST {self.url}: {exc}") from exc
         return payload

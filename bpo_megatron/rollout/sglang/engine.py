@@ -39,6 +39,7 @@ PAUSE_MODE = "retract"
 # SGLang's memory tags (``--enable-memory-saver``): what release_memory hands back
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 DEFAULT_INFLIGHT = (256, 1024)  # bounds of the requests in flight taken from the server's own limit
+CONTROL_TIMEOUT_S = 1800.0  # a control call (memory, weights, versions) that takes longer: the server is stuck
 LIVENESS_TIMEOUT_S = 10.0  # /health without generation answers at once from a live server
 # /health_generate waits up to SGLang's own 20 s for a token before it answers 503
 GENERATING_CHECK_TIMEOUT_S = 40.0
@@ -108,7 +109,7 @@ class SGLangEngine(RolloutEngine):
         client = GenerationClient(self.base_url, self.api_key, max_inflight=self.max_inflight,
                                   request_timeout_s=self.cfg.request_timeout_s, max_retries=self.cfg.max_retries,
                                   capture_routing=self.cfg.capture_routed_experts, routing=self.routing,
-                                  pause_mode=PAUSE_MODE)
+                                  pause_mode=PAUSE_MODE, healthy=self._answers_health)
         try:
             return client.generate(response_slots(requests))
         except ServerUnavailable:
@@ -127,6 +128,16 @@ class SGLangEngine(RolloutEngine):
             running = states[0].get("effective_max_running_requests_per_dp") or DEFAULT_INFLIGHT[0]
             self._max_inflight = min(max(int(running), DEFAULT_INFLIGHT[0]), DEFAULT_INFLIGHT[1])
         return self._max_inflight
+
+    def _answers_health(self) -> bool:
+        """The server's process runs (when started here) and ``/health`` answers."""
+        if self.server is not None and not self.server.alive():
+            return False
+        try:
+            self.endpoint().get("health", timeout=LIVENESS_TIMEOUT_S)
+        except (ServerUnavailable, RequestTimeout, ServerError):
+            return False
+        return True
 
     def _lost(self) -> None:
         """A server that died took its weights along: a restart would serve the initial ones."""
@@ -230,7 +241,7 @@ class SGLangEngine(RolloutEngine):
         """A control call; nothing answering at the server's address means the engine is lost
         (whatever it held went with the server), which its group replaces, not a refusal."""
         try:
-            return self.endpoint().post(route, body, timeout=self.cfg.request_timeout_s)
+            return self.endpoint().post(route, body, timeout=CONTROL_TIMEOUT_S)
         except ServerUnavailable:
             self._lost()
             raise  # not reached: _lost raises

@@ -29,8 +29,12 @@ class SGLangOptions:
     extra_args: tuple[str, ...] = ()  # passed to sglang.launch_server verbatim
     launcher: tuple[str, ...] = field(default_factory=lambda: (sys.executable, "-m", "sglang.launch_server"))
     startup_timeout_s: float = 900.0
-    request_timeout_s: float = 1800.0
-    max_retries: int = 2  # per request chunk, after the first attempt
+    # A generation request's own deadline. None (the default): none — a request waits in SGLang's
+    # queue as long as the queue is long (a deadline would count that wait, and a retry restarts
+    # the response from token 0 at the back of the queue); a server that stops making progress is
+    # found by rollout.stall_timeout_s (decoding steps) and replaced.
+    request_timeout_s: float | None = None
+    max_retries: int = 2  # per request, after the first attempt (timeouts, 5xx, a connection lost to a live server)
     weight_bucket_bytes: int = 512 * 1024 * 1024  # tensors sent per weight-update call
     # requests posted at once, one per sample (SGLang admits them as its KV pool allows and queues
     # the rest); None: the server's own limit of running requests, within [256, 1024]
@@ -44,6 +48,10 @@ class SGLangOptions:
                 raise ValueError(f"rollout.sglang.{name} must be >= 1")
         if self.max_retries < 0:
             raise ValueError("rollout.sglang.max_retries must be >= 0")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"rollout.sglang.request_timeout_s must be > 0 seconds, or null (no deadline per request: "
+                             f"rollout.stall_timeout_s bounds a server that stops making progress), got "
+                             f"{self.request_timeout_s}")
         if "--config" in self.extra_args or "--api-key" in self.extra_args:
             raise ValueError("rollout.sglang.extra_args: --config and --api-key are set by the engine (a per-server "
                              "secret passed in a private config file); remove them")
