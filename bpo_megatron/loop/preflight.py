@@ -23,6 +23,7 @@ from bpo_megatron.eval.avg_at_k import EvalSet, load_eval_sets
 from bpo_megatron.loop.run_dir import (RunRefused, RunState, check_config_unchanged, check_model_unchanged,
                                        check_unlocked, checkpoint_root, holds_a_run)
 from bpo_megatron.rollout.agents import Agent, Turn, load_agent
+from bpo_megatron.rollout.agents.sandbox import SandboxUnavailable, check_confinement
 from bpo_megatron.tasks.prompts import PromptFormat
 from bpo_megatron.tasks.stream import PromptStream
 from bpo_megatron.trainer import checkpoint
@@ -130,9 +131,15 @@ def check_agent(cfg, tokenizer, problem: Problem, what: str = "the first trainin
     if not settings.enabled:
         return None, None
     try:
-        agent = load_agent(settings)
+        agent = load_agent(settings, run_dir=cfg.run_dir)
     except ValueError as exc:
         raise RunRefused(str(exc)) from exc
+    confinement = None
+    if agent.executes_model_output:  # the code must be confinable here, or the run says it will not be
+        try:
+            confinement = check_confinement(settings.sandbox)
+        except SandboxUnavailable as exc:
+            raise RunRefused(f"rollout.agent.name={settings.name}: {exc}") from exc
     try:
         ids = tokenizer.encode(agent.call_token)
     except ValueError as exc:
@@ -148,12 +155,13 @@ def check_agent(cfg, tokenizer, problem: Problem, what: str = "the first trainin
     except Exception as exc:  # noqa: BLE001 - a user's agent: its error, named
         raise RunRefused(f"{where} raised {type(exc).__name__}: {exc}") from exc
     if demonstration is None:
-        return agent, ("rollout.agent: the agent gives no demonstration, so a warm start (train.sft_warmup_steps) "
-                       "trains on plain reference answers" if cfg.train.sft_warmup_steps else None)
+        plain = ("rollout.agent: the agent gives no demonstration, so a warm start (train.sft_warmup_steps) trains on "
+                 "plain reference answers" if cfg.train.sft_warmup_steps else None)
+        return agent, "; ".join(note for note in (confinement, plain) if note) or None
     # respond() reads the prompt as the model saw it: rendered, encoded, decoded
     prompt = tokenizer.decode(tokenizer.encode(tokenizer.render_prompt(problem.problem, cfg.data.template)))
     _check_demonstration(agent, tokenizer, demonstration, prompt, where)
-    return agent, None
+    return agent, confinement
 
 
 def _check_demonstration(agent: Agent, tokenizer, turns: list[Turn], prompt: str, where: str) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import abc
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
 
 from bpo_megatron.rollout.agents.config import AGENTS, AgentConfig
 
@@ -37,6 +39,10 @@ class Agent(abc.ABC):
 
     call_token: str = "\n"
     reply: str = "{output}"
+    # True for a tool that executes what the model wrote: a run checks first that it can be
+    # confined (rollout.agent.sandbox), and such a tool runs it through run_confined
+    executes_model_output: ClassVar[bool] = False
+    run_dir: Path | None = None  # the run's directory, hidden from model-written code
 
     def __init__(self, settings: AgentConfig) -> None:
         self.settings = settings
@@ -68,8 +74,9 @@ class Agent(abc.ABC):
         return text.rsplit(opener, 1)[1] if opener in text else text
 
 
-def load_agent(settings: AgentConfig) -> Agent:
-    """The agent ``rollout.agent.name`` names, constructed; ValueError naming the setting and the fix."""
+def load_agent(settings: AgentConfig, run_dir: str | Path | None = None) -> Agent:
+    """The agent ``rollout.agent.name`` names, constructed (told the run's directory); ValueError
+    naming the setting and the fix."""
     where = f"rollout.agent.name={settings.name!r}"
     if settings.name in AGENTS:
         cls, module_name, attribute = AGENTS.load(settings.name), "bpo_megatron.rollout.agents", settings.name
@@ -87,6 +94,8 @@ def load_agent(settings: AgentConfig) -> Agent:
         raise ValueError(f"{where}: {attribute!r} in {module_name} is not a subclass of "
                          "bpo_megatron.rollout.agents.Agent")
     try:
-        return cls(settings)
+        agent = cls(settings)
     except Exception as exc:  # noqa: BLE001 - a user's constructor: its own error, named
         raise ValueError(f"{where}: constructing {attribute} raised {type(exc).__name__}: {exc}") from exc
+    agent.run_dir = None if run_dir is None else Path(run_dir)
+    return agent

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bpo_megatron.registry import LazyRegistry
+from bpo_megatron.rollout.agents.sandbox import SandboxConfig
 
 # built-in agent name -> its class, imported only when a run names it
 AGENTS = LazyRegistry({
@@ -28,13 +29,15 @@ class AgentConfig:
     bounds the model turns of one response; the whole response, tool outputs included, stays
     within ``rollout.max_new_tokens``. ``reply``: the text around a tool's output (``{output}``
     marks where it goes; null: the agent's default). ``timeout_s``: one tool call's bound (a call
-    past it answers with an error text the model sees)."""
+    past it answers with an error text the model sees). ``sandbox``: how a tool that executes the
+    model's output (``python_tool``) confines it (:class:`~bpo_megatron.rollout.agents.sandbox.SandboxConfig`)."""
 
     name: str | None = None
     call_token: str | None = None
     max_turns: int = 4
     reply: str | None = None
     timeout_s: float = 10.0
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:

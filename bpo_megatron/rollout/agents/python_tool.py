@@ -1,16 +1,20 @@
 """A Python tool: the model writes code after ``<tool_call>`` and ends the turn with the call
 token (``</tool_call>``, one token of Qwen3's vocabulary); the agent runs it in a fresh
-interpreter in isolated mode (``python -I``: no ``PYTHON*`` variables, no user site, not the run's
-directory on its path), killed past ``rollout.agent.timeout_s``, and answers with what it printed,
-or the error's last line, inside ``<tool_response>``. A separate process is all the isolation
-there is: run it only where the model's code may run."""
+interpreter in isolated mode (``python -I``) inside the sandbox (``rollout.agent.sandbox``,
+:mod:`bpo_megatron.rollout.agents.sandbox`: no network, a private ``/tmp`` the only writable
+place, the run directory, credentials, the training process's environment and other processes out
+of sight, bounded memory, CPU time, processes and file size), killed past
+``rollout.agent.timeout_s``, and answers with what it printed, or the error's last line, inside
+``<tool_response>``."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from bpo_megatron.rollout.agents.base import Agent, Turn
+from bpo_megatron.rollout.agents.sandbox import SandboxConfig, run_confined
 
 OPEN = "<tool_call>"
 MAX_OUTPUT_CHARS = 2000  # longer output is cut, and the cut is said
@@ -19,18 +23,29 @@ MAX_OUTPUT_CHARS = 2000  # longer output is cut, and the cut is said
 class PythonTool(Agent):
     call_token = "</tool_call>"
     reply = "<tool_response>\n{output}\n</tool_response>\n"
+    executes_model_output = True
 
     def respond(self, prompt: str, transcript: list[Turn]) -> str:
-        return self.format_reply(run_python(self.call_of(transcript, OPEN), timeout_s=self.settings.timeout_s))
+        return self.format_reply(run_python(self.call_of(transcript, OPEN), timeout_s=self.settings.timeout_s,
+                                            sandbox=self.settings.sandbox, run_dir=self.run_dir))
 
 
-def run_python(code: str, *, timeout_s: float) -> str:
-    """What ``code`` prints (stdout), or its error's last line; a run past ``timeout_s`` is killed."""
-    try:
-        done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=timeout_s,
-                              stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        return f"TimeoutError: the code ran past {timeout_s:g} s"
+def run_python(code: str, *, timeout_s: float, sandbox: SandboxConfig = SandboxConfig(),
+               run_dir: str | Path | None = None) -> str:
+    """What ``code`` prints (stdout), or its error's last line; a run past ``timeout_s``, or one
+    that starts more processes than the sandbox allows, is killed with everything it started."""
+    if sandbox.mode == "none":
+        try:
+            done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,
+                                  timeout=timeout_s, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return f"TimeoutError: the code ran past {timeout_s:g} s"
+    else:
+        done = run_confined([sys.executable, "-I", "-c", code], sandbox, timeout_s=timeout_s, run_dir=run_dir)
+        if done.timed_out:
+            return f"TimeoutError: the code ran past {timeout_s:g} s"
+        if done.too_many_processes:
+            return f"RuntimeError: the code started more than {sandbox.processes} processes"
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines()
         return lines[-1] if lines else f"exit status {done.returncode}"
