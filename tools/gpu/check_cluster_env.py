@@ -101,7 +101,9 @@ def summarise(report: dict) -> tuple[dict[str, str], list[str]]:
     core = [name for name in installs if re.fullmatch(r"transformer-engine-cu\d+", name)]
     if "transformer-engine" in version and [version[name] for name in core] != [version["transformer-engine"]]:
         problems.append(f"transformer-engine {version['transformer-engine']} needs one core library of the same "
-                        f"version, found {[f'{name} {version[name]}' for name in core]}")
+                        f"version, found {[f'{name} {version[name]}' for name in core]}"
+                        + ("" if core else " (pip before 23.3 drops the [core_cu13] extra without a word: "
+                                           "python -m pip install -U 'pip>=23.3')"))
     shown = {name: version.get(name, "-") for name in ("torch", "sglang", "megatron-core", "transformers", "ray")}
     shown["transformer-engine"] = version.get("transformer-engine", "-")
     shown["transformer-engine core"] = ", ".join(f"{name} {version[name]}" for name in core) or "-"
