@@ -262,6 +262,11 @@ def test_the_cluster_check_admits_one_torch_and_one_nccl_and_nothing_else():
     other_nccl = [d if d[0] != "nvidia-nccl-cu13" else (d[0], "2.28.9", []) for d in ONE_ENVIRONMENT]
     assert check.summarise(_report(*other_nccl))[1] == [
         "torch 2.14.1 requires nvidia-nccl-cu13==2.30.7, the set has nvidia-nccl-cu13 2.28.9"]
+    # what pip before 23.3 resolves: transformer-engine without its [core_cu13] extra's core library
+    dropped_extra = [d for d in ONE_ENVIRONMENT if d[0] != "transformer_engine_cu13"]
+    assert check.summarise(_report(*dropped_extra))[1] == [
+        "transformer-engine 2.20.2 needs one core library of the same version, found [] (pip before 23.3 drops the "
+        "[core_cu13] extra without a word: python -m pip install -U 'pip>=23.3')"]
 
 
 @pytest.mark.slow
