@@ -101,6 +101,10 @@ def test_a_conversation_is_its_turns_end_to_end():
     # versions: each token the turn's; the answer dated like the call; the sample as old as its oldest
     assert sample.token_versions.tolist() == [5] * 5 + [5] * 3 + [6] * 2
     assert sample.weight_version == 5 and sample.finish_reason == "stop"
+    # an update (5 -> 6) came between the turns: the engine re-prefilled the conversation with the new
+    # weights before sampling turn 1, whose tokens followed that routing of the prefix, not the turn-0
+    # routing R3 replays for it: turn 1's tokens are masked for R3 and counted
+    assert sample.routing_valid.tolist() == [True] * 8 + [False] * 2 and sample.prefix_rerouted_tokens == 2
     sample.check(num_moe_layers=LAYERS, topk=TOPK)
     # what the reward reads: the model's last turn
     assert response_texts([sample], TOK) == ["6"] and sample.final_turn.tolist() == ids("6", eos=True)
@@ -235,6 +239,9 @@ def test_environment_tokens_are_out_of_the_loss_and_counted():
     assert metrics["agent/tool_calls_mean"] == 0.5
     assert metrics["agent/env_token_frac"] == pytest.approx(3 / 12)
     assert metrics["async/r3_masked_frac"] == pytest.approx(1 / 9)  # of the model's 9 tokens
+    # the second turn of the first conversation came after an update (its 2 tokens masked by assemble)
+    assert metrics["async/r3_prefix_mismatch_frac"] == pytest.approx(samples[0].prefix_rerouted_tokens / 9)
+    assert samples[0].prefix_rerouted_tokens == 2 and samples[1].prefix_rerouted_tokens == 0
     plain, _ = training_samples(samples, torch.tensor([1.0, 0.0]), group_size=2, keep_routing=False)
     assert plain[0].train_mask.tolist() == [True] * 5 + [False] * 3 + [True] * 2
 

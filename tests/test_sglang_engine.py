@@ -172,6 +172,37 @@ def test_a_decoded_partial_rollout_marks_the_tokens_whose_routing_was_recomputed
     assert inspect.signature(decode_sample).parameters["pause_mode"].default == engine_module.PAUSE_MODE
 
 
+def test_a_request_retracted_for_kv_space_has_no_token_whose_routing_is_trusted():
+    """SGLang counts every retraction in meta_info.num_retractions: those of the weight updates a
+    request spanned (retract: one per version change) and those for KV space, after which it
+    re-prefills the request with the same weights and reports the re-prefill's routing for every
+    earlier position. It does not say where: every token of such a response is masked for R3, and
+    counted (rollout/retracted_frac)."""
+    from bpo_megatron.loop.samples import training_samples
+
+    item = expand([GenerationRequest("r", (1, 2))])[0]
+    experts = np.arange(5 * 2 * 2, dtype=np.int32).reshape(5, 2, 2) % 4
+    meta = {"id": "r#0", "finish_reason": {"type": "length"},
+            "output_token_logprobs": [[-1.0, 5, None], [-1.0, 6, None], [-2.0, 7, None], [-2.0, 8, None]],
+            "weight_versions": [{"version": "default", "start": 0, "end": 2}, {"version": "1", "start": 2, "end": 4}],
+            "routed_experts": base64.b64encode(experts.tobytes()).decode()}
+    decode = lambda **changes: decode_sample(item, {"output_ids": [5, 6, 7, 8], "meta_info": {**meta, **changes}},  # noqa: E731
+                                             routing=LAYOUT)
+    update_only = decode(num_retractions=1)  # the one retraction is the update's: as before
+    assert update_only.routing_valid.tolist() == [False, False, True, True] and not update_only.retracted_for_space
+    for space in (decode(num_retractions=2),  # one more than the update's
+                  decode(num_retractions=1, weight_versions=[{"version": "1", "start": 0, "end": 4}])):
+        assert space.retracted_for_space and space.routing_valid.tolist() == [False] * 4
+    assert not decode().retracted_for_space  # SGLang reported none
+    # without routing captured there is nothing to mask, and nothing retracted to count
+    plain = decode_sample(item, {"output_ids": [5, 6, 7, 8], "meta_info": {**meta, "num_retractions": 3}}, routing=None)
+    assert plain.routing_valid is None
+    train, metrics = training_samples([decode(num_retractions=2), update_only], torch.tensor([1.0, 0.0]), 2,
+                                      keep_routing=True)
+    assert metrics["rollout/retracted_frac"] == 0.5
+    assert train[0].train_mask.tolist() == [False] * 4 and train[1].train_mask.tolist() == [False, False, True, True]
+
+
 @pytest.mark.parametrize(
     "mutate, match",
     [

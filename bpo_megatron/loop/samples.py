@@ -18,7 +18,8 @@ def training_samples(samples: list[Sample], rewards: torch.Tensor, group_size: i
     With ``keep_routing`` (R3) the response tokens whose recorded routing is not the one they were
     sampled with (``Sample.routing_valid``: SGLang re-prefilled them after a weight update) are left
     out of the loss, since replaying it would train them against experts that did not produce
-    their μ; under ``asynchronous`` (train.async, where updates reach generations under way) their
+    their μ (all the tokens of a response SGLang retracted for KV space, whose share of the samples
+    is ``rollout/retracted_frac``); under ``asynchronous`` (train.async, where updates reach generations under way) their
     share of the step's model tokens is reported as ``async/r3_masked_frac``.
 
     Tokens the environment inserted into a multi-turn response (``Sample.from_environment``: a
@@ -35,9 +36,13 @@ def training_samples(samples: list[Sample], rewards: torch.Tensor, group_size: i
     metrics.update(response_length_mean=float(lengths.mean()), response_length_max=float(lengths.max()),
                    truncated_frac=sum(s.finish_reason == "length" for s in samples) / len(samples))
     model_tokens = sum(int(s.model_tokens.sum()) for s in samples)
+    if keep_routing:  # responses SGLang retracted for KV space: their routing is not what sampled them, masked
+        metrics["rollout/retracted_frac"] = sum(s.retracted_for_space for s in samples) / len(samples)
     if keep_routing and asynchronous:
         masked = sum(int((s.model_tokens & ~s.routing_valid).sum()) for s in samples if s.routing_valid is not None)
         metrics["async/r3_masked_frac"] = masked / max(model_tokens, 1)
+        if any(s.from_environment is not None for s in samples):  # multi-turn: turns after an update
+            metrics["async/r3_prefix_mismatch_frac"] = sum(s.prefix_rerouted_tokens for s in samples) / max(model_tokens, 1)
     if any(s.from_environment is not None for s in samples):
         metrics["agent/tool_calls_mean"] = sum(environment_turns(s) for s in samples) / len(samples)
         metrics["agent/env_token_frac"] = 1.0 - model_tokens / max(float(lengths.sum()), 1.0)

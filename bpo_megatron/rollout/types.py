@@ -79,6 +79,16 @@ class Sample:
     # rollout/sglang/protocol.py); R3 must not train such a token, as the trainer would replay
     # experts that did not produce its μ. None: every token's routing is its own.
     routing_valid: torch.Tensor | None = None
+    # SGLang retracted the request for KV space (same weights) and re-prefilled it: the routing it
+    # reports for the positions before that is the re-prefill's, not what sampled the tokens decoded
+    # before it, and SGLang does not say where that was, so routing_valid is False for every token
+    # (rollout/sglang/protocol.py; counted as rollout/retracted_frac)
+    retracted_for_space: bool = False
+    # the model tokens of the turns of a multi-turn response whose engine re-prefilled the
+    # conversation with newer weights (a weight update between turns): R3 replays each position's
+    # routing from the first turn that processed it, not the one those tokens were sampled after,
+    # so they are masked for R3 (rollout/agents/conversation.py; async/r3_prefix_mismatch_frac)
+    prefix_rerouted_tokens: int = 0
     # [R] bool: the response tokens the environment inserted between the model's turns (a tool's
     # output, rollout/agents): the model sampled none of them, so they carry no μ (0 there, never
     # read), no loss and no routing of their own to replay. None: every response token is the model's.

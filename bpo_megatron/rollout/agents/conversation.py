@@ -16,7 +16,10 @@ their log μ, versions and routing validity, the environment's tokens marked
 (``Sample.from_environment``) with log μ 0. With routing captured, each position's routed experts
 come from the first turn that processed it: a turn reports the whole sequence it saw, and its own
 positions are those after the previous turn's last one, so every model token keeps the routing
-that sampled it (R3 replays that).
+that sampled it (R3 replays that) — except the tokens of a turn whose engine re-prefilled the
+conversation with newer weights (an update between turns empties its cache): they were sampled
+after the prefix's new routing, which R3 does not replay, so they are masked for R3 and counted
+(``Sample.prefix_rerouted_tokens``, ``async/r3_prefix_mismatch_frac``).
 
 A turn that stops on anything but the call token ends the conversation (``stop``, or ``length``
 at its budget); one that asks again after ``rollout.agent.max_turns`` model turns, or whose
@@ -237,16 +240,34 @@ def assemble(turns: list[Sample], environment: list[list[int]], finish: str) -> 
         for sample, answer in pieces:  # an answer is dated like the model token that asked for it
             parts.append(sample.token_versions if sample is not None else parts[-1][-1:].expand(answer.numel()))
         versions = torch.cat(parts)
+    rerouted = _prefix_rerouted(turns)
     valid = None
-    if any(s.routing_valid is not None for s in turns):
-        valid = torch.cat([(s.routing_valid if s.routing_valid is not None
-                            else torch.ones(s.response_tokens.numel(), dtype=torch.bool)) if s is not None
-                           else torch.ones(e.numel(), dtype=torch.bool) for s, e in pieces])
+    if any(s.routing_valid is not None for s in turns) or any(rerouted):
+        own = {id(s): torch.zeros(s.response_tokens.numel(), dtype=torch.bool) if moved
+               else s.routing_valid if s.routing_valid is not None
+               else torch.ones(s.response_tokens.numel(), dtype=torch.bool) for s, moved in zip(turns, rerouted)}
+        valid = torch.cat([own[id(s)] if s is not None else torch.ones(e.numel(), dtype=torch.bool) for s, e in pieces])
     return Sample(request_id=first.request_id, index=first.index, prompt_tokens=first.prompt_tokens,
                   response_tokens=response, rollout_logprobs=logprobs, finish_reason=finish,
                   routed_experts=_routing(turns), weight_version=min(s.weight_version for s in turns),
-                  token_versions=versions, routing_valid=valid,
-                  from_environment=from_env)
+                  token_versions=versions, routing_valid=valid, from_environment=from_env,
+                  retracted_for_space=any(s.retracted_for_space for s in turns),
+                  prefix_rerouted_tokens=sum(s.response_tokens.numel() for s, moved in zip(turns, rerouted) if moved))
+
+
+def _prefix_rerouted(turns: list[Sample]) -> list[bool]:
+    """Per turn: whether its engine processed the conversation before it with other weights than
+    those that sampled the previous turn's last token. A weight update empties the engine's cache
+    (SGLang's /flush_cache), so such a turn re-prefilled the prefix with the new weights and its
+    tokens were sampled after that prefix's new routing — while R3 replays, for each position, the
+    routing of the first turn that processed it: those tokens are masked for R3."""
+    def first(s: Sample) -> int:
+        return int(s.token_versions[0]) if s.token_versions is not None and s.token_versions.numel() else s.weight_version
+
+    def last(s: Sample) -> int:
+        return int(s.token_versions[-1]) if s.token_versions is not None and s.token_versions.numel() else s.weight_version
+
+    return [i > 0 and first(turn) != last(turns[i - 1]) for i, turn in enumerate(turns)]
 
 
 def _routing(turns: list[Sample]) -> torch.Tensor | None:

@@ -99,6 +99,17 @@ def routing_valid(versions: torch.Tensor, pause_mode: str) -> torch.Tensor | Non
     return None if bool(valid.all()) else valid
 
 
+def space_retractions(meta: dict, versions: torch.Tensor | None, pause_mode: str) -> int:
+    """How often SGLang retracted a request for KV space (``meta_info.num_retractions`` counts
+    every retraction; under a re-prefilling pause each weight update the request spanned is one
+    of them, a version change in its ``weight_versions``). Such a request is re-prefilled with the
+    same weights and its earlier routing replaced by the re-prefill's (other batch, other kernels)."""
+    retractions = int(meta.get("num_retractions") or 0)
+    if reprefills(pause_mode) and versions is not None and versions.numel() > 1:
+        retractions -= int((versions[1:] != versions[:-1]).sum())
+    return max(retractions, 0)
+
+
 def _version(reported) -> int:
     """SGLang's ``meta_info.weight_version``: the version string our updates send, or
     ``"default"`` (the server's flag default) for the checkpoint it started from (version 0)."""
@@ -180,6 +191,9 @@ def decode_sample(item: ResponseSlot, response: dict, *, routing: RoutingLayout 
                 "version the tokens sampled with other routing cannot be told apart (SGLang >= 0.5.23 sends them)")
         if versions is not None:
             sample.routing_valid = routing_valid(versions, pause_mode)
+        if space_retractions(meta, versions, pause_mode) > 0 and len(tokens):
+            sample.retracted_for_space = True
+            sample.routing_valid = torch.zeros(len(tokens), dtype=torch.bool)
     try:
         sample.check(num_moe_layers=routing and routing.num_moe_layers, topk=routing and routing.topk)
     except ValueError as exc:
