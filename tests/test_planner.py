@@ -154,6 +154,34 @@ def test_kv_cache_per_token_closed_form():
     assert r.resident_sequences == int(r.kv_cache // ((2048 + 16_384) * 2 * 48 * 128 * 2)) >= 100
 
 
+def test_the_colocated_trainers_residual_and_the_engine_runtime_fit_outside_the_pool(capsys):
+    """SGLang sizes its static pool (mem_fraction_static of the GPU) as if the GPU were empty; what
+    the pool leaves must hold the engine's runtime and what the offloaded trainer keeps: its CUDA
+    context and one set of NCCL buffers per communicator it uses."""
+    from bpo_megatron.cli import main
+    from bpo_megatron.planner.plan import RESERVED_BYTES
+    from bpo_megatron.planner.rollout import NCCL_COMMUNICATOR_BYTES, TRAINER_CONTEXT_BYTES
+
+    hf = HFModelConfig.load(QWEN3_30B)
+    plan = make_plan(_recipe(), hf)
+    residual = plan.trainer_residual
+    assert residual.groups == ("tp", "ep", "dp", "expert dp")  # tp 4, ep 8, dp 8, expert dp 4; pp 1, etp 1
+    assert residual.total == TRAINER_CONTEXT_BYTES + 4 * NCCL_COMMUNICATOR_BYTES
+    assert plan.rollout_outside_pool == RESERVED_BYTES + residual.total <= 0.2 * plan.allocation.gpu_bytes
+    assert plan.rollout_peak == plan.rollout.total + plan.rollout_outside_pool and plan.fits
+    assert main(["plan", str(RECIPE_30B)]) == 0
+    out = capsys.readouterr().out
+    assert ("colocated trainer's residual when offloaded (CUDA context, 4 NCCL communicators: tp, ep, dp, expert dp)"
+            in out)
+    assert "→ outside the pool 7.20 GB within the (1 − 0.8) × 80 GB = 16.00 GB it leaves" in out
+    # apart, the trainer leaves the engines' GPUs alone; a pool that leaves too little does not fit
+    assert make_plan(_recipe("cluster.colocate=false", "cluster.nodes=8"), hf).trainer_residual is None
+    tight = make_plan(_recipe("rollout.sglang.mem_fraction_static=0.95"), hf)
+    assert not tight.fits and tight.rollout_outside_pool > 0.05 * tight.allocation.gpu_bytes
+    assert main(["plan", str(RECIPE_30B), "rollout.sglang.mem_fraction_static=0.95"]) == 1
+    assert "EXCEED the (1 − 0.95) × 80 GB = 4.00 GB it leaves: lower mem_fraction_static" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------ checks, verdict, sweep
 def test_the_30b_recipe_passes_plan_on_4x8x80(capsys):
     from bpo_megatron.cli import main

@@ -17,7 +17,7 @@ from bpo_megatron.planner.host import NodeHost, trainer_node_host
 from bpo_megatron.planner.layout import Allocation, Check, layout_checks
 from bpo_megatron.planner.params import StageParams, rank_parameters
 from bpo_megatron.planner.precision import Precision, StaticMemory, static_memory
-from bpo_megatron.planner.rollout import RolloutMemory, rollout_memory
+from bpo_megatron.planner.rollout import RolloutMemory, TrainerResidual, rollout_memory, trainer_residual
 
 if TYPE_CHECKING:
     from bpo_megatron.experiment import ExperimentConfig
@@ -76,8 +76,22 @@ class Plan:
         return max((s.total for s in self.stages), default=0.0)
 
     @property
+    def trainer_residual(self) -> TrainerResidual | None:
+        """What the colocated trainer keeps on each GPU while the engines roll out (None apart)."""
+        if self.rollout is None or not self.cfg.cluster.colocate:
+            return None
+        p = self.cfg.parallel
+        return trainer_residual(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp or 1, dp=self.dp, expert_dp=self.expert_dp)
+
+    @property
+    def rollout_outside_pool(self) -> float:
+        """The engine's runtime beyond its weights and KV cache, plus a colocated trainer's residual."""
+        residual = self.trainer_residual
+        return RESERVED_BYTES + (residual.total if residual is not None else 0.0)
+
+    @property
     def rollout_peak(self) -> float:
-        return self.rollout.total + RESERVED_BYTES if self.rollout else 0.0
+        return self.rollout.total + self.rollout_outside_pool if self.rollout else 0.0
 
     @property
     def rollout_pool(self) -> float | None:
@@ -92,7 +106,8 @@ class Plan:
             return True  # a CPU allocation has no per-GPU budget
         cap = self.allocation.gpu_bytes
         pool = self.rollout_pool
-        in_pool = pool is None or (self.rollout.total <= pool + 1.0 and self.rollout.resident_sequences != 0)
+        in_pool = pool is None or (self.rollout.total <= pool + 1.0 and self.rollout.resident_sequences != 0
+                                   and self.rollout_outside_pool <= cap - pool)
         return self.train_peak <= cap and self.rollout_peak <= cap and in_pool
 
     @property

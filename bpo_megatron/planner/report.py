@@ -142,9 +142,13 @@ def _rollout(plan: Plan) -> list[str]:
          f"{r.kv_bytes_per_token / 1024:.1f} KiB)" if r.resident_sequences is None else
          f"KV pool (the rest of the engine's pool: {r.resident_sequences} sequences of {r.tokens_per_sequence} "
          f"tokens at once; {r.profile.sequences} requests in flight, the rest queue in the server)", gb(r.kv_cache)],
-        ["reserved (CUDA graphs, sampling, decode activations)", gb(RESERVED_BYTES)],
-        ["total", gb(plan.rollout_peak)],
+        ["engine runtime outside its pool (CUDA graphs, sampling, decode activations)", gb(RESERVED_BYTES)],
     ]
+    residual = plan.trainer_residual
+    if residual is not None:
+        rows.append([f"colocated trainer's residual when offloaded (CUDA context, {residual.communicators} NCCL "
+                     f"communicators: {', '.join(residual.groups) or 'none'})", gb(residual.total)])
+    rows.append(["total", gb(plan.rollout_peak)])
     header = [f"rollout memory per GPU (GB, {plan.cfg.rollout.engine})", "engine"]
     lines = [*_table(header, rows), f"  → {_verdict(plan.rollout_peak, plan.allocation)}"]
     pool = plan.rollout_pool
@@ -155,6 +159,11 @@ def _rollout(plan: Plan) -> list[str]:
                      f"{r.profile.pool_fraction:g} × {plan.allocation.gpu_memory_gb:g} GB = {gb(pool)} GB"
                      + ("" if ok else " (fewer sequences in flight, or more engine TP)" if r.resident_sequences is None
                         else " (it holds no full-length sequence: raise mem_fraction_static or engine TP)"))
+        rest = plan.allocation.gpu_bytes - pool
+        fits = plan.rollout_outside_pool <= rest
+        lines.append(f"  → outside the pool {gb(plan.rollout_outside_pool)} GB {'within' if fits else 'EXCEED'} the "
+                     f"(1 − {r.profile.pool_fraction:g}) × {plan.allocation.gpu_memory_gb:g} GB = {gb(rest)} GB it "
+                     f"leaves" + ("" if fits else ": lower mem_fraction_static"))
     return lines
 
 

@@ -28,6 +28,13 @@ if TYPE_CHECKING:
 
 # Engines serve in bf16 on GPUs (the checkpoints' dtype), whatever the trainer's dtype.
 ENGINE_BYTES = 2
+# What a colocated trainer rank keeps on its GPU while offloaded, beyond what the offload moves:
+# its CUDA context with cuBLAS/cuDNN handles and workspaces, and the buffers of each NCCL
+# communicator it has used (NCCL allocates them per communicator, per channel and peer, and keeps
+# them until the communicator is destroyed). Estimates until a GPU measures them (the kit's
+# trainer_offload reports the device memory a rank holds after offloading).
+TRAINER_CONTEXT_BYTES = 0.8e9
+NCCL_COMMUNICATOR_BYTES = 0.6e9
 
 
 def engine_profile(cfg: ExperimentConfig) -> EngineProfile:
@@ -67,3 +74,23 @@ def rollout_memory(cfg: ExperimentConfig, hf: HFModelConfig, total_params: int,
                              kv_bytes_per_token=per_token, resident_sequences=int(pool // (per_token * tokens)))
     return RolloutMemory(profile=profile, tokens_per_sequence=tokens, weights=weights,
                          kv_cache=per_token * profile.sequences * tokens, kv_bytes_per_token=per_token)
+
+
+@dataclass(frozen=True)
+class TrainerResidual:
+    """What an offloaded colocated trainer rank still holds on the GPU its engine shares."""
+
+    communicators: int  # NCCL communicators the rank uses (one per parallel group of more than one rank)
+    groups: tuple[str, ...]
+
+    @property
+    def total(self) -> float:
+        return TRAINER_CONTEXT_BYTES + self.communicators * NCCL_COMMUNICATOR_BYTES
+
+
+def trainer_residual(*, tp: int, pp: int, ep: int, etp: int, dp: int, expert_dp: int) -> TrainerResidual:
+    """The communicators a trainer rank uses: tensor, pipeline (and its embedding group), expert,
+    expert-tensor, data and expert-data parallel groups of more than one rank."""
+    sizes = {"tp": tp, "pp": pp, "embedding": pp, "ep": ep, "etp": etp, "dp": dp, "expert dp": expert_dp}
+    groups = tuple(name for name, size in sizes.items() if size > 1)
+    return TrainerResidual(communicators=len(groups), groups=groups)

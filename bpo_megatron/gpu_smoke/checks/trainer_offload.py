@@ -41,6 +41,15 @@ def _allocated() -> int:
     return torch.cuda.memory_allocated() if platform.has_cuda() else 0
 
 
+def _device_used() -> int:
+    """What the device holds beyond torch's allocations too (CUDA context, cuBLAS workspaces, NCCL
+    buffers, the caching allocator's reserve): total − free, this process being its only user."""
+    if not platform.has_cuda():
+        return 0
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
 def _train_samples(hf, count: int, seed: int):
     from bpo_megatron.trainer.samples import TrainSample
 
@@ -65,6 +74,7 @@ def run(profile: Profile, workdir: Path) -> Outcome:
         with timed(times, "offload_s"):
             moved = actor.offload()
         allocated_offloaded = _allocated()
+        device_used_offloaded = _device_used()  # the residual a colocated engine shares its GPU with
         storages_left = sum(p.untyped_storage().nbytes() for p in actor.model.parameters())
         with timed(times, "onload_s"):
             back = actor.onload()
@@ -84,6 +94,7 @@ def run(profile: Profile, workdir: Path) -> Outcome:
     out.numbers.update(
         bytes_moved=moved, tensors_compared=len(kept), allocated_before_gib=allocated_before / GiB,
         allocated_offloaded_gib=allocated_offloaded / GiB, allocated_after_onload_gib=allocated_after / GiB,
+        device_used_offloaded_gib=device_used_offloaded / GiB,
         offload_s=times["offload_s"], onload_s=times["onload_s"],
         offload_gb_per_s=moved / times["offload_s"] / 1e9, onload_gb_per_s=back / times["onload_s"] / 1e9,
         second_offload_gb_per_s=moved / times["second_offload_s"] / 1e9,
