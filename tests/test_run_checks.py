@@ -71,6 +71,11 @@ BAD_INPUT = {
     "reference answer the tokenizer lacks (warm start)": (
         lambda d: ["data.train=" + str(_records(d / "odd.jsonl", {"id": "a", "problem": "2+1", "answer": "∞"}))],
         r"odd.jsonl:1: \(id 'a'\) character '∞' is not in the character tokenizer"),
+    "reference answer over the response budget (warm start)": (
+        lambda d: ["data.train=" + str(_records(d / "long.jsonl", _ok(0), {"id": "wordy", "problem": "2+1",
+                                                                         "answer": "3" * 20}))],
+        r"long.jsonl:2: \(id 'wordy'\) reference answer of 21 tokens \(with end-of-sequence\) exceeds "
+        r"rollout.max_new_tokens=4, the response budget the warm start \(train.sft_warmup_steps\) trains within"),
     "BPO cap below 1": (lambda d: ["loss.bpo_cap=0.5"], r"bpo_cap must be >= 1"),
     "budget beyond the model's positions": (
         lambda d: ["rollout.max_new_tokens=120"],

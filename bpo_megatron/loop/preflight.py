@@ -43,8 +43,9 @@ class RunPlan:
 
 
 def prompt_format(cfg, tokenizer) -> PromptFormat:
-    return PromptFormat(tokenizer, cfg.data.template, cfg.data.max_prompt_tokens,
-                        with_answers=cfg.train.sft_warmup_steps > 0)
+    warm_start = cfg.train.sft_warmup_steps > 0
+    return PromptFormat(tokenizer, cfg.data.template, cfg.data.max_prompt_tokens, with_answers=warm_start,
+                        max_answer_tokens=cfg.rollout.max_new_tokens if warm_start else None)
 
 
 def load_run_tokenizer(cfg, hf):

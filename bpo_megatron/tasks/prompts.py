@@ -27,12 +27,14 @@ class PromptFormat:
     """How problems become prompt tokens: the tokenizer, the template (``data.template`` for
     training prompts, ``eval.template`` for evaluation's) and the length bound
     ``data.max_prompt_tokens``; ``with_answers`` also requires encodable reference answers (a
-    supervised warm start trains on them)."""
+    supervised warm start trains on them), each with its end-of-sequence token within
+    ``max_answer_tokens`` (the response budget, ``rollout.max_new_tokens``) when given."""
 
     tokenizer: object
     template: str
     max_prompt_tokens: int
     with_answers: bool = False
+    max_answer_tokens: int | None = None
 
     def encode(self, problem: Problem) -> Encoded:
         """The encoded prompt, or ValueError saying what is wrong with this problem."""
@@ -40,7 +42,11 @@ class PromptFormat:
         if len(tokens) > self.max_prompt_tokens:
             raise ValueError(f"prompt of {len(tokens)} tokens exceeds data.max_prompt_tokens={self.max_prompt_tokens}")
         if self.with_answers:
-            self.tokenizer.encode(problem.answer)
+            answer = len(self.tokenizer.encode(problem.answer)) + 1  # and end-of-sequence
+            if self.max_answer_tokens is not None and answer > self.max_answer_tokens:
+                raise ValueError(f"reference answer of {answer} tokens (with end-of-sequence) exceeds "
+                                 f"rollout.max_new_tokens={self.max_answer_tokens}, the response budget the warm "
+                                 "start (train.sft_warmup_steps) trains within")
         return Encoded(problem, tuple(tokens))
 
 
