@@ -192,7 +192,9 @@ def test_one_step_off_policy_trains_on_batches_sampled_one_update_earlier(tmp_pa
     cursors = {step_of(d): json.loads((d / STATE_FILE).read_text())["data_cursor"]
                for d in step_dirs(tmp_path / "checkpoints")}
     sft_prompts = 2 * 8  # train.sft_warmup_steps × train.sft_batch_size
-    # at step 2 the batch of step 3 was under way: its 4 prompts are not behind the cursor
+    # at step 2 the batch of step 3 was under way: its 4 prompts are not behind the cursor; the warm
+    # start's checkpoint (step 0, kept while its evaluation is the best) is past the warm start's prompts
+    assert cursors.pop(0, sft_prompts) == sft_prompts
     assert cursors == {2: sft_prompts + 2 * 4, 3: sft_prompts + 3 * 4}
 
 
@@ -390,3 +392,19 @@ def test_a_run_without_steps_or_warm_start_is_refused(small_run, tmp_path):
     with pytest.raises((ConfigError, ValueError), match=r"train.steps must be >= 1 \(or 0 with "
                        r"train.sft_warmup_steps > 0: a supervised run\), got 0 with train.sft_warmup_steps=0"):
         small_run(tmp_path, "train.steps=0", "train.sft_warmup_steps=0")
+
+
+def test_the_best_evaluations_weights_are_kept_step_0_included(tmp_path, ray_session, small_run):
+    """Updates too small to change a weight: every evaluation ties the warm start's at step 0, which
+    stays the best (the earlier step wins a tie). Its weights exist nowhere but in a checkpoint, so
+    the run saves step 0, keeps it past checkpoint.keep_last and names it; a resume from it goes on
+    as the uninterrupted run does."""
+    run_dir = tmp_path / "run"
+    result, lines = _run(small_run(run_dir, "train.steps=2", "optimizer.lr=1.0e-12", "eval.every=1",
+                                   "checkpoint.every=0", "checkpoint.keep_last=1"))
+    assert result["best_step"] == 0
+    assert result["best_weights"] == str(run_dir / "checkpoints" / "step-00000000")
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == ["step-00000000", "step-00000002"]
+    assert any(line.startswith("saved the checkpoint of step 0:") for line in lines)
+    evaluations = [r["eval/mean_avg@2"] for r in read_metrics(run_dir) if "eval/mean_avg@2" in r]
+    assert len(evaluations) == 3 and len(set(evaluations)) == 1

@@ -51,6 +51,8 @@ def main(argv: list[str]) -> int:
     except (TrainerFailed, EnginesFailed, RewardFailed) as exc:
         return report_failure(prog, exc, ["bpo-megatron", "train", *argv])
     best = result["best_step"]
-    print(f"done: {result['step']} steps; best eval mean {result['best_mean']:.3f} at step {best}"
+    where = (f"its weights: {result['best_weights']}" if result.get("best_weights") else
+             "its weights were not saved: evaluated in the background after that step had passed")
+    print(f"done: {result['step']} steps; best eval mean {result['best_mean']:.3f} at step {best} ({where})"
           if best is not None else f"done: {result['step']} steps", flush=True)
     return 0

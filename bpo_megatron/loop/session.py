@@ -106,11 +106,17 @@ class RunSession:
             self.echo(f"resumed from step {state.step} ({plan.checkpoint})")
         else:
             self.trainer.load_hf(self.hf_dir)
-        if not state.sft_done and cfg.train.sft_warmup_steps:
+        warm_started = not state.sft_done and cfg.train.sft_warmup_steps
+        if warm_started:
             sft_warmup(cfg, self.trainer, self.prompts, self.tokenizer, self.metrics_out, self.echo, agent=plan.agent)
         state.sft_done = True
         self.phases.weights_changed(version=state.step)  # version n: the weights after RL step n
         first = [0] if state.step == 0 and cfg.eval.every and cfg.eval.at_start else []
+        if warm_started and first:
+            # the warm start's weights, about to be evaluated (the best so far, then), exist nowhere
+            # else: saved while the trainer holds the devices; pruned like any other once beaten
+            state.data_cursor = self.prompts.cursor  # past the warm start's prompts, where RL goes on
+            self.save(0)
         for step in first + [s for s in state.eval_pending if cfg.eval.every]:
             if self.evaluations.background and step:
                 self.evaluations.start(step)
@@ -147,11 +153,12 @@ class RunSession:
         self.checkpoint(step)
 
     def checkpoint(self, step: int) -> None:
-        """Save at ``checkpoint.every`` steps and at the last, once the evaluations before it are
-        recorded (the last: every evaluation)."""
+        """Save at ``checkpoint.every`` steps, at the last and at a step an evaluation found the
+        best so far, once the evaluations before it are recorded (the last: every evaluation)."""
         cfg = self.cfg
         last = step == cfg.train.steps
-        if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+        best = self.best.step == step  # an evaluation of this step is the best so far: its weights are kept
+        if last or best or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
             self.evaluations.wait(before=None if last else step, why=f"the checkpoint of step {step}")
             self.save(step)
 
@@ -174,7 +181,19 @@ class RunSession:
         """Every evaluation recorded; what the run achieved."""
         self.evaluations.wait(why="the run ends")
         return {"step": self.state.step, "best_step": self.best.step, "best_mean": self.best.mean,
-                "run_dir": str(self.cfg.run_dir)}
+                "best_weights": self.best_weights(), "run_dir": str(self.cfg.run_dir)}
+
+    def best_weights(self) -> str | None:
+        """Where the best evaluation's weights are: its checkpoint (kept whatever
+        ``checkpoint.keep_last`` says), or, for step 0 without a warm start, the initial weights;
+        None when they were not saved (a background evaluation finished after its step had passed)."""
+        step = self.best.step
+        if step is None:
+            return None
+        saved = checkpoint_root(self.cfg) / step_dir_name(step)
+        if saved.is_dir():
+            return str(saved)
+        return self.hf_dir if step == 0 and not self.cfg.train.sft_warmup_steps else None
 
     # ---------------------------------------------------------------------------- tear down
     def __exit__(self, exc_type, exc, tb) -> None:
