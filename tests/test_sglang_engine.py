@@ -457,3 +457,46 @@ def test_a_connection_lost_by_one_request_to_a_live_server_is_retried_not_taken_
             with pytest.raises(ServerUnavailable):
                 _client(server.url, healthy=healthy).generate(_one_slot())
             assert server.posts == ["r#0"]
+
+
+def test_the_servers_nccl_version_is_asked_beside_its_start_not_within_a_weight_group_call(monkeypatch):
+    """The probe (a process importing torch) runs while the server starts: the weight-group call,
+    bounded by rollout.stall_timeout_s, only reads its answer; a probe that failed raises there."""
+    import threading
+
+    from bpo_megatron.rollout.sglang import engine as engine_module
+    from bpo_megatron.rollout.sglang.nccl import NcclVersionUnknown
+
+    probed = threading.Event()
+
+    class SlowServer:
+        base_url, api_key = "http://127.0.0.1:1", "k"
+
+        def __init__(self, cfg):
+            pass
+
+        def start(self):
+            assert probed.wait(10), "the probe runs while the server starts"
+
+        def stop(self):
+            pass
+
+    def probe(launcher, visible_devices):
+        probed.set()
+        return (2, 30, 7)
+
+    monkeypatch.setattr(engine_module, "ServerProcess", SlowServer)
+    monkeypatch.setattr(engine_module, "server_nccl_version", probe)
+    engine = SGLangEngine(SGLangConfig(model_path="/m", capture_routed_experts=False))
+    assert engine.nccl_version() == (2, 30, 7)
+
+    def failing(launcher, visible_devices):
+        probed.set()
+        raise NcclVersionUnknown("the server's interpreter did not report its NCCL version within 120 s")
+
+    monkeypatch.setattr(engine_module, "server_nccl_version", failing)
+    engine = SGLangEngine(SGLangConfig(model_path="/m", capture_routed_experts=False))
+    with pytest.raises(NcclVersionUnknown, match="did not report"):
+        engine.nccl_version()
+    attached = SGLangEngine(SGLangConfig(model_path="/m", url="http://127.0.0.1:1", capture_routed_experts=False))
+    assert attached.nccl_version() == engine_module.UNKNOWN

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
+from concurrent.futures import Future
 
 import torch
 
@@ -43,7 +44,6 @@ CONTROL_TIMEOUT_S = 1800.0  # a control call (memory, weights, versions) that ta
 LIVENESS_TIMEOUT_S = 10.0  # /health without generation answers at once from a live server
 # /health_generate waits up to SGLang's own 20 s for a token before it answers 503
 GENERATING_CHECK_TIMEOUT_S = 40.0
-_NOT_ASKED = object()
 
 
 class SGLangEngine(RolloutEngine):
@@ -64,11 +64,22 @@ class SGLangEngine(RolloutEngine):
         # raise in SGLang's scheduler and take the server down
         self.released: set[str] = set()
         self._max_inflight: int | None = None
-        self._nccl_version = _NOT_ASKED  # asked of the server's interpreter at the first weight group
-        # (an answer may be None: an interpreter without NCCL)
+        # the NCCL version of the server's interpreter, asked beside the server's start (the probe
+        # imports torch: seconds to minutes on a busy node, which a weight-group call's own bound
+        # must not include); an answer may be None: an interpreter without NCCL
+        self._nccl_version: Future = Future()
         self.weight_version = self._pending_version = 0
         if self.server is not None:
+            threading.Thread(target=self._ask_nccl_version, name="sglang-nccl-probe", daemon=True).start()
             self.server.start()
+        else:
+            self._nccl_version.set_result(UNKNOWN)  # attached by URL: nobody can ask it
+
+    def _ask_nccl_version(self) -> None:
+        try:
+            self._nccl_version.set_result(server_nccl_version(self.cfg.launcher, self.cfg.visible_devices))
+        except BaseException as exc:  # noqa: BLE001 - NcclVersionUnknown and whatever else: the weight group's to raise
+            self._nccl_version.set_exception(exc)
 
     @property
     def base_url(self) -> str:
@@ -79,12 +90,9 @@ class SGLangEngine(RolloutEngine):
         return None if self.server is None else self.server.api_key
 
     def nccl_version(self):
-        """The NCCL version the server's interpreter runs (asked once; ``UNKNOWN`` for a server
-        attached by URL): a weight group refuses members of different versions."""
-        if self._nccl_version is _NOT_ASKED:
-            self._nccl_version = (UNKNOWN if self.server is None
-                                  else server_nccl_version(self.cfg.launcher, self.cfg.visible_devices))
-        return self._nccl_version
+        """The NCCL version the server's interpreter runs (asked once, beside the server's start;
+        ``UNKNOWN`` for a server attached by URL): a weight group refuses members of different versions."""
+        return self._nccl_version.result()  # the probe started with the server; it has its own bound
 
     def endpoint(self) -> ServerEndpoint:
         """Where the trainer reaches this server (its node's address) and with which key."""
