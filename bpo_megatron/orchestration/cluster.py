@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import subprocess
+import sys
 
 
 def host_rendezvous(timeout_s: float):
@@ -44,7 +46,16 @@ def start_ray(cluster, *, cpus_needed: int) -> bool:
         configure_logging=True,
         logging_level="ERROR",
     )
+    start_reaper()
     return True
+
+
+def start_reaper() -> None:
+    """A process in a session of its own that ends what this process started (Ray's processes
+    among them) once this process ends, killed or not (:mod:`bpo_megatron.orchestration.reaper`)."""
+    subprocess.Popen([sys.executable, "-m", "bpo_megatron.orchestration.reaper", "--parent", str(os.getpid())],
+                     start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL)
 
 
 def stop_ray() -> None:
