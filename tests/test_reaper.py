@@ -63,3 +63,13 @@ def test_a_killed_driver_leaves_no_process_behind(tmp_path):
                 psutil.Process(pid).kill()
             except psutil.Error:
                 pass
+
+
+def test_a_run_that_stops_in_order_ends_its_reaper():
+    from bpo_megatron.orchestration import cluster
+
+    cluster.start_reaper()
+    (reaper,) = cluster._reapers
+    assert reaper.poll() is None
+    cluster.stop_ray()
+    assert reaper.poll() is not None and cluster._reapers == []

@@ -50,12 +50,16 @@ def start_ray(cluster, *, cpus_needed: int) -> bool:
     return True
 
 
+_reapers: list[subprocess.Popen] = []
+
+
 def start_reaper() -> None:
     """A process in a session of its own that ends what this process started (Ray's processes
-    among them) once this process ends, killed or not (:mod:`bpo_megatron.orchestration.reaper`)."""
-    subprocess.Popen([sys.executable, "-m", "bpo_megatron.orchestration.reaper", "--parent", str(os.getpid())],
-                     start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL)
+    among them) once this process ends, killed or not (:mod:`bpo_megatron.orchestration.reaper`);
+    :func:`stop_ray` ends it once Ray is shut down in order."""
+    _reapers.append(subprocess.Popen(
+        [sys.executable, "-m", "bpo_megatron.orchestration.reaper", "--parent", str(os.getpid())],
+        start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
 
 def stop_ray() -> None:
@@ -63,3 +67,11 @@ def stop_ray() -> None:
 
     if ray.is_initialized():
         ray.shutdown()
+    while _reapers:  # Ray is down in order: nothing left for them to end
+        reaper = _reapers.pop()
+        reaper.terminate()
+        try:
+            reaper.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            reaper.kill()
+            reaper.wait(timeout=10)

@@ -65,7 +65,7 @@ def reap(known: dict[int, float], grace: float) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="reaper")
     parser.add_argument("--parent", type=int, required=True)
-    parser.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("--interval", type=float, default=2.0)
     parser.add_argument("--grace", type=float, default=10.0)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
