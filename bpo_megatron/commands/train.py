@@ -8,6 +8,7 @@ Exit status: 0 done, 2 refused before starting, 1 stopped by a failure (resumabl
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 
 
@@ -49,7 +50,11 @@ def main(argv: list[str]) -> int:
         print(f"{prog}: {exc}", file=sys.stderr)
         return REFUSED
     except (TrainerFailed, EnginesFailed, RewardFailed) as exc:
-        return report_failure(prog, exc, ["bpo-megatron", "train", *argv])
+        return report_failure(prog, exc, ["bpo-megatron", "train", *argv], run_dir=cfg.run_dir)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        return report_failure(prog, exc, ["bpo-megatron", "train", *argv], run_dir=cfg.run_dir)
     best = result["best_step"]
     where = (f"its weights: {result['best_weights']}" if result.get("best_weights") else
              "its weights were not saved: evaluated in the background after that step had passed")

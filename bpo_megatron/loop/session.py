@@ -11,6 +11,8 @@ down, the placement removed, Ray stopped if this run started it, the lock releas
 
 from __future__ import annotations
 
+import errno
+import shutil
 import sys
 import time
 
@@ -25,11 +27,11 @@ from bpo_megatron.loop.sft import sft_warmup
 from bpo_megatron.observability.metrics import MetricsWriter, summary_line
 from bpo_megatron.observability.plot import plot_runs
 from bpo_megatron.orchestration.cluster import start_ray, stop_ray
-from bpo_megatron.orchestration.groups import EngineGroup, TrainerGroup, run_placement
+from bpo_megatron.orchestration.groups import EngineGroup, TrainerFailed, TrainerGroup, run_placement
 from bpo_megatron.orchestration.placement import EVALUATION
 from bpo_megatron.orchestration.phases import DevicePhases
 from bpo_megatron.rollout.agents import with_agent
-from bpo_megatron.trainer.checkpoint import checkpoint_bytes, step_dir_name
+from bpo_megatron.trainer.checkpoint import checkpoint_bytes, step_dir_name, step_dirs
 from bpo_megatron.weight_sync.session import sync_weights
 
 
@@ -172,7 +174,11 @@ class RunSession:
         root = checkpoint_root(self.cfg)
         self.echo(f"saving the checkpoint of step {step} under {root} ...")
         start = time.perf_counter()
-        self.trainer.save(str(root), step, state.to_dict(), self.cfg.checkpoint.keep_last)
+        try:
+            self.trainer.save(str(root), step, state.to_dict(), self.cfg.checkpoint.keep_last)
+        except TrainerFailed as exc:
+            _refuse_full_disk(root, exc)
+            raise
         self.echo(f"saved the checkpoint of step {step}: {checkpoint_bytes(root / step_dir_name(step)) / 1e9:.3f} GB "
                   f"in {time.perf_counter() - start:.1f} s")
         plot_runs([self.cfg.run_dir], self.cfg.run_dir / "curves.png", labels=[self.cfg.name])
@@ -212,3 +218,19 @@ class RunSession:
                 stop_ray()
         finally:
             self._lock.__exit__(exc_type, exc, tb)
+
+
+NO_SPACE_MARGIN_BYTES = 64 * 2**20  # free space below which a failed first save is put down to a full disk
+
+
+def _refuse_full_disk(root, failure: Exception) -> None:
+    """A save that failed on a disk with less room than a checkpoint takes (the newest complete
+    one's size; before the first, ``NO_SPACE_MARGIN_BYTES``) failed for want of space, whatever
+    error the writer's rank reported (a truncated write surfaces in many forms): say so, as
+    ``OSError(ENOSPC)`` naming the checkpoint directory."""
+    complete = [d for d in step_dirs(root) if checkpoint_bytes(d)] if root.is_dir() else []
+    needed = checkpoint_bytes(complete[-1]) if complete else NO_SPACE_MARGIN_BYTES
+    free = shutil.disk_usage(root if root.is_dir() else root.parent).free
+    if free < needed:
+        raise OSError(errno.ENOSPC, f"no space left: {free / 1e9:.3f} GB free, a checkpoint takes about "
+                                    f"{needed / 1e9:.3f} GB ({failure})", str(root)) from failure
