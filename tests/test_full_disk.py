@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "tiny_moe_cpu.yaml")
 
 
+@pytest.mark.slow  # two demo runs / a demo run killed (≈ 50–95 s): CI time; run with -m slow
 @pytest.mark.timeout(400)
 def test_a_full_disk_stops_the_run_with_its_name_and_the_run_resumes_once_space_is_freed(tmp_path):
     if shutil.which("unshare") is None:

@@ -30,6 +30,7 @@ def _alive(known: dict[int, float]) -> list[str]:
     return left
 
 
+@pytest.mark.slow  # two demo runs / a demo run killed (≈ 50–95 s): CI time; run with -m slow
 @pytest.mark.timeout(300)
 def test_a_killed_driver_leaves_no_process_behind(tmp_path):
     driver = subprocess.Popen([sys.executable, "-m", "bpo_megatron.cli", "train", DEMO, "train.steps=200",
