@@ -378,3 +378,26 @@ def test_one_death_under_two_generations_is_one_restart(async_group, pushed_weig
     assert restarted == [[0]] and async_group.restarts == restarts_before + 1
     for got in samples:
         _check_samples(got, BIG, expected["big"])
+
+
+def test_joining_the_weight_group_and_fingerprinting_have_bounds_of_their_own(async_group, monkeypatch):
+    """Neither call goes through the stall watch: each waits at most its own bound, then names the
+    engines that did not answer and what they were asked."""
+    from bpo_megatron.orchestration import engine_group
+    from bpo_megatron.orchestration.groups import EnginesFailed
+
+    monkeypatch.setattr(engine_group, "FINGERPRINT_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(engine_group, "JOIN_TIMEOUT_S", 3.0)
+    pid = _engine_pid(async_group.workers[1])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(EnginesFailed, match=r"rollout engines \[1\] did not fingerprint their weights "
+                                                r"\(weight_sync.verify\) within 3 s"):
+            async_group.fingerprints(only=[0, 1])
+        with pytest.raises(EnginesFailed, match=r"rollout engines \[1\] did not join the weight group at "
+                                                r"127.0.0.1:1 within 3 s"):
+            async_group.join_weight_group("127.0.0.1", 1, [1, 2], 3)
+        assert time.monotonic() - start < 20
+    finally:
+        os.kill(pid, signal.SIGCONT)

@@ -34,6 +34,10 @@ LIVENESS, UPDATE, GENERATE = "liveness", "update", "generate"
 _LIVENESS_CALLS = frozenset({"healthy", "progress", "weight_version", "endpoint", "captures_routing"})
 LIVENESS_TIMEOUT_S = 30.0  # an engine that cannot say whether it is healthy in this time is not
 PROBE_INTERVAL_S = 2.0  # how often a generating engine's progress is read
+# joining a weight group (NCCL's communicator set-up across nodes) and hashing every weight an
+# engine holds (a sync's check, tens of GB at 30B) take a while; past these an engine is stuck
+JOIN_TIMEOUT_S = 600.0
+FINGERPRINT_TIMEOUT_S = 1800.0
 START_ALLOWANCE_S = 300.0  # an engine's start: its own start-up bound (a server's) plus this
 
 
@@ -295,18 +299,29 @@ class EngineGroup:
         return self.call_surviving("weight_version", only=only)
 
     def fingerprints(self, only: list[int]) -> list[dict]:
-        """Each engine of ``only``'s weights fingerprinted, in ``only``'s order (a sync's check)."""
-        import ray
-
-        return ray.get([self.workers[i].fingerprints.remote() for i in only])
+        """Each engine of ``only``'s weights fingerprinted, in ``only``'s order (a sync's check),
+        within ``FINGERPRINT_TIMEOUT_S``."""
+        refs = {i: self.workers[i].fingerprints.remote() for i in only}
+        return self._within(refs, FINGERPRINT_TIMEOUT_S, "fingerprint their weights (weight_sync.verify)")
 
     def join_weight_group(self, address: str, port: int, offsets: list[int], world_size: int) -> None:
         """Every engine's ranks join the weight group hosted at ``address:port`` (engine ``i``'s
-        from rank ``offsets[i]``); returns once all joined (the host joins meanwhile)."""
+        from rank ``offsets[i]``); returns once all joined (the host joins meanwhile), within
+        ``JOIN_TIMEOUT_S``."""
+        refs = {i: w.join_weight_group.remote(address, port, offset, world_size)
+                for i, (w, offset) in enumerate(zip(self.workers, offsets))}
+        self._within(refs, JOIN_TIMEOUT_S, f"join the weight group at {address}:{port}")
+
+    def _within(self, refs: dict[int, Any], timeout_s: float, what: str) -> list[Any]:
+        """The answers of ``refs`` (engine index -> call), in order; :class:`EnginesFailed` naming
+        the engines that did not answer within ``timeout_s`` and what they were asked to do."""
         import ray
 
-        ray.get([w.join_weight_group.remote(address, port, offset, world_size)
-                 for w, offset in zip(self.workers, offsets)])
+        _, late = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        if late:
+            silent = sorted(i for i, ref in refs.items() if ref in late)
+            raise EnginesFailed(f"{self.role} engines {silent} did not {what} within {timeout_s:.0f} s")
+        return ray.get(list(refs.values()))
 
     def leave_weight_group(self, only: list[int]) -> list[int]:
         return self.call_surviving("leave_weight_group", only=only)[1]
