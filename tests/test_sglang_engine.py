@@ -500,3 +500,27 @@ def test_the_servers_nccl_version_is_asked_beside_its_start_not_within_a_weight_
         engine.nccl_version()
     attached = SGLangEngine(SGLangConfig(model_path="/m", url="http://127.0.0.1:1", capture_routed_experts=False))
     assert attached.nccl_version() == engine_module.UNKNOWN
+
+
+def test_closing_the_weight_sender_aborts_an_nccl_group_and_drops_a_gloo_one(monkeypatch):
+    """Replaced engines leave the old group first; the trainer's end of it must not linger: an
+    NCCL communicator is aborted (its peers may be gone), a gloo group has nothing to abort."""
+    from bpo_megatron.rollout.sglang import weights as weights_module
+    from bpo_megatron.rollout.sglang.weights import DistributedWeightSender
+
+    class FakeNccl:
+        aborted = 0
+
+        def abort(self):
+            FakeNccl.aborted += 1
+
+    monkeypatch.setattr(weights_module, "_ABORTABLE", (FakeNccl,))
+    sender = DistributedWeightSender.__new__(DistributedWeightSender)
+    sender._group, sender._store = FakeNccl(), object()
+    sender.close()
+    assert FakeNccl.aborted == 1 and sender._group is None and sender._store is None
+    sender.close()  # closing twice aborts nothing more
+    assert FakeNccl.aborted == 1
+    sender._group, sender._store = object(), object()  # a gloo group: dropped
+    sender.close()
+    assert sender._group is None and FakeNccl.aborted == 1

@@ -22,6 +22,8 @@ from bpo_megatron.rollout.sglang.nccl import NcclVersion, nccl_version
 from bpo_megatron.weights.flat_bucket import ALIGN, FlatBucket
 
 _DEVICE_PREFIX = {"gloo": "cpu", "nccl": "cuda"}
+# the groups close() aborts: NCCL's (a torch built without NCCL, e.g. a CPU wheel, has no such class)
+_ABORTABLE = tuple(c for c in (getattr(dist, "ProcessGroupNCCL", None),) if c is not None)
 
 
 class DistributedWeightSender:
@@ -76,8 +78,12 @@ class DistributedWeightSender:
         self._group.broadcast(FlatBucket.pack(self.packed(bucket), align=1).buffer, 0).wait()
 
     def close(self) -> None:
-        self._group = None
-        self._store = None
+        """Leave the group. An NCCL communicator is aborted, not just dropped: its peers (the
+        servers' ranks) may be gone or replaced, and a dropped one keeps its GPU buffers until the
+        process ends and may hang it at exit; a gloo group has nothing to abort."""
+        group, self._group, self._store = self._group, None, None
+        if isinstance(group, _ABORTABLE):
+            group.abort()
 
 
 def flattened_bucket(bucket: list[tuple[str, torch.Tensor]] | FlatBucket) -> dict:
