@@ -524,3 +524,33 @@ def test_closing_the_weight_sender_aborts_an_nccl_group_and_drops_a_gloo_one(mon
     sender._group, sender._store = object(), object()  # a gloo group: dropped
     sender.close()
     assert sender._group is None and FakeNccl.aborted == 1
+
+
+def test_a_server_starts_on_its_gpus_only_once_the_previous_servers_supervisor_is_gone(tmp_path, monkeypatch):
+    """A replaced engine's server may still be stopping (SIGTERM, its grace, SIGKILL) when its
+    replacement starts on the same GPUs: the supervisor holds a lock per GPU until it exits, and a
+    start waits for the locks (bounded, naming the GPU)."""
+    import os
+    import subprocess
+    import sys
+
+    from bpo_megatron.rollout.sglang import server as server_module
+    from bpo_megatron.rollout.sglang.server import ServerStartError, gpu_locks
+
+    monkeypatch.setattr(server_module, "GPU_LOCK_DIR", tmp_path)
+    fds = gpu_locks("10.0.0.7", ["0", "1"], timeout_s=1)
+    # what a supervisor does: inherit the locks, hold them while it lives (here: 2 s)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"], pass_fds=fds)
+    for fd in fds:
+        os.close(fd)
+    with pytest.raises(ServerStartError, match=r"GPU 1 is still held by another SGLang server .* after 0 s"):
+        gpu_locks("10.0.0.7", ["1"], timeout_s=0.3)
+    other = gpu_locks("10.0.0.8", ["1"], timeout_s=0.3)  # another node's GPU 1: free
+    assert len(other) == 1
+    os.close(other[0])
+    start = time.monotonic()
+    again = gpu_locks("10.0.0.7", ["0", "1"], timeout_s=30)
+    assert holder.poll() is not None and time.monotonic() - start < 10
+    for fd in again:
+        os.close(fd)
+    assert gpu_locks("10.0.0.7", [], timeout_s=0) == []  # no GPU (a CPU server): nothing to wait for

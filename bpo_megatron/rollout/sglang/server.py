@@ -40,6 +40,47 @@ STOP_GRACE_S = 20.0  # the server's time to exit on SIGTERM before it is killed
 # what the server's own environment must say (SGLang reads these, we never do)
 SERVER_ENVIRONMENT = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
 
+# A server started on GPUs whose previous server (of an engine killed and being replaced) has not
+# exited yet would size its memory from what that one still holds: each server's supervisor holds
+# an exclusive lock per GPU until the server it stops is gone, and a start waits for the locks.
+GPU_LOCK_DIR = Path(tempfile.gettempdir())
+GPU_RELEASE_TIMEOUT_S = 2 * STOP_GRACE_S + 60.0  # the predecessor's grace, its SIGKILL, and slack
+
+
+def gpu_lock_path(node: str, gpu: str) -> Path:
+    return GPU_LOCK_DIR / f"bpo-sglang-{node}-gpu{gpu.strip()}.lock"
+
+
+def gpu_locks(node: str, gpus: list[str], *, timeout_s: float, poll_s: float = 0.2) -> list[int]:
+    """Exclusive locks on ``gpus`` (GPU ids of the node at address ``node``), as open file
+    descriptors to hand to the server's supervisor; waits up to ``timeout_s`` for a previous
+    holder to exit, then raises :class:`ServerStartError` naming the GPUs still held."""
+    import fcntl
+
+    deadline = time.monotonic() + timeout_s
+    held: list[int] = []
+    try:
+        for gpu in gpus:
+            fd = os.open(gpu_lock_path(node, gpu), os.O_RDWR | os.O_CREAT, 0o600)
+            held.append(fd)
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise ServerStartError(
+                            f"GPU {gpu.strip()} is still held by another SGLang server (a replaced engine's, "
+                            f"still stopping) after {timeout_s:.0f} s; its process holds {gpu_lock_path(node, gpu)}"
+                        ) from None
+                    time.sleep(poll_s)
+    except BaseException:
+        for fd in held:
+            os.close(fd)
+        raise
+    return held
+
+
 
 def _free_port(host: str) -> int:
     with socket.socket() as sock:
@@ -84,17 +125,24 @@ class ServerProcess:
 
     def start(self) -> None:
         self.port = self.cfg.port or _free_port(self.cfg.bind_address)
-        self._write_key()
         env = {**os.environ, **SERVER_ENVIRONMENT}
         if self.cfg.visible_devices:
             # Ray shows the engine's actor only the GPU share it was given; the server runs on every
             # GPU of the engine's slots, as TP ranks 0..t-1 (its base GPU id is then 0)
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.cfg.visible_devices))
-        with open(self.log_path, "ab") as log:
-            # The supervisor's own session: Ray kills a dead actor's process group, and the
-            # supervisor must outlive the actor by the moment it takes to stop the server.
-            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)
+        gpus = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+        locks = gpu_locks(self.cfg.advertised_address, gpus, timeout_s=GPU_RELEASE_TIMEOUT_S)  # a killed predecessor's server gone first
+        self._write_key()
+        try:
+            with open(self.log_path, "ab") as log:
+                # The supervisor's own session: Ray kills a dead actor's process group, and the
+                # supervisor must outlive the actor by the moment it takes to stop the server. It
+                # holds the GPUs' locks (inherited) until the server it stops is gone.
+                self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                start_new_session=True, pass_fds=locks)
+        finally:
+            for fd in locks:
+                os.close(fd)
         self.starts += 1
         try:
             self.wait_healthy()
