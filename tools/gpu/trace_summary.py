@@ -17,22 +17,14 @@ import gzip
 import json
 from pathlib import Path
 
+from bpo_megatron.gpu_smoke.checks.train_fast_paths import covered_length  # the kit's busy-time rule
+
 
 def load(path: Path) -> list[dict]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
         data = json.load(f)
     return data["traceEvents"] if isinstance(data, dict) else data
-
-
-def union_us(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(intervals):
-        if stop <= end:
-            continue
-        total += stop - max(start, end)
-        end = stop
-    return total
 
 
 def top_level(ops: list[dict]) -> list[dict]:
@@ -51,7 +43,7 @@ def summarise(events: list[dict], top: int) -> str:
     ops = [e for e in timed if e.get("cat") == "cpu_op"]
     start = min(e["ts"] for e in timed)
     span = max(e["ts"] + e.get("dur", 0) for e in timed) - start
-    busy = union_us([(k["ts"], k["ts"] + k["dur"]) for k in kernels])
+    busy = covered_length(sorted((k["ts"], k["ts"] + k["dur"]) for k in kernels))
     lines = [f"span {span / 1e3:.1f} ms; GPU busy {busy / 1e3:.1f} ms ({len(kernels)} kernels), "
              f"idle {1 - busy / span:.1%} of the span" if span else "empty trace"]
     by_kernel: collections.Counter = collections.Counter()

@@ -80,7 +80,7 @@ def profile_step(actor, samples: list[TrainSample], trace: Path) -> dict[str, fl
     sync_names = SYNC_CALLS if cuda else ("aten::_local_scalar_dense",)
     syncs = sum(1 for e in events if e.name in sync_names)
     span = _span(events)
-    busy = _union(sorted((e.time_range.start, e.time_range.end) for e in kernels))
+    busy = covered_length(sorted((e.time_range.start, e.time_range.end) for e in kernels))
     trace.parent.mkdir(parents=True, exist_ok=True)
     raw = trace.with_suffix("")
     prof.export_chrome_trace(str(raw))
@@ -98,7 +98,7 @@ def _span(events) -> float:
     return (max(ends) - min(starts)) if starts else 0.0
 
 
-def _union(intervals: list[tuple[float, float]]) -> float:
+def covered_length(intervals: list[tuple[float, float]]) -> float:
     """Total length covered by sorted ``intervals`` (kernels on several streams may overlap)."""
     total, end = 0.0, float("-inf")
     for start, stop in intervals:
