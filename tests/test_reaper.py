@@ -67,10 +67,16 @@ def test_a_killed_driver_leaves_no_process_behind(tmp_path):
 
 
 def test_a_run_that_stops_in_order_ends_its_reaper():
-    from bpo_megatron.orchestration import cluster
-
-    cluster.start_reaper()
-    (reaper,) = cluster._reapers
-    assert reaper.poll() is None
-    cluster.stop_ray()
-    assert reaper.poll() is not None and cluster._reapers == []
+    # in a process of its own: the test session's shared Ray (and its reaper) must stay up
+    script = (
+        "from bpo_megatron.orchestration import cluster\n"
+        "cluster.start_reaper()\n"
+        "(reaper,) = cluster._reapers\n"
+        "assert reaper.poll() is None, 'the reaper ended on its own'\n"
+        "cluster.stop_ray()\n"
+        "assert reaper.poll() is not None and cluster._reapers == [], 'stop_ray left the reaper running'\n"
+        "print('reaper', reaper.pid, 'ended with', reaper.returncode)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ended with" in done.stdout

@@ -554,3 +554,25 @@ def test_a_server_starts_on_its_gpus_only_once_the_previous_servers_supervisor_i
     for fd in again:
         os.close(fd)
     assert gpu_locks("10.0.0.7", [], timeout_s=0) == []  # no GPU (a CPU server): nothing to wait for
+
+
+def test_a_later_turn_asks_only_for_the_routing_after_what_it_has():
+    """``routing_from`` becomes SGLang's ``routed_experts_start_len``; the sample's routing starts
+    there and is checked against the positions from there on."""
+    layout = RoutingLayout(num_hidden_layers=2, moe_layers=(1,), topk=2, num_experts=4)
+    request = GenerationRequest("c#0/t1", tuple(range(1, 11)), SamplingParams(max_new_tokens=4), routing_from=7)
+    (slot,) = expand([request])
+    assert generate_body([slot], capture_routing=True)["routed_experts_start_len"] == 7
+    rows = np.arange((10 + 3 - 1 - 7) * 2 * 2, dtype=np.int32).reshape(5, 2, 2) % 4  # positions 7 … 11
+    response = {"output_ids": [5, 6, 7], "meta_info": {
+        "id": slot.rid, "finish_reason": {"type": "stop"}, "weight_version": "0",
+        "output_token_logprobs": [(-0.1, 5, None), (-0.2, 6, None), (-0.3, 7, None)],
+        "weight_versions": [{"start": 0, "end": 3, "version": "0"}],
+        "routed_experts": base64.b64encode(rows.tobytes()).decode()}}
+    sample = decode_sample(slot, response, routing=layout)
+    assert sample.routing_start == 7 and sample.routed_experts.shape == (5, 1, 2)
+    with pytest.raises(ValueError, match="routing_from=11 must be within its 10 prompt tokens"):
+        GenerationRequest("c", tuple(range(1, 11)), routing_from=11)
+    other = GenerationRequest("d", (1, 2), SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match=r"one routed_experts_start_len; these items ask \[0, 7\]"):
+        generate_body(expand([request, other]), capture_routing=True)

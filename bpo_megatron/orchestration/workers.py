@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from bpo_megatron import platform
 from bpo_megatron.observability.library_logs import quiet_library_logs
+from bpo_megatron.orchestration import gloo_interface
 from bpo_megatron.orchestration.cluster import host_rendezvous
 from bpo_megatron.orchestration.host_values import returns_host_values
 
@@ -35,6 +36,9 @@ class TrainWorker:
         quiet_library_logs()
         torch.set_num_threads(threads)
         platform.bind_device()  # before NCCL binds this rank to a GPU
+        network_note = gloo_interface.apply()  # before any gloo group exists
+        if network_note and rank == 0:
+            print(f"trainer: {network_note}", flush=True)
         self.rank, self.world_size, self.spec, self.hf = rank, world_size, spec, spec.hf
         self._transports: dict[tuple[str, str], Any] = {}  # (transport, engine group) -> it (a group stays open)
         self._weight_stores: dict[str, Any] = {}  # engine group -> the store its weight group will meet at

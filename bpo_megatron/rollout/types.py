@@ -46,16 +46,25 @@ class GenerationRequest:
     engine returns them only when it was itself started with capture
     (``rollout.capture_routed_experts``, R3) and the request asks; the samples of a request that
     does not ask carry ``routed_experts=None``. Training rollouts ask; evaluation, whose routing
-    nothing replays, does not (at long responses that routing is gigabytes per evaluation)."""
+    nothing replays, does not (at long responses that routing is gigabytes per evaluation).
+
+    ``routing_from``: the positions before it are ones whose routing the caller already has (a
+    conversation's later turn: its earlier turns reported them), so an engine that can may report
+    routed experts from that position on only (SGLang's ``routed_experts_start_len``); the sample
+    says where its routing starts (``Sample.routing_start``)."""
 
     request_id: str
     prompt_tokens: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     capture_routing: bool = True
+    routing_from: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:
             raise ValueError(f"request {self.request_id!r} has an empty prompt")
+        if not 0 <= self.routing_from <= len(self.prompt_tokens):
+            raise ValueError(f"request {self.request_id!r}: routing_from={self.routing_from} must be within its "
+                             f"{len(self.prompt_tokens)} prompt tokens")
 
 
 @dataclass
@@ -68,7 +77,9 @@ class Sample:
     response_tokens: torch.Tensor  # [R] int64 (includes the stop token when one ended it)
     rollout_logprobs: torch.Tensor  # [R] float32, log μ of each response token
     finish_reason: FinishReason
-    routed_experts: torch.Tensor | None = None  # [P + R − 1, MoE layers, top-k] when captured
+    routed_experts: torch.Tensor | None = None  # [P + R − 1 − routing_start, MoE layers, top-k] when captured
+    # the first position ``routed_experts`` covers: 0, or a later turn's ``GenerationRequest.routing_from``
+    routing_start: int = 0
     weight_version: int = 0  # the engine's weights that produced it (the trainer's update count); the oldest
     # [R] int64: the weights version that sampled each response token, where the engine records it
     # (a partial rollout, paused for a weight update and continued, spans two or more)
@@ -133,7 +144,7 @@ class Sample:
             raise ValueError(f"sample {self.request_id}/{self.index}: tokens from the environment carry no log μ "
                              "(0 there): the model did not sample them")
         if self.routed_experts is not None:
-            want = (self.prompt_tokens.numel() + r - 1, num_moe_layers, topk)
+            want = (self.prompt_tokens.numel() + r - 1 - self.routing_start, num_moe_layers, topk)
             got = tuple(self.routed_experts.shape)
             if got[0] != want[0] or (num_moe_layers is not None and got[1:] != want[1:]):
                 raise ValueError(f"sample {self.request_id}/{self.index}: routed experts {got}, expected {want}")

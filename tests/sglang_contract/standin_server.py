@@ -30,7 +30,7 @@ under ``in_place`` the version that processed it.
 
 What this stand-in does not do that SGLang does (so nothing here proves it): real generation and
 kernels, CUDA IPC and NCCL, TP ranks in one process group, SGLang's own retraction of requests when
-its KV pool overflows (admission here reserves each response's true length), its tokenizer
+its KV pool overflows unless asked to (``--standin-new-token-ratio``, below), its tokenizer
 manager's request state machine (ours answers a finished request in one piece), streaming, and the
 memory saver's device pages (host storages stand for them).
 
@@ -53,7 +53,19 @@ sleeps S seconds after each decoding step (a generation long enough to be paused
 ``--standin-kv-tokens N`` gives the KV pool N tokens (0: unbounded); ``--standin-call-log PATH``
 appends every control call received to PATH (JSON lines); ``--standin-lengths longtail``
 draws response lengths as long-tailed as RL's (30% at ``max_new_tokens``, the rest log-uniform
-below it) instead of 3–7 tokens.
+below it) instead of 3–7 tokens; ``--standin-drop-generate N`` closes the connection of the N-th
+``POST /generate`` without an answer (once per marker directory: a keep-alive race, the server
+stays up).
+
+Retraction for KV space (``--standin-new-token-ratio R`` with ``--standin-kv-tokens``): admission
+reserves, as SGLang's scheduler estimates it, the prompt and ``R × max_new_tokens`` of response; a
+decoding step that would overflow the pool retracts running requests in SGLang's order (fewest
+output tokens first, then longest prompt; at least one keeps running) back to the head of the
+queue with their output kept, and counts each in ``meta_info.num_retractions`` (as SGLang's
+``Req.reset_for_retract`` does, which a ``retract`` pause calls too: those are counted alike). A
+retracted request is prefilled again in another batch, so the routing reported for every position
+is the last prefill's, which differs from the routing that sampled the tokens before it: made up
+here from (request, position, version, space retractions so far).
 
 Scheduling, as SGLang's scheduler does it in outline: every request waits in one queue, is admitted
 while the KV pool holds its prompt and its response (this stand-in knows each response's length in
@@ -111,6 +123,8 @@ def _parse() -> tuple[argparse.Namespace, argparse.Namespace]:
     controls.add_argument("--standin-kv-tokens", type=int, default=0)
     controls.add_argument("--standin-lengths", choices=("short", "longtail"), default="short")
     controls.add_argument("--standin-call-log", default="")
+    controls.add_argument("--standin-new-token-ratio", type=float, default=0.0)
+    controls.add_argument("--standin-drop-generate", type=int, default=0)
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)  # SGLang's own flags: ours must be among them
     if "--config" in theirs:  # SGLang's own merge of a --config file into the flags
@@ -125,7 +139,7 @@ def _parse() -> tuple[argparse.Namespace, argparse.Namespace]:
 ARGS, CONTROLS = _parse()
 MODEL = json.loads((Path(ARGS.model_path) / "config.json").read_text())
 LOCK = threading.Lock()
-STATE = {"generate_calls": 0, "releases": 0, "calls": [], "paused": False, "pause_mode": None, "tokens": 0, "released": []}
+STATE = {"generate_calls": 0, "generate_posts": 0, "routing_starts": [], "releases": 0, "calls": [], "paused": False, "pause_mode": None, "tokens": 0, "released": []}
 
 
 def _record(call: dict, *, keep: bool = True) -> None:
@@ -185,7 +199,7 @@ class Ranks:
         return all(ok for ok, _ in replies), " | ".join(message for _, message in replies)
 
 
-def _routed_experts(rid: str, prompt_len: int, spans: list[dict]) -> str:
+def _routed_experts(rid: str, prompt_len: int, spans: list[dict], prefills: int = 0, start: int = 0) -> str:
     """What SGLang reports for a finished request: int32 ``[prompt + output − 1, every hidden layer,
     top-k]``, dense layers zero. The experts of a position are made up from (request id, position,
     the weights version that routed it), so they change with the weights as a real router's do.
@@ -193,7 +207,10 @@ def _routed_experts(rid: str, prompt_len: int, spans: list[dict]) -> str:
     frees the request's KV cache and SGLang prefills prompt + output again with the weights of the
     continue, so every position reports the request's last version (its last token's, from its
     ``weight_versions`` spans); ``in_place`` keeps the cache, so a position keeps the version that
-    processed it (the prompt: the prefill's, token 0's; position q ≥ P − 1: token q − P + 1's)."""
+    processed it (the prompt: the prefill's, token 0's; position q ≥ P − 1: token q − P + 1's).
+    ``prefills``: the request's retractions for KV space, each a prefill of every position again in
+    another batch (the last one is what the request reports). ``start``: the request's
+    ``routed_experts_start_len``, the first position reported (SGLang's ``[start, seqlen − 1)``)."""
     experts = MODEL.get("num_experts") or MODEL["num_local_experts"]  # transformers 5 writes the latter
     layers, topk = MODEL["num_hidden_layers"], MODEL["num_experts_per_tok"]
     dense = set(MODEL.get("mlp_only_layers") or [])
@@ -203,13 +220,13 @@ def _routed_experts(rid: str, prompt_len: int, spans: list[dict]) -> str:
         pauses = [call["mode"] for call in STATE["calls"] if call["call"] == "pause_generation"]
     in_place = bool(pauses) and pauses[-1] == "in_place"
     rows = prompt_len + len(versions) - 1
-    out = np.zeros((rows, layers, topk), dtype=np.int32)
-    for row in range(rows):
+    out = np.zeros((max(0, rows - start), layers, topk), dtype=np.int32)
+    for row in range(start, rows):
         version = versions[max(0, row - prompt_len + 1)] if in_place and versions else last
-        rng = random.Random(f"{rid}/{row}/{version}")
+        rng = random.Random(f"{rid}/{row}/{version}" + (f"/prefill{prefills}" if prefills else ""))
         for layer in range(layers):
             if layer not in dense:
-                out[row, layer] = rng.sample(range(experts), topk)
+                out[row - start, layer] = rng.sample(range(experts), topk)
     return base64.b64encode(out.tobytes()).decode()
 
 
@@ -243,6 +260,9 @@ class Request:
         self.weight_version_events: list = []  # SGLang's WeightVersionEvent, appended by its own rule
         self.finish = {"type": "length", "length": self.budget}
         self.done = False
+        self.max_new_tokens = params.get("max_new_tokens") or 16
+        self.retractions = 0  # every retraction, a pause's included (SGLang's retraction_count)
+        self.space_retractions = 0
 
     def step(self, version: str) -> None:
         token = self.rng.randrange(MODEL["vocab_size"])
@@ -253,18 +273,19 @@ class Request:
         elif len(self.output_ids) >= self.budget:
             self.done = True
 
-    def answer(self, want_routing: bool, version: str) -> dict:
+    def answer(self, want_routing: bool, version: str, routing_start: int = 0) -> dict:
         from sglang.srt.utils.weight_versions import add_weight_versions_to_meta_info, compute_weight_version_spans
 
         tokens = self.output_ids
         meta = {"id": self.rid, "finish_reason": self.finish, "prompt_tokens": len(self.prompt),
-                "completion_tokens": len(tokens),
+                "completion_tokens": len(tokens), "num_retractions": self.retractions,
                 "output_token_logprobs": [(lp, t, None) for lp, t in zip(self.logprobs, tokens)]}
         spans = compute_weight_version_spans(self.weight_version_events, current_version=version,
                                              num_output_tokens=len(tokens))
         add_weight_versions_to_meta_info(meta, spans, len(tokens))
         if want_routing and ARGS.enable_return_routed_experts:  # without the flag SGLang silently omits it
-            meta["routed_experts"] = _routed_experts(self.rid, len(self.prompt), meta["weight_versions"])
+            meta["routed_experts"] = _routed_experts(self.rid, len(self.prompt), meta["weight_versions"],
+                                                     self.space_retractions, routing_start)
         return {"output_ids": tokens, "meta_info": meta}
 
 
@@ -287,7 +308,24 @@ class Scheduler:
 
     @staticmethod
     def _tokens(request: Request) -> int:
+        """What admission reserves for a request: its true length, or SGLang's estimate of it."""
+        if CONTROLS.standin_new_token_ratio:
+            return len(request.prompt) + max(len(request.output_ids) + 1,
+                                             math.ceil(CONTROLS.standin_new_token_ratio * request.max_new_tokens))
         return len(request.prompt) + request.budget
+
+    def _retract_for_space(self) -> None:
+        """Before a decoding step: while the running requests' next tokens overflow the pool,
+        retract in SGLang's order (``ScheduleBatch._get_decode_retraction_order``)."""
+        if not (CONTROLS.standin_new_token_ratio and self.capacity):
+            return
+        self.running.sort(key=lambda item: (len(item[0].output_ids), -len(item[0].prompt)), reverse=True)
+        while len(self.running) > 1 and sum(len(r.prompt) + len(r.output_ids) + 1 for r, _ in self.running) > self.capacity:
+            request, event = self.running.pop()
+            request.retractions += 1
+            request.space_retractions += 1
+            self.waiting.insert(0, (request, event))
+        self.used = sum(self._tokens(r) for r, _ in self.running)
 
     async def run(self, requests: list[Request]) -> None:
         """Queue ``requests`` and return when every one is finished."""
@@ -321,6 +359,7 @@ class Scheduler:
                 await asyncio.sleep(0.005)  # SGLang holds new requests and stops decoding while paused
                 continue
             self._admit()
+            self._retract_for_space()
             _forward_pass()
             with LOCK:  # one decoding step of every running request, under one version
                 for request, _ in self.running:
@@ -333,8 +372,8 @@ class Scheduler:
                                    bool(self.waiting)))
             for request, event in [item for item in self.running if item[0].done]:
                 self.running.remove((request, event))
-                self.used -= self._tokens(request)
                 event.set()
+            self.used = sum(self._tokens(r) for r, _ in self.running)
             delay = CONTROLS.standin_token_delay + CONTROLS.standin_seq_delay * len(self.running)
             await asyncio.sleep(delay)
 
@@ -454,6 +493,9 @@ class TokenizerManager:
         with LOCK:
             _record({"call": "pause_generation", "mode": obj.mode})
             STATE["paused"], STATE["pause_mode"] = True, obj.mode
+            if obj.mode == "retract":  # SGLang retracts the running batch (retract_all → reset_for_retract)
+                for request, _ in SCHEDULER.running:
+                    request.retractions += 1
 
     async def continue_generation(self, obj):
         with LOCK:
@@ -487,12 +529,35 @@ class TokenizerManager:
             prompts = obj.input_ids if batch else [obj.input_ids]
             params = obj.sampling_params if batch else [obj.sampling_params]
             requests = [Request(r, p, s or {}) for r, p, s in zip(rids, prompts, params)]
+            start = obj.routed_experts_start_len  # one per body, as SGLang's io_struct splits it
+            with LOCK:
+                STATE["routing_starts"].append(start)
             await SCHEDULER.run(requests)
-            outs = [r.answer(obj.return_routed_experts, STATE["version"]) for r in requests]
+            outs = [r.answer(obj.return_routed_experts, STATE["version"], start) for r in requests]
             self.last_receive_tstamp = time.time()
             yield outs if batch else outs[0]
 
         return answer()
+
+
+def _dropping_one_generate(app):
+    """The app, but the N-th ``POST /generate`` has its connection closed once its body is read,
+    with no answer (what a client sees when the server closes a keep-alive connection it sends on)."""
+
+    async def dropping(scope, receive, send):
+        if scope["type"] == "http" and scope["path"] == "/generate":
+            with LOCK:
+                STATE["generate_posts"] += 1
+                drop = STATE["generate_posts"] == CONTROLS.standin_drop_generate and _once("dropped")
+                if drop:
+                    _record({"call": "dropped_generate"})
+            if drop:
+                await receive()
+                send.__self__.transport.close()  # uvicorn's request cycle: its connection
+                return
+        await app(scope, receive, send)
+
+    return dropping
 
 
 def main() -> None:
@@ -523,10 +588,12 @@ def main() -> None:
             return {"fingerprints": fingerprints, "versions": versions, "origins": origins,
                     "calls": list(STATE["calls"]), "tokens": STATE["tokens"], "paused": STATE["paused"],
                     "released": list(STATE["released"]), "scheduler": SCHEDULER.stats(),
+                    "generate_calls": STATE["generate_calls"], "generate_posts": STATE["generate_posts"],
+                    "routing_starts": list(STATE["routing_starts"]),
                     "args": {"memory_saver": ARGS.enable_memory_saver, "tp_size": ARGS.tp_size}}
 
     print(f"sglang stand-in on {ARGS.host}:{ARGS.port}, tp {ARGS.tp_size}, model {ARGS.model_path}", flush=True)
-    uvicorn.run(http_server.app, host=ARGS.host, port=ARGS.port, lifespan="off", log_level="warning")
+    uvicorn.run(_dropping_one_generate(http_server.app) if CONTROLS.standin_drop_generate else http_server.app, host=ARGS.host, port=ARGS.port, lifespan="off", log_level="warning")
 
 
 if __name__ == "__main__":

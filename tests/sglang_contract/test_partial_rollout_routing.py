@@ -14,6 +14,7 @@ nothing needs masking; checked here by a client patched to pause that way.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -105,3 +106,46 @@ def test_each_token_is_replayed_with_the_routing_that_sampled_it_or_masked_and_c
         want = [mode == "in_place" or v == sample.token_versions[-1] for v in sample.token_versions.tolist()]
         got = [True] * len(want) if trained.train_mask is None else trained.train_mask.tolist()
         assert got == want
+
+
+def test_a_request_retracted_for_kv_space_has_all_its_tokens_masked_and_counted(checkpoints, layout, tmp_path):
+    """SGLang retracts a running request when the KV pool overflows (its admission only estimated
+    the response's length) and prefills it again later in another batch: the routing it reports is
+    that prefill's, not what sampled the tokens before. The stated rule (README, R3): such a
+    response (``meta_info.num_retractions`` beyond its weight updates) keeps its tokens and μ but
+    none of them is trained on with replayed routing, and its share is ``rollout/retracted_frac``.
+    A response never retracted is replayed exactly."""
+    asked = requests(count=4, n=2)
+    # admission reserves 10% of max_new_tokens: 4 requests in flight outgrow a pool of 24 tokens,
+    # one at a time never does (the largest needs 14)
+    engine = start(checkpoints[0], layout, tmp_path, "--standin-kv-tokens", "24", "--standin-new-token-ratio", "0.1")
+    try:
+        tight = engine.cfg
+        engine.cfg = dataclasses.replace(tight, max_inflight=1)
+        reference = _by_response(engine.generate(asked))
+        engine.cfg = tight
+        samples = engine.generate(asked)
+    finally:
+        engine.shutdown()
+    assert not any(s.retracted_for_space for s in reference.values())
+    retracted = [s for s in samples if s.retracted_for_space]
+    kept = [s for s in samples if not s.retracted_for_space]
+    assert retracted and kept, "the tight pool retracts some requests and not others"
+    for sample in samples:
+        expected = reference[(sample.request_id, sample.index)]
+        assert torch.equal(sample.response_tokens, expected.response_tokens)  # the same seeded tokens
+    for sample in kept:
+        assert sample.routing_valid is None
+        assert torch.equal(sample.routed_experts, reference[(sample.request_id, sample.index)].routed_experts)
+    for sample in retracted:  # the re-prefill's routing is not what sampled the earlier tokens
+        assert not torch.equal(sample.routed_experts, reference[(sample.request_id, sample.index)].routed_experts)
+        assert sample.routing_valid.tolist() == [False] * sample.response_tokens.numel()
+
+    rewards = torch.tensor([1.0, 0.0] * 4)
+    train, metrics = training_samples(samples, rewards, 2, keep_routing=True, asynchronous=False)
+    assert metrics["rollout/retracted_frac"] == len(retracted) / len(samples)
+    for sample, trained in zip(samples, train):
+        if sample.retracted_for_space:
+            assert trained.train_mask is not None and not bool(trained.train_mask.any())
+        else:
+            assert trained.train_mask is None or bool(trained.train_mask.all())

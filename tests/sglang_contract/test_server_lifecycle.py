@@ -159,3 +159,23 @@ def test_a_server_refuses_callers_without_its_key_and_the_key_is_never_shown(che
                     if p.stat().st_mtime > time.time() - 600 and key in p.read_text()], "the key file is removed"
     finally:
         engine.shutdown()
+
+
+# -------------------------------------------------------------------------------- connections
+def test_a_connection_dropped_on_one_request_is_sent_again_and_the_server_stays_up(checkpoints, layout, tmp_path):
+    """The server closes the connection of one ``/generate`` unanswered (a keep-alive race): the
+    client sends that request again, the other requests are untouched, and the server — alive and
+    answering ``/health`` — is neither judged lost nor restarted."""
+    engine = start(checkpoints[0], layout, tmp_path, "--standin-drop-generate", "3")
+    try:
+        pid = engine.server.process.pid
+        samples = engine.generate(requests(count=4, n=2))
+        after = state(engine)
+        assert engine.server.alive() and engine.server.process.pid == pid
+    finally:
+        engine.shutdown()
+    assert sorted((s.request_id, s.index) for s in samples) == [(f"q{i}", j) for i in range(4) for j in range(2)]
+    assert all(s.response_tokens.numel() > 0 for s in samples)
+    assert any(call["call"] == "dropped_generate" for call in after["calls"])
+    # eight requests reached SGLang's tokenizer manager once each; the dropped POST was sent twice
+    assert (after["generate_calls"], after["generate_posts"]) == (8, 9)

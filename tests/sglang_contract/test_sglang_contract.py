@@ -490,14 +490,16 @@ def test_multi_turn_rollouts_send_every_turn_as_input_ids_and_keep_each_turns_ro
     whose ``input_ids`` are the prompt, the engine's own output ids and the tool's ids (nothing is
     retokenised); the sample is the turns end to end, log μ as SGLang reported each model token
     and 0 on the tool's, and each position's routed experts as reported by the turn that first
-    processed it (a later turn's request reports the earlier positions again, as its own prefill)."""
+    processed it: a later turn asks SGLang (``routed_experts_start_len``) for the positions after
+    the earlier turns' only, and gets exactly those."""
     import bpo_megatron.rollout.sglang.client as client_module
 
-    posted = {}
+    posted, starts = {}, {}
 
     def recording(items, *, capture_routing):
         body = generate_body(items, capture_routing=capture_routing)
         posted.update({rid: ids for rid, ids in zip(body["rid"], body["input_ids"])})
+        starts.update({rid: body["routed_experts_start_len"] for rid in body["rid"]})
         return body
 
     monkeypatch.setattr(client_module, "generate_body", recording)
@@ -521,13 +523,18 @@ def test_multi_turn_rollouts_send_every_turn_as_input_ids_and_keep_each_turns_ro
             sent = posted[parts[k].request_id + "#0"]
             before = list(parts[k - 1].prompt_tokens.tolist()) + parts[k - 1].response_tokens.tolist() + TOOL_OUTPUT
             assert sent == before, "a later turn must be sent as the whole sequence's ids"
+            known = parts[k - 1].prompt_tokens.numel() + parts[k - 1].response_tokens.numel() - 1
+            assert starts[parts[k].request_id + "#0"] == known == parts[k].routing_start
+            # only the positions after the earlier turns' came over the wire
+            assert parts[k].routed_experts.shape[0] == parts[k].prompt_tokens.numel() + parts[k].response_tokens.numel() - 1 - known
+        assert starts[parts[0].request_id + "#" + str(parts[0].index)] == 0 == parts[0].routing_start
         expected, env, logprobs, rows, start = [], [], [], [], 0
         for k, part in enumerate(parts):
             expected += part.response_tokens.tolist()
             env += [False] * part.response_tokens.numel()
             logprobs.append(part.rollout_logprobs)
             end = part.prompt_tokens.numel() + part.response_tokens.numel() - 1
-            rows.append(part.routed_experts[start:end])
+            rows.append(part.routed_experts[start - part.routing_start:end - part.routing_start])
             start = end
             if k < len(parts) - 1:
                 expected += TOOL_OUTPUT

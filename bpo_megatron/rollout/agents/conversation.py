@@ -14,8 +14,9 @@ again to the engine's replacement) and the turns before it are kept.
 The sample of a conversation is its turns end to end (:func:`assemble`): the model's tokens with
 their log μ, versions and routing validity, the environment's tokens marked
 (``Sample.from_environment``) with log μ 0. With routing captured, each position's routed experts
-come from the first turn that processed it: a turn reports the whole sequence it saw, and its own
-positions are those after the previous turn's last one, so every model token keeps the routing
+come from the first turn that processed it: a turn's own positions are those after the previous
+turn's last one, and a later turn asks the engine for those only (``routing_from``: SGLang sends
+the rest of the sequence's routing, not the whole conversation's again), so every model token keeps the routing
 that sampled it (R3 replays that) — except the tokens of a turn whose engine re-prefilled the
 conversation with newer weights (an update between turns empties its cache): they were sampled
 after the prefix's new routing, which R3 does not replay, so they are masked for R3 and counted
@@ -219,8 +220,11 @@ class _Dialogue:
         sampling = dataclasses.replace(
             self.request.sampling, n=1, max_new_tokens=self.request.sampling.max_new_tokens - self.used,
             seed=None if self.seed is None else self.seed + turn * TURN_SEED_STRIDE)
+        last = self.turns[-1]  # the positions the turns so far reported: only the rest is asked for
+        known = last.routing_start + (last.routed_experts.shape[0] if last.routed_experts is not None else 0)
         return GenerationRequest(f"{first.request_id}#{first.index}/t{turn}", tuple(tokens), sampling,
-                                 capture_routing=self.request.capture_routing)
+                                 capture_routing=self.request.capture_routing,
+                                 routing_from=known if last.routed_experts is not None else 0)
 
 
 def assemble(turns: list[Sample], environment: list[list[int]], finish: str) -> Sample:
@@ -271,16 +275,19 @@ def _prefix_rerouted(turns: list[Sample]) -> list[bool]:
 
 
 def _routing(turns: list[Sample]) -> torch.Tensor | None:
-    """Each position's experts from the first turn that processed it (None unless every turn has them)."""
+    """Each position's experts from the first turn that processed it (None unless every turn has them).
+    A later turn reports positions from its ``routing_start`` on (the earlier turns' are not asked
+    again where the engine can leave them out)."""
     if any(s.routed_experts is None for s in turns):
         return None
     parts, start = [], 0
     for sample in turns:
         end = sample.prompt_tokens.numel() + sample.response_tokens.numel() - 1  # the positions it fed
-        if sample.routed_experts.shape[0] != end:
-            raise ValueError(f"turn {sample.request_id}: routed experts for {sample.routed_experts.shape[0]} "
-                             f"positions, expected {end}")
-        parts.append(sample.routed_experts[start:end])
+        offset = sample.routing_start
+        if sample.routed_experts.shape[0] != end - offset or offset > start:
+            raise ValueError(f"turn {sample.request_id}: routed experts for positions {offset}…"
+                             f"{offset + sample.routed_experts.shape[0]}, expected {start}…{end} at least")
+        parts.append(sample.routed_experts[start - offset:end - offset])
         start = end
     return torch.cat(parts)
 

@@ -52,7 +52,11 @@ def generate_body(items: list[ResponseSlot], *, capture_routing: bool) -> dict:
     """One batched ``/generate`` request body. ``capture_routing``: the engine captures routed
     experts; they are asked for when some item's request wants them (SGLang takes one flag per
     body; the client posts one item per body, so each request gets exactly what it asked for, and
-    :func:`decode_sample` ignores routing sent for an item that did not ask)."""
+    :func:`decode_sample` ignores routing sent for an item that did not ask). Routing is asked
+    from the items' ``routing_from`` on (one value per body, as SGLang takes it)."""
+    starts = {item.request.routing_from for item in items}
+    if len(starts) != 1:
+        raise ValueError(f"one /generate body takes one routed_experts_start_len; these items ask {sorted(starts)}")
     return {
         "rid": [item.rid for item in items],
         "input_ids": [list(item.request.prompt_tokens) for item in items],
@@ -60,7 +64,8 @@ def generate_body(items: list[ResponseSlot], *, capture_routing: bool) -> dict:
         "return_logprob": True,
         "logprob_start_len": -1,  # output tokens only
         "return_routed_experts": any(returns_routing(item, capture_routing) for item in items),
-        "routed_experts_start_len": 0,  # routing of the whole sequence, prompt included
+        # the positions from there on (0: the whole sequence, prompt included)
+        "routed_experts_start_len": starts.pop(),
     }
 
 
@@ -182,6 +187,7 @@ def decode_sample(item: ResponseSlot, response: dict, *, routing: RoutingLayout 
             )
         try:
             sample.routed_experts = routing.decode_int32(base64.b64decode(encoded), where=f"{item.rid}: routed_experts")
+            sample.routing_start = item.request.routing_from
         except RoutingError as exc:
             raise ProtocolError(str(exc)) from exc
         if versions is None and reprefills(pause_mode):
