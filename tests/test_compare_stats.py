@@ -319,3 +319,46 @@ def test_a_runs_csv_written_before_conditions_reads_as_no_condition(runs_dir, tm
 def test_a_bad_condition_name_is_refused(runs_dir, capsys):
     assert _compare(runs_dir, "--condition", "bf16 r3") == 2
     assert "--condition 'bf16 r3': use letters, digits, '-' and '_'" in capsys.readouterr().err
+
+
+TIER_B = Path(__file__).resolve().parents[1] / "docs" / "tier_b" / "main"
+
+
+def _final_windows(path: Path) -> dict[tuple[str, int], float]:
+    """Each run's mean accuracy over its last 3 evaluations, read with the csv module alone."""
+    evaluations: dict[tuple[str, int], dict[int, float]] = {}
+    with path.open() as f:
+        for record in csv.DictReader(f):
+            evaluations.setdefault((record["method_id"], int(record["seed"])), {})[int(record["step"])] = \
+                float(record["accuracy"])
+    return {key: sum(at[s] for s in sorted(at)[-3:]) / 3 for key, at in evaluations.items()}
+
+
+def test_between_two_settings_each_methods_change_and_its_difference_from_the_references(tmp_path):
+    """``--between r3/0,r3/4`` on the committed Tier B runs: the cost of staleness per method and
+    against BPO's, recomputed here from the CSVs by hand (t quantile of 9 degrees of freedom)."""
+    k0, k4 = _final_windows(TIER_B / "runs_r3_k0.csv"), _final_windows(TIER_B / "runs_r3_k4.csv")
+    seeds = range(1, 11)
+
+    def change(method: str) -> list[float]:
+        return [100 * (k4[(method, s)] - k0[(method, s)]) for s in seeds]
+
+    def interval(deltas: list[float]) -> str:
+        mean = sum(deltas) / len(deltas)
+        sd = math.sqrt(sum((d - mean) ** 2 for d in deltas) / (len(deltas) - 1))
+        half = 2.262157 * sd / math.sqrt(len(deltas))
+        return f"{mean:+.1f} [{mean - half:+.1f}, {mean + half:+.1f}] | {sd:.1f}"
+
+    out = tmp_path / "between"
+    csvs = ",".join(str(TIER_B / f"runs_{name}.csv") for name in ("r3_k4", "bf16_k0", "r3_k0"))
+    assert main(["compare", "--from-csv", csvs, "--between", "r3/0,r3/4", "--out", str(out)]) == 0
+    table = (out / "results.md").read_text().split("From r3/0 to r3/4")[1].split("Training diagnostics")[0]
+    bpo = change("bpo")
+    assert f"| BPO | 10 | {interval(bpo)} | reference |  |" in table
+    for method, label in (("grpo", "GRPO-ClipHigher"), ("dppo_tv", "DPPO"), ("bpo_eps1e3", "BPO ε=1e3")):
+        versus = [c - b for c, b in zip(change(method), bpo)]
+        own, rest = interval(change(method)), interval(versus).split(" | ")[0]
+        assert f"| {label} | 10 | {own} | {rest} |" in table
+    assert "| BPO | 10 | -11.3 [-13.6, -9.0] | 3.2 |" in table  # what docs/results.md quotes
+    assert "| GRPO-ClipHigher | 10 | -5.7 [-7.2, -4.2] | 2.1 | +5.6 [+2.9, +8.3] | 0.001 |" in table
+    assert main(["compare", "--from-csv", csvs, "--between", "r3/0,r3/9", "--out", str(out)]) == 2

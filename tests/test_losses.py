@@ -372,6 +372,31 @@ def test_metrics_values():
     assert m["weight_max"] == pytest.approx(2.0)
     assert m["abs_logp_diff_mean"] == pytest.approx(math.log(2) / 3)
     assert m["kl_k3"] == pytest.approx((2 - 1 - math.log(2)) / 3)
+    # by μ: token 1 (Â>0, μ = 0.5: mid) kept, token 2 (Â>0, μ = 0.25: mid) dropped, token 3
+    # (Â<0, μ = 0.5) kept; token 4 is off the mask; no token has μ < 0.2 or μ ≥ 0.9
+    assert m["clip_frac_pos_mu_mid"] == pytest.approx(1 / 2) and m["clip_frac_neg_mu_mid"] == 0.0
+    assert not {"clip_frac_pos_mu_low", "clip_frac_pos_mu_high", "clip_frac_neg_mu_low",
+                "clip_frac_neg_mu_high"} & set(m)
+
+
+def test_masked_shares_by_sign_and_rollout_probability_against_a_direct_count():
+    lp, lq, adv, mask = make_batch("bpo", seed=11)
+    _, m = compute_policy_loss(lp, lq, adv, mask, PolicyLossConfig(name="bpo"))
+    # the mask of BPO recomputed from its definition: |ω − 1| beyond the band on the advantage's side
+    p, q, a = lp.exp(), lq.exp(), adv
+    omega = (1 - q + CFG.bpo_eps) / (1 - p + CFG.bpo_eps)
+    dropped = torch.where(a > 0, omega > 1 + CFG.eps_high, omega < 1 - CFG.eps_low) & mask.bool()
+    total = 0
+    for sign, side in (("pos", a > 0), ("neg", a < 0)):
+        for name, in_bin in (("low", q < 0.2), ("mid", (q >= 0.2) & (q < 0.9)), ("high", q >= 0.9)):
+            tokens = side & in_bin & mask.bool()
+            key = f"clip_frac_{sign}_mu_{name}"
+            if tokens.any():
+                assert m[key] == pytest.approx(float((dropped & tokens).sum() / tokens.sum())), key
+                total += int(tokens.sum())
+            else:
+                assert key not in m
+    assert total == int(((a != 0) & mask.bool()).sum())
 
 
 @pytest.mark.parametrize("agg", sorted(AGGREGATIONS))

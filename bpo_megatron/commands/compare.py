@@ -204,9 +204,12 @@ def _difference(d: PairedDifference) -> str:
     return f"{_points(d.mean)} [{_points(d.low)}, {_points(d.high)}]"
 
 
-def summary(rows: list[EvalRow], *, stat: str = "final-window", window: int = 3, primary: str | None = None) -> str:
+def summary(rows: list[EvalRow], *, stat: str = "final-window", window: int = 3, primary: str | None = None,
+            between: str | None = None) -> str:
     """The results tables of ``rows`` (``runs.csv``'s), in ``compare``'s order: settings and
-    methods as they first appear; the first method is the reference."""
+    methods as they first appear; the first method is the reference. ``between`` (``A,B``: two
+    settings' labels) adds what going from setting A to B changes, per method and against the
+    reference (:func:`between_table`)."""
     if stat not in STATS:
         raise ValueError(f"--stat {stat!r} is unknown; choose one of {', '.join(STATS)}")
     runs: dict[tuple[str, Setting, int], list[EvalRow]] = {}
@@ -263,6 +266,8 @@ def summary(rows: list[EvalRow], *, stat: str = "final-window", window: int = 3,
                          f"| {holm_p} |")
         heading = f"### {_setting_text(k)}\n\n" if setting_label(k) else ""
         sections.append(heading + "\n".join(lines))
+    if between:
+        sections.append(between_table(values, labels, methods, settings, seeds, between, stat))
     diagnostics = diagnostics_table(runs, labels, methods, settings, seeds)
     if diagnostics:
         sections.append(diagnostics)
@@ -272,6 +277,49 @@ def summary(rows: list[EvalRow], *, stat: str = "final-window", window: int = 3,
                         "each step's start, newer than those that sampled the responses (decoupled PPO), so the "
                         "correction's ρ = π_old/μ carries staleness as well as the engine/trainer mismatch.")
     return "\n\n".join(sections)
+
+
+def between_table(values: dict, labels: dict, methods: list[str], settings: list, seeds: list[int], between: str,
+                  stat: str) -> str:
+    """``--between A,B``: per method, the per-seed change of its number from setting A to
+    setting B (paired by seed: the same seed in both), and for every method but the reference,
+    that change less the reference's change (the difference of differences, paired by seed).
+    Exploratory: unadjusted p-values."""
+    by_label = {setting_label(k): k for k in settings}
+    names = [name.strip() for name in between.split(",")]
+    if len(names) != 2 or any(name not in by_label for name in names) or names[0] == names[1]:
+        raise ValueError(f"--between {between!r}: name two different settings of these runs as A,B; they have "
+                         f"{', '.join(by_label)}")
+    a, b = by_label[names[0]], by_label[names[1]]
+    reference = methods[0]
+
+    def change(method: str, paired: list[int]) -> list[float]:
+        return [values[(method, b, s)] - values[(method, a, s)] for s in paired]
+
+    def seeds_of(*of: str) -> list[int]:
+        return [s for s in seeds if all((m, k, s) in values for m in of for k in (a, b))]
+
+    lines = [f"From {names[0]} to {names[1]} ({stat}; exploratory, p unadjusted): per method, the change B − A in "
+             "points, paired by seed, mean [95% t-interval] and its per-seed SD; against "
+             f"{labels[reference]}: that change less {labels[reference]}'s, paired by seed.", "",
+             f"| method | pairs | {names[1]} − {names[0]} [95% t-interval] | SD | − {labels[reference]}'s change "
+             "[95% t-interval] | p |", "|---|---:|---:|---:|---:|---:|"]
+    for method in methods:
+        paired = seeds_of(method)
+        if not paired:
+            continue
+        own = paired_t(change(method, paired), [0.0] * len(paired))
+        sd = f"{100 * statistics.stdev(change(method, paired)):.1f}" if len(paired) > 1 else ""
+        versus, p = ("reference", "")
+        if method != reference:
+            both = seeds_of(method, reference)
+            if both:
+                d = paired_t(change(method, both), change(reference, both))
+                versus, p = _difference(d), _p(d.p)
+            else:
+                versus = "no seed in common"
+        lines.append(f"| {labels[method]} | {len(paired)} | {_difference(own)} | {sd} | {versus} | {p} |")
+    return "\n".join(lines)
 
 
 def _setting_text(setting: Setting, *, short: bool = False) -> str:
@@ -352,6 +400,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--window", type=int, default=3, help="final-window: how many last evaluations it averages")
     parser.add_argument("--primary", default=None,
                         help="pre-declared contrasts, e.g. grpo@4,cispo@4 (method@staleness): Holm adjusts over these")
+    parser.add_argument("--between", default=None, metavar="A,B",
+                        help="also tabulate what going from setting A to setting B changes (e.g. r3/0,r3/4): per "
+                             "method, and against the first method's change, paired by seed (exploratory)")
     parser.add_argument("--summarise-only", action="store_true", help="only rebuild runs.csv, the tables and the plot")
     parser.add_argument("--from-csv", default=None, metavar="PATH[,PATH...]",
                         help="rebuild the tables and the evaluation curves from runs.csv files alone (no config, "
@@ -367,7 +418,7 @@ def main(argv: list[str]) -> int:
             return _refuse("--from-csv rebuilds the tables from the CSV alone: drop CONFIG and its overrides")
         try:
             rows = [row for path in args.from_csv.split(",") for row in read_csv(Path(path))]
-            text = summary(rows, stat=args.stat, window=args.window, primary=args.primary)
+            text = summary(rows, stat=args.stat, window=args.window, primary=args.primary, between=args.between)
         except (FileNotFoundError, ValueError) as exc:
             return _refuse(str(exc))
         from bpo_megatron.observability.plot import plot_evaluation_panels
@@ -452,7 +503,7 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out / "runs.csv")  # first: whatever the tables ask, the runs' numbers are kept
     try:
-        text = summary(rows, stat=args.stat, window=args.window, primary=args.primary)
+        text = summary(rows, stat=args.stat, window=args.window, primary=args.primary, between=args.between)
     except ValueError as exc:
         return _refuse(f"{exc} (the runs are in {out / 'runs.csv'}: summarise them again with --from-csv)")
     plot_variants(curves, out / "curves.png")

@@ -13,6 +13,10 @@ MEAN_METRICS = (
     "clip_frac",  # fraction of loss tokens the mask M drops
     "clip_frac_pos",  # ... among tokens with Â > 0
     "clip_frac_neg",  # ... among tokens with Â < 0
+    # ... by the sign of Â and by the rollout probability μ of the token (where a band binds):
+    # μ < 0.2 (low), 0.2 ≤ μ < 0.9 (mid), μ ≥ 0.9 (high); absent for a bin without tokens
+    "clip_frac_pos_mu_low", "clip_frac_pos_mu_mid", "clip_frac_pos_mu_high",
+    "clip_frac_neg_mu_low", "clip_frac_neg_mu_mid", "clip_frac_neg_mu_high",
     "weight_mean",  # mean of the stop-gradient weight w
     "abs_logp_diff_mean",  # mean |log π − log μ|: train/rollout mismatch
     "kl_k3",  # k3 estimate of KL(μ‖π): r − 1 − log r with r = π/μ
@@ -24,6 +28,9 @@ MEAN_METRICS = (
     "mismatch_kl_k3",  # k3 estimate of KL(μ‖π_old)
 )
 BEHAVIOUR_METRICS = MEAN_METRICS[-4:]
+MU_BIN_EDGES = (0.2, 0.9)
+MU_BIN_METRICS = MEAN_METRICS[3:9]
+OPTIONAL_METRICS = BEHAVIOUR_METRICS + MU_BIN_METRICS  # reported only where they have tokens
 MAX_METRICS = ("weight_max",)
 
 
@@ -44,6 +51,9 @@ class LossStatistics:
         dropped = mask & ~keep
         pos, neg = mask & terms.positive, mask & terms.negative
         count = mask.sum()
+        mu = terms.rollout_logprobs.exp()
+        low, high = mu < MU_BIN_EDGES[0], mu >= MU_BIN_EDGES[1]
+        bins = [side & in_bin for side in (pos, neg) for in_bin in (low, ~low & ~high, high)]
         zero = torch.zeros((), dtype=weight.dtype, device=weight.device)
         w = torch.where(mask, weight, zero)
         abs_diff = torch.where(mask, (terms.logprobs - terms.rollout_logprobs).abs(), zero)
@@ -56,9 +66,10 @@ class LossStatistics:
         else:
             extra, extra_counts = [zero] * 4, [zero] * 4
         numerators = torch.stack(
-            [dropped.sum(), (dropped & pos).sum(), (dropped & neg).sum(), w.sum(), abs_diff.sum(), k3.sum(), *extra]
+            [dropped.sum(), (dropped & pos).sum(), (dropped & neg).sum(), *[(dropped & b).sum() for b in bins],
+             w.sum(), abs_diff.sum(), k3.sum(), *extra]
         ).to(torch.float64)
-        denominators = torch.stack([count, pos.sum(), neg.sum(), count, count, count,
+        denominators = torch.stack([count, pos.sum(), neg.sum(), *[b.sum() for b in bins], count, count, count,
                                     *extra_counts]).to(torch.float64)
         weight_max = w.max() if mask.any() else zero
         return LossStatistics(numerators, denominators, weight_max.reshape(1).to(torch.float64))
@@ -82,7 +93,7 @@ class LossStatistics:
     def as_metrics(self) -> dict[str, float]:
         means = (self.numerators / self.denominators.clamp(min=1.0)).tolist()
         metrics = {name: mean for name, mean, count in zip(MEAN_METRICS, means, self.denominators.tolist())
-                   if count > 0 or name not in BEHAVIOUR_METRICS}
+                   if count > 0 or name not in OPTIONAL_METRICS}
         metrics.update(zip(MAX_METRICS, self.maxima.tolist()))
         metrics["num_tokens"] = float(self.denominators[0])
         return metrics

@@ -1,0 +1,179 @@
+"""The numbers in docs/results.md's prose (Tier B and multi-turn) are the committed CSVs' numbers.
+
+Each is recomputed here with the csv module and closed-form statistics (Student t quantiles from
+tables), not by ``compare``, and the text must state it as written below: a sentence that drifts
+from its CSV, or a CSV that changes under it, fails here.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = (ROOT / "docs" / "results.md").read_text()
+TIER_B = ROOT / "docs" / "tier_b"
+T_975 = {2: 4.302653, 9: 2.262157}  # two-sided 95% Student t quantiles by degrees of freedom
+
+
+def _runs(path: Path) -> dict[tuple, list[dict]]:
+    """A run's rows by (method, seed), or by (method, seed, staleness) where a file holds several."""
+    with path.open() as f:
+        records = list(csv.DictReader(f))
+    several = len({r["staleness"] for r in records}) > 1
+    runs: dict[tuple, list[dict]] = {}
+    for r in records:
+        key = (r["method_id"], int(r["seed"])) + ((r["staleness"],) if several else ())
+        runs.setdefault(key, []).append(r)
+    return runs
+
+
+def _accuracy(rows: list[dict]) -> dict[int, float]:
+    return {int(r["step"]): 100 * float(r["accuracy"]) for r in rows}
+
+
+def final_window(rows: list[dict]) -> float:
+    at = _accuracy(rows)
+    return statistics.fmean(at[s] for s in sorted(at)[-3:])
+
+
+def start(rows: list[dict]) -> float:
+    at = _accuracy(rows)
+    return at[min(at)]
+
+
+def step_mean(rows: list[dict], metric: str) -> float:
+    """A run's mean of a training metric over its RL steps (each evaluation row holds the mean
+    over the steps since the previous one)."""
+    pairs = [(int(r["trained_steps"]), float(r[metric])) for r in rows if r[metric] and int(r["trained_steps"] or 0)]
+    return sum(n * x for n, x in pairs) / sum(n for n, _ in pairs)
+
+
+def interval(deltas: list[float]) -> tuple[float, float, float, float]:
+    """mean, SD, and the 95% t-interval's ends."""
+    mean, sd = statistics.fmean(deltas), statistics.stdev(deltas)
+    half = T_975[len(deltas) - 1] * sd / math.sqrt(len(deltas))
+    return mean, sd, mean - half, mean + half
+
+
+def signed(x: float) -> str:
+    return f"{x:+.1f}".replace("-", "−")
+
+
+CONDITIONS = {name: _runs(TIER_B / "main" / f"runs_{file}.csv")
+              for name, file in (("r3/4", "r3_k4"), ("bf16/0", "bf16_k0"), ("r3/0", "r3_k0"))}
+SEEDS = range(1, 11)
+
+
+def versus_bpo(condition: str, method: str) -> tuple[float, float, float, float]:
+    runs = CONDITIONS[condition]
+    return interval([final_window(runs[(method, s)]) - final_window(runs[("bpo", s)]) for s in SEEDS])
+
+
+def test_the_primary_verdicts_their_power_and_the_synchronous_contrast():
+    for condition, method, verdict in (("r3/4", "grpo", "1"), ("bf16/0", "grpo", "2"), ("r3/4", "bpo_eps1e3", "3")):
+        mean, _, low, high = versus_bpo(condition, method)
+        assert f"({signed(mean)} points [{signed(low)}, {signed(high)}]" in RESULTS, (verdict, mean, low, high)
+    widths = [versus_bpo(c, m) for c, m in (("r3/4", "grpo"), ("bf16/0", "grpo"), ("r3/4", "bpo_eps1e3"))]
+    sds = ", ".join(f"{w[1]:.1f}" for w in widths)
+    assert sds == "4.9, 2.4, 7.0"
+    assert ("The SD of the paired differences was 4.9 points for contrast 1, 2.4 for\ncontrast 2 and 7.0 for "
+            "contrast 3") in RESULTS
+    halves = ", ".join(f"±{(w[3] - w[2]) / 2:.1f}" for w in widths)
+    assert halves == "±3.5, ±1.7, ±5.0" and "±3.5, ±1.7 and ±5.0 points wide" in RESULTS
+    mean, _, low, high = versus_bpo("r3/0", "grpo")
+    assert f"GRPO-ClipHigher − BPO = {signed(mean)} points [{signed(low)}, {signed(high)}] (BPO −\nGRPO-ClipHigher = " \
+           f"{signed(-mean)} [{signed(-high)}, {signed(-low)}])" in RESULTS
+    # the paper's effect scaled to this task: the share of GRPO-ClipHigher's error BPO removes
+    # (the paper's 4B ε-ablation, ε = 0.1: 25.4 vs 20.5; its 30B main table: 50.5 vs 39.5)
+    shares = [(25.4 - 20.5) / (100 - 20.5), (50.5 - 39.5) / (100 - 39.5)]
+    assert [f"{100 * x:.1f}%" for x in shares] == ["6.2%", "18.2%"]
+    grpo_r3_0 = statistics.fmean(final_window(CONDITIONS["r3/0"][("grpo", s)]) for s in SEEDS)
+    scaled = [x * (100 - grpo_r3_0) for x in shares]
+    assert f"GRPO-ClipHigher's {grpo_r3_0:.1f}% here that is {signed(scaled[0])} to {signed(scaled[1])} points" \
+        in RESULTS.replace("\n", " ")
+    assert -low < scaled[0], "the interval's upper end for BPO must lie below the scaled effect to exclude it"
+
+
+def test_starts_gains_and_the_exploratory_contrasts():
+    starts = [start(r) for runs in CONDITIONS.values() for r in runs.values()]
+    assert f"Every run starts at {min(starts):.1f}–{max(starts):.1f}% (step 0)" in RESULTS
+    gains = {c: [final_window(r) - start(r) for r in runs.values()] for c, runs in CONDITIONS.items()}
+    assert f"by {min(gains['r3/4']):.1f} points at the least" in RESULTS
+    synchronous = min(min(gains["r3/0"]), min(gains["bf16/0"]))
+    assert f"by {math.floor(10 * synchronous) / 10:.1f} points or more in the synchronous conditions" in RESULTS
+    for condition in ("r3/0", "bf16/0"):
+        mean = versus_bpo(condition, "bpo_eps1e3")[0]
+        assert f"{-mean:.1f}" in {"6.6", "4.0"}
+    assert "(exploratory) 6.6\n  at r3/0 and 4.0 at bf16/0" in RESULTS
+
+
+def test_the_cost_of_staleness_per_method():
+    k0, k4 = CONDITIONS["r3/0"], CONDITIONS["r3/4"]
+
+    def cost(method: str) -> list[float]:
+        return [final_window(k0[(method, s)]) - final_window(k4[(method, s)]) for s in SEEDS]
+
+    costs = {m: statistics.fmean(cost(m)) for m in ("bpo", "grpo", "grpo_dualclip", "dppo_tv", "bpo_eps1e3")}
+    text = RESULTS.replace("\n  ", " ")
+    assert (f"costs BPO {costs['bpo']:.1f} points (per-seed SD {statistics.stdev(cost('bpo')):.1f}), "
+            f"GRPO-ClipHigher {costs['grpo']:.1f}, dual-clip {costs['grpo_dualclip']:.1f}, DPPO "
+            f"{costs['dppo_tv']:.1f} and BPO ε=1e3 {costs['bpo_eps1e3']:.1f}") in text
+    mean, _, low, high = interval([b - g for b, g in zip(cost("bpo"), cost("grpo"))])
+    assert f"exceeds GRPO-ClipHigher's by {mean:.1f} points [{signed(low)}, {signed(high)}]" in text
+
+
+def _diagnostic(condition: str, method: str, metric: str) -> float:
+    runs = CONDITIONS[condition]
+    return statistics.fmean(step_mean(runs[(method, s)], metric) for s in SEEDS)
+
+
+def test_the_diagnostics_quoted_in_the_prose():
+    text = RESULTS.replace("\n  ", " ")
+    drift = {m: _diagnostic("r3/4", m, "abs_logp_diff_mean") for m in ("bpo", "grpo", "grpo_dualclip", "dppo_tv")}
+    others = [drift[m] for m in ("grpo", "grpo_dualclip", "dppo_tv")]
+    ratios = [drift["bpo"] / x for x in others]
+    assert (f"{min(ratios):.1f}–{max(ratios):.1f} times as far (|log π − log μ| {drift['bpo']:.2f} against "
+            f"{min(others):.2f}–{max(others):.2f})") in text
+    agreement = {m: 100 * _diagnostic("r3/4", m, "routing_agreement") for m in drift}
+    rest = [agreement[m] for m in ("grpo", "grpo_dualclip", "dppo_tv")]
+    assert f"({agreement['bpo']:.1f}% agreement against {min(rest):.1f}–{max(rest):.1f}%)" in text
+    masked = {(m, sign): 100 * _diagnostic("r3/4", m, f"clip_frac_{sign}") for m in ("bpo", "grpo")
+              for sign in ("pos", "neg")}
+    assert (f"BPO masks {masked[('bpo', 'pos')]:.1f}% of the tokens with Â > 0 against GRPO-ClipHigher's "
+            f"{masked[('grpo', 'pos')]:.1f}% (and {masked[('bpo', 'neg')]:.1f}% against "
+            f"{masked[('grpo', 'neg')]:.1f}% with Â < 0") in text
+
+
+def test_the_pilots_masked_shares():
+    runs = _runs(TIER_B / "pilot" / "runs_r3.csv")
+    at_k4 = {m: 100 * statistics.fmean(step_mean(rows, "clip_frac") for (method, _, staleness), rows in runs.items()
+                                       if method == m and staleness == "4") for m in ("grpo", "bpo")}
+    assert f"{at_k4['grpo']:.1f}% (GRPO) and {at_k4['bpo']:.1f}% (BPO)\n  of tokens are masked" in RESULTS
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_multi_turn_rows(seed):
+    runs = _runs(ROOT / "docs" / "multi_turn" / "runs.csv")
+    rows = runs[("namecalculator", seed)]
+    at = _accuracy(rows)
+    window = final_window(rows)
+    row = (f"| calculator, seed {seed} | {start(rows):.1f} | {', '.join(f'{at[s]:.1f}' for s in sorted(at)[-3:])} "
+           f"| {window:.1f} | {signed(window - start(rows)).replace('−', '-')} |")
+    assert row in RESULTS
+
+
+def test_the_multi_turn_contrasts():
+    runs = _runs(ROOT / "docs" / "multi_turn" / "runs.csv")
+    tool = [runs[("namecalculator", s)] for s in (1, 2, 3)]
+    none = [runs[("namenull", s)] for s in (1, 2, 3)]
+    gains = [final_window(r) - start(r) for r in tool]
+    assert f"their mean, {signed(statistics.fmean(gains))} ± {statistics.stdev(gains):.1f}, exceeds" in RESULTS
+    mean, _, low, high = interval([final_window(n) - final_window(t) for n, t in zip(none, tool)])
+    assert f"{signed(mean)} points [95% t-interval {signed(low)}, {signed(high)}]" in RESULTS.replace("\n", " ")
+    mean, _, low, high = interval([(final_window(n) - start(n)) - g for n, g in zip(none, gains)])
+    assert f"is {signed(mean)} [{signed(low)}, {signed(high)}]" in RESULTS
