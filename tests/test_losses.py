@@ -514,3 +514,12 @@ def test_off_policy_extremes_stay_finite():
         loss, metrics = compute_policy_loss(lp, lq, torch.tensor([-1.0]), torch.ones(1, 2), PolicyLossConfig(name=name))
         assert math.isfinite(loss.item()), name
         assert all(math.isfinite(v) for v in metrics.values()), (name, metrics)
+
+
+def test_a_step_averages_each_metric_over_the_updates_that_report_it():
+    from bpo_megatron.loop.diagnostics import mean_over_minibatches
+
+    updates = [{"grad_norm": 1.0, "clip_frac": 0.1, "weight_max": 2.0, "clip_frac_pos_mu_low": 0.5},
+               {"grad_norm": 3.0, "clip_frac": 0.3, "weight_max": 1.5}]
+    assert mean_over_minibatches(updates) == {"grad_norm": 2.0, "clip_frac": pytest.approx(0.2), "weight_max": 2.0,
+                                              "clip_frac_pos_mu_low": 0.5, "grad_norm_max": 3.0}

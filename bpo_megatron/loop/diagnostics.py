@@ -5,11 +5,13 @@ from __future__ import annotations
 
 
 def mean_over_minibatches(updates: list[dict[str, float]]) -> dict[str, float]:
-    """Averages of the minibatch metrics; maxima stay maxima; the grad norm of each update too."""
-    keys = updates[0].keys()
+    """Averages of the minibatch metrics; maxima stay maxima; the grad norm of each update too.
+    A metric some updates do not report (a masked share of a μ bin without tokens there, see
+    ``losses/statistics.py``) is averaged over those that do."""
+    keys = dict.fromkeys(key for u in updates for key in u)
     out = {}
     for key in keys:
-        values = [u[key] for u in updates]
+        values = [u[key] for u in updates if key in u]
         out[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
     out["grad_norm_max"] = max(u["grad_norm"] for u in updates)
     out.pop("step", None)
