@@ -560,3 +560,19 @@ def test_metrics_line_jsonl_and_plot(tmp_path):
     assert line == "step 3/10 | reward 0.250 | gnorm 1.500 | train 2.0s"
     png = plot_runs([tmp_path, tmp_path], tmp_path / "c.png", labels=["a", "b"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_column_addition_writes_its_scratchpad_and_is_scored_on_the_sum():
+    from bpo_megatron.data.procedural import scratchpad_sum
+
+    assert scratchpad_sum(4817, 2965) == "7+5=12c1;1+6+1=8c0;8+9=17c1;4+2+1=7c0;=7782"
+    assert scratchpad_sum(99, 1) == "9+1=10c1;9+0+1=10c1;=100"
+    for name, low, high in (("addpad", 2, 4), ("addpad56", 5, 6)):
+        for p in generate(name, 200, seed=3):
+            a, b = map(int, p.problem.split("+"))
+            assert low <= len(str(a)) <= high and low <= len(str(b)) <= high
+            assert p.answer == scratchpad_sum(a, b) and p.answer.endswith(f"={a + b}")
+    score_of = reward_fn("worked-sum")
+    # the sum after the last "=" decides, whatever the columns say
+    assert score_of(["7+5=12c1;=7782", "7+5=13c1;=7782", "=7781", "7782"],
+                    ["7+5=12c1;1+6+1=8c0;8+9=17c1;4+2+1=7c0;=7782"] * 4) == [1.0, 1.0, 0.0, 1.0]

@@ -84,6 +84,36 @@ def _mul(rng: random.Random) -> tuple[str, str]:
     return f"{a}*{b}", str(a * b)
 
 
+def scratchpad_sum(a: int, b: int) -> str:
+    """The written column addition of ``a + b``, least significant column first, then the sum:
+    ``4817+2965`` → ``7+5=12c1;1+6+1=8c0;8+9=17c1;4+2+1=7c0;=7782`` (a carry in is written as
+    ``+1``; a missing digit of the shorter operand is 0)."""
+    digits_a, digits_b = str(a)[::-1], str(b)[::-1]
+    columns, carry = [], 0
+    for i in range(max(len(digits_a), len(digits_b))):
+        x = int(digits_a[i]) if i < len(digits_a) else 0
+        y = int(digits_b[i]) if i < len(digits_b) else 0
+        total = x + y + carry
+        columns.append(f"{x}+{y}{'+1' if carry else ''}={total}c{total // 10};")
+        carry = total // 10
+    return "".join(columns) + f"={a + b}"
+
+
+def _column_addition(low: int, high: int) -> TaskFn:
+    """Sum of two numbers of ``low``–``high`` digits each, answered with its scratchpad
+    (:func:`scratchpad_sum`; scored on the sum after the last ``=``: ``data.reward=worked-sum``)."""
+    def make(rng: random.Random) -> tuple[str, str]:
+        a, b = (rng.randrange(10 ** (n - 1), 10 ** n) for n in (rng.randint(low, high), rng.randint(low, high)))
+        return f"{a}+{b}", scratchpad_sum(a, b)
+    return make
+
+
+# Tier C (experiments/tier_c): a base trained on 2–4-digit operands, RL on held-out longer ones
+task("addpad")(_column_addition(2, 4))
+task("addpad5")(_column_addition(5, 5))
+task("addpad56")(_column_addition(5, 6))
+
+
 MIXTURE = "+"  # "add2+max+reverse": each problem of one of these tasks, drawn uniformly
 
 

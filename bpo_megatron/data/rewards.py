@@ -53,6 +53,13 @@ def exact_match(responses: list[str], answers: list[str]) -> list[float]:
     return [float(r.strip() == a.strip()) for r, a in zip(responses, answers)]
 
 
+@reward("worked-sum")
+def worked_result_match(responses: list[str], answers: list[str]) -> list[float]:
+    """Exact match of what follows the last ``=`` (a worked answer's result: a scratchpad's sum),
+    whatever the work before it says."""
+    return [float(r.rpartition("=")[2].strip() == a.rpartition("=")[2].strip()) for r, a in zip(responses, answers)]
+
+
 # ------------------------------------------------------------------------- final-answer markers
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # "Answer: 42", also in bold ("**Answer:** 42") as chat models often write it.
