@@ -516,6 +516,7 @@ def _step(run_dir: Path, step: int) -> dict:
     return [r for r in read_metrics(run_dir) if r["step"] == step and "reward_mean" in r][0]
 
 
+@pytest.mark.slow  # CI time (≈ 200 s): run with -m slow
 @pytest.mark.timeout(600)
 def test_a_calculator_run_is_killed_and_resumes_its_conversations_as_an_uninterrupted_one(tmp_path, ray_session,
                                                                                            small_run):

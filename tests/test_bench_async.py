@@ -5,6 +5,7 @@ import pytest
 from bpo_megatron.bench.asynchronous import format_table, measure
 
 
+@pytest.mark.slow  # CI time (≈ 50 s; a benchmark): run with -m slow
 @pytest.mark.timeout(300)
 def test_async_benchmark_measures_each_staleness(ray_session):
     small = ("train.prompts_per_step=4", "rollout.group_size=4")

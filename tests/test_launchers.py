@@ -169,6 +169,7 @@ def test_local_dryrun_is_the_train_command():
     assert job.text == f"{sys.executable} -m bpo_megatron.cli train {ROOT / 'configs/tiny_moe_cpu.yaml'} train.steps=2"
 
 
+@pytest.mark.slow  # CI time (≈ 60 s; the dry runs of every launcher stay): run with -m slow
 def test_local_launcher_runs_the_cpu_demo(tmp_path):
     """The CPU demo for 2 small SFT + 2 small RL steps through NeMo-Run's local executor (Ray starts
     inside)."""

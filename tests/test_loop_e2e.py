@@ -90,6 +90,7 @@ def test_a_resumed_run_matches_an_uninterrupted_one(tmp_path, ray_session, small
         assert resumed[key] == straight[key], key
 
 
+@pytest.mark.slow  # CI time (≈ 30 s): run with -m slow
 @pytest.mark.timeout(420)
 def test_grpo_with_tis_and_r3_and_dapo_batch_shaping(tmp_path, ray_session, small_run):
     """GRPO + TIS + R3 as one config: before its update each step recomputes log π_old under the
@@ -154,6 +155,7 @@ def test_staleness_zero_reproduces_the_synchronous_loop(tmp_path, ray_session):
     assert compared > 150 and any(r.get("reward_mean", 0) > 0 for r in expected)
 
 
+@pytest.mark.slow  # CI time (≈ 80 s): run with -m slow
 @pytest.mark.timeout(420)
 def test_every_method_starts_from_the_same_warm_start(tmp_path, ray_session, small_run):
     """The supervised warm start is the log-likelihood gradient whatever loss.name says (BPO's and
@@ -278,6 +280,7 @@ def _rl_step(run_dir: Path, step: int) -> dict:
     return [r for r in read_metrics(run_dir) if r["step"] == step and "reward_mean" in r][0]
 
 
+@pytest.mark.slow  # CI time (≈ 60 s; packing's exactness: test_packed_training): run with -m slow
 @pytest.mark.timeout(600)
 def test_packed_micro_batches_train_the_loop_as_padded_ones_do(tmp_path, ray_session, small_run):
     """trainer.max_tokens_per_micro_batch through Ray: the warm start and the first RL step, packed,
@@ -362,6 +365,7 @@ def test_a_packed_checkpoint_resumes_padded_and_back(tmp_path, ray_session, smal
         assert all(twin[key] == padded[key] for key in ("reward_mean", "loss", "grad_norm", "num_micro_batches")), step
 
 
+@pytest.mark.slow  # CI time (≈ 50 s): run with -m slow
 @pytest.mark.timeout(420)
 def test_a_supervised_run_makes_a_base_model_that_rl_runs_start_from(tmp_path, ray_session, small_run):
     """``train.steps=0``: the warm start alone, saved as step 0; exported to Hugging Face format,

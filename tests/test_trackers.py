@@ -302,6 +302,7 @@ def test_wandb_is_offline_and_names_the_run_after_its_directory(tmp_path, monkey
     assert run.get("git", {}).get("commit") == source_commit()
 
 
+@pytest.mark.slow  # CI time (≈ 60 s; each tracker across a kill stays): run with -m slow
 # ------------------------------------------------------------------------------ the loop
 @pytest.mark.timeout(420)
 def test_the_demo_mirrors_its_metrics_to_every_tracker_across_a_resume(tmp_path, ray_session, small_run, fake_trackers,

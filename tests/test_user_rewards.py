@@ -458,6 +458,7 @@ def _check_reward_metrics(run_dir: Path) -> None:
                                                                                               abs=1e-7)
 
 
+@pytest.mark.slow  # CI time (≈ 30 s; a user function trains once fixed in the failing-function run): run with -m slow
 @pytest.mark.timeout(420)
 def test_a_user_function_trains_the_demo(user_module, tmp_path, ray_session, small_run):
     from bpo_megatron.loop.rl_loop import run

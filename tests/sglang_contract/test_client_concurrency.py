@@ -16,6 +16,7 @@ pytestmark = [
 ]
 
 
+@pytest.mark.slow  # CI time (≈ 80 s; a benchmark at small size): run with -m slow
 def test_one_request_per_sample_keeps_the_kv_pool_full_and_chunked_posts_do_not():
     from bpo_megatron.bench.sglang_concurrency import run
 

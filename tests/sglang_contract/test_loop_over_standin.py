@@ -81,6 +81,7 @@ def _check_order(calls: list[dict], *, memory_saver: bool) -> None:
             assert in_session and "weights" not in released, call
 
 
+@pytest.mark.slow  # CI time (≈ 290 s; the colocated engine-death run below stays): run with -m slow
 def test_a_colocated_run_over_four_nodes_keeps_each_engine_beside_its_trainer_rank(tmp_path):
     """cluster.colocate over four Ray nodes (127.0.0.2 … 127.0.0.5, one device each: the recipes'
     4 nodes, with one device per node where they have 8, as this machine holds ~10 GB of processes,
@@ -110,6 +111,7 @@ def test_a_colocated_run_over_four_nodes_keeps_each_engine_beside_its_trainer_ra
         assert sum(c["call"] == "update_weights_from_tensor" for c in server) >= 3
 
 
+@pytest.mark.slow  # CI time (≈ 180 s; the disaggregated broadcast test of test_sglang_contract stays): run with -m slow
 def test_engines_on_another_node_are_reached_at_its_address(tmp_path):
     """Engines apart, on one Ray node of this machine (127.0.0.2 or 127.0.0.3) and the trainer on
     the other: each server binds and is advertised by its node's address, trainer rank 0 (the other
@@ -162,6 +164,7 @@ def test_an_engine_that_dies_while_the_colocated_trainer_trains_is_replaced(tmp_
     assert updates and generations and updates[0] < generations[0]
 
 
+@pytest.mark.slow  # CI time (≈ 195 s; pause/continue per engine: test_partial_rollout_routing): run with -m slow
 def test_an_async_run_four_steps_ahead_loses_an_engine_once_and_restarts_it_once(tmp_path):
     """train.async.max_staleness=4, engines apart: up to five batches under way while the trainer
     trains and weights are pushed (partial rollouts: pause in ``retract`` mode, update, continue),

@@ -47,7 +47,7 @@ def _sampled_with(reference: dict, key, versions: list[int], prompt: int, t: int
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("mode", ["retract", "in_place"])
+@pytest.mark.parametrize("mode", ["retract", pytest.param("in_place", marks=pytest.mark.slow)])  # in_place (≈ 60 s, CI time: -m slow): a mode the client does not use
 def test_each_token_is_replayed_with_the_routing_that_sampled_it_or_masked_and_counted(checkpoints, layout, pushed,
                                                                                       tmp_path, monkeypatch, mode):
     if mode != engine_module.PAUSE_MODE:  # a client that pauses another way, and decodes accordingly

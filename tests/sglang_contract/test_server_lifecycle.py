@@ -36,6 +36,7 @@ def _dies(engine, within_s: float = 15.0) -> bool:
     return False
 
 
+@pytest.mark.slow  # CI time (≈ 55 s; a demonstration of the stand-in's hazard, the client's side stays): run with -m slow
 # -------------------------------------------------------------------------------- health
 def test_sglangs_own_health_check_generates_and_kills_a_server_whose_memory_is_released(
         checkpoints, layout, tmp_path, monkeypatch):
@@ -75,6 +76,7 @@ def test_health_checks_of_a_released_engine_never_generate(checkpoints, layout, 
         engine.shutdown()
 
 
+@pytest.mark.slow  # CI time (≈ 50 s; a demonstration of the stand-in's hazard): run with -m slow
 def test_a_release_while_requests_run_kills_the_server(checkpoints, layout, tmp_path):
     """SGLang's updater asserts the server is idle before it releases memory (its scheduler, and
     the server, die otherwise): the device phases release only between generations."""
@@ -97,6 +99,7 @@ def test_a_release_while_requests_run_kills_the_server(checkpoints, layout, tmp_
         engine.shutdown()
 
 
+@pytest.mark.slow  # CI time (≈ 55 s; a demonstration of the stand-in's hazard): run with -m slow
 def test_released_weights_are_gone_until_the_trainer_sends_new_ones(checkpoints, layout, pushed, tmp_path):
     """torch_memory_saver keeps no copy of released weights: resumed, they hold undefined values
     (NaN in the stand-in) until a sync, which the device phases always run after resuming them."""

@@ -282,6 +282,7 @@ def _gone(pids: list[int], within_s: float = 15.0) -> bool:
     return False
 
 
+@pytest.mark.slow  # CI time (≈ 145 s; a replaced engine resynced: test_loop_over_standin's engine death): run with -m slow
 @pytest.mark.timeout(600)
 def test_a_lost_engine_is_replaced_and_given_the_current_weights_before_its_requests(
         ray_session, checkpoints, pushed, tmp_path):
