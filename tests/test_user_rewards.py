@@ -234,7 +234,7 @@ def test_a_missing_module_and_an_unknown_form_are_refused(tmp_path, capsys):
         in output
     code, output = _train(capsys, "data.reward=my rewards", f"logging.run_dir={run_dir}")
     assert code == 2
-    assert ("data.reward='my rewards' is unknown; choose one of ['exact', 'math'], a function of yours as "
+    assert ("data.reward='my rewards' is unknown; choose one of ['exact', 'math', 'worked-sum'], a function of yours as "
             "package.module:function, or a reward service as http://host:port/path") in output
     assert not run_dir.exists()
 

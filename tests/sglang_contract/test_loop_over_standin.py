@@ -29,7 +29,7 @@ SMALL = ("train.steps=3", "train.sft_warmup_steps=2", "train.sft_batch_size=8", 
          "rollout.group_size=4", "train.minibatches_per_step=2", "trainer.micro_batch_size=4", "eval.every=3",
          "eval.limit=8", "eval.k=2", "checkpoint.every=3", "logging.tensorboard=false", "rollout.engine=sglang",
          f"rollout.sglang.launcher=[{SGLANG_PYTHON}, {STANDIN}]", "rollout.sglang.tp_size=2",
-         "rollout.sglang.max_inflight=16", "rollout.sglang.startup_timeout_s=180")
+         "rollout.sglang.max_inflight=16", "rollout.sglang.startup_timeout_s=300")
 
 
 def _run(tmp_path: Path, *overrides: str, nodes: str | None = None, standin: tuple[str, ...] = ()

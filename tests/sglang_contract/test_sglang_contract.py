@@ -71,7 +71,7 @@ def pushed(checkpoints) -> list[tuple[str, torch.Tensor]]:
 
 def start(model_dir: Path, layout: RoutingLayout, work: Path, *controls: str, **options) -> SGLangEngine:
     cfg = SGLangConfig(model_path=str(model_dir), launcher=(str(SGLANG_PYTHON), str(STANDIN)), tp_size=TP,
-                       extra_args=("--standin-marker-dir", str(work), *controls), startup_timeout_s=180,
+                       extra_args=("--standin-marker-dir", str(work), *controls), startup_timeout_s=300,
                        request_timeout_s=60, max_inflight=4, weight_bucket_bytes=4096,
                        **options)
     return SGLangEngine(cfg, routing=layout, serializer=inline_serializer)
@@ -310,7 +310,7 @@ def test_a_lost_engine_is_replaced_and_given_the_current_weights_before_its_requ
         "rollout.max_restarts=2", "data.max_prompt_tokens=16", "rollout.max_new_tokens=8",
         f"rollout.sglang.launcher=[{SGLANG_PYTHON}, {STANDIN}]", f"rollout.sglang.tp_size={TP}",
         f"rollout.sglang.extra_args=[--standin-marker-dir, {tmp_path}, --standin-die-after, '2']",
-        "rollout.sglang.startup_timeout_s=180",
+        "rollout.sglang.startup_timeout_s=300",
         "rollout.sglang.max_inflight=3"], check_model=True)
     group = EngineGroup(cfg, str(checkpoints[0]))
     given: list[tuple[list[int], int]] = []
@@ -357,7 +357,7 @@ def test_trainer_rank_0_broadcasts_each_bucket_to_every_engine_rank_at_once(ray_
         f"model.path={served}", "model.tokenizer=char", "model.routing_replay=false", "rollout.engine=sglang",
         "rollout.num_engines=2", "cluster.colocate=false", "data.max_prompt_tokens=16", "rollout.max_new_tokens=8",
         f"rollout.sglang.launcher=[{SGLANG_PYTHON}, {STANDIN}]", f"rollout.sglang.tp_size={TP}",
-        "rollout.sglang.startup_timeout_s=180"], check_model=True)
+        "rollout.sglang.startup_timeout_s=300"], check_model=True)
     transport = cfg.rollout.spec.transport(cfg.rollout.options, cfg.cluster.colocate)
     engines = EngineGroup(cfg, str(served))
     trainer = TrainerGroup(cfg)
@@ -425,7 +425,7 @@ def test_colocated_engine_ranks_each_map_the_trainer_rank_beside_them(ray_sessio
         f"model.path={served}", "model.tokenizer=char", "model.routing_replay=false", "rollout.engine=sglang",
         "rollout.num_engines=1", "cluster.colocate=true", "cluster.trainer_ranks=2", "data.max_prompt_tokens=16",
         "rollout.max_new_tokens=8", f"rollout.sglang.launcher=[{SGLANG_PYTHON}, {STANDIN}]",
-        f"rollout.sglang.tp_size={TP}", "rollout.sglang.startup_timeout_s=180"], check_model=True)
+        f"rollout.sglang.tp_size={TP}", "rollout.sglang.startup_timeout_s=300"], check_model=True)
     transport = cfg.rollout.spec.transport(cfg.rollout.options, cfg.cluster.colocate)
     engines = EngineGroup(cfg, str(served))
     trainer = TrainerGroup(cfg)
