@@ -177,3 +177,16 @@ def test_the_multi_turn_contrasts():
     assert f"{signed(mean)} points [95% t-interval {signed(low)}, {signed(high)}]" in RESULTS.replace("\n", " ")
     mean, _, low, high = interval([(final_window(n) - start(n)) - g for n, g in zip(none, gains)])
     assert f"is {signed(mean)} [{signed(low)}, {signed(high)}]" in RESULTS
+
+
+def test_the_decomposition_of_the_tier_b_gap():
+    bpo = CONDITIONS["r3/4"]
+    parts = _runs(TIER_B / "followups" / "runs_decomposition_r3_k4.csv")
+    for method, label in (("bpo_mask_r_weight", "BPO's mask, weight r (D1)"),
+                          ("omega_weight_grpo_mask", "ω weight, GRPO's mask (D2)")):
+        values = [final_window(parts[(method, s)]) for s in SEEDS]
+        mean, _, low, high = interval([v - final_window(bpo[("bpo", s)]) for v, s in zip(values, SEEDS)])
+        row = (f"| {label} | {statistics.fmean(values):.1f} ± {statistics.stdev(values):.1f} | "
+               f"{signed(mean).replace('−', '-')} [{signed(low).replace('−', '-')}, {signed(high).replace('−', '-')}] |")
+        assert row in RESULTS, row
+        assert low > 0  # the registered reading "both" needs both intervals above 0
