@@ -9,14 +9,15 @@ import torch.distributed as dist
 
 from bpo_megatron.losses.terms import TokenTerms
 
+# The masked share by the sign of Â and by the rollout probability μ of the token (where a band
+# binds): μ < 0.2 (low), 0.2 ≤ μ < 0.9 (mid), μ ≥ 0.9 (high); absent for a bin without tokens.
+MU_BIN_EDGES = (0.2, 0.9)
+MU_BIN_METRICS = tuple(f"clip_frac_{sign}_mu_{bin_}" for sign in ("pos", "neg") for bin_ in ("low", "mid", "high"))
 MEAN_METRICS = (
     "clip_frac",  # fraction of loss tokens the mask M drops
     "clip_frac_pos",  # ... among tokens with Â > 0
     "clip_frac_neg",  # ... among tokens with Â < 0
-    # ... by the sign of Â and by the rollout probability μ of the token (where a band binds):
-    # μ < 0.2 (low), 0.2 ≤ μ < 0.9 (mid), μ ≥ 0.9 (high); absent for a bin without tokens
-    "clip_frac_pos_mu_low", "clip_frac_pos_mu_mid", "clip_frac_pos_mu_high",
-    "clip_frac_neg_mu_low", "clip_frac_neg_mu_mid", "clip_frac_neg_mu_high",
+    *MU_BIN_METRICS,  # ... by sign and μ bin, in the order of ``bins`` in LossStatistics.compute
     "weight_mean",  # mean of the stop-gradient weight w
     "abs_logp_diff_mean",  # mean |log π − log μ|: train/rollout mismatch
     "kl_k3",  # k3 estimate of KL(μ‖π): r − 1 − log r with r = π/μ
@@ -28,8 +29,6 @@ MEAN_METRICS = (
     "mismatch_kl_k3",  # k3 estimate of KL(μ‖π_old)
 )
 BEHAVIOUR_METRICS = MEAN_METRICS[-4:]
-MU_BIN_EDGES = (0.2, 0.9)
-MU_BIN_METRICS = MEAN_METRICS[3:9]
 OPTIONAL_METRICS = BEHAVIOUR_METRICS + MU_BIN_METRICS  # reported only where they have tokens
 MAX_METRICS = ("weight_max",)
 

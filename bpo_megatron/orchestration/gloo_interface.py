@@ -78,7 +78,7 @@ def choose(environ: Mapping[str, str], interfaces: list[Interface], hostname: st
                 f"NCCL_SOCKET_IFNAME={rule} matches no interface of {socket.gethostname()} that is up and has an IPv4 "
                 f"address (it has: {', '.join(i.name for i in usable) or 'none'}); the trainer's gloo groups "
                 "(checkpoint gathers) follow it: fix it, or set GLOO_SOCKET_IFNAME to the interface gloo should use")
-        fastest = max(matched, key=lambda i: (i.speed_mbps, -matched.index(i)))
+        fastest = max(matched, key=lambda i: i.speed_mbps)  # the first of equals
         return fastest.name, (f"gloo (checkpoint gathers) uses {fastest.name} ({_speed(fastest)}), the fastest "
                               f"interface NCCL_SOCKET_IFNAME={rule} names")
     default = gloo_default(interfaces, hostname)

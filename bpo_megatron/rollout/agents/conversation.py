@@ -221,10 +221,9 @@ class _Dialogue:
             self.request.sampling, n=1, max_new_tokens=self.request.sampling.max_new_tokens - self.used,
             seed=None if self.seed is None else self.seed + turn * TURN_SEED_STRIDE)
         last = self.turns[-1]  # the positions the turns so far reported: only the rest is asked for
-        known = last.routing_start + (last.routed_experts.shape[0] if last.routed_experts is not None else 0)
+        known = 0 if last.routed_experts is None else last.routing_start + last.routed_experts.shape[0]
         return GenerationRequest(f"{first.request_id}#{first.index}/t{turn}", tuple(tokens), sampling,
-                                 capture_routing=self.request.capture_routing,
-                                 routing_from=known if last.routed_experts is not None else 0)
+                                 capture_routing=self.request.capture_routing, routing_from=known)
 
 
 def assemble(turns: list[Sample], environment: list[list[int]], finish: str) -> Sample:
