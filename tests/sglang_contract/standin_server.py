@@ -139,7 +139,7 @@ def _parse() -> tuple[argparse.Namespace, argparse.Namespace]:
 ARGS, CONTROLS = _parse()
 MODEL = json.loads((Path(ARGS.model_path) / "config.json").read_text())
 LOCK = threading.Lock()
-STATE = {"generate_calls": 0, "generate_posts": 0, "routing_starts": [], "releases": 0, "calls": [], "paused": False, "pause_mode": None, "tokens": 0, "released": []}
+STATE = {"generate_calls": 0, "generate_posts": 0, "releases": 0, "calls": [], "paused": False, "pause_mode": None, "tokens": 0, "released": []}
 
 
 def _record(call: dict, *, keep: bool = True) -> None:
@@ -530,8 +530,6 @@ class TokenizerManager:
             params = obj.sampling_params if batch else [obj.sampling_params]
             requests = [Request(r, p, s or {}) for r, p, s in zip(rids, prompts, params)]
             start = obj.routed_experts_start_len  # one per body, as SGLang's io_struct splits it
-            with LOCK:
-                STATE["routing_starts"].append(start)
             await SCHEDULER.run(requests)
             outs = [r.answer(obj.return_routed_experts, STATE["version"], start) for r in requests]
             self.last_receive_tstamp = time.time()
@@ -589,7 +587,6 @@ def main() -> None:
                     "calls": list(STATE["calls"]), "tokens": STATE["tokens"], "paused": STATE["paused"],
                     "released": list(STATE["released"]), "scheduler": SCHEDULER.stats(),
                     "generate_calls": STATE["generate_calls"], "generate_posts": STATE["generate_posts"],
-                    "routing_starts": list(STATE["routing_starts"]),
                     "args": {"memory_saver": ARGS.enable_memory_saver, "tp_size": ARGS.tp_size}}
 
     print(f"sglang stand-in on {ARGS.host}:{ARGS.port}, tp {ARGS.tp_size}, model {ARGS.model_path}", flush=True)
