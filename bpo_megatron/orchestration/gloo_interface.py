@@ -3,8 +3,8 @@
 Gloo carries the checkpoint gathers of the distributed optimizer (Megatron's fully reshardable
 format gathers every DP rank's shard onto DP rank 0 over gloo, :mod:`bpo_megatron.trainer.optimizer_state`):
 for the 30B recipe on 4 nodes (EP 8 within a node, expert DP 4) three quarters of the expert
-parameters' fp32 state (12 bytes each) flow into one node at each save. Without ``GLOO_SOCKET_IFNAME`` gloo binds to the address the host name resolves to, which on
-most GPU clusters is the management network (often 1–25 Gb/s) rather than the fast one NCCL's
+parameters' fp32 state (12 bytes each) flow into one node at each save. Without
+``GLOO_SOCKET_IFNAME`` gloo binds to the address the host name resolves to, which on most GPU clusters is the management network (often 1–25 Gb/s) rather than the fast one NCCL's
 bootstrap is pointed at with ``NCCL_SOCKET_IFNAME`` (IPoIB or a 100–400 Gb/s Ethernet).
 
 The rule, applied in every trainer process before its process group starts:
