@@ -14,6 +14,7 @@ import os
 import re
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -131,18 +132,25 @@ def test_each_response_of_a_request_is_its_own_conversation():
     assert [environment_turns(s) for s in samples] == [0, 2, 1]
     assert not samples[0].from_environment.any() and samples[0].routed_experts[:, 0, 0].eq(1).all()
     assert TOK.decode(samples[1].response_tokens.tolist()) == "[1+1]=2;[2+2]=4;4"
-    # turn 1 of responses 1 and 2 went together; turn 2 only for response 1
-    assert [[r.request_id for r in batch] for batch in engine.requests] == [["q0"], ["q0#1/t1", "q0#2/t1"],
-                                                                            ["q0#1/t2"]]
-    assert [r.sampling.seed for r in engine.requests[1]] == [8 + TURN_SEED_STRIDE, 9 + TURN_SEED_STRIDE]
-    assert engine.requests[2][0].sampling.seed == 8 + 2 * TURN_SEED_STRIDE
+    # a second turn for responses 1 and 2, a third for response 1 (each sent when its answer came: in
+    # one batch or two, as the agent's threads finish); the seeds follow each response's
+    sent = {r.request_id: r.sampling.seed for batch in engine.requests[1:] for r in batch}
+    assert engine.requests[0][0].request_id == "q0"
+    assert sent == {"q0#1/t1": 8 + TURN_SEED_STRIDE, "q0#2/t1": 9 + TURN_SEED_STRIDE,
+                    "q0#1/t2": 8 + 2 * TURN_SEED_STRIDE}
 
 
 class _Later:
     """A generation under way until ``ready`` is set (an engine group's pending generation)."""
 
     def __init__(self, samples, ready) -> None:
-        self.samples, self.ready = samples, ready
+        self.samples, self.ready, self.taken = samples, ready, False
+
+    def take_finished(self, wait_s: float = 0.0, *, watch=None):
+        if not self.ready[0] or self.taken:
+            return []
+        self.taken = True
+        return list(enumerate(self.samples))
 
     def done(self) -> bool:
         return self.ready[0]
@@ -175,6 +183,79 @@ def test_a_pending_conversation_moves_on_without_waiting():
     for got, want in zip(pending.result(), direct, strict=True):
         assert torch.equal(got.response_tokens, want.response_tokens)
         assert torch.equal(got.from_environment, want.from_environment)
+
+
+class _Streaming:
+    """A generation whose samples come back one by one as an engine group's do, those of the
+    responses in ``held`` only once ``release`` is set."""
+
+    def __init__(self, samples, held: set[str], release: threading.Event, log: list) -> None:
+        self.samples, self.held, self.release, self.log = samples, held, release, log
+        self.untaken = set(range(len(samples)))
+
+    def take_finished(self, wait_s: float = 0.0, *, watch=None):
+        came = [(i, self.samples[i]) for i in sorted(self.untaken)
+                if self.release.is_set() or _key(self.samples[i]) not in self.held]
+        self.untaken -= {i for i, _ in came}
+        self.log += [("came", _key(sample)) for _, sample in came]
+        if not came and wait_s:
+            time.sleep(min(wait_s, 0.01))
+        return came
+
+    def done(self) -> bool:
+        return not self.untaken
+
+    def result(self):
+        return self.samples
+
+
+def _key(sample) -> str:
+    """``q0#1/t1`` for the second turn of response 1 of q0."""
+    turn = sample.request_id.rsplit("/t", 1)
+    return f"{turn[0]}/t{turn[1]}" if len(turn) == 2 else f"{sample.request_id}#{sample.index}/t0"
+
+
+class StreamingGroup(ScriptedEngine):
+    def __init__(self, scripts, held: set[str]) -> None:
+        super().__init__(scripts)
+        self.held, self.release, self.log = held, threading.Event(), []
+
+    def submit(self, requests):
+        self.log += [("sent", _key(s)) for s in (sample for sample in self.generate(requests))]
+        return _Streaming(self.requests_samples, self.held, self.release, self.log)
+
+    def generate(self, requests):
+        self.requests_samples = super().generate(requests)
+        return self.requests_samples
+
+
+def test_a_conversation_goes_on_while_another_is_still_generating():
+    """Response 0's first turn is long (held back); response 1's first turn comes back at once:
+    its tool is called and its second turn sent (and back) before response 0's first turn ends.
+    The conversations then equal those generated round by round."""
+    scripts = {"q0#0": [ids("[1+1]"), ids("2", eos=True)], "q0#1": [ids("[2+2]"), ids("4", eos=True)]}
+    group = StreamingGroup(scripts, held={"q0#0/t0"})
+    pending = Conversations(group, calculator(), TOK, max_turns=3).submit([request(n=2)])
+    deadline = time.monotonic() + 10
+    while ("came", "q0#1/t1") not in group.log and time.monotonic() < deadline:
+        assert not pending.done()
+    assert ("came", "q0#1/t1") in group.log, f"response 1's second turn waited for response 0's first: {group.log}"
+    assert ("came", "q0#0/t0") not in group.log
+    group.release.set()
+    samples = pending.result()
+    assert group.log.index(("came", "q0#1/t1")) < group.log.index(("came", "q0#0/t0")) < group.log.index(
+        ("sent", "q0#0/t1"))
+    direct = Conversations(ScriptedEngine(scripts), calculator(), TOK, max_turns=3).generate([request(n=2)])
+    assert [TOK.decode(s.response_tokens.tolist()) for s in samples] == ["[1+1]=2;2", "[2+2]=4;4"]
+    for got, want in zip(samples, direct, strict=True):
+        assert torch.equal(got.response_tokens, want.response_tokens)
+        assert torch.equal(got.from_environment, want.from_environment)
+        assert torch.equal(got.routed_experts, want.routed_experts)
+
+
+def test_reply_threads_is_checked():
+    with pytest.raises(ValueError, match=r"rollout.agent.reply_threads must be >= 1"):
+        AgentConfig(name="calculator", reply_threads=0)
 
 
 @pytest.mark.parametrize("case, finish, text", [

@@ -131,6 +131,67 @@ def test_an_engine_that_dies_mid_generate_is_replaced_and_its_share_sent_again(
     assert group.captures_routing()
 
 
+# two engines, four requests each: the even ones end after 2 tokens, the odd ones after 240
+MIXED = [GenerationRequest(r.request_id, r.prompt_tokens, SamplingParams(
+    temperature=1.0, n=2, max_new_tokens=2 if i % 2 == 0 else 240, seed=r.sampling.seed)) for i, r in enumerate(BIG[:8])]
+SHORT = {p for i in range(0, 8, 2) for p in (2 * i, 2 * i + 1)}  # their sample positions
+
+
+@pytest.fixture(scope="module")
+def expected_mixed(checkpoints) -> list:
+    from bpo_megatron.rollout.hf.engine import HFEngine
+
+    return HFEngine(checkpoints[1], capture_routing=True).generate(MIXED)
+
+
+def _recording_generate_calls(group, monkeypatch) -> list[tuple[int, list[str]]]:
+    """Each generate call the group makes: (engine, the ids of its requests)."""
+    calls, remote = [], group.remote
+
+    def recorded(worker, method, *args):
+        if method == "generate":
+            calls.append((next(i for i, w in enumerate(group.workers) if w is worker), [r.request_id for r in args[0]]))
+        return remote(worker, method, *args)
+
+    monkeypatch.setattr(group, "remote", recorded)
+    return calls
+
+
+def test_samples_come_back_as_they_finish(group, pushed_weights, expected_mixed):
+    """The short answers are taken while the long ones still generate, each at its position; the
+    whole equals the in-process reference."""
+    _arm(group, pushed_weights)
+    pending = group.submit(MIXED)
+    first = pending.take_finished(wait_s=60)
+    assert first and {p for p, _ in first} <= SHORT and not pending.done()
+    came, deadline = dict(first), time.monotonic() + 120
+    while len(came) < 16 and time.monotonic() < deadline:
+        came.update(pending.take_finished(wait_s=1))
+    assert sorted(came) == list(range(16)) and pending.done()
+    _check_samples([came[p] for p in range(16)], MIXED, expected_mixed)
+    _check_samples(pending.result(), MIXED, expected_mixed)
+
+
+def test_a_share_sent_again_holds_only_the_requests_still_unanswered(group, pushed_weights, expected_mixed,
+                                                                    monkeypatch):
+    """Engine 0 is killed once its short answers came: its replacement is sent only its long
+    requests, and the short samples that came before are kept."""
+    restarted = _arm(group, pushed_weights)
+    calls = _recording_generate_calls(group, monkeypatch)
+    pending = group.submit(MIXED)
+    came: dict[int, object] = {}
+    deadline = time.monotonic() + 60
+    while not {0, 1, 4, 5} <= set(came) and time.monotonic() < deadline:  # engine 0's short samples
+        came.update(pending.take_finished(wait_s=1))
+    assert {0, 1, 4, 5} <= set(came) and not pending.done()
+    ray.kill(group.workers[0])
+    samples = pending.result()
+    assert restarted == [[0]]
+    assert calls == [(0, ["r0", "r1", "r2", "r3"]), (1, ["r4", "r5", "r6", "r7"]), (0, ["r1", "r3"])]
+    assert all(samples[p] is came[p] for p in (0, 1, 4, 5))
+    _check_samples(samples, MIXED, expected_mixed)
+
+
 def test_an_engine_that_stops_answering_is_killed_replaced_and_its_share_sent_again(
         group, pushed_weights, expected):
     """A hung engine (here: busy in a call that never returns) is given ``generate_timeout_s``."""
@@ -303,7 +364,7 @@ def test_control_calls_are_answered_while_generations_fill_the_engine(async_grou
     restarted = _arm(async_group, pushed_weights)
     restarts_before = async_group.restarts
     pending = [async_group.submit(BIG) for _ in range(3)]
-    calls = [ref for p in pending for ref, _ in p._sent.values()]
+    calls = [stream.generator for p in pending for stream in p._streams.values()]
     time.sleep(KILL_AFTER_S)
     start = time.monotonic()
     assert async_group.replace_unhealthy() == []

@@ -356,8 +356,8 @@ def test_the_servers_log_never_holds_its_api_key(tmp_path):
 
 class _GenerateServer:
     """A /generate and /health on 127.0.0.1 answering as SGLang does (one request per POST);
-    ``behaviour(n)`` for the n-th POST (1-based): "answer", "drop" (close the connection without a
-    word) or a number of seconds to wait before answering."""
+    ``behaviour(n, rid)`` for the n-th POST (1-based), of request ``rid``: "answer", "drop" (close
+    the connection without a word) or a number of seconds to wait before answering."""
 
     def __init__(self, behaviour):
         import threading
@@ -371,7 +371,7 @@ class _GenerateServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 (rid,) = body["rid"]  # one request per POST
                 outer.posts.append(rid)
-                what = behaviour(len(outer.posts))
+                what = behaviour(len(outer.posts), rid)
                 if what == "drop":
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
@@ -431,15 +431,33 @@ def test_a_request_has_no_deadline_by_default_so_a_long_queue_costs_no_retry():
     from bpo_megatron.rollout.sglang.client import RolloutFailed
 
     assert SGLangOptions().request_timeout_s is None
-    with _GenerateServer(lambda n: 2.5) as server:  # every answer waits 2.5 s (a long queue)
+    with _GenerateServer(lambda n, rid: 2.5) as server:  # every answer waits 2.5 s (a long queue)
         (sample,) = _client(server.url).generate(_one_slot())
         assert sample.response_tokens.tolist() == [9, 4] and server.posts == ["r#0"]
-    with _GenerateServer(lambda n: 2.5) as server:  # a deadline shorter than the queue: each retry re-queues
+    with _GenerateServer(lambda n, rid: 2.5) as server:  # a deadline shorter than the queue: each retry re-queues
         with pytest.raises(RolloutFailed, match=r"request r#0 failed 2 times \(last: POST .* gave no answer within "):
             _client(server.url, request_timeout_s=1.0, max_retries=1).generate(_one_slot())
         assert server.posts == ["r#0", "r#0.retry1"]
     with pytest.raises(ValueError, match="rollout.sglang.request_timeout_s must be > 0 seconds, or null"):
         SGLangOptions(request_timeout_s=0)
+
+
+def test_each_sample_is_handed_over_as_its_request_returns():
+    """Three requests, the first answered 3 s late: the other two are handed over at once, each
+    with its position (what an engine group streams to the driver), then the late one."""
+    from bpo_megatron.rollout.engine import as_finished
+
+    slots = expand([GenerationRequest("r", (1, 2, 3), SamplingParams(n=3))])
+    with _GenerateServer(lambda n, rid: 3.0 if rid == "r#0" else "answer") as server:
+        start = time.monotonic()
+        batches = as_finished(lambda report: _client(server.url).generate(slots, report))
+        first = next(batches)
+        first_s = time.monotonic() - start
+        rest = [pair for batch in batches for pair in batch]
+    assert first_s < 2.5 and 0 not in dict(first)
+    came = dict(first + rest)
+    assert sorted(came) == [0, 1, 2] and rest[-1][0] == 0
+    assert [came[p].index for p in range(3)] == [0, 1, 2]
 
 
 def test_a_connection_lost_by_one_request_to_a_live_server_is_retried_not_taken_for_its_death():
@@ -448,12 +466,12 @@ def test_a_connection_lost_by_one_request_to_a_live_server_is_retried_not_taken_
     from bpo_megatron.rollout.sglang.http import ServerUnavailable
 
     probes = []
-    with _GenerateServer(lambda n: "drop" if n == 1 else "answer") as server:
+    with _GenerateServer(lambda n, rid: "drop" if n == 1 else "answer") as server:
         (sample,) = _client(server.url, healthy=lambda: probes.append(1) or True).generate(_one_slot())
         assert sample.response_tokens.tolist() == [9, 4]
         assert server.posts == ["r#0", "r#0.retry1"] and probes == [1]
     for healthy in (lambda: False, None):  # the server is gone, or nobody can tell: lost
-        with _GenerateServer(lambda n: "drop" if n == 1 else "answer") as server:
+        with _GenerateServer(lambda n, rid: "drop" if n == 1 else "answer") as server:
             with pytest.raises(ServerUnavailable):
                 _client(server.url, healthy=healthy).generate(_one_slot())
             assert server.posts == ["r#0"]

@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
             hf_dir = f"{scratch}/hf"
             convert_mcore_to_hf(location, hf_dir)
         engine = HFEngine(hf_dir, capture_routing=False, threads=args.threads)
-        rollouts = with_agent(engine, agent, tokenizer, max_turns=cfg.rollout.agent.max_turns)
+        rollouts = with_agent(engine, agent, tokenizer)
         try:
             result = evaluate(rollouts.generate, sets, tokenizer, reward_fn(cfg.data.reward, cfg.data), cfg, step=0)
         finally:

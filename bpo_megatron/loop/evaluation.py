@@ -134,9 +134,8 @@ class Evaluations:
         t1 = time.perf_counter()
         self._sync(step)
         requests = eval_requests(self._plan.eval_sets, self._plan.tokenizer, self.cfg, step)
-        # with rollout.agent, conversations of the evaluation engines (each turn's round checked by poll())
-        rollouts = with_agent(engines, self._plan.agent, self._plan.tokenizer,
-                              max_turns=self.cfg.rollout.agent.max_turns)
+        # with rollout.agent, conversations of the evaluation engines (moved on by poll()'s done())
+        rollouts = with_agent(engines, self._plan.agent, self._plan.tokenizer)
         self._running = _Running(step, rollouts.submit(requests), time.perf_counter())
         return {"time/eval_wait_s": t1 - t0, "time/eval_sync_s": time.perf_counter() - t1}
 

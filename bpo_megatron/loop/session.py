@@ -78,8 +78,7 @@ class RunSession:
         self.placement = run_placement(cfg, eval_engines=evaluating)  # engines on the trainer's devices, or apart
         self.engines = EngineGroup(cfg, self.hf_dir, placement=self.placement)
         # what generates: the engines, or conversations of theirs with rollout.agent's tool
-        self.rollouts = with_agent(self.engines, self.plan.agent, self.tokenizer,
-                                   max_turns=cfg.rollout.agent.max_turns)
+        self.rollouts = with_agent(self.engines, self.plan.agent, self.tokenizer)
         self.phases = DevicePhases(self.engines, self._push, shared=cfg.cluster.colocate)
         self.trainer = TrainerGroup(cfg, placement=self.placement)
         self.phases.attach_trainer(self.trainer)

@@ -10,20 +10,27 @@ requests are sent again to the replacement, once it holds the current weights.
 Every call reaches an engine through one of three concurrency groups of its actor, so no kind of
 call waits behind another: ``liveness`` (health, progress, version, address: answered while the
 engine generates), ``update`` (weights and memory) and ``generate`` (as many at once as the
-batches a step may have under way, ``train.async.max_staleness`` + 1). An engine that cannot take
-a weight update while it generates (no partial rollouts) gets its updates in the ``generate``
-group, one call at a time, as before.
+batches a step may have under way, ``train.async.max_staleness`` + 1, times the batches of turns
+a conversation batch may have out, ``TURN_BATCHES_IN_FLIGHT``, with ``rollout.agent``). An engine
+that cannot take a weight update while it generates (no partial rollouts) gets its updates in the
+``generate`` group, one call at a time, and one generation at a time.
+
+An engine streams each share's samples back as they finish (:class:`PendingGeneration`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, Callable
 
 from bpo_megatron.orchestration.placement import EVALUATION, ROLLOUT, Placement
 from bpo_megatron.orchestration.stall_watch import StallWatch
 from bpo_megatron.orchestration.workers import EngineWorker
+from bpo_megatron.rollout.agents.conversation import TURN_BATCHES_IN_FLIGHT
 from bpo_megatron.rollout.engine import EngineLost, EngineUnresponsive
 from bpo_megatron.trainer.samples import split
 from bpo_megatron.weight_sync.transport import ENDPOINT_PARTS, EngineEndpoint
@@ -54,57 +61,197 @@ def _lost_engine(exc: Exception) -> bool:
     return isinstance(_cause(exc), (EngineLost, EngineUnresponsive))
 
 
+@dataclass
+class _Stream:
+    """One engine's share of a generation, under way: its samples stream back as they finish."""
+
+    generator: Any  # the engine's generate call (a Ray streaming generator)
+    actor: Any  # the actor it went to
+    requests: list[int]  # which of the generation's requests
+    positions: list[int]  # the generation's sample position of each sample the share returns
+    deadline: float | None  # rollout.generate_timeout_s from the moment it was sent
+
+
 class PendingGeneration:
-    """Requests shared out over the engines, generating; :meth:`result` gathers the samples (a
-    dead, hung or stalled engine is replaced and its share re-sent, to the engines of that
-    moment). ``rollout.generate_timeout_s`` counts from the moment a share is sent."""
+    """Requests shared out over the engines in contiguous slices, generating; each engine streams
+    its samples back as they finish. :meth:`take_finished` hands over those that came since it
+    was last called (a conversation's next turn need not wait for the batch's longest answer),
+    :meth:`result` waits for all, :meth:`done` looks without waiting. A dead, hung or stalled
+    engine is replaced and its unfinished requests are sent again to the engines of that moment;
+    the samples it sent before are kept. ``rollout.generate_timeout_s`` counts from the moment a
+    share is sent; a stall is judged over the time someone waits on the generation (a
+    generation nobody waits on is not watched)."""
 
     def __init__(self, engines: EngineGroup, requests: list) -> None:
-        self._engines = engines
-        self._shares = split(requests, len(engines.workers))
-        self._results: list[list | None] = [[] if not share else None for share in self._shares]
-        self._sent: dict[int, tuple[Any, Any]] = {}  # engine -> (its generate call, the actor it went to)
-        self._deadline: float | None = None
-        self._send([i for i, share in enumerate(self._shares) if share])
-        self._samples: list | None = None
+        self._engines, self._requests = engines, requests
+        # request r's samples are positions first[r] … first[r + 1] - 1, as generate() returns them
+        self._first = list(accumulate((r.sampling.n for r in requests), initial=0))
+        self._samples: list = [None] * self._first[-1]
+        self._arrived: list[tuple[int, Any]] = []  # since the last take_finished
+        self._streams: dict[int, _Stream] = {}
+        self._watch = StallWatch(engines.stall_timeout_s)
+        self._probes: dict[int, Any] = {}  # engine -> its progress probe under way
+        self._interval = min(PROBE_INTERVAL_S, engines.stall_timeout_s / 4)
+        self._watched_at = -math.inf  # when a wait last looked
+        for i, share in enumerate(split(list(range(len(requests))), len(engines.workers))):
+            if share:
+                self._send(i, share)
 
-    def _send(self, indices: list[int]) -> None:
-        timeout = self._engines.generate_timeout_s
-        self._deadline = None if timeout is None else time.monotonic() + timeout
-        for i in indices:
-            worker = self._engines.workers[i]
-            self._sent[i] = (self._engines.remote(worker, "generate", self._shares[i]), worker)
+    def take_finished(self, wait_s: float = 0.0, *, watch: bool | None = None) -> list[tuple[int, Any]]:
+        """The samples that finished since the last call, each with its position in request
+        order; waits up to ``wait_s`` for one while none has. ``watch`` (by default: when it
+        waits): enforce stalls and ``rollout.generate_timeout_s`` — a loop that waits on several
+        generations in turn watches each on every call, waiting or not."""
+        watch = wait_s > 0 if watch is None else watch
+        until = time.monotonic() + wait_s
+        if self._streams:
+            self._pump(0.0, watched=watch)
+        while not self._arrived and self._streams and time.monotonic() < until:
+            self._pump(until - time.monotonic(), watched=watch)
+        taken, self._arrived = self._arrived, []
+        return taken
 
     def done(self) -> bool:
-        """Whether every share has been answered, without waiting: the answers that came are
-        stored; a share whose engine died or lost its server is sent again (its engine replaced,
-        as :meth:`result` does), so it is not done. Stalls and ``rollout.generate_timeout_s`` are
-        enforced by :meth:`result`, the bounded wait."""
-        import ray
-
-        if self._samples is None:
-            waiting = {i: sent for i, sent in self._sent.items() if self._results[i] is None}
-            ready, _ = ray.wait([ref for ref, _ in waiting.values()], num_returns=len(waiting), timeout=0) \
-                if waiting else ([], [])
-            answered = {i: sent for i, sent in waiting.items() if sent[0] in ready}
-            failed = self._engines._collect(answered, self._results, None) if answered else []
-            if failed:
-                self._engines.replace_failed({i: self._sent[i][1] for i in failed})
-                self._send(failed)
-            elif all(part is not None for part in self._results):
-                self._samples = [sample for part in self._results for sample in part]
-        return self._samples is not None
+        """Whether every sample has come, without waiting (what came is stored; a share whose
+        engine died or lost its server is sent again, so it is not done). Stalls and
+        ``rollout.generate_timeout_s`` are enforced by the waits."""
+        while self._streams and self._pump(0.0, watched=False):
+            pass
+        return not self._streams
 
     def result(self) -> list:
         """All samples, in request order (waits for them the first time)."""
-        while self._samples is None:
-            failed = self._engines._collect(self._sent, self._results, self._deadline)
-            if failed:
-                self._engines.replace_failed({i: self._sent[i][1] for i in failed})
-                self._send(failed)
-            else:
-                self._samples = [sample for part in self._results for sample in part]
-        return self._samples
+        while self._streams:
+            self._pump(self._interval, watched=True)
+        return list(self._samples)
+
+    # ------------------------------------------------------------------------------ the shares
+    def _send(self, engine: int, share: list[int]) -> None:
+        worker = self._engines.workers[engine]
+        timeout, now = self._engines.generate_timeout_s, time.monotonic()
+        positions = [p for r in share for p in range(self._first[r], self._first[r + 1])]
+        generator = self._engines.remote(worker, "generate", [self._requests[r] for r in share])
+        self._streams[engine] = _Stream(generator, worker, share, positions, None if timeout is None else now + timeout)
+        self._watch.start(engine, now)
+        self._probes.pop(engine, None)
+
+    def _pump(self, wait_s: float, *, watched: bool) -> bool:
+        """Take what the engines sent within ``wait_s`` (one batch per engine at most); with
+        ``watched``, enforce deadlines and stalls. Whether anything came, ended or failed."""
+        import ray
+
+        now = time.monotonic()
+        if watched and now - self._watched_at > 2 * self._interval:  # nobody looked meanwhile: judge from now
+            for i in self._streams:
+                self._watch.start(i, now)
+        deadlines = [s.deadline for s in self._streams.values() if s.deadline is not None]
+        if watched and deadlines:
+            wait_s = min(wait_s, max(0.0, min(deadlines) - now))
+        generators = {i: stream.generator for i, stream in self._streams.items()}
+        ready, _ = ray.wait(list(generators.values()), num_returns=1, timeout=min(wait_s, self._interval))
+        if ready:  # every engine that has something now
+            ready, _ = ray.wait(list(generators.values()), num_returns=len(generators), timeout=0)
+        moved, failed = False, {}
+        for i in [i for i, generator in generators.items() if generator in ready]:
+            stream = self._streams[i]
+            try:
+                batch = ray.get(next(stream.generator))
+            except StopIteration:
+                self._ended(i)
+                moved = True
+                continue
+            except ray.exceptions.RayActorError:
+                log.warning("%s engine %d died while generating", self._engines.role, i)
+                failed[i] = stream.actor
+                continue
+            except ray.exceptions.RayTaskError as exc:
+                if not _lost_engine(exc):
+                    raise
+                log.warning("%s engine %d lost its server while generating (%s)", self._engines.role, i,
+                            str(_cause(exc)).splitlines()[0])
+                failed[i] = stream.actor
+                continue
+            self._store(stream, batch)
+            self._watch.progressed(i, time.monotonic())
+            if all(self._samples[p] is not None for p in stream.positions):  # its call ends: nothing more to come
+                self._ended(i)
+            moved = True
+        if watched:
+            failed.update(self._overdue(failed))
+        if failed:
+            self._engines.replace_failed(failed)
+            for i in failed:
+                self._send_again(i)
+        return moved or bool(failed)
+
+    def _store(self, stream: _Stream, batch: list[tuple[int, Any]]) -> None:
+        for local, sample in batch:
+            position = stream.positions[local]
+            if self._samples[position] is None:  # a share sent again may repeat what came before
+                self._samples[position] = sample
+                self._arrived.append((position, sample))
+
+    def _ended(self, engine: int) -> None:
+        """A share all of whose samples came, or whose call ended."""
+        stream = self._streams.pop(engine)
+        self._watch.stop(engine)
+        self._probes.pop(engine, None)
+        missing = sum(self._samples[p] is None for p in stream.positions)
+        if missing:
+            raise RuntimeError(f"{self._engines.role} engine {engine} ended its generation with {missing} of its "
+                               f"{len(stream.positions)} samples not sent")
+
+    def _send_again(self, engine: int) -> None:
+        """The requests of a failed share that have a sample still to come, to the engine now in
+        its place."""
+        stream = self._streams.pop(engine)
+        self._watch.stop(engine)
+        unfinished = [r for r in stream.requests
+                      if any(self._samples[p] is None for p in range(self._first[r], self._first[r + 1]))]
+        if unfinished:
+            self._send(engine, unfinished)
+
+    def _overdue(self, failed: dict[int, Any]) -> dict[int, Any]:
+        """The engines (besides ``failed``) past their deadline or stalled, each killed."""
+        import ray
+
+        now = time.monotonic()
+        self._watched_at = now
+        self._read_progress(now)
+        overdue = {}
+
+        def fail(i: int, message: str, *args: Any) -> None:
+            log.warning(message, self._engines.role, i, *args)
+            ray.kill(self._streams[i].actor, no_restart=True)
+            overdue[i] = self._streams[i].actor
+
+        for i, stream in self._streams.items():
+            if i not in failed and stream.deadline is not None and now >= stream.deadline:
+                fail(i, "%s engine %d did not answer within %.0f s (rollout.generate_timeout_s)",
+                     self._engines.generate_timeout_s)
+        for i in self._watch.stalled(now):
+            if i not in failed and i not in overdue:
+                fail(i, "%s engine %d made no progress for %.0f s with requests outstanding "
+                        "(rollout.stall_timeout_s=%.0f: a stopped or wedged process)",
+                     self._watch.quiet_for(i, now), self._engines.stall_timeout_s)
+        return overdue
+
+    def _read_progress(self, now: float) -> None:
+        """Ask every engine still generating for its progress (one probe at a time each) and
+        record the answers that came."""
+        import ray
+
+        for i, stream in self._streams.items():
+            if i not in self._probes:
+                self._probes[i] = self._engines.remote(stream.actor, "progress")
+        answered, _ = ray.wait(list(self._probes.values()), num_returns=len(self._probes), timeout=0)
+        for ref in answered:
+            i = next(j for j, r in self._probes.items() if r == ref)
+            self._probes.pop(i)
+            try:
+                self._watch.answered(i, ray.get(ref), now)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+                pass  # no answer: a dead engine's generate call fails on its own; a silent one stalls
 
 
 class EngineGroup:
@@ -143,6 +290,8 @@ class EngineGroup:
         self.unsynced: set[int] = set()  # replaced engines that hold the initial weights
         self.weight_group: tuple[str, ...] | None = None  # the engines (actor ids) a weight group joined
         generating = cfg.train.asynchronous.max_staleness + 1 if self.partial_rollouts else 1
+        if cfg.rollout.agent.enabled and self._updates_apart:  # each conversation batch's turns go in batches
+            generating *= TURN_BATCHES_IN_FLIGHT
         self._actor = ray.remote(concurrency_groups={LIVENESS: 2, UPDATE: 1, GENERATE: generating})(EngineWorker)
         self._start_timeout_s = getattr(cfg.rollout.options, "startup_timeout_s", 0.0) + START_ALLOWANCE_S
         self.workers: list = []
@@ -152,7 +301,7 @@ class EngineGroup:
     def _group_of(self, method: str) -> str:
         if method in _LIVENESS_CALLS:
             return LIVENESS
-        if method == "generate" or not self.partial_rollouts:
+        if method == "generate" or not self._updates_apart:
             return GENERATE
         return UPDATE
 
@@ -243,6 +392,13 @@ class EngineGroup:
         an engine that can): their updates then run beside their generations."""
         return (self.role == ROLLOUT and bool(self.cfg.train.asynchronous.max_staleness)
                 and self.cfg.rollout.spec.partial_rollouts)
+
+    @property
+    def _updates_apart(self) -> bool:
+        """Whether weight updates go in a concurrency group of their own: engines that can take one
+        while they generate (partial rollouts). The others get them in the ``generate`` group, one
+        call at a time, so that an update never runs beside a generation."""
+        return self.role == ROLLOUT and self.cfg.rollout.spec.partial_rollouts
 
     def _devices(self, index: int) -> tuple[int, ...]:
         return self.placement.engine_gpus(index, self.role) if self.placement is not None else ()
@@ -397,76 +553,6 @@ class EngineGroup:
     def submit(self, requests: list) -> PendingGeneration:
         """Start generating ``requests`` on the engines and return at once; ``.result()`` waits."""
         return PendingGeneration(self, requests)
-
-    def _collect(self, sent: dict[int, tuple[Any, Any]], results: list[list | None],
-                 deadline: float | None) -> list[int]:
-        """Store every engine's answer; return the engines that died, lost their server, stalled
-        or ran past ``deadline`` (each killed). A generating engine's progress is read every
-        ``PROBE_INTERVAL_S``."""
-        import ray
-
-        pending = {i: ref for i, (ref, _) in sent.items() if results[i] is None}
-        actors = {i: actor for i, (_, actor) in sent.items()}
-        watch, probes, failed = StallWatch(self.stall_timeout_s), {}, []
-        now = time.monotonic()
-        for i in pending:
-            watch.start(i, now)
-        interval = min(PROBE_INTERVAL_S, self.stall_timeout_s / 4)
-
-        def fail(i: int, message: str, *args: Any) -> None:
-            log.warning(message, self.role, i, *args)
-            ray.kill(actors[i], no_restart=True)
-            failed.append(i)
-            pending.pop(i)
-            watch.stop(i)
-
-        while pending:
-            wait_s = interval if deadline is None else max(0.0, min(interval, deadline - time.monotonic()))
-            ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=wait_s)
-            for ref in ready:
-                i = next(j for j, r in pending.items() if r == ref)
-                pending.pop(i)
-                watch.stop(i)
-                try:
-                    results[i] = ray.get(ref)
-                except ray.exceptions.RayActorError:
-                    log.warning("%s engine %d died while generating", self.role, i)
-                    failed.append(i)
-                except ray.exceptions.RayTaskError as exc:
-                    if not _lost_engine(exc):
-                        raise
-                    log.warning("%s engine %d lost its server while generating (%s)", self.role, i,
-                                str(_cause(exc)).splitlines()[0])
-                    failed.append(i)
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                for i in list(pending):
-                    fail(i, "%s engine %d did not answer within %.0f s (rollout.generate_timeout_s)",
-                         self.generate_timeout_s)
-                break
-            self._read_progress(pending, actors, probes, watch, now)
-            for i in watch.stalled(now):
-                fail(i, "%s engine %d made no progress for %.0f s with requests outstanding "
-                        "(rollout.stall_timeout_s=%.0f: a stopped or wedged process)",
-                     watch.quiet_for(i, now), self.stall_timeout_s)
-        return failed
-
-    def _read_progress(self, pending: dict, actors: dict, probes: dict, watch: StallWatch, now: float) -> None:
-        """Ask every engine still generating for its progress (one probe at a time each) and
-        record the answers that came."""
-        import ray
-
-        for i in pending:
-            if i not in probes:
-                probes[i] = self.remote(actors[i], "progress")
-        answered, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=0)
-        for ref in answered:
-            i = next(j for j, r in probes.items() if r == ref)
-            probes.pop(i)
-            try:
-                watch.answered(i, ray.get(ref), now)
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
-                pass  # no answer: a dead engine's generate call fails on its own; a silent one stalls
 
     def shutdown(self) -> None:
         import ray

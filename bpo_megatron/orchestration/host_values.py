@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -47,15 +48,26 @@ def returns_host_values(cls: type) -> type:
 
 
 def _checked(method, qualified: str):
-    @functools.wraps(method)
-    def call(*args, **kwargs):
-        result = method(*args, **kwargs)
+    def check(result):
         found = device_tensors(result)
         if found:
             raise DeviceTensorReturned(f"{qualified} returned device tensors to the driver, which may have no GPU: "
                                        f"{', '.join(found[:5])}{' …' if len(found) > 5 else ''}; "
                                        "move them to host memory (.cpu()) in the worker")
         return result
+
+    if inspect.isgeneratorfunction(method):  # a streaming method stays one (Ray looks), each value checked
+        @functools.wraps(method)
+        def stream(*args, **kwargs):
+            for value in method(*args, **kwargs):
+                yield check(value)
+
+        setattr(stream, _MARK, True)
+        return stream
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        return check(method(*args, **kwargs))
 
     setattr(call, _MARK, True)
     return call

@@ -31,6 +31,11 @@ class StallWatch:
         if count is None or count != self._count[engine]:
             self._count[engine], self._since[engine] = count, now
 
+    def progressed(self, engine: int, now: float) -> None:
+        """``engine`` showed progress otherwise (a sample came back)."""
+        if engine in self._since:
+            self._since[engine] = now
+
     def stop(self, engine: int) -> None:
         """``engine`` has nothing outstanding any more."""
         self._count.pop(engine, None)

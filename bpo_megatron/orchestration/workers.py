@@ -205,7 +205,8 @@ class EngineWorker:
         return self.engine.capabilities.captures_routing
 
     def generate(self, requests):
-        return self.engine.generate(requests)
+        """The samples as they finish, in batches of (position, sample) (a Ray streaming generator)."""
+        yield from self.engine.generate_as_finished(requests)
 
     def update_weights(self, bucket) -> int:
         return self.engine.update_weights(bucket)

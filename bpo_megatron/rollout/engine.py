@@ -11,7 +11,9 @@ only when it is used, so nothing imports an engine's heavy dependencies it does 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterable
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +27,46 @@ from bpo_megatron.rollout.types import EngineHealth, GenerationRequest, Sample
 @dataclass(frozen=True)
 class EngineCapabilities:
     captures_routing: bool  # can return routed experts per processed token (R3)
+
+
+# samples that finished together, each with its position in the order generate() returns them
+Finished = list[tuple[int, Sample]]
+
+
+def as_finished(generate: Callable[[Callable[[Finished], None]], list[Sample]]) -> Iterator[Finished]:
+    """Run ``generate(report)`` in a thread of its own and yield what it reports, as it reports
+    it (from any thread), then the samples it returned that it did not report; its exception is
+    raised here once what it reported before is yielded."""
+    reports: queue.SimpleQueue = queue.SimpleQueue()
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(generate(reports.put))
+        except BaseException as exc:  # noqa: BLE001 - raised again in the consumer's thread below
+            outcome.append(exc)
+        reports.put(None)
+
+    threading.Thread(target=run, name="generate-as-finished", daemon=True).start()
+    seen: set[int] = set()
+    ended = False
+    while not ended and (batch := reports.get()) is not None:
+        while True:  # what else has finished meanwhile goes in the same batch
+            try:
+                more = reports.get_nowait()
+            except queue.Empty:
+                break
+            if more is None:
+                ended = True
+                break
+            batch = batch + more
+        seen.update(position for position, _ in batch)
+        yield batch
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    rest = [(position, sample) for position, sample in enumerate(outcome[0]) if position not in seen]
+    if rest:
+        yield rest
 
 
 class EngineLost(RuntimeError):
@@ -51,6 +93,13 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
         """All ``n`` samples of every request, in request order then index order."""
+
+    def generate_as_finished(self, requests: list[GenerationRequest]) -> Iterator[Finished]:
+        """What :meth:`generate` returns, in batches as the samples finish, each sample with its
+        position in :meth:`generate`'s order (a conversation's next turn need not wait for the
+        longest answer). Here all at the end: an engine that finishes samples one by one yields
+        them so (:func:`as_finished`)."""
+        yield list(enumerate(self.generate(requests)))
 
     @abc.abstractmethod
     def begin_weight_update(self, version: int) -> None:

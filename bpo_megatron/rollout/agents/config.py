@@ -29,7 +29,9 @@ class AgentConfig:
     bounds the model turns of one response; the whole response, tool outputs included, stays
     within ``rollout.max_new_tokens``. ``reply``: the text around a tool's output (``{output}``
     marks where it goes; null: the agent's default). ``timeout_s``: one tool call's bound (a call
-    past it answers with an error text the model sees). ``sandbox``: how a tool that executes the
+    past it answers with an error text the model sees); ``reply_threads``: the calls answered at
+    once (each conversation goes at its own pace: its tool is called as soon as its turn is back).
+    ``sandbox``: how a tool that executes the
     model's output (``python_tool``) confines it (:class:`~bpo_megatron.rollout.agents.sandbox.SandboxConfig`)."""
 
     name: str | None = None
@@ -37,11 +39,15 @@ class AgentConfig:
     max_turns: int = 4
     reply: str | None = None
     timeout_s: float = 10.0
+    reply_threads: int = 32
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:
             raise ValueError(f"rollout.agent.max_turns must be >= 1 (model turns per response), got {self.max_turns}")
+        if self.reply_threads < 1:
+            raise ValueError(f"rollout.agent.reply_threads must be >= 1 (tool calls answered at once), got "
+                             f"{self.reply_threads}")
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
             raise ValueError(f"rollout.agent.timeout_s must be > 0 seconds, got {self.timeout_s}")
         if self.reply is not None and "{output}" not in self.reply:

@@ -7,9 +7,13 @@ response whose turn ended with the call token gets the agent's answer appended a
 next turn is a request of its own: the prompt, every token so far (the engine's own ids, never
 decoded and encoded again) and the answer, with one response, the remaining token budget and a
 seed derived from the response's own, so a conversation does not depend on how requests are
-shared out over engines. Turns go to the engines together, one round per turn; a conversation
-lives in the driver, so an engine that dies mid-turn costs that turn only (the group sends it
-again to the engine's replacement) and the turns before it are kept.
+shared out over engines or on when its turns are sent. Each conversation goes at its own pace: a
+turn that comes back (engines stream samples as they finish) is answered by the agent in a thread
+of its own (``rollout.agent.reply_threads`` at once), and the next turns ready at a moment go to
+the engines together, at most ``TURN_BATCHES_IN_FLIGHT`` such batches out at once (more ready
+turns wait for one to end) — no turn waits for the batch's longest answer. A conversation lives
+in the driver, so an engine that dies mid-turn costs that turn only (the group sends it again to
+the engine's replacement) and the turns before it are kept.
 
 The sample of a conversation is its turns end to end (:func:`assemble`): the model's tokens with
 their log μ, versions and routing validity, the environment's tokens marked
@@ -33,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -43,19 +47,24 @@ from bpo_megatron.rollout.types import GenerationRequest, Sample, response_slots
 log = logging.getLogger(__name__)
 
 TURN_SEED_STRIDE = 104_729  # turn t of a response samples with its seed + t × this
-REPLY_THREADS = 8  # agents answer the conversations of a round side by side (tools wait on processes)
+# batches of turns one generation of conversations has at the engines at once (an engine runs as
+# many generate calls side by side: orchestration.engine_group); more ready turns wait for one to end
+TURN_BATCHES_IN_FLIGHT = 8
+WAIT_S = 0.5  # a waiting loop looks at every batch of turns and every answer under way this often
 
 
 class Conversations:
     """``engines`` (an engine group, or one engine: anything with ``generate``) talking to
-    ``agent`` through ``tokenizer``; ``max_turns`` model turns per response at most."""
+    ``agent`` through ``tokenizer``; ``max_turns`` model turns per response at most; the agent
+    answers ``reply_threads`` conversations at once."""
 
-    def __init__(self, engines, agent: Agent, tokenizer, *, max_turns: int) -> None:
+    def __init__(self, engines, agent: Agent, tokenizer, *, max_turns: int, reply_threads: int = 32) -> None:
         ids = tokenizer.encode(agent.call_token)
         if len(ids) != 1:
             raise ValueError(f"rollout.agent.call_token={agent.call_token!r} is {len(ids)} tokens of the run's "
                              "tokenizer; it must be exactly one (a turn stops on a token)")
         self.engines, self.agent, self.tokenizer, self.max_turns = engines, agent, tokenizer, max_turns
+        self.reply_threads = reply_threads
         self.call_id = ids[0]
         self.errors = 0  # agent calls that raised (their conversations ended cut off)
         self._warned = False
@@ -77,42 +86,32 @@ class Conversations:
 
     # ---------------------------------------------------------------------------------- turns
     def send(self, requests: list[GenerationRequest]):
-        """One round of turns to the engines, under way (an engine group's pending generation; a
-        bare engine generates at once)."""
+        """Turns to the engines, under way (an engine group's pending generation; a bare engine
+        generates at once)."""
         submit = getattr(self.engines, "submit", None)
         return submit(requests) if submit is not None else _Done(self.engines.generate(requests))
 
-    def next_round(self, dialogues: list[_Dialogue], turn: int) -> list[_Dialogue]:
-        """After every live dialogue's ``turn``-th model turn: end those that do not ask (or may
-        not: ``max_turns``), answer the others, and return those that go on to another turn."""
-        asking = []
-        for d in dialogues:
-            if d.finish is None:
-                if self._asks(d):
-                    asking.append(d)
-                else:
-                    d.finish = d.turns[-1].finish_reason
-        if turn == self.max_turns:  # those still asking ask once more than they may
-            for d in asking:
-                d.finish = "length"
-            return []
-        with ThreadPoolExecutor(REPLY_THREADS) as pool:
-            replies = list(pool.map(self._reply, asking))
-        return [d for d, reply in zip(asking, replies) if self._append(d, reply)]
-
-    def _asks(self, dialogue: _Dialogue) -> bool:
+    def ends(self, dialogue: _Dialogue) -> bool:
+        """After the dialogue's latest model turn: whether it ends there (it does not ask, or may
+        not ask again: ``max_turns``), its finish recorded."""
         last = dialogue.turns[-1]
-        return (last.finish_reason == "stop" and last.response_tokens.numel() > 0
+        asks = (last.finish_reason == "stop" and last.response_tokens.numel() > 0
                 and int(last.response_tokens[-1]) == self.call_id)
+        if not asks:
+            dialogue.finish = last.finish_reason
+        elif len(dialogue.turns) == self.max_turns:  # it asks once more than it may
+            dialogue.finish = "length"
+        return dialogue.finish is not None
 
-    def _reply(self, dialogue: _Dialogue) -> str | None | Exception:
+    def reply(self, dialogue: _Dialogue) -> str | None | Exception:
+        """The agent's answer to the dialogue's latest turn (run in a reply thread)."""
         prompt = self.tokenizer.decode(dialogue.turns[0].prompt_tokens.tolist())
         try:
             return self.agent.respond(prompt, dialogue.transcript(self.tokenizer))
         except Exception as exc:  # noqa: BLE001 - a user's environment: counted, its conversation cut off
             return exc
 
-    def _append(self, dialogue: _Dialogue, reply: str | None | Exception) -> bool:
+    def append(self, dialogue: _Dialogue, reply: str | None | Exception) -> bool:
         """Add the agent's answer; False when the conversation ends here instead."""
         if reply is None:
             dialogue.finish = "stop"
@@ -139,8 +138,14 @@ class Conversations:
 
 
 class _Done:
+    """A bare engine's generation: finished when sent."""
+
     def __init__(self, samples: list[Sample]) -> None:
-        self._samples = samples
+        self._samples, self._untaken = samples, list(enumerate(samples))
+
+    def take_finished(self, wait_s: float = 0.0, *, watch: bool | None = None) -> list[tuple[int, Sample]]:
+        taken, self._untaken = self._untaken, []
+        return taken
 
     def done(self) -> bool:
         return True
@@ -150,44 +155,84 @@ class _Done:
 
 
 class PendingConversations:
-    """Conversations under way: one round of turns at the engines at a time. :meth:`result`
-    waits for every round; :meth:`done` moves on as far as finished rounds allow without waiting
-    (an engine group's pending generation checked, not waited for) and says whether all are over."""
+    """Conversations under way, each at its own pace. :meth:`result` waits for all of them;
+    :meth:`done` moves on as far as the turns that came allow, without waiting for the engines (it
+    waits for the agent's answers under way), and says whether all are over."""
 
     def __init__(self, conversations: Conversations, requests: list[GenerationRequest]) -> None:
-        self._conversations, self._requests = conversations, requests
-        self._dialogues: list[_Dialogue] = []
-        self._going: list[_Dialogue] | None = None  # the dialogues whose turn is under way (None: the first)
-        self._turn = 0
-        self._pending = conversations.send(requests)
+        self._conversations = conversations
+        self._dialogues = [_Dialogue(slot.request, slot.seed, []) for slot in response_slots(requests)]
+        # batches of turns at the engines: (the generation, the dialogue of each of its samples)
+        self._batches: list[tuple[object, list[int]]] = [(conversations.send(requests),
+                                                          list(range(len(self._dialogues))))]
+        self._answering: dict[Future, int] = {}  # the agent's answers under way -> their dialogue
+        self._ready: list[int] = []  # dialogues whose next turn waits for a batch to end
+        self._replies = ThreadPoolExecutor(conversations.reply_threads, thread_name_prefix="agent-reply")
         self._samples: list[Sample] | None = None
 
     def result(self) -> list[Sample]:
         """Every response's conversation, in request order."""
-        while self._samples is None:
-            self._advance(self._pending.result())
+        try:
+            while self._samples is None:
+                self._advance(WAIT_S, watch=True)
+        except BaseException:
+            self._replies.shutdown(wait=False, cancel_futures=True)
+            raise
         return self._samples
 
     def done(self) -> bool:
-        while self._samples is None and self._pending.done():
-            self._advance(self._pending.result())
+        while self._samples is None:
+            if self._advance(0.0, watch=False):
+                continue
+            if not self._answering:
+                break
+            self._take_answers(WAIT_S)  # the agent's calls are bounded (rollout.agent.timeout_s); engines are not
         return self._samples is not None
 
-    def _advance(self, answers: list[Sample]) -> None:
-        """The round under way came back: record its turns, then send the next round or finish."""
-        if self._going is None:
-            self._dialogues = [_Dialogue(slot.request, slot.seed, [sample])
-                               for slot, sample in zip(response_slots(self._requests), answers, strict=True)]
-        else:
-            for dialogue, sample in zip(self._going, answers, strict=True):
-                dialogue.turns.append(sample)
-        self._turn += 1
-        self._going = self._conversations.next_round(self._dialogues, self._turn)
-        if self._going:
-            self._pending = self._conversations.send([d.next_request(self._turn) for d in self._going])
-        else:
-            self._pending = None
+    def _advance(self, wait_s: float, *, watch: bool) -> bool:
+        """Take the turns and answers that came (waiting up to ``wait_s`` when none has), send the
+        next turns that are ready; whether anything came or went. ``watch``: the engines' stalls
+        and deadlines are enforced (a wait that ends only with the conversations)."""
+        moved = self._take_turns(0.0, watch) + self._take_answers(0.0)
+        if not moved and wait_s > 0:
+            share = wait_s / (len(self._batches) + bool(self._answering))
+            moved = self._take_answers(share) + self._take_turns(share, watch)
+        if self._ready and len(self._batches) < TURN_BATCHES_IN_FLIGHT:
+            requests = [self._dialogues[i].next_request() for i in self._ready]
+            self._batches.append((self._conversations.send(requests), self._ready))
+            self._ready, moved = [], moved + len(requests)
+        if not (self._batches or self._answering or self._ready):
+            self._replies.shutdown()
             self._samples = [assemble(d.turns, d.environment, d.finish) for d in self._dialogues]
+        return bool(moved)
+
+    def _take_turns(self, wait_s: float, watch: bool) -> int:
+        """The model turns that came back: end their conversations, or ask the agent."""
+        taken = 0
+        for batch in list(self._batches):
+            generation, dialogues = batch
+            finished = generation.take_finished(wait_s, watch=watch)
+            if generation.done():
+                finished += generation.take_finished()
+                self._batches.remove(batch)
+            for position, sample in finished:
+                dialogue = self._dialogues[dialogues[position]]
+                dialogue.turns.append(sample)
+                if not self._conversations.ends(dialogue):
+                    self._answering[self._replies.submit(self._conversations.reply, dialogue)] = dialogues[position]
+            taken += len(finished)
+        return taken
+
+    def _take_answers(self, wait_s: float) -> int:
+        """The agent's answers that came: append them, the conversation's next turn then ready."""
+        if not self._answering:
+            return 0
+        answered, _ = wait(self._answering, timeout=wait_s, return_when=FIRST_COMPLETED)
+        for future in answered:
+            index = self._answering.pop(future)
+            if self._conversations.append(self._dialogues[index], future.result()):
+                self._ready.append(index)
+        return len(answered)
 
 
 @dataclasses.dataclass
@@ -211,8 +256,9 @@ class _Dialogue:
                 turns.append(Turn(tokenizer.decode(self.environment[i]), from_environment=True))
         return turns
 
-    def next_request(self, turn: int) -> GenerationRequest:
-        """Turn ``turn`` (1: the second): everything so far as its prompt, one response."""
+    def next_request(self) -> GenerationRequest:
+        """The next model turn: everything so far as its prompt, one response."""
+        turn = len(self.turns)  # 1: the second
         tokens = [*self.request.prompt_tokens]
         for i, sample in enumerate(self.turns):
             tokens += sample.response_tokens.tolist() + self.environment[i]
@@ -291,7 +337,10 @@ def _routing(turns: list[Sample]) -> torch.Tensor | None:
     return torch.cat(parts)
 
 
-def with_agent(engines, agent: Agent | None, tokenizer, *, max_turns: int):
+def with_agent(engines, agent: Agent | None, tokenizer):
     """What generates a run's responses: ``engines`` themselves (single-turn), or conversations of
-    theirs with ``agent``."""
-    return engines if agent is None else Conversations(engines, agent, tokenizer, max_turns=max_turns)
+    theirs with ``agent`` (as its settings say: ``rollout.agent``)."""
+    if agent is None:
+        return engines
+    return Conversations(engines, agent, tokenizer, max_turns=agent.settings.max_turns,
+                         reply_threads=agent.settings.reply_threads)

@@ -23,7 +23,7 @@ import contextlib
 import gc
 import logging
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +32,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from bpo_megatron import platform
-from bpo_megatron.rollout.engine import EngineCapabilities, RolloutEngine
+from bpo_megatron.rollout.engine import EngineCapabilities, Finished, RolloutEngine, as_finished
 from bpo_megatron.rollout.hf.capture import RoutingCapture, moe_routers
 from bpo_megatron.rollout.hf.decode import attention_for, check_supported, resolve_path
 from bpo_megatron.rollout.hf.options import check_decode
@@ -222,6 +222,13 @@ class HFEngine(RolloutEngine):
     # -- generation ------------------------------------------------------------------------------
 
     def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
+        return self._generate(requests, None)
+
+    def generate_as_finished(self, requests: list[GenerationRequest]) -> Iterator[Finished]:
+        """Samples as their rows leave the decoding slots (at each host sync)."""
+        return as_finished(lambda report: self._generate(requests, report))
+
+    def _generate(self, requests: list[GenerationRequest], report: Callable[[Finished], None] | None) -> list[Sample]:
         model = self._live_model()
         if self._paused:
             raise RuntimeError("the hf rollout engine is in a weight update; call end_weight_update() "
@@ -243,11 +250,20 @@ class HFEngine(RolloutEngine):
             shape = StateShape.of(queued, settings, capture=self._capture is not None
                                   and any(r.capture_routing for r in queued))
             state = self._states.get(model, shape, settings)
-            outputs = SlotSession(model, queued, settings, state, self._capture, self._gated).run()
-        samples: list[Sample | None] = [None] * len(rows)
-        for i, out in zip(order, outputs):
-            routed = out.routing if self._capture is not None and rows[i].request.capture_routing else None
-            samples[i] = _to_sample(rows[i], out.tokens, out.logprobs, out.versions, out.stopped, routed)
+            samples: list[Sample | None] = [None] * len(rows)
+
+            @torch.inference_mode(False)  # a sample's own tensors are ordinary ones, as they always were
+            def finished(ended: list) -> None:  # session rows (sorted order) -> the request order's samples
+                done = []
+                for queued_row, out in ended:
+                    i = order[queued_row]
+                    routed = out.routing if self._capture is not None and rows[i].request.capture_routing else None
+                    samples[i] = _to_sample(rows[i], out.tokens, out.logprobs, out.versions, out.stopped, routed)
+                    done.append((i, samples[i]))
+                if report is not None:
+                    report(done)
+
+            SlotSession(model, queued, settings, state, self._capture, self._gated).run(finished)
         return samples
 
     def _gated(self, forward):

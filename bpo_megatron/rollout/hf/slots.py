@@ -254,7 +254,9 @@ class SlotSession:
         self._counts: dict[int, int] = {}  # host copy of each held slot's token count (exact at syncs)
         self._prompt_routing: dict[int, torch.Tensor] = {}
 
-    def run(self) -> list[RowOutput]:
+    def run(self, finished: Callable[[list[tuple[int, RowOutput]]], None] | None = None) -> list[RowOutput]:
+        """Every row's output, in row order; ``finished`` is told the rows that end at each host
+        sync (index, output) as they end."""
         queue = deque(range(len(self._rows)))
         outputs: list[RowOutput | None] = [None] * len(self._rows)
         free = list(range(self._state.shape.slots))
@@ -267,7 +269,11 @@ class SlotSession:
             self._state.sampler.draw_ahead(self._counts, self._refill_every)
             for _ in range(self._refill_every):
                 self._gated(self._state.run_step)
+            held = [row for row in self._holder if row is not None]
             free = self._harvest(outputs)
+            ended = [(row, outputs[row]) for row in held if outputs[row] is not None]
+            if finished is not None and ended:
+                finished(ended)
 
     def _prefill(self, taken: list[tuple[int, int]]) -> None:
         """Start rows ``(row, slot)``: one forward over their prompts, their keys and values into

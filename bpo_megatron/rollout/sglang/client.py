@@ -26,6 +26,7 @@ from typing import Callable
 from bpo_megatron.models.routing import RoutingLayout
 from bpo_megatron.rollout.sglang.http import RequestTimeout, ServerError, ServerUnavailable
 from bpo_megatron.rollout.sglang.protocol import decode_sample, generate_body
+from bpo_megatron.rollout.engine import Finished
 from bpo_megatron.rollout.types import ResponseSlot, Sample
 
 DECODE_THREADS = 2  # base64 → uint8 routing decoding beside the event loop
@@ -82,13 +83,14 @@ class GenerationClient:
         self._health_lock: asyncio.Lock | None = None
         self._health_seen: tuple[float, bool] | None = None  # (when, what) the last probe found
 
-    def generate(self, slots: list[ResponseSlot]) -> list[Sample]:
-        """Every slot's sample, in slot order. Raises :class:`ServerUnavailable` as soon as the
-        server is gone (the requests under way are abandoned), :class:`RolloutFailed` for a
-        request SGLang refused or that kept timing out."""
-        return asyncio.run(self._all(slots))
+    def generate(self, slots: list[ResponseSlot], finished: Callable[[Finished], None] | None = None) -> list[Sample]:
+        """Every slot's sample, in slot order (``finished`` is told each as it comes: its slot's
+        position and it). Raises :class:`ServerUnavailable` as soon as the server is gone (the
+        requests under way are abandoned), :class:`RolloutFailed` for a request SGLang refused or
+        that kept timing out."""
+        return asyncio.run(self._all(slots, finished))
 
-    async def _all(self, slots: list[ResponseSlot]) -> list[Sample]:
+    async def _all(self, slots: list[ResponseSlot], finished: Callable[[Finished], None] | None) -> list[Sample]:
         import aiohttp
 
         inflight = asyncio.Semaphore(self.max_inflight)
@@ -98,6 +100,9 @@ class GenerationClient:
         with ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="sglang-decode") as decoder:
             async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=self.headers) as session:
                 tasks = [asyncio.create_task(self._one(session, inflight, decoder, slot)) for slot in slots]
+                if finished is not None:
+                    for position, task in enumerate(tasks):
+                        task.add_done_callback(lambda done, position=position: _tell(finished, position, done))
                 try:
                     return list(await asyncio.gather(*tasks))
                 finally:
@@ -167,3 +172,9 @@ class GenerationClient:
         if not isinstance(answer, list) or len(answer) != 1:
             raise ServerError(f"/generate returned {type(answer).__name__} for 1 request", retryable=True)
         return decode_sample(slot, answer[0], routing=self.routing, pause_mode=self.pause_mode)
+
+
+def _tell(finished: Callable[[Finished], None], position: int, task: asyncio.Task) -> None:
+    """A request's sample, to ``finished``, once its task has one (a failure is raised by the gather)."""
+    if not task.cancelled() and task.exception() is None:
+        finished([(position, task.result())])

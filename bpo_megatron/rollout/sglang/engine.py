@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 
 import torch
 
 from bpo_megatron.models.routing import RoutingLayout
-from bpo_megatron.rollout.engine import EngineCapabilities, EngineLost, EngineUnresponsive, RolloutEngine
+from bpo_megatron.rollout.engine import (
+    EngineCapabilities, EngineLost, EngineUnresponsive, Finished, RolloutEngine, as_finished,
+)
 from bpo_megatron.rollout.sglang.client import GenerationClient, RolloutFailed  # noqa: F401 - raised through generate
 from bpo_megatron.rollout.sglang.endpoint import ServerEndpoint
 from bpo_megatron.rollout.sglang.nccl import UNKNOWN, server_nccl_version
@@ -105,21 +107,28 @@ class SGLangEngine(RolloutEngine):
         decoding the others at the pause (``retract``: their output is kept) and finishes them all
         with the new weights after ``continue_generation``; each sample's ``token_versions`` say
         which weights sampled each token."""
+        return self._generate(requests, None)
+
+    def generate_as_finished(self, requests: list[GenerationRequest]) -> Iterator[Finished]:
+        """Each sample as its request returns."""
+        return as_finished(lambda report: self._generate(requests, report))
+
+    def _generate(self, requests: list[GenerationRequest], report: Callable[[Finished], None] | None) -> list[Sample]:
         with self._count_lock:
             self._generating += 1
         try:
-            return self._generate(requests)
+            return self._post_all(requests, report)
         finally:
             with self._count_lock:
                 self._generating -= 1
 
-    def _generate(self, requests: list[GenerationRequest]) -> list[Sample]:
+    def _post_all(self, requests: list[GenerationRequest], report: Callable[[Finished], None] | None) -> list[Sample]:
         client = GenerationClient(self.base_url, self.api_key, max_inflight=self.max_inflight,
                                   request_timeout_s=self.cfg.request_timeout_s, max_retries=self.cfg.max_retries,
                                   capture_routing=self.cfg.capture_routed_experts, routing=self.routing,
                                   pause_mode=PAUSE_MODE, healthy=self._answers_health)
         try:
-            return client.generate(response_slots(requests))
+            return client.generate(response_slots(requests), report)
         except ServerUnavailable:
             self._lost()
             raise  # not reached: _lost raises
