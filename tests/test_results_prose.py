@@ -190,3 +190,16 @@ def test_the_decomposition_of_the_tier_b_gap():
                f"{signed(mean).replace('−', '-')} [{signed(low).replace('−', '-')}, {signed(high).replace('−', '-')}] |")
         assert row in RESULTS, row
         assert low > 0  # the registered reading "both" needs both intervals above 0
+
+
+def test_the_step_size_contrast():
+    main = CONDITIONS["r3/4"]
+    lr = _runs(TIER_B / "followups" / "runs_lr1e-4_k4.csv")
+    cells = [f"{statistics.fmean(v):.1f} ± {statistics.stdev(v):.1f}"
+             for v in ([final_window(lr[(m, s)]) for s in SEEDS] for m in ("bpo", "grpo"))]
+    gap = [final_window(lr[("grpo", s)]) - final_window(lr[("bpo", s)]) for s in SEEDS]
+    before = [final_window(main[("grpo", s)]) - final_window(main[("bpo", s)]) for s in SEEDS]
+    mean, _, low, high = interval(gap)
+    assert f"| lr 1e-4 | {cells[0]} | {cells[1]} | {signed(mean)} [{signed(low)}, {signed(high)}] |" in RESULTS
+    mean, _, low, high = interval([a - b for a, b in zip(gap, before)])
+    assert f"L = {signed(mean)} [{signed(low)}, {signed(high)}]" in RESULTS and high < 0  # "the step size matters"
