@@ -70,6 +70,7 @@ class _Stream:
     requests: list[int]  # which of the generation's requests
     positions: list[int]  # the generation's sample position of each sample the share returns
     deadline: float | None  # rollout.generate_timeout_s from the moment it was sent
+    missing: int = 0  # its samples not yet come (from this share or an earlier one)
 
 
 class PendingGeneration:
@@ -131,7 +132,8 @@ class PendingGeneration:
         timeout, now = self._engines.generate_timeout_s, time.monotonic()
         positions = [p for r in share for p in range(self._first[r], self._first[r + 1])]
         generator = self._engines.remote(worker, "generate", [self._requests[r] for r in share])
-        self._streams[engine] = _Stream(generator, worker, share, positions, None if timeout is None else now + timeout)
+        self._streams[engine] = _Stream(generator, worker, share, positions, None if timeout is None else now + timeout,
+                                        missing=sum(self._samples[p] is None for p in positions))
         self._watch.start(engine, now)
         self._probes.pop(engine, None)
 
@@ -173,7 +175,7 @@ class PendingGeneration:
                 continue
             self._store(stream, batch)
             self._watch.progressed(i, time.monotonic())
-            if all(self._samples[p] is not None for p in stream.positions):  # its call ends: nothing more to come
+            if not stream.missing:  # its call ends: nothing more to come
                 self._ended(i)
             moved = True
         if watched:
@@ -190,16 +192,16 @@ class PendingGeneration:
             if self._samples[position] is None:  # a share sent again may repeat what came before
                 self._samples[position] = sample
                 self._arrived.append((position, sample))
+                stream.missing -= 1
 
     def _ended(self, engine: int) -> None:
         """A share all of whose samples came, or whose call ended."""
         stream = self._streams.pop(engine)
         self._watch.stop(engine)
         self._probes.pop(engine, None)
-        missing = sum(self._samples[p] is None for p in stream.positions)
-        if missing:
-            raise RuntimeError(f"{self._engines.role} engine {engine} ended its generation with {missing} of its "
-                               f"{len(stream.positions)} samples not sent")
+        if stream.missing:
+            raise RuntimeError(f"{self._engines.role} engine {engine} ended its generation with {stream.missing} "
+                               f"of its {len(stream.positions)} samples not sent")
 
     def _send_again(self, engine: int) -> None:
         """The requests of a failed share that have a sample still to come, to the engine now in
