@@ -37,7 +37,6 @@ BENCHMARKS = LazyRegistry({
     "async": "bpo_megatron.bench.asynchronous",
     "background-eval": "bpo_megatron.bench.background_eval",
     "logprobs": "bpo_megatron.bench.logprobs",
-    "mechanism": "bpo_megatron.bench.mechanism",
     "ops": "bpo_megatron.bench.ops",
     "packing": "bpo_megatron.bench.packing",
     "rollout": "bpo_megatron.bench.rollout",

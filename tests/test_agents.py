@@ -630,7 +630,7 @@ def test_a_calculator_run_is_killed_and_resumes_its_conversations_as_an_uninterr
 @pytest.mark.timeout(1500)
 def test_the_calculator_demo_learns(tmp_path, ray_session):
     """configs/calculator_cpu.yaml as it is: evaluation accuracy over the last two evaluations
-    above the first evaluation by 10 points (measured: docs/results.md, "Multi-turn")."""
+    above the first evaluation by 10 points (measured: experiments/multi_turn/README.md)."""
     from bpo_megatron.experiment import load_experiment
 
     _run(load_experiment(Path(__file__).resolve().parents[1] / "configs" / "calculator_cpu.yaml",

@@ -321,7 +321,7 @@ def test_a_bad_condition_name_is_refused(runs_dir, capsys):
     assert "--condition 'bf16 r3': use letters, digits, '-' and '_'" in capsys.readouterr().err
 
 
-TIER_B = Path(__file__).resolve().parents[1] / "docs" / "tier_b" / "main"
+TIER_B = Path(__file__).resolve().parents[1] / "experiments" / "tier_b" / "main"
 
 
 def _final_windows(path: Path) -> dict[tuple[str, int], float]:
@@ -359,6 +359,6 @@ def test_between_two_settings_each_methods_change_and_its_difference_from_the_re
         versus = [c - b for c, b in zip(change(method), bpo)]
         own, rest = interval(change(method)), interval(versus).split(" | ")[0]
         assert f"| {label} | 10 | {own} | {rest} |" in table
-    assert "| BPO | 10 | -11.3 [-13.6, -9.0] | 3.2 |" in table  # what docs/results.md quotes
+    assert "| BPO | 10 | -11.3 [-13.6, -9.0] | 3.2 |" in table  # what experiments/tier_b/README.md quotes
     assert "| GRPO-ClipHigher | 10 | -5.7 [-7.2, -4.2] | 2.1 | +5.6 [+2.9, +8.3] | 0.001 |" in table
     assert main(["compare", "--from-csv", csvs, "--between", "r3/0,r3/9", "--out", str(out)]) == 2

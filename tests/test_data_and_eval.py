@@ -27,17 +27,49 @@ from bpo_megatron.trainer import checkpoint
 from bpo_megatron.observability.metrics import MetricsWriter, read_metrics, summary_line
 from bpo_megatron.observability.plot import plot_runs
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "tiny_moe_cpu.yaml"
 PLAIN = PromptFormat(CharTokenizer(), "plain", max_prompt_tokens=64)
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="the shared data directory is not next to the checkout")
 @pytest.mark.parametrize("name, count", [("aime24", 30), ("aime25", 30), ("aime26", 30), ("math500", 500),
-                                         ("gsm8k_test", 1319)])
-def test_shared_datasets_load_by_name(name, count):
-    problems = load_problems(name, SHARED)
+                                         ("gsm8k_test", 1319), ("gsm8k_train", 7473)])
+def test_the_shipped_datasets_load_by_name(name, count):
+    """The named sets ship with the package: they load with ``data.root`` left at its default,
+    whatever lies beside the checkout, and each file's bytes are the ones its README lists."""
+    import hashlib
+    import re
+
+    from bpo_megatron.data.problems import NAMED_FILES, SHIPPED_SETS
+
+    problems = load_problems(name)
     assert len(problems) == count and all(p.problem and p.answer for p in problems)
+    listed = dict(re.findall(r"\| `([\w.]+\.jsonl)` \| \d+ \| `([0-9a-f]{64})` \|",
+                             (SHIPPED_SETS / "README.md").read_text()))
+    assert hashlib.sha256((SHIPPED_SETS / NAMED_FILES[name]).read_bytes()).hexdigest() == listed[NAMED_FILES[name]]
+
+
+def test_a_root_of_ones_own_replaces_the_shipped_sets(tmp_path):
+    (tmp_path / "aime24.jsonl").write_text(json.dumps({"id": "mine", "problem": "1+1", "answer": "2"}) + "\n")
+    assert [p.id for p in load_problems("aime24", tmp_path)] == ["mine"]
+    with pytest.raises(FileNotFoundError, match=r"'math500' is expected at .*math500.jsonl; set data.root to the "
+                                                r"directory holding math500.jsonl, or leave it empty"):
+        load_problems("math500", tmp_path)
+
+
+def test_every_recipe_resolves_its_datasets():
+    """What the shipped recipes train and evaluate on resolves on a fresh clone (the training file
+    of a cluster recipe is a placeholder path the user overrides, so only names are checked)."""
+    from bpo_megatron.data.problems import NAMED_FILES, resolve
+
+    recipes = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    named = 0
+    for recipe in recipes:
+        cfg = load_experiment(recipe)
+        for spec in (*cfg.eval.datasets, cfg.data.train):
+            if spec in NAMED_FILES:
+                assert resolve(spec, cfg.data.root).is_file(), (recipe.name, spec)
+                named += 1
+    assert named >= 9  # the paper's recipes evaluate on AIME 2024-2026
 
 
 def test_any_path_in_the_same_format(tmp_path):
@@ -576,3 +608,12 @@ def test_column_addition_writes_its_scratchpad_and_is_scored_on_the_sum():
     # the sum after the last "=" decides, whatever the columns say
     assert score_of(["7+5=12c1;=7782", "7+5=13c1;=7782", "=7781", "7782"],
                     ["7+5=12c1;1+6+1=8c0;8+9=17c1;4+2+1=7c0;=7782"] * 4) == [1.0, 1.0, 0.0, 1.0]
+
+
+def test_a_record_holding_a_line_separator_is_one_record(tmp_path):
+    """U+2028 may stand unescaped inside a JSON string (GSM8K's training set has it): only a
+    newline ends a JSON Lines record."""
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"id": "a", "problem": "two\u2028lines", "answer": "1"}, ensure_ascii=False) + "\n"
+                    + json.dumps({"id": "b", "problem": "x", "answer": "2"}) + "\n", encoding="utf-8")
+    assert [(p.id, p.problem) for p in load_problems(str(path))] == [("a", "two\u2028lines"), ("b", "x")]

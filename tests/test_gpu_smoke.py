@@ -308,7 +308,10 @@ def test_round_report_gathers_the_parts_into_one_file_named_for_the_device(tmp_p
     write(out / "kit", {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0"}, [passed, skipped], profile="cuda")
     (out / "parts.tsv").write_text("part\tlimit_s\tseconds\tstatus\tnote\ninstall\t60\t21\t0\t12 wheels\n"
                                    "cuda_tests\t75\t75\t124\tpytest -k cuda\n")
-    (out / "cuda_tests.txt").write_text("..\n[round] the CUDA tests did not finish within 75 s\n")
+    from bpo_megatron.gpu_smoke.round_report import CHECKOUT
+
+    (out / "cuda_tests.txt").write_text(f"..\n  {CHECKOUT}/tests/test_x.py:24: UserWarning: a warning\n"
+                                        "[round] the CUDA tests did not finish within 75 s\n")
     (out / "gpu.txt").write_text("NVIDIA H100 80GB HBM3, 81559 MiB, 580.159.04\n")
     assert main([str(out), "--device", "cuda"]) == 0
     [md] = out.glob("h100-*.md")
@@ -319,3 +322,5 @@ def test_round_report_gathers_the_parts_into_one_file_named_for_the_device(tmp_p
     text = md.read_text()
     assert "| cuda_tests | 75 | 75 | **cut at its limit** |" in text
     assert "| rl_loop | not run |" in text and "### trainer_step: pass" in text
+    # the report names files as the repository does, not where the machine held the checkout
+    assert "  tests/test_x.py:24: UserWarning" in text and str(CHECKOUT) not in text + md.with_suffix(".json").read_text()

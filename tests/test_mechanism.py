@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from bpo_megatron.algo import group_advantages
-from bpo_megatron.bench import mechanism_report as report
-from bpo_megatron.bench.mechanism import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments" / "tier_a"))  # the experiment's code
+import mechanism_report as report  # noqa: E402
+from mechanism import (  # noqa: E402
     CONDITIONS,
     DEFAULT_METHODS,
     METHODS,

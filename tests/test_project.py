@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -23,6 +25,60 @@ def test_ci_runs_the_readme_test_command_verbatim():
     test_command = _quick_start_commands()[1]
     ci_lines = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith("#")]
     assert test_command in ci_lines  # verbatim, besides the extra legs (newest Megatron, oldest transformers)
+
+
+# ------------------------------------------------------------------------------ documents
+DOCUMENTS = ("README.md", "docs/guide.md", "docs/internals.md", "docs/results.md")
+
+
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's anchors of a document's headers: lower case, punctuation dropped, spaces -> '-'."""
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", markdown, flags=re.M)}
+
+
+def test_the_readme_is_short_and_every_link_of_the_documents_resolves():
+    """The README is the overview (at most 300 lines); the manual lives in docs/, one link away,
+    and every relative link of these documents names a file that exists and a header it holds."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+    broken = []
+    for name in DOCUMENTS:
+        doc = ROOT / name
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.exists() or (anchor and file.suffix == ".md" and anchor not in _anchors(file.read_text())):
+                broken.append(f"{name}: {target}")
+    assert not broken, broken
+    readme = (ROOT / "README.md").read_text()
+    for moved in ("docs/guide.md", "docs/internals.md", "docs/results.md"):
+        assert f"]({moved}" in readme
+
+
+def test_no_committed_file_names_a_path_of_the_machine_it_was_made_on():
+    """Run records, reports and docs name files as the repository does: neither this checkout's
+    absolute path nor a home or work directory of some machine."""
+    import subprocess
+
+    try:
+        files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True,
+                               timeout=60).stdout.decode().split("\0")
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    pattern = re.compile(re.escape(str(ROOT)) + r"|(?<![\w.])/(?:work|home|Users)/[\w.-]+/")
+    found = []
+    for name in filter(None, files):
+        path = ROOT / name
+        if not path.is_file() or path.stat().st_size > 5_000_000:
+            continue
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue  # a binary file
+        found += [f"{name}: {m.group(0)}" for m in pattern.finditer(text)]
+    assert not found, found[:20]
 
 
 # ------------------------------------------------------------------------------ import graph

@@ -1,4 +1,5 @@
-"""The numbers in docs/results.md's prose (Tier B and multi-turn) are the committed CSVs' numbers.
+"""The numbers in the prose of experiments/tier_b/README.md and experiments/multi_turn/README.md
+are the committed CSVs' numbers.
 
 Each is recomputed here with the csv module and closed-form statistics (Student t quantiles from
 tables), not by ``compare``, and the text must state it as written below: a sentence that drifts
@@ -15,8 +16,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = (ROOT / "docs" / "results.md").read_text()
-TIER_B = ROOT / "docs" / "tier_b"
+TIER_B = ROOT / "experiments" / "tier_b"
+MULTI_TURN = ROOT / "experiments" / "multi_turn"
+RESULTS = (TIER_B / "README.md").read_text() + "\n" + (MULTI_TURN / "README.md").read_text()
 T_975 = {2: 4.302653, 9: 2.262157}  # two-sided 95% Student t quantiles by degrees of freedom
 
 
@@ -158,7 +160,7 @@ def test_the_pilots_masked_shares():
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_the_multi_turn_rows(seed):
-    runs = _runs(ROOT / "docs" / "multi_turn" / "runs.csv")
+    runs = _runs(MULTI_TURN / "runs.csv")
     rows = runs[("namecalculator", seed)]
     at = _accuracy(rows)
     window = final_window(rows)
@@ -168,7 +170,7 @@ def test_the_multi_turn_rows(seed):
 
 
 def test_the_multi_turn_contrasts():
-    runs = _runs(ROOT / "docs" / "multi_turn" / "runs.csv")
+    runs = _runs(MULTI_TURN / "runs.csv")
     tool = [runs[("namecalculator", s)] for s in (1, 2, 3)]
     none = [runs[("namenull", s)] for s in (1, 2, 3)]
     gains = [final_window(r) - start(r) for r in tool]

@@ -24,8 +24,11 @@ def check_procedural(spec: str, setting: str) -> None:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """``train`` is a dataset name (under ``root``), a ``.jsonl``/``.parquet`` path, ``hf:<name>``,
-    or ``procedural:<task>`` (an endless generated task, see ``bpo_megatron.data.procedural``).
+    """``train`` is a dataset name, a ``.jsonl``/``.parquet`` path, ``hf:<name>``, or
+    ``procedural:<task>`` (an endless generated task, see ``bpo_megatron.data.procedural``). The
+    names (``gsm8k_train``, ``gsm8k_test``, ``math500``, ``aime24``, ``aime25``, ``aime26``) are the
+    sets that ship with the package (``bpo_megatron/data/sets``: sources, licences, checksums);
+    ``root``, when set, is a directory of your own holding files of the same names instead.
     ``fields`` reads ``train`` records of another schema: problem field -> dotted path, e.g.
     ``{problem: prompt.0.content, answer: reward_model.ground_truth, id: extra_info.index}``.
 
@@ -52,7 +55,7 @@ class DataConfig:
     as wrong whatever this says: Avg@k counts correct answers."""
 
     train: str = "gsm8k_train"
-    root: str = "../shared/data"
+    root: str = ""
     template: str = "math-boxed"
     reward: str = "math"
     max_prompt_tokens: int = 2048

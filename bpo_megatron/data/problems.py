@@ -22,7 +22,9 @@ class Problem:
     origin: str = field(default="", compare=False)  # "file:line" of the record, for messages
 
 
-# Names resolved under ``data.root`` (the files the project ships with in ../shared/data).
+# The evaluation and training sets that ship with the package (their sources, licences and
+# checksums: sets/README.md); ``data.root`` names another directory holding files of these names.
+SHIPPED_SETS = Path(__file__).resolve().parent / "sets"
 NAMED_FILES = {
     "gsm8k_train": "gsm8k_train.jsonl",
     "gsm8k_test": "gsm8k_test.jsonl",
@@ -35,13 +37,15 @@ PROBLEM_FIELDS = ("id", "problem", "answer")
 FieldMap = Mapping[str, str]  # a Problem field -> the dotted path it is read from
 
 
-def resolve(spec: str, root: str | Path) -> Path:
-    """A dataset file from a path or a known name (looked up under ``root``)."""
+def resolve(spec: str, root: str | Path = "") -> Path:
+    """A dataset file from a path or a known name (looked up under ``root``; empty: the sets that
+    ship with the package)."""
     if spec in NAMED_FILES:
-        path = Path(root) / NAMED_FILES[spec]
+        path = (Path(root) if str(root) else SHIPPED_SETS) / NAMED_FILES[spec]
         if not path.is_file():
             raise FileNotFoundError(f"dataset {spec!r} is expected at {path}; set data.root to the directory "
-                                    f"holding {NAMED_FILES[spec]}")
+                                    f"holding {NAMED_FILES[spec]}, or leave it empty for the copy that ships "
+                                    "with the package")
         return path
     path = Path(spec)
     if not path.is_file():
@@ -119,7 +123,7 @@ class Rejected:
         return f"{self.where}: {self.reason}"
 
 
-def read_problems(spec: str, root: str | Path = ".", fields: FieldMap | None = None
+def read_problems(spec: str, root: str | Path = "", fields: FieldMap | None = None
                   ) -> tuple[list[Problem], list[Rejected]]:
     """Every usable record of a dataset and every rejected one (malformed JSON, a field missing or
     empty, a repeated id), in file order. A file that is missing, unreadable or without a single
@@ -154,7 +158,9 @@ def read_problems(spec: str, root: str | Path = ".", fields: FieldMap | None = N
             text = path.read_text()
         except UnicodeDecodeError as exc:
             raise ValueError(f"{path} is not UTF-8 text (byte {exc.start}); is it a JSONL file?") from exc
-        for number, line in enumerate(text.splitlines(), 1):
+        # JSON Lines are split at newlines only: str.splitlines would also split at the U+2028/U+2029
+        # separators a JSON string may hold unescaped (GSM8K's training set has them)
+        for number, line in enumerate(text.split("\n"), 1):
             if not line.strip():
                 continue
             try:
@@ -176,7 +182,7 @@ def read_problems(spec: str, root: str | Path = ".", fields: FieldMap | None = N
     return unique, rejected
 
 
-def load_problems(spec: str, root: str | Path = ".", fields: FieldMap | None = None) -> list[Problem]:
+def load_problems(spec: str, root: str | Path = "", fields: FieldMap | None = None) -> list[Problem]:
     """Every record of a dataset; a malformed record raises naming its file, line and field.
     ``fields`` maps problem fields to paths in records of another schema (see the module
     docstring)."""

@@ -19,6 +19,9 @@ from typing import Any
 
 from bpo_megatron.gpu_smoke.report import Outcome, markdown
 
+# The checkout the round ran in: its path is left out of the report (a report names files as the
+# repository does, not as the machine it ran on holds them).
+CHECKOUT = Path(__file__).resolve().parents[2]
 COUNTS = ("passed", "failed", "skipped", "errors", "error", "deselected", "xfailed", "xpassed")
 TAIL_LINES = 40
 
@@ -69,6 +72,7 @@ def gather(out: Path, device: str) -> dict[str, Any]:
     gpu = (out / "gpu.txt").read_text().strip() if (out / "gpu.txt").is_file() else ""
     name = kit["environment"].get("device") or (gpu.split(",")[0] if gpu and device == "cuda" else device)
     tests_text = (out / "cuda_tests.txt").read_text(errors="replace") if (out / "cuda_tests.txt").is_file() else ""
+    tests_text = tests_text.replace(f"{CHECKOUT}/", "")
     tests = pytest_summary(tests_text) if tests_text else {"closing_line": "missing: the CUDA tests did not run",
                                                           "counts": {}, "failures": [], "skips": [], "timed_out": False}
     tests["tail"] = tests_text.splitlines()[-TAIL_LINES:]

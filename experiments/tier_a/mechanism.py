@@ -22,11 +22,16 @@ own denominators (the ``BatchTotals`` of one seed's minibatch), so the summed lo
 seed's logits exactly the gradient of its own loss, and Adam, being elementwise, steps each seed
 as if it ran alone. A seed fixes the task instance (targets, initial logits) and the sampling
 stream, identically for every method: methods are compared seed by seed.
+
+    python experiments/tier_a/mechanism.py --out-dir experiments/tier_a     # the full run (bash run.sh)
+    python experiments/tier_a/mechanism.py --out-dir experiments/tier_a --summarise-only   # tables + plot from its CSVs
+    python experiments/tier_a/mechanism.py --conditions control stale4 --methods bpo grpo --seeds 50
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -35,8 +40,10 @@ from typing import Callable
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its report module sits beside it
+import mechanism_report as report  # noqa: E402
+
 from bpo_megatron.algo import group_advantages
-from bpo_megatron.bench import mechanism_report as report
 from bpo_megatron.losses import BatchTotals, LossStatistics, PolicyLossConfig, policy_loss
 
 
@@ -302,7 +309,7 @@ def run(conditions: list[str], methods: list[str], training: Training,
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(prog="benchmarks/mechanism.py", description=__doc__,
+    parser = parser or argparse.ArgumentParser(prog="experiments/tier_a/mechanism.py", description=__doc__,
                                                formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = Training()
     parser.add_argument("--conditions", nargs="+", default=list(CONDITIONS), choices=list(CONDITIONS))
@@ -341,3 +348,7 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
 
 __all__ = ["CONDITIONS", "Condition", "METHODS", "Method", "Problem", "Task", "Training", "Trajectory",
            "exact_return_and_entropy", "main", "make_problem", "minibatch_loss", "run", "sample", "train"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

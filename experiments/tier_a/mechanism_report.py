@@ -1,7 +1,8 @@
 """The mechanism experiment's numbers: per-seed CSVs, t-intervals, markdown tables and curves.
 
 Everything here reads plain numbers, so the tables and the plot can be recomputed from the
-committed CSVs alone (``benchmarks/mechanism.py --summarise-only``).
+committed CSVs alone (``experiments/tier_a/mechanism.py --summarise-only``); Student's t is the
+package's one implementation (``bpo_megatron.commands.statistics``).
 """
 
 from __future__ import annotations
@@ -9,44 +10,18 @@ from __future__ import annotations
 import csv
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bpo_megatron.commands.statistics import t_quantile
+
 if TYPE_CHECKING:  # the trajectories come from mechanism.py, which imports this module
-    from bpo_megatron.bench.mechanism import Trajectory
+    from mechanism import Trajectory
 
 CONFIDENCE = 0.95
 PER_SEED = ("initial_J", "final_J", "auc", "final_entropy")
 RUN_METRICS = ("clip_frac", "clip_frac_pos", "clip_frac_neg", "weight_mean", "abs_logp_diff_mean", "seconds")
 REFERENCE = "bpo"  # paired differences are taken against this method
-
-
-def _student_t_cdf(x: float, df: int) -> float:
-    """P(T ≤ x) for x ≥ 0, by Simpson's rule on the density (smooth: 4,000 panels reach 1e-10)."""
-    log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-
-    def density(t: float) -> float:
-        return math.exp(log_norm - (df + 1) / 2 * math.log1p(t * t / df))
-
-    panels = 4000
-    h = x / panels
-    inner = sum((4 if i % 2 else 2) * density(i * h) for i in range(1, panels))
-    return 0.5 + h / 3 * (density(0.0) + inner + density(x))
-
-
-@lru_cache(maxsize=None)
-def t_quantile(probability: float, df: int) -> float:
-    """The ``probability`` quantile (> 0.5) of Student's t with ``df`` degrees of freedom."""
-    if not 0.5 < probability < 1 or df < 1:
-        raise ValueError(f"t_quantile needs 0.5 < probability < 1 and df >= 1, got {probability}, {df}")
-    low, high = 0.0, 1.0
-    while _student_t_cdf(high, df) < probability:
-        low, high = high, 2 * high
-    for _ in range(60):
-        mid = 0.5 * (low + high)
-        low, high = (mid, high) if _student_t_cdf(mid, df) < probability else (low, mid)
-    return 0.5 * (low + high)
 
 
 def t_interval(values: list[float]) -> tuple[float, float]:
