@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import socket
 from typing import Literal
 
 import torch
@@ -77,3 +78,11 @@ def runs_triton(device: torch.device) -> bool:
     """True when triton kernels can run on tensors of ``device``: a CUDA device, triton installed.
     Callers with a CPU fallback ask this; the fallback is the path on every other machine."""
     return device.type == "cuda" and has_triton()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on now (the operating system's choice; free
+    until someone binds it, so bind it soon)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

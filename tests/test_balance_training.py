@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bpo_megatron import testing as th
-from bpo_megatron.losses import PolicyLossConfig
+from bpo_megatron.losses import CorrectionConfig, PolicyLossConfig
 from bpo_megatron.parallel.local_world import run_gloo_world
 from bpo_megatron.trainer.samples import TrainSample
 
@@ -28,7 +28,7 @@ LAYOUTS = {  # name -> layout at world size 2, data parallelism 2
     # experts split over the two data-parallel ranks: their all-to-alls run in lockstep
     "ep2_dp2": dict(ep=2),
 }
-LOSS = PolicyLossConfig(name="bpo", agg="token-mean", correction="tis")
+LOSS = PolicyLossConfig(name="bpo", agg="token-mean", correction=CorrectionConfig(name="tis"))
 
 
 def _samples() -> list[TrainSample]:

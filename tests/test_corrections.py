@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from bpo_megatron.losses import PolicyLossConfig, compute_policy_loss
+from bpo_megatron.losses import CorrectionConfig, PolicyLossConfig, compute_policy_loss
 
 ADV = [1.0, -0.5]
 LOGP = [[-1.0, -0.7, -2.0], [-0.4, -1.3, -9.0]]
@@ -50,7 +50,7 @@ def test_each_tokens_gradient_is_the_loss_weight_times_the_correction(correction
     """CISPO (w = π/π_old, no mask, cap out of reach) and token-sum aggregation: the gradient of
     token t is −Â · (π/π_old) · c_t with c_t the correction's factor."""
     logp, old, mu, adv, mask = _batch()
-    cfg = PolicyLossConfig(name="cispo", cispo_cap=100.0, agg="token-sum", correction=correction)
+    cfg = PolicyLossConfig(name="cispo", cispo_cap=100.0, agg="token-sum", correction=CorrectionConfig(name=correction))
     loss, metrics = compute_policy_loss(logp, mu, adv, mask, cfg, old_logprobs=old)
     loss.backward()
     for row in range(2):
@@ -84,7 +84,7 @@ def test_grpo_masks_against_pi_old_then_the_correction_applies():
     r = e^0.05 and e^0.1 with Â > 0, are clipped; row 1's, Â < 0 and r ≥ 0.95, are not), and the
     kept tokens carry r · min(ρ, 2)."""
     logp, old, mu, adv, mask = _batch()
-    cfg = PolicyLossConfig(name="grpo", agg="token-sum", correction="tis", eps_high=0.05)
+    cfg = PolicyLossConfig(name="grpo", agg="token-sum", correction=CorrectionConfig(name="tis"), eps_high=0.05)
     loss, metrics = compute_policy_loss(logp, mu, adv, mask, cfg, old_logprobs=old)
     loss.backward()
     for row in range(2):
@@ -102,7 +102,7 @@ def test_grpo_masks_against_pi_old_then_the_correction_applies():
 def test_without_behaviour_logprobs_a_correction_is_refused_and_none_changes_nothing():
     logp, old, mu, adv, mask = _batch()
     with pytest.raises(ValueError, match="train.recompute_old_logprobs=true"):
-        compute_policy_loss(logp, mu, adv, mask, PolicyLossConfig(correction="tis"))
+        compute_policy_loss(logp, mu, adv, mask, PolicyLossConfig(correction=CorrectionConfig(name="tis")))
     plain, metrics = compute_policy_loss(logp, mu, adv, mask, PolicyLossConfig())
     assert "correction_weight_mean" not in metrics and "mismatch_kl_k3" not in metrics
     anchored, _ = compute_policy_loss(logp, old, adv, mask, PolicyLossConfig())
@@ -111,13 +111,20 @@ def test_without_behaviour_logprobs_a_correction_is_refused_and_none_changes_not
 
 
 @pytest.mark.parametrize("fields, match", [
-    ({"correction": "is"}, "correction='is' is unknown"),
-    ({"correction": {"name": "tis", "tis_cap": 0.5}}, "tis_cap must be >= 1"),
-    ({"correction": {"name": "icepop", "icepop_low": 1.5}}, "icepop_low=1.5 and icepop_high=5.0"),
+    ({"name": "is"}, "correction='is' is unknown"),
+    ({"name": "tis", "tis_cap": 0.5}, "tis_cap must be >= 1"),
+    ({"name": "icepop", "icepop_low": 1.5}, "icepop_low=1.5 and icepop_high=5.0"),
 ])
 def test_bad_correction_settings_name_the_field(fields, match):
     with pytest.raises(ValueError, match=match):
-        PolicyLossConfig(**fields)
+        CorrectionConfig(**fields)
+
+
+def test_a_correction_is_given_as_its_config_in_python():
+    """YAML's ``loss.correction: tis`` is expanded by the config loader (one place); in Python the
+    section is its dataclass, and anything else is refused naming it."""
+    with pytest.raises(TypeError, match=r"must be a CorrectionConfig, e.g. CorrectionConfig\(name='tis'\)"):
+        PolicyLossConfig(correction="tis")
 
 
 def test_a_correction_without_recomputed_logprobs_is_refused_before_the_run(tmp_path):

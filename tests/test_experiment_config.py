@@ -40,7 +40,7 @@ def test_resolved_config_round_trips(tmp_path):
     import dataclasses
 
     def absolute(value: str) -> str:
-        return str(Path(value).resolve()) if Path(value).exists() else value
+        return str(Path(value).resolve()) if value and Path(value).exists() else value
 
     cfg = load_experiment(DEMO, ["loss.name=cispo"])
     path = record_config(cfg, tmp_path)

@@ -76,11 +76,9 @@ def test_a_process_that_applies_the_rule_runs_its_gloo_group_on_that_interface()
         print(os.environ["GLOO_SOCKET_IFNAME"], value.item(), flush=True)
         dist.destroy_process_group()
     """)
-    import socket
+    from bpo_megatron.platform import free_port
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"} | {"NCCL_SOCKET_IFNAME": "lo"}
     processes = [subprocess.Popen([sys.executable, "-c", script, str(rank), str(port)], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]

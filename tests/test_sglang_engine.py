@@ -268,14 +268,12 @@ def test_a_control_call_to_a_server_that_is_gone_reports_the_engine_lost(monkeyp
     """The colocated trainer trains while the engine's server dies: the next memory, version or
     weight call finds nothing at its address. That is the engine lost (its group replaces it and
     gives it the weights), never a refusal that ends the run; what it had released stays recorded."""
-    import socket
-
     from bpo_megatron.rollout.engine import EngineLost
     from bpo_megatron.rollout.sglang import engine as engine_module
 
-    with socket.socket() as probe:  # a port nothing listens on
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    from bpo_megatron.platform import free_port
+
+    port = free_port()  # nothing listens there
 
     class GoneServer:
         base_url, api_key = f"http://127.0.0.1:{port}", "k"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import socket
 import sys
 import textwrap
 import threading
@@ -31,6 +30,7 @@ from bpo_megatron.data.user_reward import FunctionReward
 from bpo_megatron.observability.metrics import read_metrics
 from bpo_megatron.rollout import Sample
 from bpo_megatron.tasks.scoring import RewardTally, score
+from bpo_megatron.platform import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "tiny_moe_cpu.yaml")
@@ -114,12 +114,6 @@ def _one_record(directory: Path) -> Path:
     path = directory / "one.jsonl"
     path.write_text(json.dumps({"id": "only", "problem": "2+3", "answer": "5"}) + "\n")
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -241,7 +235,7 @@ def test_a_missing_module_and_an_unknown_form_are_refused(tmp_path, capsys):
 
 def test_a_service_that_is_down_or_answers_badly_is_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(reward_service, "RETRY_BACKOFF_S", 0.01)
-    url = f"http://127.0.0.1:{_free_port()}/score"  # nothing listens there
+    url = f"http://127.0.0.1:{free_port()}/score"  # nothing listens there
     data = f"data.train={_one_record(tmp_path)}"
     code, output = _train(capsys, data, f"data.reward={url}", "data.reward_retries=1", f"logging.run_dir={tmp_path}/r")
     assert code == 2, output

@@ -24,7 +24,7 @@ from bpo_megatron.trainer.samples import TrainSample
 def warm_start_loss(loss):
     """The loss of a warm start: the log-likelihood (GRPO at ratio 1, no correction), aggregated
     as the run's loss is."""
-    return replace(loss, name="grpo", correction="none")
+    return replace(loss, name="grpo", correction=replace(loss.correction, name="none"))
 
 
 def demonstrated(prompt: list[int], problem, tokenizer, agent=None) -> TrainSample:

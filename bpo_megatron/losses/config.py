@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -89,10 +88,9 @@ class PolicyLossConfig:
             raise ValueError(
                 f"PolicyLossConfig.agg={self.agg!r} is unknown; choose one of {sorted(AGGREGATIONS)}"
             )
-        if isinstance(self.correction, str):  # a correction by name, with its default bounds
-            object.__setattr__(self, "correction", CorrectionConfig(name=self.correction))
-        elif isinstance(self.correction, Mapping):
-            object.__setattr__(self, "correction", CorrectionConfig(**self.correction))
+        if not isinstance(self.correction, CorrectionConfig):  # YAML's shorthand is expanded by the loader
+            raise TypeError(f"PolicyLossConfig.correction must be a CorrectionConfig, e.g. CorrectionConfig(name="
+                            f"'tis'), got {self.correction!r}")
         if not self.dual_clip_c > 1:
             raise ValueError(f"PolicyLossConfig.dual_clip_c must be > 1 (it bounds the ratio of negative-advantage "
                              "tokens from above and must leave room above the on-policy ratio 1), "

@@ -11,6 +11,16 @@ import torch
 FinishReason = Literal["stop", "length", "abort"]
 
 
+def finish_reason(reported: str | None) -> FinishReason:
+    """An engine server's finish reason as a sample's: ``stop`` and ``length`` as reported,
+    anything else (an abort, or a reason this version does not know) ``abort``."""
+    return reported if reported in ("stop", "length") else "abort"  # type: ignore[return-value]
+
+
+class ProtocolError(ValueError):
+    """An engine answered something other than what was asked (never trained on)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings of one request. ``top_k=0`` and ``top_p=1.0`` disable those filters.

@@ -20,9 +20,7 @@ import base64
 import torch
 
 from bpo_megatron.models.routing import RoutingError, RoutingLayout
-from bpo_megatron.rollout.types import ResponseSlot, Sample, SamplingParams
-
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+from bpo_megatron.rollout.types import ProtocolError, ResponseSlot, Sample, SamplingParams, finish_reason
 
 
 def sampling_params(params: SamplingParams, seed: int | None) -> dict:
@@ -67,10 +65,6 @@ def generate_body(items: list[ResponseSlot], *, capture_routing: bool) -> dict:
         # the positions from there on (0: the whole sequence, prompt included)
         "routed_experts_start_len": starts.pop(),
     }
-
-
-class ProtocolError(ValueError):
-    """A response that does not match what was asked (never trained on)."""
 
 
 # Whether a ``/pause_generation`` mode makes SGLang recompute the routed experts of a request it
@@ -172,7 +166,7 @@ def decode_sample(item: ResponseSlot, response: dict, *, routing: RoutingLayout 
         prompt_tokens=prompt,
         response_tokens=torch.tensor(tokens, dtype=torch.long),
         rollout_logprobs=torch.tensor([float(t[0]) for t in triples], dtype=torch.float32),
-        finish_reason=_FINISH.get(finish, "abort"),
+        finish_reason=finish_reason(finish),
         # the oldest weights that sampled a token of it (a partial rollout's staleness)
         weight_version=int(versions.min()) if versions is not None and len(tokens) else _version(
             meta.get("weight_version")),

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import yaml
 
+from bpo_megatron.platform import free_port
 from bpo_megatron.rollout.sglang.options import SGLangConfig
 from bpo_megatron.rollout.sglang.http import RequestTimeout, ServerError, ServerUnavailable, request_json
 
@@ -82,12 +82,6 @@ def gpu_locks(node: str, gpus: list[str], *, timeout_s: float, poll_s: float = 0
 
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 class ServerProcess:
     def __init__(self, cfg: SGLangConfig, log_path: str | Path | None = None) -> None:
         self.cfg = cfg
@@ -124,7 +118,7 @@ class ServerProcess:
             self._key_file = None
 
     def start(self) -> None:
-        self.port = self.cfg.port or _free_port(self.cfg.bind_address)
+        self.port = self.cfg.port or free_port(self.cfg.bind_address)
         env = {**os.environ, **SERVER_ENVIRONMENT}
         if self.cfg.visible_devices:
             # Ray shows the engine's actor only the GPU share it was given; the server runs on every

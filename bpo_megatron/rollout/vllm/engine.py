@@ -38,22 +38,17 @@ from bpo_megatron.rollout.engine import EngineCapabilities, RolloutEngine
 from bpo_megatron.rollout.vllm.options import LogprobsMode, VLLMConfig
 from bpo_megatron.rollout.types import (
     EngineHealth,
-    FinishReason,
     GenerationRequest,
+    ProtocolError,
     ResponseSlot,
     Sample,
     SamplingParams,
+    finish_reason,
     response_slots,
 )
 from bpo_megatron.weights.buckets import buckets, tensor_bytes
 
 LOAD_WEIGHTS_RPC = "bpo_load_weights"  # method WeightLoadingExtension adds to vLLM's workers
-_FINISH: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
-class ProtocolError(ValueError):
-    """vLLM returned something other than what was asked for (never trained on)."""
-
 
 # ---------------------------------------------------------------------------- translation
 def check_logprobs_semantics(params: SamplingParams, mode: LogprobsMode) -> None:
@@ -136,7 +131,7 @@ def decode_output(row: ResponseSlot, output: Any, *, routing: RoutingLayout | No
     logprobs = [_sampled_logprob(p, t, where) for p, t in zip(positions, tokens)]
     stops = set(row.request.sampling.stop_token_ids)
     # vLLM checks the length cap before stop tokens; a stop token is a stop whenever it comes
-    finish = "stop" if tokens and tokens[-1] in stops else _FINISH.get(completion.finish_reason, "abort")
+    finish = "stop" if tokens and tokens[-1] in stops else finish_reason(completion.finish_reason)
     sample = Sample(
         request_id=row.request.request_id,
         index=row.index,
