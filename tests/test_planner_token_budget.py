@@ -18,6 +18,7 @@ from bpo_megatron.planner.activations import (forward_only_activation_bytes, lay
 from bpo_megatron.planner.batches import (LENGTH_DISTRIBUTIONS, estimate_batches, lockstep_groups, packed_pass,
                                           padded_pass)
 from bpo_megatron.planner.layout import Allocation, layout_checks
+from bpo_megatron.trainer.balance import CostModel
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 MAIN = CONFIGS / "qwen3_30b_a3b_bpo.yaml"
@@ -98,51 +99,52 @@ def test_a_budget_below_the_longest_sample_fails_the_layout_check():
 
 # ------------------------------------------------------------------ micro-batches, imbalance, useful tokens
 COSTS = [9, 7, 6, 5, 4, 3, 2, 1]  # 37 positions
+LINEAR = CostModel(attention_span=1e18)  # a cost equal to the positions (to 1e-16), for hand computation
 
 
 def test_hand_computed_packed_pass():
-    # LPT over 2 ranks: 9→0, 7→1, 6→1 (13), 5→0 (14), 4→1 (17), 3→0 (17), 2→0 (tie: lowest; 19),
-    # 1→1 (18);
-    # M = 2 (ceil(19 / 10)); rank 0 deals [9, 5, 3, 2] into 2 bins: [9], [5, 3, 2] = 10; rank 1: [7, 1], [6, 4]
-    alone = packed_pass(COSTS, dp=2, budget=10, pad=1, groups=[[0], [1]])
+    # the trainer's shares, 4 samples each (LPT with equal counts): 9→0, 7→1, 6→1 (13), 5→0 (14), 4→1 (17),
+    # 3→0 (17), 2→0 (tie: lowest; 19), 1→1 (18); M = 2 on both (ceil(19 / 10)): rank 0 spreads
+    # [9, 5, 3, 2] over 2 bins as [5, 3, 2] = 10, [9]; rank 1 [6, 4] = 10, [7, 1] (costliest first)
+    alone = packed_pass(COSTS, dp=2, budget=10, pad=1, groups=[[0], [1]], cost=LINEAR)
     assert (alone.micro_batches, alone.real, alone.paid) == (2, 37, [19, 18])
     assert alone.useful == 1.0 and alone.imbalance == pytest.approx(19 / 18.5)
     # in lockstep the j-th micro-batches (largest first: 10 | 10, then 9 | 8) pay the larger
-    lockstep = packed_pass(COSTS, dp=2, budget=10, pad=1, groups=[[0, 1]])
+    lockstep = packed_pass(COSTS, dp=2, budget=10, pad=1, groups=[[0, 1]], cost=LINEAR)
     assert lockstep.paid == [19, 19] and lockstep.useful == pytest.approx(37 / 38) and lockstep.imbalance == 1.0
     # padded to multiples of 4: bins of 10, 9 | 10, 8 pay 12, 12 | 12, 8
-    assert packed_pass(COSTS, dp=2, budget=10, pad=4, groups=[[0], [1]]).paid == [24, 20]
+    assert packed_pass(COSTS, dp=2, budget=10, pad=4, groups=[[0], [1]], cost=LINEAR).paid == [24, 20]
 
 
 def test_hand_computed_padded_pass():
     # contiguous shares [9, 7, 6, 5] | [4, 3, 2, 1]; micro-batches of 2 pay 2 × their longest: 18, 12 | 8, 4
-    alone = padded_pass(COSTS, dp=2, micro_batch_size=2, pad=1, groups=[[0], [1]])
+    alone = padded_pass(COSTS, dp=2, micro_batch_size=2, pad=1, groups=[[0], [1]], cost=LINEAR)
     assert (alone.micro_batches, alone.paid) == (2, [30, 12])
     assert alone.useful == pytest.approx(37 / 42) and alone.imbalance == pytest.approx(30 / 21)
-    lockstep = padded_pass(COSTS, dp=2, micro_batch_size=2, pad=1, groups=[[0, 1]])
+    lockstep = padded_pass(COSTS, dp=2, micro_batch_size=2, pad=1, groups=[[0, 1]], cost=LINEAR)
     assert lockstep.paid == [30, 30] and lockstep.useful == pytest.approx(37 / 60) and lockstep.imbalance == 1.0
-    rounded = padded_pass(COSTS, dp=2, micro_batch_size=2, pad=4, groups=[[0], [1]])
+    rounded = padded_pass(COSTS, dp=2, micro_batch_size=2, pad=4, groups=[[0], [1]], cost=LINEAR)
     assert rounded.paid == [2 * 12 + 2 * 8, 2 * 4 + 2 * 4]
 
 
 def test_identical_samples_are_balanced_and_packs_that_divide_the_budget_waste_nothing():
     costs = [100] * 64
     for groups in ([[r] for r in range(8)], [[0, 1, 2, 3], [4, 5, 6, 7]]):
-        packed = packed_pass(costs, dp=8, budget=400, pad=4, groups=groups)
+        packed = packed_pass(costs, dp=8, budget=400, pad=4, groups=groups, cost=LINEAR)
         assert (packed.micro_batches, packed.imbalance, packed.useful) == (2, 1.0, 1.0)  # 8 samples a rank, 4 a pack
-        padded = padded_pass(costs, dp=8, micro_batch_size=3, pad=1, groups=groups)
+        padded = padded_pass(costs, dp=8, micro_batch_size=3, pad=1, groups=groups, cost=LINEAR)
         assert (padded.micro_batches, padded.imbalance, padded.useful) == (3, 1.0, 1.0)  # 3 + 3 + 2 samples
     # a budget the samples do not divide: 3 a pack, 3 packs a rank, nothing paid for padding
-    ragged = packed_pass(costs, dp=8, budget=350, pad=1, groups=[[r] for r in range(8)])
+    ragged = packed_pass(costs, dp=8, budget=350, pad=1, groups=[[r] for r in range(8)], cost=LINEAR)
     assert (ragged.micro_batches, ragged.useful, ragged.imbalance) == (3, 1.0, 1.0)
 
 
 def test_every_rank_runs_as_many_micro_batches_even_when_one_holds_long_samples():
-    # LPT: rank 0 [9, 9], rank 1 [9, 1, 1, 1]; two 9s need 2 packs, so rank 1 runs 2 too: [9], [1, 1, 1]
-    result = packed_pass([9, 9, 9, 1, 1, 1], dp=2, budget=10, pad=1, groups=[[0], [1]])
-    assert result.micro_batches == 2 and result.paid == [18, 12] and result.imbalance == pytest.approx(18 / 15)
+    # equal counts: rank 0 [9, 9, 1], rank 1 [9, 1, 1]; two 9s need 2 packs, so rank 1 runs 2 too: [9], [1, 1]
+    result = packed_pass([9, 9, 9, 1, 1, 1], dp=2, budget=10, pad=1, groups=[[0], [1]], cost=LINEAR)
+    assert result.micro_batches == 2 and result.paid == [19, 11] and result.imbalance == pytest.approx(19 / 15)
     # samples over half the budget cannot share: 3 of 6 on a rank need 3 micro-batches
-    assert packed_pass([6] * 6, dp=2, budget=10, pad=1, groups=[[0], [1]]).micro_batches == 3
+    assert packed_pass([6] * 6, dp=2, budget=10, pad=1, groups=[[0], [1]], cost=LINEAR).micro_batches == 3
 
 
 def test_lockstep_groups_follow_megatrons_rank_order():
@@ -170,18 +172,19 @@ def test_the_paper_distribution_draws_within_its_stated_bounds():
 def test_the_estimate_is_deterministic_and_exact_for_samples_at_the_caps():
     cfg = _cfg(MAIN)
     groups = lockstep_groups(cfg.parallel, 32, moe=True)
-    assert estimate_batches(cfg, dp=8, groups=groups, lengths="paper") == estimate_batches(
-        cfg, dp=8, groups=groups, lengths="paper")
-    worst = estimate_batches(cfg, dp=8, groups=groups, lengths="max", steps=1)
+    cost = CostModel.of(cfg.hf_config())
+    assert estimate_batches(cfg, dp=8, groups=groups, lengths="paper", cost=cost) == estimate_batches(
+        cfg, dp=8, groups=groups, lengths="paper", cost=cost)
+    worst = estimate_batches(cfg, dp=8, groups=groups, lengths="max", steps=1, cost=cost)
     mb, lp = worst.minibatch, worst.logprob
     assert worst.mean_positions == LONGEST_30B
     # 64 samples a rank: 64 padded rows of 18,432 (18,431 padded to tp 4), or 32 packs of two (36,862 → 36,864)
     assert (mb.padded.micro_batches, mb.packed.micro_batches, lp.padded.micro_batches, lp.packed.micro_batches) == (
         64, 32, 512, 256)
     assert mb.padded.useful == LONGEST_30B / 18_432 and mb.packed.useful == 2 * LONGEST_30B / 36_864
-    assert mb.padded.imbalance == mb.packed.imbalance == 1.0
+    assert mb.padded.imbalance == pytest.approx(1.0) and mb.packed.imbalance == pytest.approx(1.0)
     # without a budget, only the padded micro-batches
-    assert estimate_batches(_cfg(MAIN, "trainer.max_tokens_per_micro_batch=0"), dp=8, groups=groups,
+    assert estimate_batches(_cfg(MAIN, "trainer.max_tokens_per_micro_batch=0"), dp=8, groups=groups, cost=cost,
                             lengths="max", steps=1).minibatch.packed is None
 
 
@@ -256,3 +259,41 @@ def test_the_largest_budget_is_where_training_memory_meets_the_gpu():
     small = make_plan(cfg, cfg.hf_config(), Allocation(nodes=4, gpus_per_node=8, gpu_memory_gb=40))
     assert largest_budget(small) is None
     assert "no token budget fits" in format_plan(small)
+
+
+# ------------------------------------------------------------------ the planner runs the trainer's balancer
+def _trainer_packs(positions: list[int], budget: int, span: float) -> list[int]:
+    """On each rank of a gloo world: what the trainer does with a minibatch of these lengths, the
+    driver's shares (``data_parallel_shares``) and this rank's packs agreed with the others
+    (``packs_in_lockstep`` over the world); the packs' positions, costliest first."""
+    import torch
+    import torch.distributed as dist
+
+    from bpo_megatron.trainer.balance import data_parallel_shares, packs_in_lockstep
+    from bpo_megatron.trainer.samples import TrainSample
+
+    torch.set_num_threads(1)
+    samples = [TrainSample(tokens=torch.zeros(n + 1, dtype=torch.long), response_start=1,
+                           rollout_logprobs=torch.full((n,), -1.0), advantage=1.0) for n in positions]
+    cost = CostModel(attention_span=span)
+    share = data_parallel_shares(samples, dist.get_world_size(), budget=budget, cost=cost)[dist.get_rank()]
+    bins = packs_in_lockstep([samples[i] for i in share], budget, cost, group=dist.group.WORLD)
+    return [sum(positions[share[i]] for i in b) for b in bins]
+
+
+def test_the_planner_and_the_trainer_pack_the_paper_lengths_alike():
+    """`plan --lengths paper` counts the micro-batches the trainer runs: on minibatches drawn as the
+    planner draws them (the 30B recipe's caps and model), the trainer's own balancer over 4 gloo
+    ranks makes as many packs per rank, of the same positions, as the planner's estimate."""
+    from bpo_megatron.parallel.local_world import run_gloo_world
+
+    cfg = _cfg(MAIN)
+    cost = CostModel.of(cfg.hf_config())
+    draw, rng = LENGTH_DISTRIBUTIONS["paper"].draw, random.Random(0)
+    budget, dp = cfg.trainer.max_tokens_per_micro_batch, 4
+    for count in (64, 24):
+        positions = [sum(draw(rng, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens)) - 1 for _ in range(count)]
+        planned = packed_pass(positions, dp=dp, budget=budget, pad=1, groups=[[r] for r in range(dp)], cost=cost)
+        ranks = run_gloo_world(_trainer_packs, dp, positions, budget, cost.attention_span, timeout=120)
+        assert {len(packs) for packs in ranks} == {planned.micro_batches} and planned.micro_batches >= 2
+        assert [sum(packs) for packs in ranks] == planned.paid  # each rank its own group: it pays its packs

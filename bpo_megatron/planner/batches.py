@@ -3,20 +3,20 @@ distribution: padded micro-batches (``trainer.micro_batch_size``) against packed
 (``trainer.max_tokens_per_micro_batch``).
 
 An estimate, by a seeded Monte Carlo of whole steps (deterministic: the same config, distribution
-and seed give the same figures). The model:
+and seed give the same figures) that runs the trainer's own balancer on the drawn lengths, so the
+shares and micro-batches are the ones a run would make (``bpo_megatron.trainer.balance``; a test
+checks the counts against the trainer's entry points):
 
-* **Cost.** A sample costs its input positions, prompt + response − 1, and compute is taken as
-  linear in positions (the MoE and MLP layers dominate; attention's quadratic term is left out).
+* **Cost.** A sample has prompt + response − 1 input positions; its compute is the trainer's
+  cost model (:class:`~bpo_megatron.trainer.balance.CostModel`: the matrix products linear in
+  positions, causal attention quadratic, weighed by the model's shape).
 * **Padded.** A pass's samples are cut into ``dp`` contiguous, nearly equal shares in sample
   order, each into micro-batches of ``micro_batch_size`` samples in order (the trainer's
   ``split`` and ``chunk``); a micro-batch pays ``b ×`` its longest sample.
-* **Packed** (the balancing this estimate assumes; the trainer's may differ in its details).
-  Samples are sorted by cost and dealt largest first, each to the rank with the fewest positions
-  so far (LPT). Every rank then runs the same number ``M`` of micro-batches: ``M`` starts at the
-  largest ``ceil(rank's positions / budget)`` (or the count that samples longer than
-  ``budget / (t + 1)`` need, t at a time, when larger) and is raised one at a time until every
-  rank's samples, dealt largest first into ``M`` bins by LPT again, leave no bin over the budget.
-  A pack pays its positions. Bins run largest first on every rank.
+* **Packed.** The trainer's shares (equal counts balanced by cost,
+  :func:`~bpo_megatron.trainer.balance.balanced_shares`) and micro-batches (every rank the same
+  count, the largest of the ranks' fewest, :func:`~bpo_megatron.trainer.balance.micro_batch_bins`),
+  costliest first. A pack pays its positions.
 * Every micro-batch is rounded up to a multiple of TP under sequence parallelism, as the trainer
   pads it.
 * **Lockstep.** The data-parallel ranks holding ranks of one expert-parallel group run each
@@ -24,9 +24,8 @@ and seed give the same figures). The model:
   (Megatron's rank order: attention ranks tp-major then dp, expert ranks etp, then ep, then
   expert dp). Without expert parallelism across DP ranks every rank pays its own.
 * **Useful tokens** = real positions / positions paid, summed over the ranks. **Imbalance** =
-  the busiest rank's paid positions / the mean rank's: a pass waits for the busiest rank at the
-  gradient reduction (or the log-prob gather), so a pass takes imbalance / useful times the
-  ideal. Pipeline bubbles are left out.
+  the busiest rank's paid cost / the mean rank's: a pass waits for the busiest rank at the
+  gradient reduction (or the log-prob gather). Pipeline bubbles are left out.
 
 Figures are means over ``steps`` simulated steps: each step's ``responses_per_step`` samples are
 drawn, cut into its ``minibatches_per_step`` minibatches (one training pass each), and the
@@ -35,7 +34,6 @@ whole step is the log-prob pass (``train.recompute_old_logprobs``).
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
 from collections.abc import Callable
@@ -44,6 +42,8 @@ from typing import TYPE_CHECKING
 
 from bpo_megatron.parallel import ParallelConfig
 from bpo_megatron.planner.activations import round_up
+from bpo_megatron.trainer.balance import CostModel, balanced_shares, fewest_micro_batches, micro_batch_bins
+from bpo_megatron.trainer.samples import chunk, split
 
 if TYPE_CHECKING:
     from bpo_megatron.experiment import ExperimentConfig
@@ -100,7 +100,8 @@ class PassCost:
 
     micro_batches: int  # per rank (every rank runs as many)
     real: int  # positions of the samples
-    paid: list[int]  # per rank: Σ over its micro-batches of the largest of its lockstep group's
+    paid: list[int]  # per rank: Σ over its micro-batches of the largest of its lockstep group's (positions)
+    paid_cost: list[float]  # the same in the cost model's units (what the time follows)
 
     @property
     def useful(self) -> float:
@@ -108,8 +109,8 @@ class PassCost:
 
     @property
     def imbalance(self) -> float:
-        mean = sum(self.paid) / len(self.paid)
-        return max(self.paid) / mean if mean else 1.0
+        mean = sum(self.paid_cost) / len(self.paid_cost)
+        return max(self.paid_cost) / mean if mean else 1.0
 
 
 def lockstep_groups(parallel: ParallelConfig, trainer_ranks: int, *, moe: bool) -> list[list[int]]:
@@ -137,11 +138,11 @@ def lockstep_groups(parallel: ParallelConfig, trainer_ranks: int, *, moe: bool) 
     return list(groups.values())
 
 
-def _pay(sizes: list[list[int]], groups: list[list[int]]) -> list[int]:
+def _pay(sizes: list[list[float]], groups: list[list[int]]) -> list[float]:
     """Per rank: its j-th micro-batch pays the largest j-th micro-batch of its lockstep group."""
     count = max(len(s) for s in sizes)
     rows = [s + [0] * (count - len(s)) for s in sizes]
-    paid = [0] * len(sizes)
+    paid = [0.0] * len(sizes)
     for group in groups:
         total = sum(max(rows[r][j] for r in group) for j in range(count))
         for r in group:
@@ -149,50 +150,37 @@ def _pay(sizes: list[list[int]], groups: list[list[int]]) -> list[int]:
     return paid
 
 
-def _lpt(costs: list[int], parts: int) -> list[list[int]]:
-    """Costs (sorted largest first) dealt, each to the part with the least so far (ties: the
-    lowest index)."""
-    heap = [(0, i) for i in range(parts)]
-    out: list[list[int]] = [[] for _ in range(parts)]
-    for cost in costs:
-        load, i = heapq.heappop(heap)
-        out[i].append(cost)
-        heapq.heappush(heap, (load + cost, i))
-    return out
+def _pass(micro_batches: list[list[tuple[int, int]]], real: int, groups: list[list[int]], cost: CostModel
+          ) -> PassCost:
+    """Each rank's micro-batches as (samples, positions each is padded to: a padded micro-batch's
+    longest, or a pack's whole length with ``samples`` = 1), costliest first where they run so."""
+    positions = [[n * length for n, length in rank] for rank in micro_batches]
+    costs = [[n * cost(length) for n, length in rank] for rank in micro_batches]
+    return PassCost(micro_batches=max(len(rank) for rank in micro_batches), real=real,
+                    paid=[int(p) for p in _pay(positions, groups)], paid_cost=_pay(costs, groups))
 
 
-def padded_pass(costs: list[int], *, dp: int, micro_batch_size: int, pad: int,
-                groups: list[list[int]]) -> PassCost:
-    size, extra = divmod(len(costs), dp)
-    bounds = [i * size + min(i, extra) for i in range(dp + 1)]
-    sizes = []
-    for r in range(dp):
-        share = costs[bounds[r]:bounds[r + 1]]
-        chunks = [share[i:i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
-        sizes.append([len(c) * round_up(max(c), pad) for c in chunks])
-    return PassCost(micro_batches=max(len(s) for s in sizes), real=sum(costs), paid=_pay(sizes, groups))
+def padded_pass(positions: list[int], *, dp: int, micro_batch_size: int, pad: int, groups: list[list[int]],
+                cost: CostModel) -> PassCost:
+    """The trainer's padded micro-batches: contiguous shares, ``micro_batch_size`` samples each."""
+    ranks = [[(len(batch), round_up(max(batch), pad)) for batch in chunk(share, micro_batch_size)]
+             for share in split(positions, dp)]
+    return _pass(ranks, sum(positions), groups, cost)
 
 
-def _fewest_bins(costs: list[int], budget: int) -> int:
-    """A lower bound on the bins of ``budget`` that ``costs`` need: their total, and samples
-    longer than budget / (t + 1), of which no bin holds more than t."""
-    bound = math.ceil(sum(costs) / budget)
-    for t in range(1, 9):
-        bound = max(bound, math.ceil(sum(1 for c in costs if c * (t + 1) > budget) / t))
-    return bound
-
-
-def packed_pass(costs: list[int], *, dp: int, budget: int, pad: int, groups: list[list[int]]) -> PassCost:
-    ordered = sorted(costs, reverse=True)
-    parts = _lpt(ordered, dp)
-    count = max(_fewest_bins(part, budget) for part in parts)
-    while True:
-        bins = [_lpt(part, count) for part in parts]
-        if all(sum(b) <= budget for rank in bins for b in rank):
-            break
-        count += 1  # ends at the latest when every sample has a bin of its own (each fits the budget)
-    sizes = [sorted((round_up(sum(b), pad) for b in rank), reverse=True) for rank in bins]
-    return PassCost(micro_batches=count, real=sum(costs), paid=_pay(sizes, groups))
+def packed_pass(positions: list[int], *, dp: int, budget: int, pad: int, groups: list[list[int]],
+                cost: CostModel) -> PassCost:
+    """The trainer's packs: its balanced shares and, on every rank, as many micro-batches as the
+    rank that needs the most (``bpo_megatron.trainer.balance``, run on these lengths)."""
+    costs = [cost(n) for n in positions]
+    shares = balanced_shares(costs, dp)
+    count = max(fewest_micro_batches([positions[i] for i in share], [costs[i] for i in share], budget)
+                for share in shares)
+    ranks = []
+    for share in shares:
+        bins = micro_batch_bins([positions[i] for i in share], [costs[i] for i in share], budget, count)
+        ranks.append([(1, round_up(sum(positions[share[i]] for i in b), pad)) for b in bins])
+    return _pass(ranks, sum(positions), groups, cost)
 
 
 # ------------------------------------------------------------------------------- the estimate
@@ -229,7 +217,7 @@ class BatchEstimate:
     logprob: PassEstimate  # the log-prob pass over the whole step
 
 
-def estimate_batches(cfg: ExperimentConfig, *, dp: int, groups: list[list[int]], lengths: str,
+def estimate_batches(cfg: ExperimentConfig, *, dp: int, groups: list[list[int]], lengths: str, cost: CostModel,
                      steps: int = DEFAULT_STEPS, seed: int = DEFAULT_SEED) -> BatchEstimate:
     """Micro-batches per DP rank, imbalance and useful tokens of the padded and (with a budget)
     the packed micro-batches, for the ``lengths`` distribution (:data:`LENGTH_DISTRIBUTIONS`)."""
@@ -249,10 +237,10 @@ def estimate_batches(cfg: ExperimentConfig, *, dp: int, groups: list[list[int]],
         passes = [("minibatch", step[i:i + size]) for i in range(0, len(step), size)] + [("logprob", step)]
         for name, costs in passes:
             runs.setdefault((name, "padded"), []).append(
-                padded_pass(costs, dp=dp, micro_batch_size=b, pad=pad, groups=groups))
-            if budget:
+                padded_pass(costs, dp=dp, micro_batch_size=b, pad=pad, groups=groups, cost=cost))
+            if budget and len(costs) % dp == 0:  # (else the trainer refuses the layout: a failed check says so)
                 runs.setdefault((name, "packed"), []).append(
-                    packed_pass(costs, dp=dp, budget=budget, pad=pad, groups=groups))
+                    packed_pass(costs, dp=dp, budget=budget, pad=pad, groups=groups, cost=cost))
 
     def estimate(name: str, samples: int) -> PassEstimate:
         packed = runs.get((name, "packed"))

@@ -13,6 +13,7 @@ from bpo_megatron.models.qwen3 import model_vocab_size
 from bpo_megatron.planner.activations import (forward_only_activation_bytes, logits_bytes, micro_batch_positions,
                                               micro_batches_in_flight, stage_activation_bytes, stage_replay_bytes)
 from bpo_megatron.planner.batches import BatchEstimate, estimate_batches, lockstep_groups
+from bpo_megatron.trainer.balance import CostModel
 from bpo_megatron.planner.host import NodeHost, trainer_node_host
 from bpo_megatron.planner.layout import Allocation, Check, layout_checks
 from bpo_megatron.planner.params import StageParams, rank_parameters
@@ -216,7 +217,7 @@ def make_plan(cfg: ExperimentConfig, hf: HFModelConfig, allocation: Allocation |
     batches = None
     if lengths is not None and world_ok:
         groups = lockstep_groups(p, cfg.cluster.trainer_ranks, moe=hf.is_moe)
-        batches = estimate_batches(cfg, dp=dp, groups=groups, lengths=lengths)
+        batches = estimate_batches(cfg, dp=dp, groups=groups, lengths=lengths, cost=CostModel.of(hf))
     plan = Plan(cfg=cfg, hf=hf, allocation=allocation, checks=checks, precision=precision,
                 distributed_optimizer=distributed_optimizer, dp=dp, expert_dp=expert_dp,
                 tokens_per_micro_batch=tokens, micro_batches=micro_batches, stages=stages, rollout=rollout,

@@ -196,7 +196,8 @@ def _batches(plan: Plan) -> list[str]:
     return [*_table(header, rows),
             f"  → lengths {estimate.lengths}: {estimate.description}; mean {estimate.mean_positions:,.0f} "
             f"positions a sample; means of {estimate.steps} simulated steps (seed {estimate.seed}); imbalance = "
-            "busiest DP rank / mean, useful = real / paid positions (the model: bpo_megatron/planner/batches.py)"]
+            "busiest DP rank's cost / the mean's, useful = real / paid positions (the trainer's own balancer on "
+            "the drawn lengths: bpo_megatron/planner/batches.py)"]
 
 
 def _writers(ranks) -> str:
