@@ -26,7 +26,7 @@ def test_benchmark_runs_and_methods_agree():
     for row in (r for r in rows if not r.note):
         assert row.max_abs_diff < 1e-5, row  # every method computes the same log-probs
         assert row.forward_ms > 0 and row.backward_ms > 0
-        # memory is reported, not judged here: benchmarks/ compares it side by side at real sizes
+        # memory is reported, not judged here: the benchmark compares it side by side at real sizes
         assert 0 <= row.peak_mib < 1024
     table = format_table(rows, cfg)
     assert "| 2 | fp32 | ours-inplace |" in table

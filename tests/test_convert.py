@@ -232,7 +232,7 @@ def _live_export(hf_dir: str, layout: dict, all_ranks: bool) -> dict:
 # ----------------------------------------------------------------------------------- helpers
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return subprocess.run([sys.executable, "tools/convert_checkpoint.py", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "bpo_megatron.cli", "convert", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=TIMEOUT, env=env)
 
 

@@ -290,3 +290,23 @@ def test_a_trainer_rank_binds_its_own_gpu(monkeypatch):
     assert platform.bind_device() == torch.device("cuda", 3) and chosen == [torch.device("cuda", 3)]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert platform.bind_device() == torch.device("cpu") and len(chosen) == 1
+
+
+def test_the_cluster_launch_script_renders_its_jobs(tmp_path):
+    """launchers/cluster.py, the file a user edits, runs as shipped: a dry run prints one sbatch
+    script per job (the BPO run, then the grid's two), rendered from the template the installed
+    package carries."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "launchers/cluster.py", "--home", str(tmp_path)], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    jobs = re.findall(r"^# ---- (\S+) \((\w+)\) ----$", done.stdout, flags=re.M)
+    assert [kind for _, kind in jobs] == ["sbatch"] * 3 and len({name for name, _ in jobs}) == 3
+    assert done.stdout.count("ray start --head") == 3 and "--account=ACCOUNT" in done.stdout
+    assert "loss.name=grpo" in done.stdout and "loss.name=cispo" in done.stdout
+
+
+def test_the_slurm_template_is_package_data():
+    from bpo_megatron.launch.slurm import RAY_TEMPLATE
+
+    assert RAY_TEMPLATE.is_file() and "bpo_megatron" in RAY_TEMPLATE.parts and "launchers" not in RAY_TEMPLATE.parts

@@ -1,7 +1,7 @@
 """The offline Hugging Face ↔ Megatron-Core checkpoint tool for Qwen3 / Qwen3-MoE.
 
 ``convert_hf_to_mcore`` / ``convert_mcore_to_hf`` are the two file conversions behind
-``tools/convert_checkpoint.py`` and ``bpo-megatron convert``; each starts a gloo world of its own
+``bpo-megatron convert``; each starts a gloo world of its own
 and moves the weights with :mod:`bpo_megatron.weights` (the name map, the layouts, the gather),
 which a training run uses at every weight sync. Megatron is imported only when a model is touched.
 """

@@ -1,7 +1,7 @@
-"""Command line of the checkpoint converter (``tools/convert_checkpoint.py``, ``bpo-megatron convert``).
+"""Command line of the checkpoint converter (``bpo-megatron convert``).
 
-    convert_checkpoint.py hf-to-mcore --hf-dir HF --out CKPT [--tp N --ep N --pp N]
-    convert_checkpoint.py mcore-to-hf --ckpt CKPT --out HF [--hf-config HF_OR_CONFIG_JSON]
+    bpo-megatron convert hf-to-mcore --hf-dir HF --out CKPT [--tp N --ep N --pp N]
+    bpo-megatron convert mcore-to-hf --ckpt CKPT --out HF [--hf-config HF_OR_CONFIG_JSON]
 
 Exit codes: 0 done, 2 refused input (bad arguments, missing files or tensors, wrong shapes, a
 config that disagrees with the checkpoint; the message names each problem), 1 the conversion
@@ -54,7 +54,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None, prog: str = "convert_checkpoint.py") -> int:
+def main(argv: list[str] | None = None, prog: str = "bpo-megatron convert") -> int:
     from bpo_megatron.parallel import ParallelConfig
     from bpo_megatron.parallel.local_world import GlooWorldError
 

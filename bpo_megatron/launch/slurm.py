@@ -2,7 +2,7 @@
 
 Built on NeMo-Run's Ray-on-Slurm support: a ``run.Script`` tagged ``use_with_ray_cluster`` in a
 ``run.Experiment`` makes NeMo-Run's Slurm scheduler render a ``SlurmRayRequest`` from the
-executor's ``ray_template`` — ours, ``launchers/templates/ray_on_slurm.sub.j2`` (NeMo-Run's own
+executor's ``ray_template`` — ours, ``templates/ray_on_slurm.sub.j2`` beside this module, package data (NeMo-Run's own
 templates hard-code 8 GPUs per node and another project's container paths). NeMo-Run fills in the
 ``#SBATCH`` flags, container image and mounts (plus its job directory at ``/nemo_run``),
 environment, log paths and the driver command; the template starts ``ray start --head`` on the
@@ -21,7 +21,7 @@ from bpo_megatron.launch.experiments import add_jobs, nemo_experiment
 from bpo_megatron.launch.runs import Batch, Run, experiment_config
 from bpo_megatron.launch.settings import ExecutorSettings
 
-RAY_TEMPLATE = Path(__file__).resolve().parents[2] / "launchers" / "templates" / "ray_on_slurm.sub.j2"
+RAY_TEMPLATE = Path(__file__).resolve().parent / "templates" / "ray_on_slurm.sub.j2"  # package data
 DRIVER = "bpo-megatron"  # the console script installed in the container
 
 
@@ -47,8 +47,8 @@ def executor(settings: ExecutorSettings, resources: Resources, template: Path = 
     import nemo_run as run
 
     if not template.is_file():
-        raise FileNotFoundError(f"Ray-on-Slurm template {template} not found (run from a checkout of the "
-                                "repository, which ships launchers/templates/)")
+        raise FileNotFoundError(f"Ray-on-Slurm template {template} not found: the package's data files are "
+                                "missing (reinstall bpo-megatron) or the template named does not exist")
     return run.SlurmExecutor(
         account=settings.account,
         partition=settings.partition,
