@@ -249,6 +249,10 @@ class _WeightPusher:
         return {**report, "seconds": 1.0, "fingerprints": self.fingerprints}
 
 
+# the embedded engine's own transport, as its spec declares it (the driver hands the trainer this)
+SHARED_MEMORY = "bpo_megatron.rollout.hf.shared_memory:SharedMemory"
+
+
 def test_an_engine_that_died_between_rollouts_is_replaced_by_the_next_sync(group, pushed_weights, expected):
     """Killed while the trainer trains: the sync replaces it and gives it the new weights."""
     from bpo_megatron.weight_sync.session import sync_weights
@@ -286,12 +290,12 @@ def test_shared_memory_sync_writes_each_engines_weights_in_place(group, pushed_w
     from bpo_megatron.weight_sync.session import sync_weights
 
     pusher = _WeightPusher(pushed_weights)
-    sync_weights(pusher, group, transport="shared_memory", version=7, bucket_bytes=1 << 16, verify=True)
+    sync_weights(pusher, group, transport=SHARED_MEMORY, version=7, bucket_bytes=1 << 16, verify=True)
     _check_samples(group.generate(SMALL), SMALL, expected["small"])
-    layouts = [layout for _, layout in group.call("weight_segment")]
+    layouts = [layout for _, layout in group.call("weight_details")]
     assert all(layout is not None and _holders(layout.name) == {layout.pid, os.getpid()} for layout in layouts)
     assert set(layouts[0].places) == {name for name, _ in pushed_weights}
-    attached = pusher.transports["shared_memory"]._attached
+    attached = pusher.transports[SHARED_MEMORY]._attached
     assert set(attached) == {layout.name for layout in layouts}, "each engine's memory mapped once"
 
     victim = group.workers[0]
@@ -299,9 +303,9 @@ def test_shared_memory_sync_writes_each_engines_weights_in_place(group, pushed_w
     deadline = time.monotonic() + 20  # a kill is asynchronous; the next sync finds the process gone
     while Path(f"/proc/{layouts[0].pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
-    sync_weights(pusher, group, transport="shared_memory", version=8, bucket_bytes=1 << 16, verify=True)
+    sync_weights(pusher, group, transport=SHARED_MEMORY, version=8, bucket_bytes=1 << 16, verify=True)
     assert group.workers[0] is not victim
-    fresh = group.call("weight_segment")[0][1]
+    fresh = group.call("weight_details")[0][1]
     assert fresh.name != layouts[0].name and set(attached) == {fresh.name, layouts[1].name}
     assert _holders(layouts[0].name) == set(), "nothing holds a killed engine's weights"
     _check_samples(group.generate(SMALL), SMALL, expected["small"])
@@ -319,8 +323,8 @@ def test_engines_whose_weights_cannot_be_mapped_get_them_through_the_object_stor
 
     monkeypatch.setattr(shared_memory, "attach", refused)
     pusher = _WeightPusher(pushed_weights)
-    sync_weights(pusher, group, transport="shared_memory", version=9, bucket_bytes=1 << 16, verify=True)
-    assert pusher.transports["shared_memory"]._attached == {}
+    sync_weights(pusher, group, transport=SHARED_MEMORY, version=9, bucket_bytes=1 << 16, verify=True)
+    assert pusher.transports[SHARED_MEMORY]._attached == {}
     _check_samples(group.generate(SMALL), SMALL, expected["small"])
     assert group.call("weight_version") == [9, 9]
 

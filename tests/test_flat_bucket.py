@@ -201,7 +201,7 @@ def _export_and_send(world: int) -> dict:
 
     stream = export.export_weights(torch.nn.Linear(1, 1), None, BUCKET_BYTES, all_ranks=True, views=True)
     sender = CudaIpc(serializer=serializer)
-    sender.prepare([EngineEndpoint(index=0, server=Server())])  # beside trainer ranks 0 … world − 1
+    sender.prepare([EngineEndpoint(index=0, details=Server())])  # beside trainer ranks 0 … world − 1
     report = sender.send(recorded(stream), version=3)
     return {"exported": exported, "handed": handed, "broadcasts": broadcasts, "posted": posted, "report": report}
 

@@ -205,9 +205,20 @@ def test_the_weights_sit_below_the_trainer_and_convert_is_only_the_offline_tool(
 
 
 def _transport_modules() -> set[str]:
+    """Every transport's module: the generic ones and those the engines' specs declare."""
+    from bpo_megatron.rollout.engine import ENGINES
     from bpo_megatron.weight_sync import TRANSPORTS
 
-    return {target.partition(":")[0] for target in TRANSPORTS.values()}
+    declared = [ref for name in ENGINES for ref in ENGINES.load(name).transports.values()]
+    return {target.partition(":")[0] for target in [*TRANSPORTS.values(), *declared]}
+
+
+def test_the_weight_seam_names_no_engine():
+    """``weight_sync`` imports nothing of an engine, type-only imports included, and its text
+    names none of their modules: each engine's spec declares its transports."""
+    for path in (ROOT / "bpo_megatron" / "weight_sync").rglob("*.py"):
+        text = path.read_text()
+        assert "bpo_megatron.rollout" not in text and "rollout/" not in text, path.name
 
 
 def _closure(module: str, graph: dict[str, set[str]]) -> set[str]:

@@ -31,7 +31,8 @@ def test_an_unknown_name_raises_the_registrys_own_message():
 
 
 def test_every_registry_of_the_package_is_lazy_and_names_real_code():
-    from bpo_megatron.cli import BENCHMARKS
+    from bpo_megatron.bench import BENCHMARKS
+    from bpo_megatron.cli import _MODULES as COMMANDS
     from bpo_megatron.gpu_smoke.checks import CHECKS
     from bpo_megatron.launch import LAUNCHERS
     from bpo_megatron.observability.trackers import TRACKERS
@@ -39,9 +40,20 @@ def test_every_registry_of_the_package_is_lazy_and_names_real_code():
     from bpo_megatron.rollout.engine import ENGINES
     from bpo_megatron.weight_sync import TRANSPORTS
 
-    for registry in (BENCHMARKS, CHECKS, LAUNCHERS, TRACKERS, AGENTS, ENGINES, TRANSPORTS):
+    for registry in (BENCHMARKS, COMMANDS, CHECKS, LAUNCHERS, TRACKERS, AGENTS, ENGINES, TRANSPORTS):
         assert isinstance(registry, LazyRegistry)
         for target in registry.values():  # each names a module that exists, without importing it
             import importlib.util
 
             assert importlib.util.find_spec(target.partition(":")[0]) is not None, target
+
+
+def test_each_engines_declared_transports_name_real_classes():
+    import importlib
+
+    from bpo_megatron.rollout.engine import ENGINES
+
+    for name in ENGINES:
+        for transport, target in ENGINES.load(name).transports.items():
+            module, _, cls = target.partition(":")
+            assert module.startswith(f"bpo_megatron.rollout.{name}.") and hasattr(importlib.import_module(module), cls)

@@ -1,5 +1,6 @@
 """The weight transports as the driver chooses them: every engine's spec names one that exists
-for either placement, and colocated engine TP ranks map to the trainer ranks on their GPUs."""
+for either placement (its own, declared in its spec, or a generic one), and colocated engine TP
+ranks map to the trainer ranks on their GPUs."""
 
 from __future__ import annotations
 
@@ -10,13 +11,21 @@ from bpo_megatron.weight_sync import TRANSPORTS, transport_class
 from bpo_megatron.rollout.sglang.cuda_ipc import colocated_ranks
 
 
+def _every_transport() -> list[str]:
+    """The generic transports by name and each engine's own as the ``module:Class`` it declares."""
+    return sorted(TRANSPORTS) + sorted({ref for name in ENGINES for ref in engine_spec(name).transports.values()})
+
+
 @pytest.mark.parametrize("engine", sorted(ENGINES))
 @pytest.mark.parametrize("colocated", [False, True])
 def test_every_engine_receives_weights_over_a_transport_that_exists(engine, colocated):
     spec = engine_spec(engine)
     name = spec.transport(spec.options(), colocated)
-    sender = transport_class(name)
-    assert name in TRANSPORTS and sender.__name__ in TRANSPORTS[name]
+    ref = spec.weight_transport(spec.options(), colocated)
+    sender = transport_class(ref)
+    # its own, declared in its spec, or a generic one
+    assert ref == spec.transports[name] if name in spec.transports else (ref == name and name in TRANSPORTS)
+    assert sender.__module__.startswith(f"bpo_megatron.rollout.{engine}.") or name in TRANSPORTS
     # a transport that reaches engines on the trainer's GPUs never moves host tensors into them
     assert not (engine == "sglang" and sender.host_tensors)
 
@@ -35,11 +44,12 @@ def test_colocated_engine_tp_ranks_sit_beside_consecutive_trainer_ranks():
 
 
 def test_an_unknown_transport_names_those_there_are():
-    with pytest.raises(ValueError, match=r"no weight transport 'rdma'; there are \['cuda_ipc', 'nccl_broadcast'"):
+    with pytest.raises(ValueError, match=r"no weight transport 'rdma'; the generic ones are \['object_store'\], "
+                                         r"and an engine's own is given as the 'module:Class' its spec declares"):
         transport_class("rdma")
 
 
-@pytest.mark.parametrize("name", sorted(TRANSPORTS))
+@pytest.mark.parametrize("name", _every_transport())
 def test_every_transport_is_prepared_with_endpoints_then_sends_and_closes(name):
     """The protocol: ``prepare(endpoints)``, ``send(buckets, version)``, ``close()``; a transport
     names the parts of an endpoint it reads, and nothing else of the engine group."""
@@ -62,15 +72,14 @@ def test_the_engine_group_asks_its_engines_only_for_what_the_transport_needs():
     asked: list[str] = []
     group = EngineGroup.__new__(EngineGroup)  # its calls to the engines stood in for
     group.workers = ["actor 0", "actor 1", "actor 2"]
-    group.endpoints = lambda only: asked.append("endpoint") or [f"server {i}" for i in only]
-    group.weight_segments = lambda only: (asked.append("weight_segment")
-                                          or [(f"node {i}", f"segment {i}") for i in only])
+    group.weight_details = lambda only: (asked.append("weight_details")
+                                         or [(f"node {i}", f"details {i}") for i in only])
 
-    assert group.weight_endpoints([2, 0], frozenset({"server"})) == [EngineEndpoint(2, server="server 2"),
-                                                                      EngineEndpoint(0, server="server 0")]
-    assert asked == ["endpoint"]
-    assert group.weight_endpoints([1], frozenset({"actor", "node", "segment"})) == [
-        EngineEndpoint(1, actor="actor 1", node="node 1", segment="segment 1")]
-    assert asked == ["endpoint", "weight_segment"]
+    assert group.weight_endpoints([2, 0], frozenset({"actor"})) == [EngineEndpoint(2, actor="actor 2"),
+                                                                     EngineEndpoint(0, actor="actor 0")]
+    assert asked == []
+    assert group.weight_endpoints([1], frozenset({"actor", "node", "details"})) == [
+        EngineEndpoint(1, actor="actor 1", node="node 1", details="details 1")]
+    assert asked == ["weight_details"]
     with pytest.raises(ValueError, match=r"needs \['cfg'\]"):
-        group.weight_endpoints([0], frozenset({"server", "cfg"}))
+        group.weight_endpoints([0], frozenset({"details", "cfg"}))

@@ -163,10 +163,10 @@ class _EngineHost:
 
         return self.engine.update_weights(unpack(packed))
 
-    def weight_segment(self):
+    def weight_details(self):
         import ray
 
-        return ray.get_runtime_context().get_node_id(), self.engine.share_weights()
+        return ray.get_runtime_context().get_node_id(), self.engine.weight_details()
 
     def end_weight_update(self) -> None:
         self.engine.end_weight_update()
@@ -193,9 +193,9 @@ def _sync_rank(cfg: BenchConfig, model_dir: str) -> dict:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="error")
     remote = ray.remote(_EngineHost).options(num_cpus=0).remote(model_dir)
     shared = ray.remote(_EngineHost).options(num_cpus=0).remote(model_dir)
-    node, segment = ray.get(shared.weight_segment.remote())
+    node, segment = ray.get(shared.weight_details.remote())
     # what the driver hands each transport: the engine's endpoint (see EngineGroup.weight_endpoints)
-    shared_endpoints = [EngineEndpoint(index=0, actor=shared, node=node, segment=segment)]
+    shared_endpoints = [EngineEndpoint(index=0, actor=shared, node=node, details=segment)]
     remote_endpoints = [EngineEndpoint(index=0, actor=remote)]
     shared_sender = SharedMemory()
     bucket_bytes = cfg.bucket_mb * MiB

@@ -413,9 +413,9 @@ class EngineGroup:
         """Each engine's endpoint (a server's address, TP size and node; None for an in-process engine)."""
         return self.call("endpoint", only=only)
 
-    def weight_segments(self, only: list[int] | None = None) -> list:
-        """Each engine's ``(node, layout)`` of its shared-memory weights (embedded engines)."""
-        return self.call("weight_segment", only=only)
+    def weight_details(self, only: list[int] | None = None) -> list:
+        """Each engine's ``(node, details)``: what its own weight transports reach it by."""
+        return self.call("weight_details", only=only)
 
     def weight_endpoints(self, only: list[int], needs: frozenset[str]) -> list[EngineEndpoint]:
         """What a weight transport reaches each engine of ``only`` by: the parts of an
@@ -425,12 +425,11 @@ class EngineGroup:
         if not needs <= ENDPOINT_PARTS:
             raise ValueError(f"a weight transport needs {sorted(needs - ENDPOINT_PARTS)}; an engine endpoint has "
                              f"{sorted(ENDPOINT_PARTS)}")
-        servers = self.endpoints(only=only) if "server" in needs else [None] * len(only)
-        segments = self.weight_segments(only=only) if {"node", "segment"} & needs else [(None, None)] * len(only)
-        # the actors last: the calls above may have replaced one
-        return [EngineEndpoint(index=i, actor=self.workers[i] if "actor" in needs else None, server=server,
-                               node=node, segment=segment)
-                for i, server, (node, segment) in zip(only, servers, segments)]
+        details = self.weight_details(only=only) if {"node", "details"} & needs else [(None, None)] * len(only)
+        # the actors last: the call above may have replaced one
+        return [EngineEndpoint(index=i, actor=self.workers[i] if "actor" in needs else None, node=node,
+                               details=detail)
+                for i, (node, detail) in zip(only, details)]
 
     def weight_versions(self, only: list[int] | None = None) -> list[int]:
         return self.call("weight_version", only=only)

@@ -211,13 +211,12 @@ class EngineWorker:
     def update_weights(self, bucket) -> int:
         return self.engine.update_weights(bucket)
 
-    def weight_segment(self) -> tuple[str, object]:
-        """This actor's node and, for an engine that can share its weights in host memory, where
-        they lie (else None): what the ``shared_memory`` transport writes into."""
+    def weight_details(self) -> tuple[str, object]:
+        """This actor's node and what the engine's own weight transports need to reach it
+        (:meth:`~bpo_megatron.rollout.engine.RolloutEngine.weight_details`, opaque here)."""
         import ray
 
-        share = getattr(self.engine, "share_weights", None)
-        return ray.get_runtime_context().get_node_id(), share() if share else None
+        return ray.get_runtime_context().get_node_id(), self.engine.weight_details()
 
     def update_weights_packed(self, packed) -> int:
         """A bucket as the ``object_store`` transport sends it."""

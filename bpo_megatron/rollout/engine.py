@@ -13,8 +13,8 @@ from __future__ import annotations
 import abc
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -114,6 +114,12 @@ class RolloutEngine(abc.ABC):
     def end_weight_update(self) -> None:
         """Close the update: caches of the old weights are gone, work is admitted again."""
 
+    def weight_details(self) -> Any:
+        """What this engine's own weight transports need to reach it (a server's address and TP
+        size, where its weights lie in shared memory); None when they need nothing. Carried to the
+        trainer's ranks inside an endpoint without being read on the way."""
+        return None
+
     def release_memory(self) -> None:
         """Hand the device memory it holds (weights, caches) back to a trainer sharing its
         devices; nothing to do for an engine that holds none between calls."""
@@ -184,9 +190,11 @@ class EngineSpec:
     options: type  # the dataclass of the rollout.<name> section
     build: Callable[[Any, EngineContext], RolloutEngine]
     profile: Callable[[Any, int, float], EngineProfile]
-    # the name of the weight transport it receives with (bpo_megatron.weight_sync.TRANSPORTS; an
-    # engine's own live in its folder), given its options and whether it shares the trainer's devices
+    # the name of the weight transport it receives with, given its options and whether it shares
+    # the trainer's devices: one of its own ``transports`` or a generic one (weight_sync.TRANSPORTS)
     transport: Callable[[Any, bool], str]
+    # the transports it declares, name -> "module:Class" (they live in its folder)
+    transports: Mapping[str, str] = field(default_factory=dict)
     check: Callable[[Any], None] = _no_check
     weight_dtype: Callable[[Any], str | None] = _engine_dtype
     captures_routing_without_gpu: bool = True  # R3 capture works on a CPU-only machine
@@ -194,6 +202,12 @@ class EngineSpec:
     # a generation under way pauses for a weight update and continues with the new weights, each
     # token recording the version that sampled it (partial rollouts, train.async)
     partial_rollouts: bool = False
+
+    def weight_transport(self, options: Any, colocated: bool) -> str:
+        """What the trainer's ranks build the transport from (``weight_sync.transport_class``):
+        one of this engine's own as ``module:Class``, or a generic one by name."""
+        name = self.transport(options, colocated)
+        return self.transports.get(name, name)
 
 
 # engine name -> its spec; a spec module is imported only when its engine is named

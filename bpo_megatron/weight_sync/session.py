@@ -83,10 +83,11 @@ def _form_weight_group(trainer, engines, transport: str, sender: type) -> None:
         survivors = [i for i, actor in enumerate(members) if actor in engines.weight_group]
         engines.leave_weight_group(only=survivors)
         trainer.close_transport(transport, engines.role)
-    servers = engines.endpoints()
+    details = [endpoint.details for endpoint in engines.weight_endpoints(list(range(len(members))),
+                                                                          frozenset({"details"}))]
     sender.check_members(trainer.nccl_version(), engines.nccl_versions)
     address, port = trainer.host_weight_group(engines.role)
-    offsets, world = sender.group_ranks(servers)
+    offsets, world = sender.group_ranks(details)
     opening = trainer.open_weight_group(transport, world, engines.role)  # rank 0 hosts, engines join
     engines.join_weight_group(address, port, offsets, world)
     trainer.wait(opening, "open_weight_group")

@@ -13,7 +13,8 @@ never calls back into the group), and the trainer ranks that send run
 
 A transport that forms one group with every engine (``whole_group``) also has ``open(address,
 port, world_size, backend)``, which the driver runs on trainer rank 0 while the engines join, and
-its class says where each engine's ranks join (``group_ranks(servers)``) and which members it
+its class says where each engine's ranks join (``group_ranks(details)``, the engines' endpoint
+details) and which members it
 refuses (``check_members(trainer_version, engine_versions)``).
 """
 
@@ -26,8 +27,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict
 import torch
 
 if TYPE_CHECKING:
-    from bpo_megatron.rollout.hf.shared_weights import SegmentLayout
-    from bpo_megatron.rollout.sglang.endpoint import ServerEndpoint
     from bpo_megatron.weights.flat_bucket import FlatBucket
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -39,15 +38,15 @@ class EngineEndpoint:
 
     ``index``: the engine's place in its group (a colocated engine's GPUs follow from it). The
     other parts are filled only where the transport :attr:`~Transport.needs` them: ``actor``, the
-    engine's Ray actor (object-store buckets are loaded through it); ``server``, its server's
-    address, TP size and key (engines that run a server); ``node``, the Ray node it runs on;
-    ``segment``, where its weights lie in shared memory (None: they are not shared)."""
+    engine's Ray actor (object-store buckets are loaded through it); ``node``, the Ray node it runs
+    on; ``details``, what the engine's own transports read to reach it (a server's address, TP size
+    and key; where its weights lie in shared memory), opaque here: the engine fills it and only its
+    transports read it."""
 
     index: int
     actor: Any = None
-    server: ServerEndpoint | None = None
     node: str | None = None
-    segment: SegmentLayout | None = None
+    details: Any = None
 
 
 # the parts of an endpoint a transport may need (everything but the index, which is always there)

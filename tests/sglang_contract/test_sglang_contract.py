@@ -358,7 +358,7 @@ def test_trainer_rank_0_broadcasts_each_bucket_to_every_engine_rank_at_once(ray_
         "rollout.num_engines=2", "cluster.colocate=false", "data.max_prompt_tokens=16", "rollout.max_new_tokens=8",
         f"rollout.sglang.launcher=[{SGLANG_PYTHON}, {STANDIN}]", f"rollout.sglang.tp_size={TP}",
         "rollout.sglang.startup_timeout_s=300"], check_model=True)
-    transport = cfg.rollout.spec.transport(cfg.rollout.options, cfg.cluster.colocate)
+    transport = cfg.rollout.spec.weight_transport(cfg.rollout.options, cfg.cluster.colocate)
     engines = EngineGroup(cfg, str(served))
     trainer = TrainerGroup(cfg)
     try:
@@ -368,7 +368,7 @@ def test_trainer_rank_0_broadcasts_each_bucket_to_every_engine_rank_at_once(ray_
         def states():
             return [server.get("standin/state", timeout=30) for server in engines.call("endpoint")]
 
-        assert transport == "nccl_broadcast" and all(s["fingerprints"][0] != want for s in states())
+        assert transport == "bpo_megatron.rollout.sglang.nccl_broadcast:NcclBroadcast" and all(s["fingerprints"][0] != want for s in states())
         report = sync_weights(trainer, engines, transport=transport, version=1, bucket_bytes=8192)
         assert report["sync_bytes"] == sum(t.numel() * t.element_size() for t in pushed_of(pushed_dir).values())
         after = states()
@@ -418,7 +418,8 @@ def test_colocated_engine_ranks_each_map_the_trainer_rank_beside_them(ray_sessio
                 entry.origin = rank  # SGLang's loader reads only the fields it knows
             return inline_serializer(bucket)
 
-        worker._transports[("cuda_ipc", "rollout")] = CudaIpc(serializer=serializer)  # (transport, engine group)
+        # (transport, engine group): the transport as the engine's spec declares it
+        worker._transports[("bpo_megatron.rollout.sglang.cuda_ipc:CudaIpc", "rollout")] = CudaIpc(serializer=serializer)
 
     served, pushed_dir = checkpoints
     cfg = load_experiment(None, [
@@ -426,7 +427,7 @@ def test_colocated_engine_ranks_each_map_the_trainer_rank_beside_them(ray_sessio
         "rollout.num_engines=1", "cluster.colocate=true", "cluster.trainer_ranks=2", "data.max_prompt_tokens=16",
         "rollout.max_new_tokens=8", f"rollout.sglang.launcher=[{SGLANG_PYTHON}, {STANDIN}]",
         f"rollout.sglang.tp_size={TP}", "rollout.sglang.startup_timeout_s=300"], check_model=True)
-    transport = cfg.rollout.spec.transport(cfg.rollout.options, cfg.cluster.colocate)
+    transport = cfg.rollout.spec.weight_transport(cfg.rollout.options, cfg.cluster.colocate)
     engines = EngineGroup(cfg, str(served))
     trainer = TrainerGroup(cfg)
     try:
@@ -435,7 +436,7 @@ def test_colocated_engine_ranks_each_map_the_trainer_rank_beside_them(ray_sessio
         report = sync_weights(trainer, engines, transport=transport, version=1, bucket_bytes=8192)
         after = engines.call("endpoint")[0].get("standin/state", timeout=30)
         want = fingerprints(pushed_of(pushed_dir).items())
-        assert transport == "cuda_ipc"
+        assert transport == "bpo_megatron.rollout.sglang.cuda_ipc:CudaIpc"
         assert report["sync_bytes"] == sum(t.numel() * t.element_size() for t in pushed_of(pushed_dir).values())
         assert all(ranks == want for ranks in after["fingerprints"]) and after["versions"] == ["1"] * TP
         updates = [c for c in after["calls"] if c["call"] == "update_weights_from_tensor"]

@@ -196,6 +196,10 @@ class HFEngine(RolloutEngine):
         with self._between_forwards():
             return sum(self._weights.load(name, tensor) for name, tensor in named_tensors)
 
+    def weight_details(self) -> SegmentLayout | None:
+        """What ``shared_memory`` writes into: where the shared weights lie (None: not shared)."""
+        return self.share_weights()
+
     def share_weights(self) -> SegmentLayout | None:
         """Move the weights into shared memory (once) so that another process on this node can
         write them in place, inside a weight update (:mod:`bpo_megatron.rollout.hf.shared_memory`);

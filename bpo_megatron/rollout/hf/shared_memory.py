@@ -27,7 +27,7 @@ class SharedMemory:
     views = True  # the buckets may view the trainer's parameters: they are copied before it trains
     every_rank = False  # rank 0 sends
     whole_group = False  # any subset of the engines
-    needs = frozenset({"actor", "node", "segment"})  # the segment on this node; the actor elsewhere
+    needs = frozenset({"actor", "node", "details"})  # the segment on this node; the actor elsewhere
 
     def __init__(self) -> None:
         # segment name -> (its owner's pid, the mapping, the weights' views)
@@ -44,8 +44,8 @@ class SharedMemory:
         self._local, self._remote = {}, {}  # no view of a dead engine's weights may keep its mapping alive
         self._forget_the_dead()
         self._local = {i: mapped for i, endpoint in enumerate(endpoints)
-                       if endpoint.segment is not None and endpoint.node == here
-                       and (mapped := self._views(endpoint.segment)) is not None}
+                       if endpoint.details is not None and endpoint.node == here
+                       and (mapped := self._views(endpoint.details)) is not None}
         self._remote = {i: endpoint.actor for i, endpoint in enumerate(endpoints) if i not in self._local}
 
     def send(self, buckets: Iterable[Bucket], version: int) -> SendReport:

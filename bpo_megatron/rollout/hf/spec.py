@@ -31,6 +31,7 @@ SPEC = EngineSpec(
     profile=_profile,
     # in place through shared memory on the trainer's node, Ray's object store elsewhere
     transport=lambda options, colocated: "shared_memory",
+    transports={"shared_memory": "bpo_megatron.rollout.hf.shared_memory:SharedMemory"},
     # weights are sent in the engine's own precision, so what it holds is exactly what was sent
     weight_dtype=lambda options: options.dtype,
     exposes_weights=True,

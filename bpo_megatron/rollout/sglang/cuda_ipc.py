@@ -48,7 +48,7 @@ class CudaIpc:
     views = True  # the export packs each bucket into one flat buffer before it is sent
     every_rank = True  # every trainer rank receives the buckets and hands its GPU's copy over
     whole_group = False  # engines are updated one by one (a restarted one alone)
-    needs = frozenset({"server"})  # each engine's server (its TP size places it beside trainer ranks)
+    needs = frozenset({"details"})  # each engine's server endpoint (its TP size places it beside trainer ranks)
 
     def __init__(self, serializer=None) -> None:
         self.serializer = serializer  # tests only: replaces the IPC pickler (see ipc_payload)
@@ -58,7 +58,7 @@ class CudaIpc:
         """Runs on every trainer rank with the same ``endpoints``: each engine's server and the
         trainer ranks beside its TP ranks (engine ``e`` of TP ``t`` beside ranks ``e × t …``)."""
         world = dist.get_world_size()
-        self._targets = [(endpoint.server, colocated_ranks(endpoint.index, endpoint.server.tp_size, world))
+        self._targets = [(endpoint.details, colocated_ranks(endpoint.index, endpoint.details.tp_size, world))
                          for endpoint in endpoints]
 
     def send(self, buckets: Iterable[FlatBucket | Bucket], version: int) -> SendReport:

@@ -100,6 +100,10 @@ class SGLangEngine(RolloutEngine):
         """Where the trainer reaches this server (its node's address) and with which key."""
         return ServerEndpoint(self.base_url, self.cfg.tp_size, self.api_key)
 
+    def weight_details(self) -> ServerEndpoint:
+        """What ``nccl_broadcast`` and ``cuda_ipc`` reach the server by: :meth:`endpoint`."""
+        return self.endpoint()
+
     # ------------------------------------------------------------------------------ generation
     def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
         """Responses to ``requests``. It may run while another thread updates the weights

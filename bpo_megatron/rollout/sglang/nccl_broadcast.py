@@ -32,7 +32,7 @@ class NcclBroadcast:
     views = True  # buckets may hold views of the parameters: each is packed into one buffer (one copy)
     every_rank = False  # rank 0 sends
     whole_group = True  # a broadcast reaches every member: all engines, in one group
-    needs = frozenset({"server"})  # each engine's server is told of each bucket
+    needs = frozenset({"details"})  # each engine's server (its ServerEndpoint) is told of each bucket
 
     def __init__(self) -> None:
         self.sender: DistributedWeightSender | None = None
@@ -61,7 +61,7 @@ class NcclBroadcast:
 
     def prepare(self, endpoints: list[EngineEndpoint]) -> None:
         """``endpoints``: every engine in the group (all of them: a broadcast needs every member)."""
-        self._servers = [endpoint.server for endpoint in endpoints]
+        self._servers = [endpoint.details for endpoint in endpoints]
 
     def send(self, buckets: Iterable[Bucket], version: int) -> SendReport:
         if self.sender is None:

@@ -39,6 +39,8 @@ SPEC = EngineSpec(
     profile=_profile,
     # on the trainer's GPUs: CUDA IPC handles; on its own: one broadcast from the trainer's GPU
     transport=lambda options, colocated: "cuda_ipc" if colocated else "nccl_broadcast",
+    transports={"cuda_ipc": "bpo_megatron.rollout.sglang.cuda_ipc:CudaIpc",
+                "nccl_broadcast": "bpo_megatron.rollout.sglang.nccl_broadcast:NcclBroadcast"},
     # the server captures routing wherever it runs (it may be attached by url from a CPU driver)
     # pause_generation (retract) keeps requests under way; meta_info.weight_versions dates each token
     partial_rollouts=True,
