@@ -400,3 +400,31 @@ def test_check_of_eval_and_compare_writes_nothing(tmp_path, capsys):
     assert main(["compare", DEMO, "--losses", "bpo", "--sweep", "loss.bpo_cap=0.5,2", "--seeds", "1",
                  "--out", str(out)]) == 2
     assert "bpo_cap must be >= 1" in capsys.readouterr().err and not out.exists()
+
+
+def test_eval_builds_the_runs_engine_or_refuses_it_by_name(tmp_path, capsys, monkeypatch):
+    """`bpo-megatron eval` evaluates with rollout.engine as the run configures it (its spec builds
+    it, with its own section), and refuses an engine this machine cannot run before any model
+    loads, naming it."""
+    import dataclasses
+    import importlib.util
+
+    from bpo_megatron.rollout import config as rollout_config
+    from bpo_megatron.rollout.engine import engine_spec
+    from bpo_megatron.testing.models import random_checkpoint
+
+    hf_dir = random_checkpoint(DEMO_MODEL, tmp_path / "hf", seed=0)
+    if importlib.util.find_spec("vllm") is None:
+        assert main(["eval", DEMO, "rollout.engine=vllm", "model.routing_replay=false", "--hf-dir", str(hf_dir)]) == 2
+        assert "rollout.engine=vllm needs the vllm package, which this Python lacks" in capsys.readouterr().err
+    built = []
+    hf = engine_spec("hf")
+
+    def build(options, context):
+        built.append((options.dtype, context.model_dir))
+        return hf.build(options, context)
+
+    patched = dataclasses.replace(hf, build=build)
+    monkeypatch.setattr(rollout_config, "engine_spec", lambda name: patched if name == "hf" else engine_spec(name))
+    assert main(["eval", DEMO, "rollout.hf.dtype=bf16", "eval.limit=2", "eval.k=1", "--hf-dir", str(hf_dir)]) == 0
+    assert built == [("bf16", str(hf_dir))] and "Avg@1" in capsys.readouterr().out

@@ -1,7 +1,8 @@
 """``bpo-megatron eval CONFIG [overrides] [--checkpoint CKPT | --hf-dir DIR]``: Avg@k of a policy.
 
-Evaluates on the config's ``eval.datasets`` with the embedded engine, in this process. The
-policy is a trainer checkpoint (exported to Hugging Face format on the fly), a Hugging Face
+Evaluates on the config's ``eval.datasets`` with the run's engine (``rollout.engine`` and its
+section), built in this process; an engine that cannot be built here is refused by name before
+anything loads (exit 2). The policy is a trainer checkpoint (exported to Hugging Face format on the fly), a Hugging Face
 directory, or by default the run's newest checkpoint (a pretrained ``model.path`` when the run
 has none). The evaluation sets and the checkpoint are checked before the model loads;
 ``--check`` stops there.
@@ -48,7 +49,7 @@ def main(argv: list[str]) -> int:
     from bpo_megatron.data.rewards import reward_fn
     from bpo_megatron.eval.avg_at_k import evaluate
     from bpo_megatron.rollout.agents import with_agent
-    from bpo_megatron.rollout.hf.engine import HFEngine
+    from bpo_megatron.rollout.engine import EngineContext
 
     with tempfile.TemporaryDirectory(prefix="bpo-eval-") as scratch:
         hf_dir = location
@@ -57,7 +58,14 @@ def main(argv: list[str]) -> int:
 
             hf_dir = f"{scratch}/hf"
             convert_mcore_to_hf(location, hf_dir)
-        engine = HFEngine(hf_dir, capture_routing=False, threads=args.threads)
+        try:
+            engine = cfg.rollout.spec.build(cfg.rollout.options,
+                                            EngineContext(model_dir=hf_dir, index=0, routing=None, threads=args.threads))
+        except (ImportError, RuntimeError, OSError) as exc:
+            print(f"{prog}: rollout.engine={cfg.rollout.engine} cannot run in this process here ({exc}); evaluate "
+                  "with rollout.engine=hf (the embedded engine), or on a machine that runs this engine",
+                  file=sys.stderr)
+            return REFUSED
         rollouts = with_agent(engine, agent, tokenizer)
         try:
             result = evaluate(rollouts.generate, sets, tokenizer, reward_fn(cfg.data.reward, cfg.data), cfg, step=0)
@@ -81,6 +89,7 @@ def _prepare(cfg, args):
 
     if not cfg.eval.datasets:
         raise RunRefused("eval.datasets is empty: name the evaluation sets (e.g. eval.datasets=[aime24])")
+    _check_engine(cfg)
     hf = cfg.hf_config()
     tokenizer = load_run_tokenizer(cfg, hf)
     try:
@@ -108,3 +117,22 @@ def _prepare(cfg, args):
         raise RunRefused(f"the run has no checkpoint yet ({root}) and model.init=random has no trained weights to "
                          "evaluate: train first, or pass --checkpoint or --hf-dir")
     return sets, tokenizer, ("pretrained model.path", cfg.model.path), agent
+
+
+def _check_engine(cfg) -> None:
+    """The run's engine can be built in this process: its options pass its own checks and the
+    library it runs in process imports (``EngineSpec.library``); else refused by name before any
+    model loads. A server's engine starts its server from its own settings (``launcher``)."""
+    import importlib.util
+
+    from bpo_megatron.loop.run_dir import RunRefused
+
+    engine = cfg.rollout.engine
+    try:
+        cfg.rollout.spec.check(cfg.rollout.options)
+    except ValueError as exc:
+        raise RunRefused(str(exc)) from exc
+    library = cfg.rollout.spec.library
+    if library and importlib.util.find_spec(library) is None:
+        raise RunRefused(f"rollout.engine={engine} needs the {library} package, which this Python lacks: evaluate with "
+                         "rollout.engine=hf (the embedded engine), or where it is installed")

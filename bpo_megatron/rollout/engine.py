@@ -195,6 +195,8 @@ class EngineSpec:
     transport: Callable[[Any, bool], str]
     # the transports it declares, name -> "module:Class" (they live in its folder)
     transports: Mapping[str, str] = field(default_factory=dict)
+    # the package it imports in the process that hosts it (None: none besides this one's)
+    library: str | None = None
     check: Callable[[Any], None] = _no_check
     weight_dtype: Callable[[Any], str | None] = _engine_dtype
     captures_routing_without_gpu: bool = True  # R3 capture works on a CPU-only machine

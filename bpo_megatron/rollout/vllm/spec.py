@@ -26,5 +26,6 @@ SPEC = EngineSpec(
     build=_build,
     profile=_profile,
     transport=lambda options, colocated: "object_store",
+    library="vllm",  # an in-process engine: vLLM's LLM runs in the engine actor
     captures_routing_without_gpu=False,  # routed-expert capture needs vLLM's GPU model runner
 )
