@@ -16,7 +16,6 @@ BENCHMARKS = LazyRegistry({
     "ops": "bpo_megatron.bench.ops",
     "packing": "bpo_megatron.bench.packing",
     "rollout": "bpo_megatron.bench.rollout",
-    "sglang-concurrency": "bpo_megatron.bench.sglang_concurrency",
     "step": "bpo_megatron.bench.step",
 }, unknown="unknown benchmark {name!r}; choose one of {sorted_listed}")
 
