@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from bpo_megatron import testing as th
-from bpo_megatron.losses import AGGREGATIONS, POLICY_LOSSES, BatchTotals, PolicyLossConfig, policy_loss
+from bpo_megatron.losses import AGGREGATIONS, POLICY_LOSSES, BatchTotals, CorrectionConfig, PolicyLossConfig, policy_loss
 from bpo_megatron.losses.corrections import CORRECTIONS
 from bpo_megatron.parallel.local_world import run_gloo_world
 from bpo_megatron.trainer.samples import TrainSample
@@ -75,7 +75,7 @@ def _cases() -> dict[str, tuple[PolicyLossConfig, bool]]:
         correction = corrections[i % len(corrections)]
         norm = NORM_LENGTH if agg == "seq-mean-token-sum-norm" else None
         cases[f"{name}/{agg}/{correction}"] = (
-            PolicyLossConfig(name=name, agg=agg, correction=correction, norm_length=norm), True)
+            PolicyLossConfig(name=name, agg=agg, correction=CorrectionConfig(name=correction), norm_length=norm), True)
     cases["bpo/seq-mean-token-mean/no-old-logprobs"] = (PolicyLossConfig(name="bpo"), False)
     return cases
 
