@@ -167,10 +167,10 @@ def _push(actor, engine, *, corrupt: str | None = None, dtype: torch.dtype | Non
     """Weight sync: every rank streams its shards; rank 0 sends buckets (in ``dtype``) to the
     engine. Returns the fingerprints of what the trainer sent and the number of buckets (rank 0)."""
     from bpo_megatron.weights import iter_hf_weights
-    from bpo_megatron.weights.buckets import buckets, on_host
+    from bpo_megatron.weights.buckets import buckets
     from bpo_megatron.weights.checksums import fingerprints
 
-    stream = on_host(iter_hf_weights(actor.model, actor.hf, dst=0), dtype)
+    stream = ((name, tensor.detach().to("cpu", dtype)) for name, tensor in iter_hf_weights(actor.model, actor.hf, dst=0))
     if engine is None:
         for _ in stream:  # ranks other than dst send their pieces while the generator runs
             pass

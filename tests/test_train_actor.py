@@ -338,4 +338,3 @@ def test_loading_nothing_is_a_clear_error(tmp_path):
     (tmp_path / "latest").write_text("step-00000009")  # a marker names a checkpoint; it is not one
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         checkpoint.resolve(tmp_path)
-    assert checkpoint.latest_step(tmp_path / "nowhere") is None

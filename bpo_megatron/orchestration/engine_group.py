@@ -431,9 +431,6 @@ class EngineGroup:
                                details=detail)
                 for i, (node, detail) in zip(only, details)]
 
-    def weight_versions(self, only: list[int] | None = None) -> list[int]:
-        return self.call("weight_version", only=only)
-
     def nccl_versions(self) -> list:
         return self.call("nccl_version")
 

@@ -150,14 +150,6 @@ def resolve(path: str | Path) -> Path:
     return chosen
 
 
-def latest_step(root: str | Path) -> int | None:
-    """Step of the newest complete checkpoint under ``root``, or None."""
-    try:
-        return int(json.loads((resolve(root) / STATE_FILE).read_text())["step"])
-    except FileNotFoundError:
-        return None
-
-
 def _rng_state() -> dict[str, Any]:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 

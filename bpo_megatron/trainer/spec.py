@@ -8,7 +8,7 @@ defaults, so a new setting of the trainer reaches all of them through this one c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,9 +44,6 @@ class TrainerSpec:
             object.__setattr__(self, "loss", PolicyLossConfig(name=self.loss))
         if isinstance(self.weights, Path):
             object.__setattr__(self, "weights", str(self.weights))
-
-    def with_weights(self, directory: str | Path | None) -> "TrainerSpec":
-        return replace(self, weights=None if directory is None else str(directory))
 
     def build(self) -> "TrainActor":
         """This rank's actor, in the current torch.distributed world (every rank calls it)."""

@@ -15,13 +15,6 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def on_host(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
-            ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors detached on the CPU, converted to ``dtype`` (the engines' precision) if given."""
-    for name, tensor in named_tensors:
-        yield name, tensor.detach().to("cpu", dtype)
-
-
 def buckets(named_tensors: Iterable[T], max_bytes: int = DEFAULT_BUCKET_BYTES,
             size: Callable[[T], int] = lambda item: tensor_bytes(item[1])) -> Iterator[list[T]]:
     """Consecutive groups of at most ``max_bytes`` (a single larger tensor is a bucket of its own),
