@@ -31,3 +31,14 @@ def test_benchmark_runs_and_methods_agree():
     table = format_table(rows, cfg)
     assert "| 2 | fp32 | ours-inplace |" in table
     assert "| 2 | fp32 | fused-inplace | not run: the fused kernels need CUDA logits and triton |" in table
+
+
+def test_the_benchmark_and_the_gpu_kit_time_the_log_prob_op_one_way():
+    """One measurement of the log-prob op: the benchmark's ratio table and the kit's thresholds
+    both come from bpo_megatron.testing.logprob_timing."""
+    from bpo_megatron.bench import logprobs as bench
+    from bpo_megatron.gpu_smoke.checks import logprobs_kernel as kit
+    from bpo_megatron.testing import logprob_timing
+
+    assert bench.time_methods is kit.time_methods is logprob_timing.time_methods
+    assert not hasattr(bench, "_method_fns") and not hasattr(kit, "_methods")

@@ -6,7 +6,8 @@ full-vocabulary ``log_softmax`` + gather (all-gathering the vocabulary when TP >
 forward/backward time (median of repeats) and the peak memory allocated on top of the logits.
 
 The ranks are gloo processes with CPU logits, so the op's fused triton kernels (CUDA only) get a
-row that says they were not run; the GPU kit's ``logprobs_kernel`` check times them.
+row that says they were not run; the GPU kit's ``logprobs_kernel`` check times them with the same
+measurement (:mod:`bpo_megatron.testing.logprob_timing`) on a device.
 """
 
 from __future__ import annotations
@@ -14,14 +15,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
-from dataclasses import asdict, dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 
 from bpo_megatron.bench.memory import PeakMemory, use_exact_allocation_tracking
 from bpo_megatron.parallel.local_world import run_gloo_world
+from bpo_megatron.testing.logprob_timing import METHODS, Timing, time_methods
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MiB = 2**20
@@ -35,47 +35,7 @@ class BenchConfig:
     dtypes: tuple[str, ...] = ("fp32", "bf16")
     repeats: int = 3
     temperature: float = 1.0
-    methods: tuple[str, ...] = ("naive", "megatron", "ours", "ours-inplace", "fused", "fused-inplace")
-
-
-@dataclass
-class MethodResult:
-    forward_s: list[float] = field(default_factory=list)
-    backward_s: list[float] = field(default_factory=list)
-    peak_bytes: int = 0
-    max_abs_diff: float = 0.0  # log-probs vs Megatron's
-
-
-LogProbFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-
-
-def _method_fns(tp_group) -> dict[str, LogProbFn]:
-    from megatron.core.tensor_parallel import (
-        gather_from_tensor_model_parallel_region,
-        vocab_parallel_cross_entropy,
-    )
-
-    from bpo_megatron.ops import vocab_parallel_logprobs
-
-    def naive(logits, targets, temperature):
-        full = gather_from_tensor_model_parallel_region(logits) if tp_group.size() > 1 else logits
-        scaled = full.float() / temperature if temperature != 1.0 else full.float()
-        logp = torch.log_softmax(scaled, dim=-1)
-        return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-    def megatron(logits, targets, temperature):
-        scaled = logits / temperature if temperature != 1.0 else logits
-        return -vocab_parallel_cross_entropy(scaled, targets)
-
-    def ours(kernel, inplace):
-        def fn(logits, targets, temperature):
-            return vocab_parallel_logprobs(logits, targets, tp_group, temperature=temperature, inplace=inplace,
-                                           kernel=kernel)
-        return fn
-
-    return {"naive": naive, "megatron": megatron, "ours": ours("chunked", False),
-            "ours-inplace": ours("chunked", True), "fused": ours("fused", False),
-            "fused-inplace": ours("fused", True)}
+    methods: tuple[str, ...] = METHODS
 
 
 FUSED_NOT_RUN = "not run: the fused kernels need CUDA logits and triton"
@@ -85,7 +45,7 @@ def _runs(method: str) -> bool:
     return not method.startswith("fused")  # the ranks' logits are CPU tensors
 
 
-def _bench_rank(cfg: BenchConfig, tp: int, dtype_name: str) -> dict[str, dict]:
+def _bench_rank(cfg: BenchConfig, tp: int, dtype_name: str) -> dict[str, Timing]:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -107,32 +67,9 @@ def _bench_rank(cfg: BenchConfig, tp: int, dtype_name: str) -> dict[str, dict]:
 
         targets = torch.randint(0, shard * tp, (cfg.tokens,), generator=torch.Generator().manual_seed(7))
         grad_out = torch.randn(cfg.tokens, generator=torch.Generator().manual_seed(8))
-        fns = _method_fns(group)
-        reference = None
-        results: dict[str, MethodResult] = {}
-        for name in ("megatron",) + tuple(m for m in cfg.methods if m != "megatron" and _runs(m)):
-            fn, result = fns[name], MethodResult()
-            for repeat in range(cfg.repeats + 1):  # the first run warms up
-                logits = fresh_logits().requires_grad_()  # in-place methods consume their input
-                dist.barrier(group)
-                with PeakMemory() as peak:
-                    start = time.perf_counter()
-                    logprobs = fn(logits, targets, cfg.temperature)
-                    mid = time.perf_counter()
-                    (grad,) = torch.autograd.grad(logprobs, logits, grad_out)
-                    end = time.perf_counter()
-                    del grad
-                if repeat == 0:
-                    if reference is None:
-                        reference = logprobs.detach().float()
-                    result.max_abs_diff = float((logprobs.detach().float() - reference).abs().max())
-                    continue
-                result.forward_s.append(mid - start)
-                result.backward_s.append(end - mid)
-                result.peak_bytes = max(result.peak_bytes, peak.extra_bytes)
-                del logprobs, logits
-            results[name] = result
-        return {name: asdict(result) for name, result in results.items()}
+        return time_methods([m for m in cfg.methods if _runs(m)], group, fresh_logits, targets, grad_out,
+                            repeats=cfg.repeats, temperature=cfg.temperature, peak=PeakMemory,
+                            barrier=lambda: dist.barrier(group))
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -153,24 +90,17 @@ class Row:
         return self.forward_ms + self.backward_ms
 
 
-def _merge_ranks(tp: int, dtype: str, per_rank: list[dict[str, dict]]) -> list[Row]:
+def _merge_ranks(tp: int, dtype: str, per_rank: list[dict[str, Timing]]) -> list[Row]:
     rows = []
     for method in per_rank[0]:
         results = [rank[method] for rank in per_rank]
         # a collective step takes as long as its slowest rank
-        fwd = [max(r["forward_s"][i] for r in results) for i in range(len(results[0]["forward_s"]))]
-        bwd = [max(r["backward_s"][i] for r in results) for i in range(len(results[0]["backward_s"]))]
-        rows.append(
-            Row(
-                tp=tp,
-                dtype=dtype,
-                method=method,
-                forward_ms=1e3 * statistics.median(fwd),
-                backward_ms=1e3 * statistics.median(bwd),
-                peak_mib=max(r["peak_bytes"] for r in results) / MiB,
-                max_abs_diff=max(r["max_abs_diff"] for r in results),
-            )
-        )
+        fwd = [max(r.forward_s[i] for r in results) for i in range(len(results[0].forward_s))]
+        bwd = [max(r.backward_s[i] for r in results) for i in range(len(results[0].backward_s))]
+        rows.append(Row(tp=tp, dtype=dtype, method=method, forward_ms=1e3 * statistics.median(fwd),
+                        backward_ms=1e3 * statistics.median(bwd),
+                        peak_mib=max(r.peak_bytes for r in results) / MiB,
+                        max_abs_diff=max(r.diff_vs_megatron for r in results)))
     return rows
 
 

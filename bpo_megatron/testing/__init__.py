@@ -2,7 +2,8 @@
 random checkpoints (``models``), training samples (``samples``), a teacher-forced recompute
 (``recompute``), the train actor built through a
 :class:`~bpo_megatron.trainer.spec.TrainerSpec` (``trainer``), routing seen from Megatron's
-routers (``routing``), and the activation memory autograd keeps, measured (``activations``)."""
+routers (``routing``), the activation memory autograd keeps, measured (``activations``), and the log-prob
+op timed against Megatron's (``logprob_timing``)."""
 
 from bpo_megatron.testing.activations import MeasuredActivations, measure_activations, saved_activation_bytes
 from bpo_megatron.testing.models import MODEL_CONFIGS, TINY_MOE, random_checkpoint, random_model_dir, tiny_moe, write_config

@@ -1,13 +1,13 @@
 """``vocab_parallel_logprobs`` against Megatron-Core's ``vocab_parallel_cross_entropy`` on the
-device: forward + backward time and peak memory on top of the logits, side by side in one run,
-and all against an fp64 log-softmax of the same logits. Our op runs both ways: the chunked PyTorch
-passes ("ours") and the fused triton kernels ("fused"), each copy-safe and in place (the trainer's
-mode). Where the fused kernels cannot run (a CPU) their rows say so instead of timing anything."""
+device: the benchmark's measurement (:mod:`bpo_megatron.testing.logprob_timing`, as ``bpo-megatron
+bench logprobs`` runs it on gloo ranks) run on one device, forward + backward time and peak memory
+on top of the logits, and the errors against an fp64 log-softmax of the same logits; this check
+adds the thresholds. Our op runs both ways: the chunked PyTorch passes ("ours") and the fused
+triton kernels ("fused"), each copy-safe and in place (the trainer's mode). Where the fused kernels
+cannot run (a CPU) their rows say so instead of timing anything."""
 
 from __future__ import annotations
 
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -16,40 +16,17 @@ from bpo_megatron import platform
 from bpo_megatron.gpu_smoke.common import single_rank_world, synchronize
 from bpo_megatron.gpu_smoke.profiles import Profile
 from bpo_megatron.gpu_smoke.report import Outcome
+from bpo_megatron.testing.logprob_timing import DevicePeak, NoPeak, time_methods
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CHECKED_ROWS = 256  # rows compared with the fp64 reference (all of them would double the memory)
 MiB = 2**20
-
+METHODS = ["ours", "ours-inplace", "fused", "fused-inplace"]  # besides Megatron's, the reference
 
 # the trainer's mode with the fused kernels, against Megatron at bf16 (issue #26): no slower, and
 # a tenth of the memory at most (the gradient lands in the logits buffer; Megatron keeps a softmax)
 FUSED_TIME_VS_MEGATRON = 1.0
 FUSED_MEMORY_VS_MEGATRON = 0.1
-
-
-def _methods(group):
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    from bpo_megatron.ops import vocab_parallel_logprobs
-
-    def ours(kernel, inplace):
-        return lambda logits, targets: vocab_parallel_logprobs(logits, targets, group, inplace=inplace,
-                                                               kernel=kernel)
-
-    return {
-        "megatron": lambda logits, targets: -vocab_parallel_cross_entropy(logits, targets),
-        "ours": ours("chunked", False),
-        "ours-inplace": ours("chunked", True),
-        "fused": ours("fused", False),
-        "fused-inplace": ours("fused", True),
-    }
-
-
-def _peak_tracking() -> tuple:
-    if platform.has_cuda():
-        return torch.cuda.reset_peak_memory_stats, torch.cuda.memory_allocated, torch.cuda.max_memory_allocated
-    return (lambda: None), (lambda: 0), (lambda: 0)
 
 
 def _measure(tokens: int, vocab: int, dtype: str, repeats: int, group) -> list[dict]:
@@ -62,48 +39,26 @@ def _measure(tokens: int, vocab: int, dtype: str, repeats: int, group) -> list[d
         return (torch.randn(tokens, vocab, device=device, generator=torch.Generator(device=device).manual_seed(1))
                 * 4.0).to(DTYPES[dtype])
 
-    with torch.no_grad():
+    runnable = [m for m in METHODS if not m.startswith("fused") or platform.runs_triton(device)]
+    timings = time_methods(runnable, group, fresh, targets, grad_out, repeats=repeats,
+                           peak=DevicePeak if platform.has_cuda() else NoPeak, synchronize=synchronize,
+                           fp64_rows=CHECKED_ROWS)
+    with torch.no_grad():  # the gradient comes back in the logits' dtype: half an ulp of its largest entry
         exact = torch.log_softmax(fresh()[:CHECKED_ROWS].double(), dim=-1)
-    exact_lp = exact.gather(-1, targets[:CHECKED_ROWS, None]).squeeze(-1)
-    exact_grad = (torch.nn.functional.one_hot(targets[:CHECKED_ROWS], vocab).double() - exact.exp()) \
-        * grad_out[:CHECKED_ROWS, None].double()
-    grad_scale = float(exact_grad.abs().max())
-    del exact
-    reset, allocated, peak = _peak_tracking()
+        grad_scale = float(((torch.nn.functional.one_hot(targets[:CHECKED_ROWS], vocab).double() - exact.exp())
+                            * grad_out[:CHECKED_ROWS, None].double()).abs().max())
+        del exact
     rows = []
-    for name, fn in _methods(group).items():
-        if name.startswith("fused") and not platform.runs_triton(device):
+    for name in ["megatron", *METHODS]:
+        if name not in timings:
             rows.append({"tokens": tokens, "vocab": vocab, "dtype": dtype, "method": name,
                          "note": "not run: needs CUDA and triton"})
             continue
-        forward, backward, peaks = [], [], []
-        lp_err = grad_err = 0.0
-        for repeat in range(repeats + 1):  # the first run warms up and is checked for accuracy
-            logits = fresh().requires_grad_()
-            synchronize()
-            reset()
-            base = allocated()
-            start = time.perf_counter()
-            logp = fn(logits, targets)
-            synchronize()
-            mid = time.perf_counter()
-            (grad,) = torch.autograd.grad(logp, logits, grad_out)
-            synchronize()
-            end = time.perf_counter()
-            if repeat == 0:
-                lp_err = float((logp.detach()[:CHECKED_ROWS].double() - exact_lp).abs().max())
-                grad_err = float((grad.detach()[:CHECKED_ROWS].double() - exact_grad).abs().max())
-            else:
-                forward.append(mid - start)
-                backward.append(end - mid)
-                peaks.append(peak() - base)
-            del logp, grad, logits
-        fwd, bwd = statistics.median(forward), statistics.median(backward)
+        t = timings[name]
         rows.append({"tokens": tokens, "vocab": vocab, "dtype": dtype, "method": name,
-                     "forward_ms": 1e3 * fwd, "backward_ms": 1e3 * bwd, "total_ms": 1e3 * (fwd + bwd),
-                     "peak_extra_mib": max(peaks) / MiB, "logp_err_vs_fp64": lp_err,
-                     "grad_err_vs_fp64": grad_err,
-                     # the gradient comes back in the logits' dtype: half an ulp of the largest entry
+                     "forward_ms": t.forward_ms, "backward_ms": t.backward_ms,
+                     "total_ms": t.forward_ms + t.backward_ms, "peak_extra_mib": t.peak_bytes / MiB,
+                     "logp_err_vs_fp64": t.logp_err_vs_fp64, "grad_err_vs_fp64": t.grad_err_vs_fp64,
                      "grad_tol": grad_scale * (2.0**-8 if dtype == "bf16" else 1e-6)})
     base_row = rows[0]
     for row in _measured(rows):
