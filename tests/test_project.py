@@ -213,6 +213,21 @@ def _transport_modules() -> set[str]:
     return {target.partition(":")[0] for target in [*TRANSPORTS.values(), *declared]}
 
 
+def test_the_package_reaches_into_no_checkout_folder():
+    """An installed package has no tests/, experiments/ or launchers/ beside it: no module of
+    bpo_megatron imports from them or builds a path into them (docstrings may name a test)."""
+    import ast
+
+    for path in (ROOT / "bpo_megatron").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                assert not any(n.split(".")[0] in ("tests", "experiments", "launchers") for n in names), path
+            if isinstance(node, ast.Constant) and node.value in ("tests", "experiments", "launchers"):
+                raise AssertionError(f"{path.relative_to(ROOT)} names the checkout folder {node.value!r}")
+
+
 def test_the_weight_seam_names_no_engine():
     """``weight_sync`` imports nothing of an engine, type-only imports included, and its text
     names none of their modules: each engine's spec declares its transports."""
