@@ -84,7 +84,7 @@ def test_resolved_config_round_trips(tmp_path):
         # the embedded engine's own options are typed
         (["rollout.hf.dtype=fp16"], r"rollout.hf.dtype='fp16' must be one of 'fp32', 'bf16'"),
         (["rollout.hf.max_rows=4"], "unknown key rollout.hf.max_rows; valid keys of rollout.hf: compile, decode, dtype, "
-                                    "max_batch_rows, refill_every"),
+                                    "max_batch_rows, quantization, refill_every"),
         (["rollout.hf.max_batch_rows=0"], "rollout.hf.max_batch_rows must be >= 1"),
         (["rollout.hf.decode=fast"], "rollout.hf.decode='fast' must be one of 'auto', 'eager', 'cuda_graph'"),
         (["rollout.hf.refill_every=0"], "rollout.hf.refill_every must be between 1 and 64"),

@@ -91,7 +91,8 @@ class Evaluations:
             phases.train()  # the weights are read where the trainer computes (colocated: it holds the devices)
             return sync_weights(trainer, evaluations.engines, transport=apart, version=version,
                                 bucket_bytes=cfg.weight_sync.bucket_bytes,
-                                verify=cfg.weight_sync.verify, only=only, dtype=cfg.rollout.sync_dtype)
+                                verify=cfg.weight_sync.verify, only=only, dtype=cfg.rollout.sync_dtype,
+                                quantization=cfg.rollout.sync_quantization)
 
         evaluations = cls(plan, reward_fn, best, metrics_out, echo, engines=evaluators, sync=sync,
                           trainer_version=lambda: phases.version)

@@ -95,7 +95,8 @@ class RunSession:
         return sync_weights(self.trainer, self.engines,
                             transport=cfg.rollout.spec.weight_transport(cfg.rollout.options, cfg.cluster.colocate),
                             version=version, bucket_bytes=cfg.weight_sync.bucket_bytes,
-                            verify=cfg.weight_sync.verify, only=only, dtype=cfg.rollout.sync_dtype)
+                            verify=cfg.weight_sync.verify, only=only, dtype=cfg.rollout.sync_dtype,
+                            quantization=cfg.rollout.sync_quantization)
 
     def start(self) -> None:
         """The weights (the checkpoint resumed from, or the initial ones), the warm start, and the

@@ -127,7 +127,8 @@ class TrainWorker:
                                                      platform.distributed_backend())
 
     def push_weights(self, transport: str, endpoints: list, version: int, bucket_bytes: int, verify: bool,
-                     dtype: str | None = None, channel: str = "rollout") -> dict[str, Any]:
+                     dtype: str | None = None, channel: str = "rollout", quantization: str | None = None
+                     ) -> dict[str, Any]:
         """Stream the model as Hugging Face tensors (the actor's export); rank 0 sends the buckets
         over ``transport`` to the engines at ``endpoints`` (the driver's
         :class:`~bpo_megatron.weight_sync.transport.EngineEndpoint` records): the transport is
@@ -135,11 +136,14 @@ class TrainWorker:
 
         Every rank takes part in gathering the shards; rank 0 alone talks to the engines, or every
         rank for a transport that sends from every GPU (``cuda_ipc``). ``dtype``
-        (``fp32``/``bf16``) converts the tensors to the engines' precision first. Engines that
+        (``fp32``/``bf16``) converts the tensors to the engines' precision first, and
+        ``quantization`` (``fp8``) rounds the linear layers' weights as the engines hold them
+        (:mod:`bpo_megatron.weights.fp8`, the one place that decides it). Engines that
         died meanwhile are reported in ``failed`` (their positions in ``endpoints``). With
         ``verify``, rank 0 also returns the fingerprints of what it sent.
         """
         from bpo_megatron.models.options import TORCH_DTYPES
+        from bpo_megatron.weights import fp8
         from bpo_megatron.weights.checksums import fingerprint
 
         start, expected = time.perf_counter(), {}
@@ -149,6 +153,13 @@ class TrainWorker:
 
         def fingerprinted(buckets):
             for bucket in buckets:
+                if quantization == "fp8":
+                    if not isinstance(bucket, list):
+                        raise ValueError(f"the {transport} transport sends flattened buckets, which are not "
+                                         "rounded through FP8 here; FP8 engines receive lists of tensors")
+                    bucket = [(name, fp8.round_named(name, tensor)) for name, tensor in bucket]
+                elif quantization is not None:
+                    raise ValueError(f"weights quantized as {quantization!r}: only fp8 is known")
                 if verify and self.rank == 0:
                     expected.update((name, fingerprint(tensor)) for name, tensor in bucket)
                 yield bucket

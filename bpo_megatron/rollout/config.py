@@ -93,3 +93,9 @@ class RolloutConfig:
         embedded engine takes its own precision, so what it holds is exactly what was sent;
         other engines receive the trainer's tensors as they are)."""
         return self.spec.weight_dtype(self.options)
+
+    @property
+    def sync_quantization(self) -> str | None:
+        """How the engines hold the weights beyond their dtype (``fp8``), so the trainer sends them
+        so (None: as they are)."""
+        return self.spec.weight_quantization(self.options)

@@ -176,6 +176,10 @@ def _engine_dtype(_options: Any) -> str | None:
     return None
 
 
+def _no_quantization(_options: Any) -> str | None:
+    return None
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """Everything the system knows of one engine.
@@ -199,6 +203,9 @@ class EngineSpec:
     library: str | None = None
     check: Callable[[Any], None] = _no_check
     weight_dtype: Callable[[Any], str | None] = _engine_dtype
+    # how the engine holds its weights beyond their dtype (None; "fp8": rounded through block-wise
+    # e4m3, bpo_megatron/weights/fp8.py): the trainer sends them so, and fingerprints what it sent
+    weight_quantization: Callable[[Any], str | None] = _no_quantization
     captures_routing_without_gpu: bool = True  # R3 capture works on a CPU-only machine
     exposes_weights: bool = False  # can report what it holds (weight_sync.verify)
     # a generation under way pauses for a weight update and continues with the new weights, each

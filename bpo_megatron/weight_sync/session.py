@@ -17,9 +17,10 @@ log = logging.getLogger(__name__)
 
 
 def sync_weights(trainer, engines, *, transport: str, version: int, bucket_bytes: int, verify: bool = False,
-                 only: list[int] | None = None, dtype: str | None = None) -> dict:
+                 only: list[int] | None = None, dtype: str | None = None, quantization: str | None = None) -> dict:
     """Push the trainer's weights, the ``version``-th update, to the engines (``only``: those
-    indices) over ``transport``, converted to ``dtype`` when given; returns throughput.
+    indices) over ``transport``, converted to ``dtype`` when given and rounded as the engines hold
+    them (``quantization``: ``fp8``, :mod:`bpo_megatron.weights.fp8`); returns throughput.
 
     A full sync first replaces the engines that died since the last one; an engine that dies
     during the sync is replaced and synced again (within the engines' restart budget), so every
@@ -46,7 +47,8 @@ def sync_weights(trainer, engines, *, transport: str, version: int, bucket_bytes
             continue
         opened = [i for i in targets if i not in lost]
         endpoints = engines.weight_endpoints(opened, sender.needs)
-        report = trainer.push_weights(transport, endpoints, version, bucket_bytes, verify, dtype, engines.role)
+        report = trainer.push_weights(transport, endpoints, version, bucket_bytes, verify, dtype, engines.role,
+                                      **({"quantization": quantization} if quantization else {}))
         for j in report["failed"]:
             log.warning("%s engine %d lost its server while receiving weights version %d; replacing it",
                         engines.role, opened[j], version)

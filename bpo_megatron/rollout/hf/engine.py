@@ -41,6 +41,7 @@ from bpo_megatron.rollout.hf.shared_weights import SegmentLayout, SharedWeights
 from bpo_megatron.rollout.hf.slots import DecodeStates, SlotRow, SlotSession, SlotSettings, StateShape
 from bpo_megatron.rollout.hf.weights import HFWeights
 from bpo_megatron.rollout.types import EngineHealth, GenerationRequest, Sample
+from bpo_megatron.weights import fp8
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class HFEngine(RolloutEngine):
     def __init__(self, model_dir_or_model: str | Path | nn.Module, *, capture_routing: bool,
                  dtype: torch.dtype = torch.float32, threads: int = 1, device: str | torch.device = "cpu",
                  max_batch_rows: int = 256, decode: str = "auto", refill_every: int = 8,
-                 compile_layers: bool = False) -> None:
+                 compile_layers: bool = False, quantization: str = "none") -> None:
         if threads < 1 or max_batch_rows < 1:
             raise ValueError(f"threads={threads} and max_batch_rows={max_batch_rows} must be >= 1")
         check_decode(decode, refill_every)
@@ -89,6 +90,14 @@ class HFEngine(RolloutEngine):
         self._compile_layers = compile_layers
         self._max_positions = getattr(model.config, "max_position_embeddings", None)
         self._weights = HFWeights(model)
+        if quantization not in ("none", "fp8"):
+            raise ValueError(f"quantization={quantization!r}: choose none or fp8")
+        self._fp8 = quantization == "fp8"
+        if self._fp8:  # the weights as an FP8 engine holds them, from the first generation on
+            with torch.no_grad():
+                for name, view in self._weights.items():
+                    if fp8.quantized(name):
+                        view.copy_(fp8.round_through_fp8(view))
         routers = moe_routers(model)
         self._capture = (RoutingCapture(routers, topk=model.config.num_experts_per_tok,
                                         num_experts=model.config.num_experts)
@@ -194,6 +203,12 @@ class HFEngine(RolloutEngine):
         """
         self._live_model()
         with self._between_forwards():
+            # an FP8 engine's linear weights arrive rounded (the trainer rounds them at sync, as it
+            # does for weights written in place); rounding again changes nothing but catches a sender
+            # that did not (the bytes reported are those received)
+            if self._fp8:
+                return sum(self._weights.load(name, fp8.round_named(name, tensor), received=tensor)
+                           for name, tensor in named_tensors)
             return sum(self._weights.load(name, tensor) for name, tensor in named_tensors)
 
     def weight_details(self) -> SegmentLayout | None:

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal, get_args
 
 WeightDtype = Literal["fp32", "bf16"]
+# none: the weights as sent, in ``dtype``; fp8: the linear layers' weights rounded through block-wise
+# e4m3 as FP8 serving holds them (bpo_megatron/weights/fp8.py), computed in ``dtype``: on a CPU, an
+# exact emulation of an FP8 engine's weights
+Quantization = Literal["none", "fp8"]
 # The engine has one decode loop (fixed per-row KV slots, a functional step: rollout/hf/slots.py);
 # this chooses how its step runs. eager: op by op (any device and dtype); cuda_graph: the step,
 # sampling and bookkeeping included, replayed as one CUDA graph with FlashAttention (CUDA, bf16);
@@ -27,7 +31,10 @@ class HFEngineOptions:
     syncs (finished rows leave and queued rows enter only then; at most one uniform block,
     ``UNIFORM_BLOCK`` steps, so each row's random stream can be drawn ahead at the sync).
     ``compile`` runs each decoder layer of the step through ``torch.compile`` (its elementwise
-    work fused between the GEMMs; compiled once per layer kind at the first generation)."""
+    work fused between the GEMMs; compiled once per layer kind at the first generation).
+    ``quantization: fp8`` holds the linear layers' weights as an FP8 engine does (rounded through
+    block-wise e4m3 at load and at every weight update: :mod:`bpo_megatron.weights.fp8`), so a CPU
+    run samples under a genuine FP8 mismatch with the trainer; R3 is unchanged."""
 
     REMOVED_VALUES: ClassVar[dict[str, dict[str, str]]] = {"decode": REMOVED_DECODE}  # refused by the loader
 
@@ -36,6 +43,7 @@ class HFEngineOptions:
     decode: DecodePath = "auto"
     refill_every: int = 8
     compile: bool = False
+    quantization: Quantization = "none"
 
     def __post_init__(self) -> None:
         from bpo_megatron.models.options import TORCH_DTYPES

@@ -16,7 +16,7 @@ def _build(options: HFEngineOptions, context: EngineContext) -> RolloutEngine:
                     device=platform.device(),
                     dtype=TORCH_DTYPES[options.dtype], max_batch_rows=options.max_batch_rows,
                     decode=options.decode, refill_every=options.refill_every,
-                    compile_layers=options.compile)
+                    compile_layers=options.compile, quantization=options.quantization)
 
 
 def _profile(options: HFEngineOptions, requests: int, gpus_per_engine: float) -> EngineProfile:
@@ -34,6 +34,7 @@ SPEC = EngineSpec(
     transports={"shared_memory": "bpo_megatron.rollout.hf.shared_memory:SharedMemory"},
     # weights are sent in the engine's own precision, so what it holds is exactly what was sent
     weight_dtype=lambda options: options.dtype,
+    weight_quantization=lambda options: None if options.quantization == "none" else options.quantization,
     exposes_weights=True,
     partial_rollouts=True,  # its forward gate (rollout/hf/engine.py)
 )

@@ -1,0 +1,78 @@
+"""FP8 weights for rollouts: the one place that decides how a weight is quantized.
+
+Block-wise e4m3 (``torch.float8_e4m3fn``), as FP8 checkpoints of DeepSeek-V3 and Qwen3 are served
+by SGLang (``quantization_config: {quant_method: fp8, fmt: e4m3, weight_block_size: [128, 128]}``):
+each 128 × 128 block of a weight ``[out, in]`` is scaled by ``amax(|block|) / 448`` (448: e4m3's
+largest finite value) and rounded to e4m3; the block's scale is kept as ``weight_scale_inv``
+``[ceil(out / 128), ceil(in / 128)]`` in fp32, and the weight is ``e4m3 × weight_scale_inv``. A
+partial block at the edge is scaled by its own entries.
+
+Quantized are the linear layers' weights (attention q, k, v, o; the MLP's and every expert's
+gate, up and down projections), as FP8 serving quantizes them; the embeddings, the output layer,
+the norms and the MoE router stay in the engine's precision (the router's choice is what R3
+replays, so it is not rounded here).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+BLOCK = (128, 128)
+# an e4m3 number carries 3 mantissa bits: rounding moves a value by at most half a step, 2^-4 of it
+# (relative), and values below the smallest normal (2^-6 of the scale) by at most 2^-10 of the scale
+RELATIVE_ROUNDING = 2.0**-4
+SUBNORMAL_STEP = 2.0**-9
+
+# the Hugging Face names of the weights FP8 serving quantizes (a router's "mlp.gate.weight" is not one)
+_QUANTIZED = re.compile(r"\.(self_attn\.(q|k|v|o)_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)\.weight$")
+
+
+def quantized(name: str) -> bool:
+    """Whether the weight of Hugging Face name ``name`` is held in FP8 by an FP8 engine."""
+    return bool(_QUANTIZED.search(name))
+
+
+def _blocks(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
+    return math.ceil(rows / block[0]), math.ceil(cols / block[1])
+
+
+def _per_element(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int]) -> torch.Tensor:
+    """Each block's scale spread over its entries (edge blocks cut to the weight's shape)."""
+    return scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[: shape[0], : shape[1]]
+
+
+def quantize(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e4m3 weight, weight_scale_inv)`` of a 2-D weight, block by block (see the module)."""
+    if weight.ndim != 2:
+        raise ValueError(f"block-wise FP8 quantizes 2-D weights [out, in], got shape {tuple(weight.shape)}")
+    rows, cols = weight.shape
+    br, bc = _blocks(rows, cols, block)
+    padded = torch.zeros(br * block[0], bc * block[1], dtype=torch.float32, device=weight.device)
+    padded[:rows, :cols] = weight.float()
+    amax = padded.abs().view(br, block[0], bc, block[1]).amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))  # an all-zero block stays zero
+    scaled = weight.float() / _per_element(scale, weight.shape, block)
+    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = BLOCK,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight an FP8 engine computes with: ``e4m3 × weight_scale_inv`` per block."""
+    return (q.float() * _per_element(scale_inv, q.shape, block)).to(dtype)
+
+
+def round_through_fp8(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> torch.Tensor:
+    """``weight`` as an FP8 engine holds it, back in ``weight``'s dtype: quantized and dequantized
+    with the same scales (what a CPU engine computes with to emulate FP8 serving exactly)."""
+    return dequantize(*quantize(weight, block), block, dtype=weight.dtype)
+
+
+def round_named(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` rounded through FP8 when the weight ``name`` is one FP8 serving quantizes; the
+    experts' per-expert weights ``[out, in]`` are 2-D like any linear layer's."""
+    return round_through_fp8(tensor) if quantized(name) else tensor

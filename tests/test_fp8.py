@@ -1,0 +1,126 @@
+"""FP8 rollouts on a CPU: block-wise e4m3 quantization against its definition computed block by
+block, the embedded engine holding its linear weights as an FP8 engine does (at load and at every
+weight update) with log μ equal to a teacher-forced recompute through those weights, and the loop
+syncing, verifying and training with an FP8 engine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from bpo_megatron.testing import MODEL_CONFIGS, random_checkpoint
+from bpo_megatron.testing.recompute import teacher_forced
+from bpo_megatron.weights import fp8
+
+
+def _by_blocks(weight: torch.Tensor, block=(128, 128)):
+    """The definition, one block at a time: scale = amax / 448, e4m3 of weight / scale."""
+    rows, cols = weight.shape
+    scales = torch.zeros(math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+    q = torch.zeros(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            part = weight[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]].float()
+            amax = float(part.abs().max())
+            scales[i, j] = amax / 448.0 if amax > 0 else 1.0
+            q[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]] = (part / scales[i, j]).to(
+                torch.float8_e4m3fn)
+    return q, scales
+
+
+@pytest.mark.parametrize("shape", [(300, 200), (64, 32), (128, 256)])
+def test_block_quantization_is_its_definition_within_e4m3_rounding(shape):
+    weight = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[0])) * 0.05
+    zeroed = shape[0] > 128 and shape[1] > 128
+    if zeroed:
+        weight[:128, :128] = 0.0  # an all-zero block stays exactly zero (its scale is 1, not 0)
+    q, scale_inv = fp8.quantize(weight)
+    want_q, want_scale = _by_blocks(weight)
+    assert q.dtype == torch.float8_e4m3fn and scale_inv.dtype == torch.float32
+    assert scale_inv.shape == (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128))
+    assert torch.allclose(scale_inv, want_scale, rtol=1e-7, atol=0)
+    assert torch.equal(q.float(), want_q.float())
+    back = fp8.dequantize(q, scale_inv)
+    per_element = scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)[: shape[0], : shape[1]]
+    # e4m3: 3 mantissa bits (half a step is 2^-4 relative), subnormals spaced 2^-9 of the scale
+    assert bool(((back - weight).abs() <= weight.abs() * 2**-4 + per_element * 2**-10 + 1e-12).all())
+    # each block's largest entry is e4m3's largest value, exactly
+    assert float(q.float().abs().max()) == 448.0
+    if zeroed:
+        assert torch.count_nonzero(back[:128, :128]) == 0 and scale_inv[0, 0] == 1.0
+
+
+def test_rounding_through_fp8_twice_is_rounding_once():
+    weight = torch.randn(200, 300, generator=torch.Generator().manual_seed(3))
+    once = fp8.round_through_fp8(weight)
+    assert torch.equal(fp8.round_through_fp8(once), once) and not torch.equal(once, weight)
+    assert fp8.round_through_fp8(weight.bfloat16()).dtype == torch.bfloat16
+
+
+def test_the_linear_layers_are_quantized_and_the_router_embeddings_and_norms_are_not():
+    assert all(fp8.quantized(f"model.layers.3.self_attn.{p}_proj.weight") for p in "qkvo")
+    assert all(fp8.quantized(f"model.layers.0.mlp.{p}_proj.weight") for p in ("gate", "up", "down"))
+    assert fp8.quantized("model.layers.1.mlp.experts.7.down_proj.weight")
+    for name in ("model.layers.0.mlp.gate.weight", "model.embed_tokens.weight", "lm_head.weight",
+                 "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_norm.weight", "model.norm.weight"):
+        assert not fp8.quantized(name), name
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return random_checkpoint(MODEL_CONFIGS / "tiny_qwen3_moe", tmp_path_factory.mktemp("moe"), seed=0)
+
+
+def test_an_fp8_engine_holds_rounded_linear_weights_and_reports_log_mu_of_them(moe_dir):
+    from bpo_megatron.rollout import GenerationRequest, SamplingParams
+    from bpo_megatron.rollout.hf.engine import HFEngine
+
+    exact = HFEngine(moe_dir, capture_routing=True)
+    engine = HFEngine(moe_dir, capture_routing=True, quantization="fp8")
+    original = dict(exact.named_hf_weights())
+    held = dict(engine.named_hf_weights())
+    rounded = [name for name in held if fp8.quantized(name)]
+    assert rounded and any(".experts." in name for name in rounded)
+    for name, tensor in held.items():
+        want = fp8.round_through_fp8(original[name]) if fp8.quantized(name) else original[name]
+        assert torch.equal(tensor, want), name
+    # log μ is what the engine's own (rounded) weights give: a teacher-forced recompute through them
+    requests = [GenerationRequest(f"q{i}", tuple(range(3 + i, 9 + i)), SamplingParams(temperature=0.8, max_new_tokens=12,
+                                                                                    n=2, seed=5 + i))
+                for i in range(3)]
+    worst, moved = 0.0, 0.0
+    for sample in engine.generate(requests):
+        prompt = sample.prompt_tokens.numel()
+        logprobs, routing = teacher_forced(engine.model, sample.tokens, temperature=0.8)
+        got = logprobs[prompt - 1:].gather(1, sample.response_tokens[:, None])[:, 0]
+        worst = max(worst, float((got - sample.rollout_logprobs).abs().max()))
+        assert torch.equal(sample.routed_experts, routing.to(sample.routed_experts.dtype))
+        unrounded, _ = teacher_forced(exact.model, sample.tokens, temperature=0.8)
+        moved = max(moved, float((unrounded[prompt - 1:].gather(1, sample.response_tokens[:, None])[:, 0]
+                                  - sample.rollout_logprobs).abs().max()))
+    assert worst < 1e-5 and moved > 1e-4  # exact for its own weights; a real gap from the unrounded ones
+    # a weight update arrives as sent and is held rounded
+    name = rounded[0]
+    sent = original[name] * 1.5
+    engine.begin_weight_update(1)
+    engine.update_weights([(name, sent)])
+    engine.end_weight_update()
+    assert torch.equal(dict(engine.named_hf_weights())[name], fp8.round_through_fp8(sent))
+    engine.shutdown()
+    exact.shutdown()
+
+
+@pytest.mark.timeout(420)
+def test_the_loop_syncs_verifies_and_trains_with_an_fp8_engine(tmp_path, ray_session, small_run):
+    """The trainer rounds what it sends as the engine holds it (the one module that decides), so
+    the engine's weights fingerprint exactly as sent (weight_sync.verify) and the loop trains; the
+    engine/trainer gap is the FP8 rounding's."""
+    from bpo_megatron.observability.metrics import read_metrics
+    from loop_helpers import run_loop
+
+    run_loop(small_run(tmp_path / "fp8", "train.steps=2", "rollout.hf.quantization=fp8"))
+    steps = [r for r in read_metrics(tmp_path / "fp8") if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["abs_logp_diff_mean"] > 1e-4 and math.isfinite(r["loss"]) for r in steps)
