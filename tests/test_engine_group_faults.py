@@ -239,7 +239,8 @@ class _WeightPusher:
         self.fingerprints = {name: fingerprint(tensor) for name, tensor in weights}
         self.transports = {}
 
-    def push_weights(self, transport, endpoints, version, bucket_bytes, verify, dtype, role="rollout"):
+    def push_weights(self, transport, endpoints, version, bucket_bytes, verify, dtype, role="rollout",
+                     quantization=None):
         from bpo_megatron.weight_sync import transport_class
         from bpo_megatron.weights.buckets import buckets
 

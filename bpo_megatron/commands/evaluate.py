@@ -58,14 +58,8 @@ def main(argv: list[str]) -> int:
 
             hf_dir = f"{scratch}/hf"
             convert_mcore_to_hf(location, hf_dir)
-        try:
-            engine = cfg.rollout.spec.build(cfg.rollout.options,
-                                            EngineContext(model_dir=hf_dir, index=0, routing=None, threads=args.threads))
-        except (ImportError, RuntimeError, OSError) as exc:
-            print(f"{prog}: rollout.engine={cfg.rollout.engine} cannot run in this process here ({exc}); evaluate "
-                  "with rollout.engine=hf (the embedded engine), or on a machine that runs this engine",
-                  file=sys.stderr)
-            return REFUSED
+        engine = cfg.rollout.spec.build(cfg.rollout.options,
+                                        EngineContext(model_dir=hf_dir, index=0, routing=None, threads=args.threads))
         rollouts = with_agent(engine, agent, tokenizer)
         try:
             result = evaluate(rollouts.generate, sets, tokenizer, reward_fn(cfg.data.reward, cfg.data), cfg, step=0)
@@ -120,18 +114,15 @@ def _prepare(cfg, args):
 
 
 def _check_engine(cfg) -> None:
-    """The run's engine can be built in this process: its options pass its own checks and the
-    library it runs in process imports (``EngineSpec.library``); else refused by name before any
-    model loads. A server's engine starts its server from its own settings (``launcher``)."""
+    """The run's engine can be built in this process: the library it runs in process imports
+    (``EngineSpec.library``; its options were checked with the config), else refused by name
+    before any model loads. A server's engine starts its server from its own settings
+    (``launcher``)."""
     import importlib.util
 
     from bpo_megatron.loop.run_dir import RunRefused
 
     engine = cfg.rollout.engine
-    try:
-        cfg.rollout.spec.check(cfg.rollout.options)
-    except ValueError as exc:
-        raise RunRefused(str(exc)) from exc
     library = cfg.rollout.spec.library
     if library and importlib.util.find_spec(library) is None:
         raise RunRefused(f"rollout.engine={engine} needs the {library} package, which this Python lacks: evaluate with "

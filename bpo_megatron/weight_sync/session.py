@@ -48,7 +48,7 @@ def sync_weights(trainer, engines, *, transport: str, version: int, bucket_bytes
         opened = [i for i in targets if i not in lost]
         endpoints = engines.weight_endpoints(opened, sender.needs)
         report = trainer.push_weights(transport, endpoints, version, bucket_bytes, verify, dtype, engines.role,
-                                      **({"quantization": quantization} if quantization else {}))
+                                      quantization)
         for j in report["failed"]:
             log.warning("%s engine %d lost its server while receiving weights version %d; replacing it",
                         engines.role, opened[j], version)

@@ -205,11 +205,9 @@ class HFEngine(RolloutEngine):
         with self._between_forwards():
             # an FP8 engine's linear weights arrive rounded (the trainer rounds them at sync, as it
             # does for weights written in place); rounding again changes nothing but catches a sender
-            # that did not (the bytes reported are those received)
-            if self._fp8:
-                return sum(self._weights.load(name, fp8.round_named(name, tensor), received=tensor)
-                           for name, tensor in named_tensors)
-            return sum(self._weights.load(name, tensor) for name, tensor in named_tensors)
+            # that did not (same dtype and shape: the bytes are those received)
+            round_ = fp8.round_named if self._fp8 else (lambda name, tensor: tensor)
+            return sum(self._weights.load(name, round_(name, tensor)) for name, tensor in named_tensors)
 
     def weight_details(self) -> SegmentLayout | None:
         """What ``shared_memory`` writes into: where the shared weights lie (None: not shared)."""

@@ -75,7 +75,7 @@ class HFWeights:
         """(name, live view); the views alias the model, clone them to keep a snapshot."""
         yield from self._views.items()
 
-    def load(self, name: str, tensor: torch.Tensor, received: torch.Tensor | None = None) -> int:
+    def load(self, name: str, tensor: torch.Tensor) -> int:
         """Copy ``tensor`` into the weight called ``name``; returns the bytes received.
 
         Checks come first, so a refused tensor leaves the model untouched.
@@ -92,5 +92,4 @@ class HFWeights:
                              f"expects {tuple(view.shape)}")
         with torch.no_grad():
             view.copy_(tensor)
-        received = tensor if received is None else received  # what came over the wire
-        return received.numel() * received.element_size()
+        return tensor.numel() * tensor.element_size()
