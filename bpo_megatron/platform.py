@@ -80,6 +80,13 @@ def runs_triton(device: torch.device) -> bool:
     return device.type == "cuda" and has_triton()
 
 
+def has_fp8_block_gemm(device: torch.device) -> bool:
+    """True when ``torch._scaled_mm`` multiplies e4m3 matrices with 1 × 128 / 128 × 128 block scales
+    on ``device``: a CUDA device of compute capability 9.x (Hopper; cuBLAS has these kernels for
+    sm90 only). FP8 GEMMs emulate the same rounding elsewhere (:mod:`bpo_megatron.weights.fp8`)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that nothing listens on now (the operating system's choice; free
     until someone binds it, so bind it soon)."""

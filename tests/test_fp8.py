@@ -124,3 +124,46 @@ def test_the_loop_syncs_verifies_and_trains_with_an_fp8_engine(tmp_path, ray_ses
     steps = [r for r in read_metrics(tmp_path / "fp8") if "reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["abs_logp_diff_mean"] > 1e-4 and math.isfinite(r["loss"]) for r in steps)
+
+
+def test_fp8_gemm_is_its_definition_group_by_group_and_block_by_block():
+    """fp8.linear (here its emulation: no block-scaled FP8 GEMM on a CPU) against the w8a8 block
+    definition in fp64: each activation row's 128-feature group and each 128 × 128 weight block
+    rounded through e4m3 with its own amax / 448 scale, the products summed exactly."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 256, generator=gen) * torch.linspace(0.01, 3.0, 256)  # groups of different ranges
+    x[2, 128:] = 0.0  # an all-zero group stays zero (scale 1)
+    weight = torch.randn(300, 256, generator=gen) * 0.05
+    q, scale_inv = fp8.quantize(weight)
+    rows = torch.zeros(5, 256, dtype=torch.float64)
+    for r in range(5):
+        for g in range(2):
+            part = x[r, g * 128:(g + 1) * 128]
+            amax = float(part.abs().max())
+            scale = amax / 448.0 if amax > 0 else 1.0
+            rows[r, g * 128:(g + 1) * 128] = (part / scale).to(torch.float8_e4m3fn).double() * scale
+    want = rows @ fp8.dequantize(q, scale_inv).double().t()
+    assert fp8.gemm_path(x, q) == "emulated"
+    got = fp8.linear(x, q, scale_inv)
+    assert got.dtype == torch.float32 and got.shape == (5, 300)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6)
+    xq, x_scale = fp8.quantize_activations(x)
+    assert x_scale.shape == (5, 2) and x_scale[2, 1] == 1.0 and float(xq.float().abs().max()) == 448.0
+    # the rounding is FP8's: the GEMM differs from the full-precision one by more than fp32 rounding
+    assert not torch.allclose(got, x @ weight.t(), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="not a multiple of the group size 128"):
+        fp8.linear(x[:, :200], q[:, :200], scale_inv)
+
+
+def test_fp8_gemm_takes_the_block_scaled_kernel_only_where_it_exists(monkeypatch):
+    """The kernel's path is chosen by the platform (Hopper) and the shapes it takes; a CPU is never on it."""
+    from bpo_megatron import platform
+
+    x = torch.zeros(16, 512, dtype=torch.bfloat16)
+    q = torch.zeros(256, 512, dtype=torch.float8_e4m3fn)
+    assert not platform.has_fp8_block_gemm(torch.device("cpu")) and fp8.gemm_path(x, q) == "emulated"
+    monkeypatch.setattr(platform, "has_fp8_block_gemm", lambda device: True)
+    assert fp8.gemm_path(x, q) == "scaled_mm"
+    assert fp8.gemm_path(x.float(), q) == "emulated"  # the kernel returns bf16 from bf16 inputs here
+    assert fp8.gemm_path(x[:, :384], q[:, :384]) == "emulated"  # 3 scale blocks along the input
+    assert fp8.gemm_path(x[:15], q) == "emulated" and fp8.gemm_path(x, q[:200]) == "emulated"

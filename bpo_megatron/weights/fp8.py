@@ -76,3 +76,56 @@ def round_named(name: str, tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` rounded through FP8 when the weight ``name`` is one FP8 serving quantizes; the
     experts' per-expert weights ``[out, in]`` are 2-D like any linear layer's."""
     return round_through_fp8(tensor) if quantized(name) else tensor
+
+
+# -- FP8 GEMMs: activations in 1 × 128 groups, weights in 128 × 128 blocks (SGLang's w8a8 block FP8) --
+
+GROUP = 128  # an activation row's entries share a scale per 128 consecutive input features
+
+
+def quantize_activations(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e4m3 x, scale)`` of activations ``[rows, in]``, one scale per row and ``group`` input
+    features (``amax / 448``; an all-zero group keeps scale 1), as FP8 serving quantizes a linear
+    layer's input on the fly. ``in`` must be a multiple of ``group``."""
+    rows, cols = x.shape
+    if cols % group:
+        raise ValueError(f"FP8 activations: {cols} input features are not a multiple of the group size {group}")
+    grouped = x.float().view(rows, cols // group, group)
+    amax = grouped.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (grouped / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).view(rows, cols)
+    return q, scale
+
+
+def emulated_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """``x @ Wᵀ`` as a w8a8 block FP8 GEMM computes it, on any device: the input rounded through
+    e4m3 in 1 × 128 groups, the weight ``e4m3 × weight_scale_inv``, products summed in fp32, the
+    result in ``x``'s dtype (the exact emulation the fast path is checked against)."""
+    xq, x_scale = quantize_activations(x)
+    rows, cols = x.shape
+    x_back = (xq.float().view(rows, cols // GROUP, GROUP) * x_scale[..., None]).view(rows, cols)
+    return (x_back @ dequantize(q, scale_inv).t()).to(x.dtype)
+
+
+def gemm_path(x: torch.Tensor, q: torch.Tensor) -> str:
+    """How :func:`linear` multiplies ``x`` by the FP8 weight ``q``: ``scaled_mm`` (one block-scaled
+    ``torch._scaled_mm``) on a GPU that has that kernel (:func:`bpo_megatron.platform.has_fp8_block_gemm`:
+    Hopper), for a bf16 input whose shapes it takes — input features a multiple of 512 (the weight's
+    scale blocks along them a multiple of 4), output features a multiple of 128, rows a multiple of 16
+    (its 16-byte alignment) —; ``emulated`` (:func:`emulated_linear`, the same rounding) otherwise."""
+    from bpo_megatron import platform
+
+    fits = x.shape[1] % (4 * GROUP) == 0 and q.shape[0] % BLOCK[0] == 0 and x.shape[0] % 16 == 0
+    return "scaled_mm" if platform.has_fp8_block_gemm(x.device) and x.dtype == torch.bfloat16 and fits \
+        else "emulated"
+
+
+def linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """``x @ Wᵀ`` in FP8 with ``W = e4m3 q × weight_scale_inv`` (``[out, in]``, 128 × 128 blocks),
+    the input quantized in 1 × 128 groups, accumulated in fp32, returned in ``x``'s dtype; by the
+    path :func:`gemm_path` names."""
+    if gemm_path(x, q) == "scaled_mm":
+        xq, x_scale = quantize_activations(x)
+        # the kernel wants the activations' scales outer-dimension-major and the weight's transposed
+        return torch._scaled_mm(xq, q.t(), x_scale.t().contiguous().t(), scale_inv.t(), out_dtype=x.dtype)
+    return emulated_linear(x, q, scale_inv)

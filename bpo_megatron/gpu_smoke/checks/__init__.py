@@ -17,6 +17,7 @@ CHECKS = LazyRegistry({
     "trainer_offload": "bpo_megatron.gpu_smoke.checks.trainer_offload",
     "driver_payloads": "bpo_megatron.gpu_smoke.checks.driver_payloads",
     "rollout_decode": "bpo_megatron.gpu_smoke.checks.rollout_decode",
+    "fp8_rollout": "bpo_megatron.gpu_smoke.checks.fp8_rollout",
     "rl_throughput": "bpo_megatron.gpu_smoke.checks.rl_throughput",
     "train_fast_paths": "bpo_megatron.gpu_smoke.checks.train_fast_paths",
     "rl_loop": "bpo_megatron.gpu_smoke.checks.rl_loop",
