@@ -38,12 +38,12 @@ SITE="${SITE:-/tmp/bpo-gpu-site}"
 WORK="${WORK:-/tmp/bpo-round-work}"   # checkpoints and scratch: never under OUT (it comes back)
 PY="${PYTHON:-python3}"   # the GPU image's; on a CPU machine with .venv (a dry run), .venv's
 [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
-# Order: what has not yet passed on a GPU first. Budgets (seconds, caps) from the last run
-# (docs/gpu-validation/h200-2026-11-27.md); expected times in docs/gpu-validation.md ("The next GPU visit").
+# Order: what has not yet passed on a GPU first, then what changed most. Budgets (seconds, caps) from the last run
+# (docs/gpu-validation/h200-2026-11-28.md); expected times in docs/gpu-validation.md ("The next GPU visit").
 INSTALL_S=60
 CUDA_TESTS_S=75
-KIT_ORDER=${KIT_ORDER:-rl_loop,rollout_decode,fp8_rollout,train_fast_paths,rl_throughput,engine_replay,trainer_step,driver_payloads,trainer_offload,ipc_weights,logprobs_kernel}
-KIT_BUDGETS=rl_loop=240,rollout_decode=90,fp8_rollout=40,train_fast_paths=60,rl_throughput=60,engine_replay=25,trainer_step=25,driver_payloads=40,trainer_offload=20,ipc_weights=30,logprobs_kernel=25
+KIT_ORDER=${KIT_ORDER:-rollout_decode,fp8_rollout,rl_loop,driver_payloads,trainer_offload,ipc_weights,train_fast_paths,rl_throughput,engine_replay,trainer_step,logprobs_kernel}
+KIT_BUDGETS=rollout_decode=75,fp8_rollout=40,rl_loop=220,driver_payloads=40,trainer_offload=20,ipc_weights=30,train_fast_paths=45,rl_throughput=55,engine_replay=25,trainer_step=25,logprobs_kernel=20
 
 T0=$(date +%s)
 left() { echo $((ROUND_S - ($(date +%s) - T0))); }

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -61,6 +62,10 @@ def _not_run(why: str) -> Outcome:
                      "tools/gpu/build_bundle.sh here, then tools/gpu/stage.sh and tools/gpu/round.sh there, "
                      "see docs/gpu-validation.md)")
     return out
+
+
+# the loop's line after each save (loop/session.py)
+SAVED = re.compile(r"saved the checkpoint of step \d+: ([0-9.]+) GB in ([0-9.]+) s")
 
 
 def _tail(path: Path) -> str:
@@ -190,6 +195,12 @@ def run(profile: Profile, workdir: Path) -> Outcome:
                     f"mean |log π − log μ| (the {cfg.model.options.params_dtype} trainer with R3 against the "
                     f"{cfg.rollout.options.dtype} engine) ≤ "
                     f"{profile.logp_mean_tol:g} at every step (max {gap:.2e})")
+    saves = [(float(gb), float(seconds)) for gb, seconds in SAVED.findall(log.read_text(errors="replace"))] \
+        if log.is_file() else []
+    if saves:  # where a run's wall time goes beyond its steps: the saves, and the rest (start-up, shutdown)
+        out.numbers.update(checkpoint_gb=saves[-1][0], checkpoint_save_s=sum(s for _, s in saves),
+                           outside_steps_and_saves_s=wall - sum(row["step_s"] for row in table)
+                           - sum(s for _, s in saves))
     out.require(chosen is not None and checkpoint.step_of(chosen) == profile.loop_steps,
                 f"a checkpoint of step {profile.loop_steps} was written ({chosen})")
     for bulky in ("checkpoints", "initial_hf"):  # GBs on a GPU; the checks after this one need the disk
