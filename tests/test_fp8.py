@@ -101,13 +101,40 @@ def test_an_fp8_engine_holds_rounded_linear_weights_and_reports_log_mu_of_them(m
         moved = max(moved, float((unrounded[prompt - 1:].gather(1, sample.response_tokens[:, None])[:, 0]
                                   - sample.rollout_logprobs).abs().max()))
     assert worst < 1e-5 and moved > 1e-4  # exact for its own weights; a real gap from the unrounded ones
-    # a weight update arrives as sent and is held rounded
-    name = rounded[0]
+    # the layers compute in block FP8: their inputs are rounded too (w8a8), not only their weights
+    from bpo_megatron.rollout.hf.fp8_compute import Fp8Experts, Fp8Linear
+    layer = engine.model.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, Fp8Linear) and isinstance(layer.mlp.experts, Fp8Experts)
+    # the output layer and the router stay in the engine's precision
+    assert not isinstance(engine.model.lm_head, Fp8Linear)
+    assert type(layer.mlp.gate) is type(exact.model.model.layers[0].mlp.gate)
+    weights_only = exact.model
+    with torch.no_grad():
+        for name, view in exact.named_hf_weights():
+            view.copy_(held[name])  # the FP8 engine's weights, computed without rounding the inputs
+    sample = engine.generate(requests[:1])[0]
+    prompt = sample.prompt_tokens.numel()
+    logprobs, _ = teacher_forced(weights_only, sample.tokens, temperature=0.8)
+    inputs_rounded = (logprobs[prompt - 1:].gather(1, sample.response_tokens[:, None])[:, 0] - sample.rollout_logprobs)
+    assert float(inputs_rounded.abs().max()) > 1e-4
+    # a weight update arrives as sent, is held rounded, and the layer's e4m3 copy follows it in place
+    name = "model.layers.0.self_attn.q_proj.weight"
     sent = original[name] * 1.5
+    before = layer.self_attn.q_proj.fp8_weight.data_ptr()
     engine.begin_weight_update(1)
     engine.update_weights([(name, sent)])
     engine.end_weight_update()
     assert torch.equal(dict(engine.named_hf_weights())[name], fp8.round_through_fp8(sent))
+    q, scale_inv = fp8.quantize(sent)
+    assert torch.equal(layer.self_attn.q_proj.fp8_weight.float(), q.float())
+    assert torch.equal(layer.self_attn.q_proj.fp8_scale_inv, scale_inv)
+    assert layer.self_attn.q_proj.fp8_weight.data_ptr() == before  # what a captured decode graph reads
+    # a weight written in place (the shared-memory transport) is taken up at the end of the update
+    engine.begin_weight_update(2)
+    with torch.no_grad():
+        dict(engine.named_hf_weights())[name].copy_(fp8.round_through_fp8(original[name]))
+    engine.end_weight_update()
+    assert torch.equal(layer.self_attn.q_proj.fp8_weight.float(), fp8.quantize(original[name])[0].float())
     engine.shutdown()
     exact.shutdown()
 
@@ -151,8 +178,19 @@ def test_fp8_gemm_is_its_definition_group_by_group_and_block_by_block():
     assert x_scale.shape == (5, 2) and x_scale[2, 1] == 1.0 and float(xq.float().abs().max()) == 448.0
     # the rounding is FP8's: the GEMM differs from the full-precision one by more than fp32 rounding
     assert not torch.allclose(got, x @ weight.t(), rtol=1e-4, atol=1e-5)
-    with pytest.raises(ValueError, match="not a multiple of the group size 128"):
-        fp8.linear(x[:, :200], q[:, :200], scale_inv)
+    # a partial last group is scaled by its own entries
+    part = x[:, :200]
+    q_part, scale_part = fp8.quantize(weight[:, :200])
+    want_part = rows[:, :128] @ fp8.dequantize(q_part, scale_part).double()[:, :128].t()
+    tail = torch.zeros(5, 72, dtype=torch.float64)
+    for r in range(5):
+        amax = float(part[r, 128:].abs().max())
+        scale = amax / 448.0 if amax > 0 else 1.0
+        tail[r] = (part[r, 128:] / scale).to(torch.float8_e4m3fn).double() * scale
+    want_part += tail @ fp8.dequantize(q_part, scale_part).double()[:, 128:].t()
+    assert torch.allclose(fp8.linear(part, q_part, scale_part).double(), want_part, rtol=1e-5, atol=1e-6)
+    assert torch.equal(fp8.round_activations(part.view(5, 1, 200)).view(5, 200),
+                       fp8.dequantize_activations(*fp8.quantize_activations(part)))
 
 
 def test_fp8_gemm_takes_the_block_scaled_kernel_only_where_it_exists(monkeypatch):

@@ -85,26 +85,35 @@ GROUP = 128  # an activation row's entries share a scale per 128 consecutive inp
 
 def quantize_activations(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """``(e4m3 x, scale)`` of activations ``[rows, in]``, one scale per row and ``group`` input
-    features (``amax / 448``; an all-zero group keeps scale 1), as FP8 serving quantizes a linear
-    layer's input on the fly. ``in`` must be a multiple of ``group``."""
+    features (``amax / 448``; an all-zero group keeps scale 1; a partial last group is scaled by
+    its own entries), as FP8 serving quantizes a linear layer's input on the fly."""
     rows, cols = x.shape
-    if cols % group:
-        raise ValueError(f"FP8 activations: {cols} input features are not a multiple of the group size {group}")
-    grouped = x.float().view(rows, cols // group, group)
-    amax = grouped.abs().amax(dim=-1)
+    groups = math.ceil(cols / group)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group - cols)).view(rows, groups, group)
+    amax = padded.abs().amax(dim=-1)
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    q = (grouped / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).view(rows, cols)
+    q = (padded / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).view(rows, groups * group)[:, :cols]
     return q, scale
+
+
+def dequantize_activations(q: torch.Tensor, scale: torch.Tensor, group: int = GROUP,
+                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The activations an FP8 GEMM multiplies: ``e4m3 × scale`` per row and group."""
+    return (q.float() * scale.repeat_interleave(group, dim=1)[:, : q.shape[1]]).to(dtype)
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (``[..., in]``) rounded through e4m3 in 1 × 128 groups along its last dimension, back in
+    its dtype: the input an FP8 GEMM sees, for GEMMs emulated in a wider dtype."""
+    flat = x.reshape(-1, x.shape[-1])
+    return dequantize_activations(*quantize_activations(flat), dtype=x.dtype).view(x.shape)
 
 
 def emulated_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """``x @ Wᵀ`` as a w8a8 block FP8 GEMM computes it, on any device: the input rounded through
     e4m3 in 1 × 128 groups, the weight ``e4m3 × weight_scale_inv``, products summed in fp32, the
     result in ``x``'s dtype (the exact emulation the fast path is checked against)."""
-    xq, x_scale = quantize_activations(x)
-    rows, cols = x.shape
-    x_back = (xq.float().view(rows, cols // GROUP, GROUP) * x_scale[..., None]).view(rows, cols)
-    return (x_back @ dequantize(q, scale_inv).t()).to(x.dtype)
+    return (dequantize_activations(*quantize_activations(x)) @ dequantize(q, scale_inv).t()).to(x.dtype)
 
 
 def gemm_path(x: torch.Tensor, q: torch.Tensor) -> str:

@@ -43,7 +43,7 @@ PY="${PYTHON:-python3}"   # the GPU image's; on a CPU machine with .venv (a dry 
 INSTALL_S=60
 CUDA_TESTS_S=75
 KIT_ORDER=${KIT_ORDER:-rollout_decode,fp8_rollout,rl_loop,driver_payloads,trainer_offload,ipc_weights,train_fast_paths,rl_throughput,engine_replay,trainer_step,logprobs_kernel}
-KIT_BUDGETS=rollout_decode=75,fp8_rollout=40,rl_loop=220,driver_payloads=40,trainer_offload=20,ipc_weights=30,train_fast_paths=45,rl_throughput=55,engine_replay=25,trainer_step=25,logprobs_kernel=20
+KIT_BUDGETS=rollout_decode=75,fp8_rollout=60,rl_loop=220,driver_payloads=40,trainer_offload=20,ipc_weights=30,train_fast_paths=45,rl_throughput=55,engine_replay=25,trainer_step=25,logprobs_kernel=20
 
 T0=$(date +%s)
 left() { echo $((ROUND_S - ($(date +%s) - T0))); }

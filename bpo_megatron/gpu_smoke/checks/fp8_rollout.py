@@ -4,10 +4,11 @@
    Hopper GPU) on the throughput model's quantized layer shapes at decode and prefill row counts:
    equal to its exact emulation within bf16 output rounding, and its time against the bf16 GEMM of
    the same (dequantized) weight, each replayed from a CUDA graph as the decode step runs them.
-2. The embedded engine with ``rollout.hf.quantization=fp8`` (weights rounded through block-wise
-   e4m3 at load, computed in the engine's dtype) against the same engine in bf16: tokens/s, and the
-   mismatch each leaves against the bf16 trainer with R3 (mean |log π − log μ|, the k3 KL), i.e. the
-   mismatch FP8 rollouts add.
+2. The embedded engine with ``rollout.hf.quantization=fp8`` (block FP8: weights rounded through
+   block-wise e4m3, inputs quantized in 1 × 128 groups; rollout/hf/fp8_compute.py) against the same
+   engine in bf16: the mismatch each leaves against the bf16 trainer with R3 (mean |log π − log μ|,
+   the k3 KL), i.e. the mismatch FP8 rollouts add, on the small model.
+3. The throughput model decoding through the engine's default path with and without FP8: tokens/s.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from bpo_megatron.weights import fp8
 TEMPERATURE = 1.0
 MICRO_BATCH = 4
 PREFILL_ROWS = 4096
+DECODE_TOKENS = 64  # new tokens a row in the decode-speed part
 # the FP8 result against its emulation: both round the same inputs; they differ by fp32 summation
 # order and the bf16 rounding of the output (2^-8 relative), measured against the largest entry
 GEMM_REL_TOL = 1e-2
@@ -76,14 +78,7 @@ def _gemms(profile: Profile, out: Outcome) -> None:
     rows_list = sorted({*profile.decode_sequences, PREFILL_ROWS if profile.device == "cuda" else 32})
     repeats = 50 if profile.device == "cuda" else 2
     table, worst, paths = [], 0.0, set()
-    shapes = _layer_shapes(profile.large_model)
-    ungrouped = [layer for layer, (_, n_in) in shapes.items() if n_in % fp8.GROUP]
-    if ungrouped:
-        out.notes.append(f"Not measured: {', '.join(ungrouped)} (input features not a multiple of {fp8.GROUP}, "
-                         "which FP8 activations are quantized in)")
-    for layer, (n_out, n_in) in shapes.items():
-        if layer in ungrouped:
-            continue
+    for layer, (n_out, n_in) in _layer_shapes(profile.large_model).items():
         weight = (torch.randn(n_out, n_in, device=device, generator=generator) * 0.02).to(dtype)
         q, scale_inv = fp8.quantize(weight)
         dense = fp8.dequantize(q, scale_inv, dtype=dtype)
@@ -123,7 +118,7 @@ def _engine(profile: Profile, workdir: Path, out: Outcome) -> None:
     requests = [GenerationRequest(f"p{i}", p, SamplingParams(temperature=TEMPERATURE, n=profile.engine_n,
                                                               max_new_tokens=profile.engine_new_tokens, seed=10 + i))
                 for i, p in enumerate(prompts)]
-    runs, times = {}, {}
+    runs, times = {}, {}  # the small model: engines built from its checkpoint (each converts its own copy)
     for precision in ("none", "fp8"):
         engine = HFEngine(model_dir, capture_routing=True, dtype=TORCH_DTYPES[profile.dtype], device=platform.device(),
                           quantization=precision)
@@ -146,26 +141,56 @@ def _engine(profile: Profile, workdir: Path, out: Outcome) -> None:
             diff = torch.cat([(mine - s.rollout_logprobs) for mine, s in zip(scored.logprobs, samples, strict=True)])
             free_same = torch.cat([same_expert_sets(t, s.routed_experts).flatten()
                                    for t, s in zip(free.routed_experts, samples)])
-            rows.append(dict(engine=f"{profile.dtype} weights" if precision == "none" else "fp8 weights (block e4m3)",
+            rows.append(dict(engine=profile.dtype if precision == "none" else "fp8 (block e4m3, w8a8)",
                              response_tokens=generated, tokens_per_s=generated / times[precision],
                              abs_logp_diff_mean=float(diff.abs().mean()), abs_logp_diff_max=float(diff.abs().max()),
                              kl_k3=float((diff.exp() - 1 - diff).mean()),
                              free_routing_agreement=float(free_same.float().mean())))
         actor.close()
-    out.tables["the engine in its dtype and with FP8 weights, against the trainer (R3 on)"] = rows
+    out.tables["the engine in its dtype and in FP8, against the trainer (R3 on)"] = rows
     base, quantized = rows
-    out.numbers.update(fp8_tokens_per_s_vs_base=quantized["tokens_per_s"] / base["tokens_per_s"],
-                       base_abs_logp_diff_mean=base["abs_logp_diff_mean"],
+    out.numbers.update(base_abs_logp_diff_mean=base["abs_logp_diff_mean"],
                        fp8_abs_logp_diff_mean=quantized["abs_logp_diff_mean"], fp8_kl_k3=quantized["kl_k3"],
                        fp8_free_routing_agreement=quantized["free_routing_agreement"])
     out.require(all(row["response_tokens"] > 0 and torch.isfinite(torch.tensor(row["abs_logp_diff_mean"]))
                     for row in rows), "both engines generate, every |Δ log p| finite")
     out.require(quantized["abs_logp_diff_mean"] > base["abs_logp_diff_mean"],
-                f"FP8 weights add mismatch against the trainer (mean |Δ log p| {quantized['abs_logp_diff_mean']:.2e} "
+                f"FP8 adds mismatch against the trainer (mean |Δ log p| {quantized['abs_logp_diff_mean']:.2e} "
                 f"vs {base['abs_logp_diff_mean']:.2e} with the engine in {profile.dtype})")
-    out.notes.append("The engine's FP8 weights are rounded through block-wise e4m3 and computed in its dtype (weights "
-                     "only; its GEMMs are not yet fp8.linear), so it runs at the unquantized engine's speed and the "
-                     "mismatch is the weights' rounding alone")
+
+
+def _decode_speed(profile: Profile, out: Outcome) -> None:
+    """The throughput model decoding the largest decode size through the engine's default path,
+    with and without FP8 (a fresh model each: an FP8 engine converts the model it is given)."""
+    from bpo_megatron.gpu_smoke.checks.rollout_decode import decode_model
+    from bpo_megatron.rollout import GenerationRequest, SamplingParams
+    from bpo_megatron.rollout.hf.engine import HFEngine
+
+    rows, steps = max(profile.decode_sequences), DECODE_TOKENS
+    table = []
+    for precision in ("none", "fp8"):
+        model = decode_model(profile)
+        prompts = random_tokens(rows, profile.decode_prompt_tokens, model.config.vocab_size, seed=rows)
+        requests = [GenerationRequest(f"p{i}", p, SamplingParams(temperature=TEMPERATURE, max_new_tokens=steps, seed=i))
+                    for i, p in enumerate(prompts)]
+        engine = HFEngine(model, capture_routing=True, max_batch_rows=rows, quantization=precision)
+        engine.generate(requests)  # warm-up: the timed run's decode state built (graphs captured)
+        times: dict[str, float] = {}
+        with timed(times, "s"):
+            samples = engine.generate(requests)
+        decode_path = engine.decode_path
+        engine.shutdown()
+        del engine, model
+        generated = sum(s.response_tokens.numel() for s in samples)
+        table.append(dict(engine="fp8 (block e4m3, w8a8)" if precision == "fp8" else profile.dtype, rows=rows,
+                          new_tokens=steps, decode_path=decode_path, rollout_s=times["s"],
+                          tokens_per_s=generated / times["s"]))
+        out.require(generated == rows * steps, f"{precision}: every response ran to {steps} tokens ({generated})")
+    out.tables["the throughput model decoding, without and with FP8"] = table
+    out.numbers.update(fp8_decode_tokens_per_s_vs_base=table[1]["tokens_per_s"] / table[0]["tokens_per_s"])
+    out.notes.append("The FP8 engine computes its attention projections with fp8.linear (torch._scaled_mm where "
+                     "the shapes fit it, on a Hopper GPU) and its experts with the grouped GEMM of its dtype on "
+                     "inputs and weights rounded through e4m3 (torch has no grouped block-scaled FP8 GEMM)")
 
 
 def run(profile: Profile, workdir: Path) -> Outcome:
@@ -175,4 +200,5 @@ def run(profile: Profile, workdir: Path) -> Outcome:
     except Exception as error:  # noqa: BLE001 - the kernel's refusal is the finding; the engine part still runs
         out.require(False, f"fp8.linear on {platform.device().type}: {type(error).__name__}: {error}")
     _engine(profile, workdir, out)
+    _decode_speed(profile, out)
     return out

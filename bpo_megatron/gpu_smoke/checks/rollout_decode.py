@@ -36,7 +36,9 @@ COMPILED = "cuda_graph" + COMPILED_SUFFIX
 RECOMPUTE_ROWS = 4  # rows per teacher-forced forward (full-vocabulary fp32 log-softmax per position)
 
 
-def _model(profile: Profile):
+def decode_model(profile: Profile):
+    """The throughput model with random weights spread far from routing ties, on the device in the
+    profile's precision."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from bpo_megatron.models.options import TORCH_DTYPES
@@ -86,7 +88,7 @@ def run(profile: Profile, workdir: Path) -> Outcome:
     from bpo_megatron.rollout.hf.engine import HFEngine
 
     out = Outcome("rollout_decode")
-    model = _model(profile)
+    model = decode_model(profile)
     graphs = platform.has_cuda() and profile.dtype == "bf16"
     paths = ("eager",) + (("cuda_graph",) if graphs else ())
     new_path = paths[-1]

@@ -20,6 +20,7 @@ the numerics are transformers' own except where two kernels sum in another order
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -74,9 +75,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 # and the GEMMs it runs are one kernel each already
 @torch.compiler.disable
 def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor, act: nn.Module) -> torch.Tensor:
+                    down: torch.Tensor, act: nn.Module,
+                    round_inputs: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Σ_k weights[:, k] · down_e(act(gate_e(x)) · up_e(x)) with e = experts[:, k], for fused expert
-    weights ``gate_up`` ``[E, 2I, H]`` (gate rows then up rows) and ``down`` ``[E, H, I]``.
+    weights ``gate_up`` ``[E, 2I, H]`` (gate rows then up rows) and ``down`` ``[E, H, I]``;
+    ``round_inputs`` (an FP8 engine's, :mod:`fp8_compute`) applied to each GEMM's input.
 
     Static shapes and no host sync: the pairs are sorted by expert, per-expert counts come from a
     scatter-add (``bincount`` would read its maximum back to the host), and the result is summed
@@ -88,9 +91,10 @@ def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offsets = counts.cumsum(0, dtype=torch.int32)
-    pairs = x[order // topk]
+    same = (lambda t: t) if round_inputs is None else round_inputs
+    pairs = same(x)[order // topk]
     gate, up = torch._grouped_mm(pairs, gate_up.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
-    out = torch._grouped_mm(act(gate) * up, down.transpose(-2, -1), offs=offsets)
+    out = torch._grouped_mm(same(act(gate) * up), down.transpose(-2, -1), offs=offsets)
     unsorted = torch.empty_like(out)
     unsorted[order] = out
     return (unsorted.view(tokens, topk, -1) * weights[..., None].to(out.dtype)).sum(dim=1)
@@ -186,7 +190,8 @@ class FunctionalDecoder:
         if routing is not None:
             routing.copy_(experts.to(routing.dtype))
         fused = mlp.experts
-        return grouped_experts(x, experts, weights, fused.gate_up_proj, fused.down_proj, fused.act_fn)
+        return grouped_experts(x, experts, weights, fused.gate_up_proj, fused.down_proj, fused.act_fn,
+                               round_inputs=getattr(fused, "round_inputs", None))
 
 
 def routing_buffer(model: nn.Module, slots: int, device: torch.device) -> torch.Tensor:

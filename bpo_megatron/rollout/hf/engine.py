@@ -34,6 +34,7 @@ from transformers import AutoModelForCausalLM
 from bpo_megatron import platform
 from bpo_megatron.rollout.engine import EngineCapabilities, Finished, RolloutEngine, as_finished
 from bpo_megatron.rollout.hf.capture import RoutingCapture, moe_routers
+from bpo_megatron.rollout.hf import fp8_compute
 from bpo_megatron.rollout.hf.decode import attention_for, check_supported, resolve_path
 from bpo_megatron.rollout.hf.options import check_decode
 from bpo_megatron.rollout.hf.sampling import row_seeds
@@ -93,11 +94,15 @@ class HFEngine(RolloutEngine):
         if quantization not in ("none", "fp8"):
             raise ValueError(f"quantization={quantization!r}: choose none or fp8")
         self._fp8 = quantization == "fp8"
-        if self._fp8:  # the weights as an FP8 engine holds them, from the first generation on
+        # an FP8 engine holds its linear weights rounded through block e4m3 and computes those layers
+        # in block FP8 (rollout/hf/fp8_compute.py), from the first generation on
+        self._fp8_layers: dict[str, fp8_compute.Fp8Linear] = {}
+        if self._fp8:
             with torch.no_grad():
                 for name, view in self._weights.items():
                     if fp8.quantized(name):
                         view.copy_(fp8.round_through_fp8(view))
+            self._fp8_layers = fp8_compute.install(model)
         routers = moe_routers(model)
         self._capture = (RoutingCapture(routers, topk=model.config.num_experts_per_tok,
                                         num_experts=model.config.num_experts)
@@ -138,6 +143,8 @@ class HFEngine(RolloutEngine):
     def end_weight_update(self) -> None:
         self._live_model()
         with self._gate:
+            for layer in self._fp8_layers.values():  # weights may also have been written in place (shared memory)
+                layer.refresh()
             self._paused, self.weight_version = False, self._pending_version
             self._gate.notify_all()
 
@@ -207,7 +214,12 @@ class HFEngine(RolloutEngine):
             # does for weights written in place); rounding again changes nothing but catches a sender
             # that did not (same dtype and shape: the bytes are those received)
             round_ = fp8.round_named if self._fp8 else (lambda name, tensor: tensor)
-            return sum(self._weights.load(name, round_(name, tensor)) for name, tensor in named_tensors)
+            received = 0
+            for name, tensor in named_tensors:
+                received += self._weights.load(name, round_(name, tensor))
+                if name in self._fp8_layers:
+                    self._fp8_layers[name].refresh()
+            return received
 
     def weight_details(self) -> SegmentLayout | None:
         """What ``shared_memory`` writes into: where the shared weights lie (None: not shared)."""

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal, get_args
 
 WeightDtype = Literal["fp32", "bf16"]
-# none: the weights as sent, in ``dtype``; fp8: the linear layers' weights rounded through block-wise
-# e4m3 as FP8 serving holds them (bpo_megatron/weights/fp8.py), computed in ``dtype``: on a CPU, an
-# exact emulation of an FP8 engine's weights
+# none: the weights as sent, in ``dtype``; fp8: the linear layers computed as a block-FP8 (w8a8) server
+# does: weights in 128 x 128 e4m3 blocks, inputs in 1 x 128 groups (bpo_megatron/weights/fp8.py,
+# rollout/hf/fp8_compute.py): FP8 GEMMs on a Hopper GPU, an exact emulation elsewhere
 Quantization = Literal["none", "fp8"]
 # The engine has one decode loop (fixed per-row KV slots, a functional step: rollout/hf/slots.py);
 # this chooses how its step runs. eager: op by op (any device and dtype); cuda_graph: the step,
@@ -32,9 +32,10 @@ class HFEngineOptions:
     ``UNIFORM_BLOCK`` steps, so each row's random stream can be drawn ahead at the sync).
     ``compile`` runs each decoder layer of the step through ``torch.compile`` (its elementwise
     work fused between the GEMMs; compiled once per layer kind at the first generation).
-    ``quantization: fp8`` holds the linear layers' weights as an FP8 engine does (rounded through
-    block-wise e4m3 at load and at every weight update: :mod:`bpo_megatron.weights.fp8`), so a CPU
-    run samples under a genuine FP8 mismatch with the trainer; R3 is unchanged."""
+    ``quantization: fp8`` computes the linear layers as a block-FP8 server does (weights rounded
+    through block-wise e4m3 at load and at every weight update, inputs quantized in 1 × 128 groups:
+    :mod:`bpo_megatron.weights.fp8`, :mod:`bpo_megatron.rollout.hf.fp8_compute`), so a CPU run
+    samples under a genuine FP8 mismatch with the trainer; R3 is unchanged."""
 
     REMOVED_VALUES: ClassVar[dict[str, dict[str, str]]] = {"decode": REMOVED_DECODE}  # refused by the loader
 
