@@ -78,6 +78,11 @@ class PolicyLossConfig:
     max_log_ratio: float = 20.0
     # Engine/trainer mismatch correction and its bounds (a name alone: its default bounds)
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    # Score centering (losses/score_centering.py): an additive term built from the sampler's
+    # top-k log-probs of each generated token, which the engines return when asked; composes
+    # with every loss and correction. score_centering_top_k: how many (k)
+    score_centering: bool = False
+    score_centering_top_k: int = 32
 
     def __post_init__(self) -> None:
         if self.name not in POLICY_LOSSES:
@@ -114,6 +119,9 @@ class PolicyLossConfig:
             value = getattr(self, setting)
             if not value >= 0:
                 raise ValueError(f"PolicyLossConfig.{setting} must be >= 0, got {value}")
+        if self.score_centering_top_k < 1:
+            raise ValueError(f"PolicyLossConfig.score_centering_top_k must be >= 1 (the sampler's most likely tokens "
+                             f"the term is built from), got {self.score_centering_top_k}")
         if self.norm_length is not None and self.norm_length < 1:
             raise ValueError(
                 f"PolicyLossConfig.norm_length must be a positive token count or None, got {self.norm_length}"

@@ -8,6 +8,7 @@ from bpo_megatron.losses.aggregation import AGGREGATIONS, BatchTotals
 from bpo_megatron.losses.config import PolicyLossConfig
 from bpo_megatron.losses.corrections import CORRECTIONS
 from bpo_megatron.losses.registry import POLICY_LOSSES
+from bpo_megatron.losses.score_centering import FOLLOWS_CORRECTION_MASK, centering_term
 from bpo_megatron.losses.statistics import LossStatistics
 from bpo_megatron.losses.terms import TokenTerms
 from bpo_megatron.losses.validation import check_logprobs, validate_policy_loss_inputs
@@ -22,6 +23,8 @@ def policy_loss(
     *,
     totals: BatchTotals | None = None,
     old_logprobs: torch.Tensor | None = None,
+    head_logprobs: torch.Tensor | None = None,
+    sampler_head_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStatistics]:
     """Like :func:`compute_policy_loss`, but the statistics stay tensors (no host sync for them)
     so a trainer can merge them over micro-batches and ranks before reading them."""
@@ -29,6 +32,14 @@ def policy_loss(
     if old_logprobs is None and cfg.correction.active:
         raise ValueError(f"loss.correction={cfg.correction.name} needs the trainer's recomputed log-probs of the behaviour "
                          "weights (old_logprobs): set train.recompute_old_logprobs=true")
+    if cfg.score_centering and (head_logprobs is None or sampler_head_logprobs is None):
+        raise ValueError("loss.score_centering needs the sampler's top-k log-probs of every response token "
+                         "(sampler_head_logprobs) and the trainer's log-probs of those ids (head_logprobs)")
+    if cfg.score_centering and not (head_logprobs.shape == sampler_head_logprobs.shape
+                                    and head_logprobs.shape[:-1] == logprobs.shape):
+        raise ValueError(f"score centering: head_logprobs {tuple(head_logprobs.shape)} and sampler_head_logprobs "
+                         f"{tuple(sampler_head_logprobs.shape)} must both be logprobs' shape {tuple(logprobs.shape)} "
+                         "plus the top-k dimension")
     work = torch.promote_types(logprobs.dtype, torch.float32)
 
     def terms_of(current: torch.Tensor, anchor: torch.Tensor) -> TokenTerms:
@@ -54,10 +65,19 @@ def policy_loss(
     # where(), not a product: padding may hold NaN/-inf log-probs and dropped tokens huge
     # weights; either must contribute exactly 0 to the loss and its gradient.
     token_losses = torch.where(active, -coefficient * logprobs.to(work), 0.0)
+    centering = None
+    if cfg.score_centering:  # an additive term under the same mask and aggregation (losses/score_centering.py)
+        centred = mask & own_keep
+        if correction is not None and cfg.correction.name in FOLLOWS_CORRECTION_MASK:
+            centred = centred & correction[1]
+        term, rho = centering_term(head_logprobs, sampler_head_logprobs, terms.advantages, centred, cfg.correction)
+        token_losses = token_losses + term
+        centering = (rho, sampler_head_logprobs.detach().float().exp().sum(-1))
     norm_length = cfg.norm_length or logprobs.shape[-1]
     totals = totals or BatchTotals.of(mask)
     loss = AGGREGATIONS[cfg.agg](token_losses, mask.to(work), totals, norm_length)
-    return loss, LossStatistics.compute(terms, own_weight, own_keep, behaviour=behaviour, correction=correction)
+    return loss, LossStatistics.compute(terms, own_weight, own_keep, behaviour=behaviour, correction=correction,
+                                        centering=centering)
 
 
 def compute_policy_loss(
@@ -69,6 +89,8 @@ def compute_policy_loss(
     *,
     totals: BatchTotals | None = None,
     old_logprobs: torch.Tensor | None = None,
+    head_logprobs: torch.Tensor | None = None,
+    sampler_head_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Policy loss ``ℓ_t = −Â · M_t · sg(w_t) · log π(y_t)`` aggregated by ``cfg.agg``.
 
@@ -83,6 +105,10 @@ def compute_policy_loss(
         old_logprobs: [B, T] the trainer's log-probs of the behaviour weights (log π_old). When
             given, the loss's weight and mask are taken against them instead of log μ, and
             ``cfg.correction`` reweights/masks by π_old/μ (losses/corrections.py).
+        head_logprobs: [B, T, k] log π of the sampler's top-k ids at each position (differentiable,
+            normalised over the whole vocabulary), with ``cfg.score_centering``.
+        sampler_head_logprobs: [B, T, k] the sampler's log q of those ids (the distribution it drew
+            from), with ``cfg.score_centering`` (losses/score_centering.py).
 
     Returns:
         ``(loss, metrics)``: a scalar tensor and a dict of Python floats (masked fractions by sign
@@ -93,5 +119,6 @@ def compute_policy_loss(
         advantages under the mask, or log-probs > 0.
     """
     loss, stats = policy_loss(logprobs, rollout_logprobs, advantages, loss_mask, cfg, totals=totals,
-                              old_logprobs=old_logprobs)
+                              old_logprobs=old_logprobs, head_logprobs=head_logprobs,
+                              sampler_head_logprobs=sampler_head_logprobs)
     return loss, stats.as_metrics()

@@ -27,9 +27,13 @@ MEAN_METRICS = (
     # (under train.async π_old is the weights at the step's start, so these two add staleness)
     "mismatch_abs_logp_diff_mean",  # mean |log π_old − log μ|: engine/trainer numerics
     "mismatch_kl_k3",  # k3 estimate of KL(μ‖π_old)
+    # with loss.score_centering only (absent otherwise; losses/score_centering.py):
+    "score_centering_rho",  # mean tail ratio ρ: the sampler's mass off its top-k over the trainer's
+    "score_centering_head_mass",  # mean sampler mass on its top-k
 )
-BEHAVIOUR_METRICS = MEAN_METRICS[-4:]
-OPTIONAL_METRICS = BEHAVIOUR_METRICS + MU_BIN_METRICS  # reported only where they have tokens
+BEHAVIOUR_METRICS = MEAN_METRICS[-6:-2]
+CENTERING_METRICS = MEAN_METRICS[-2:]
+OPTIONAL_METRICS = BEHAVIOUR_METRICS + MU_BIN_METRICS + CENTERING_METRICS  # reported only where they have tokens
 MAX_METRICS = ("weight_max",)
 
 
@@ -43,9 +47,11 @@ class LossStatistics:
 
     @staticmethod
     def compute(terms: TokenTerms, weight: torch.Tensor, keep: torch.Tensor, *, behaviour: TokenTerms | None = None,
-                correction: tuple[torch.Tensor, torch.Tensor] | None = None) -> "LossStatistics":
+                correction: tuple[torch.Tensor, torch.Tensor] | None = None,
+                centering: tuple[torch.Tensor, torch.Tensor] | None = None) -> "LossStatistics":
         """``weight``/``keep``: the loss's own; ``behaviour``: π_old against μ, and ``correction``
-        the correction's (weight, keep) applied on top."""
+        the correction's (weight, keep) applied on top; ``centering``: score centering's (ρ, the
+        sampler's top-k mass) per token."""
         mask = terms.mask
         dropped = mask & ~keep
         pos, neg = mask & terms.positive, mask & terms.negative
@@ -64,6 +70,12 @@ class LossStatistics:
             extra_counts = [count] * 4
         else:
             extra, extra_counts = [zero] * 4, [zero] * 4
+        if centering is not None:
+            extra += [torch.where(mask, centering[0].to(zero.dtype), zero).sum(),
+                      torch.where(mask, centering[1].to(zero.dtype), zero).sum()]
+            extra_counts += [count] * 2
+        else:
+            extra, extra_counts = extra + [zero] * 2, extra_counts + [zero] * 2
         numerators = torch.stack(
             [dropped.sum(), (dropped & pos).sum(), (dropped & neg).sum(), *[(dropped & b).sum() for b in bins],
              w.sum(), abs_diff.sum(), k3.sum(), *extra]
