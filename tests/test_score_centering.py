@@ -187,3 +187,56 @@ def test_the_metrics_report_the_tail_ratio_and_the_samplers_head_mass():
     assert metrics["score_centering_rho"] == pytest.approx(float(((1 - head_q) / (1 - head_p))[mask].mean()), rel=1e-5)
     _, plain = compute_policy_loss(logp_all[..., 0], logp_all[..., 0], advantages, mask, PolicyLossConfig())
     assert "score_centering_rho" not in plain
+
+
+def _centering_on_rank(mode: str):
+    """One rank's gradient shard of the centering term, the head's log-probs from the vocab-parallel op."""
+    import torch.distributed as dist
+
+    from bpo_megatron.ops import vocab_parallel_logprobs, vocab_parallel_logprobs_at
+
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    logits, advantages, mask, gen = _setup(5)
+    pi = torch.softmax(logits / TEMPERATURE, dim=-1)
+    q, ids = _sampler_with_rescaled_tail(pi, gen)
+    sampled = torch.multinomial(q.view(-1, V), 1, generator=gen).view(B, T)
+    shard = V // world
+    correction, _ = MODES[mode]
+    group = dist.group.WORLD if world > 1 else None
+    grads = []
+    for centring in (False, True):
+        leaf = logits[..., rank * shard:(rank + 1) * shard].float().contiguous().requires_grad_()
+        logp = vocab_parallel_logprobs(leaf, sampled, group, temperature=TEMPERATURE)
+        head = vocab_parallel_logprobs_at(leaf, ids, group, temperature=TEMPERATURE)
+        cfg = PolicyLossConfig(agg="token-sum", correction=correction, score_centering=centring)
+        loss, _ = compute_policy_loss(logp, q.log().gather(-1, sampled[..., None])[..., 0].float(), advantages.float(),
+                                      mask, cfg, old_logprobs=logp.detach() if correction.active else None,
+                                      head_logprobs=head, sampler_head_logprobs=q.log().gather(-1, ids).float())
+        loss.backward()
+        grads.append(leaf.grad)
+    return grads[1] - grads[0]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("mode", ["none", "tis"])
+def test_the_term_through_the_vocab_parallel_op_is_the_full_vocabulary_centering(world, mode):
+    """TP = 1 and TP = 2 over gloo, fp32: the trainer's path (the head's log-probs from each rank's
+    vocabulary shard, no gather) against the fp64 closed form."""
+    from bpo_megatron.parallel.local_world import run_gloo_world
+
+    logits, advantages, mask, gen = _setup(5)
+    pi = torch.softmax(logits / TEMPERATURE, dim=-1)
+    q, _ = _sampler_with_rescaled_tail(pi, gen)
+    want = _full_vocabulary_centering(logits, advantages, mask, q, MODES[mode][1])
+    # BPO's own mask against π_old = π (with a correction) or μ: the dropped tokens get no term
+    from bpo_megatron.losses.registry import POLICY_LOSSES
+    from bpo_megatron.losses.terms import TokenTerms
+    sampled = torch.multinomial(q.view(-1, V), 1, generator=gen).view(B, T)
+    logp_sampled = torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, sampled[..., None])[..., 0]
+    anchor = logp_sampled if MODES[mode][0].active else q.log().gather(-1, sampled[..., None])[..., 0]
+    _, keep = POLICY_LOSSES["bpo"].weight_and_mask(
+        TokenTerms(logp_sampled, anchor, advantages[:, None].expand(B, T), mask, 20.0), PolicyLossConfig())
+    shards = run_gloo_world(_centering_on_rank, world, mode, timeout=60)
+    torch.testing.assert_close(torch.cat(shards, dim=-1).double(), torch.where(keep[..., None], want, 0.0),
+                               rtol=1e-4, atol=1e-6)

@@ -180,3 +180,51 @@ def test_bad_input(kwargs, match):
     logits, targets = args.pop("logits"), args.pop("targets")
     with pytest.raises(ValueError, match=match):
         vocab_parallel_logprobs(logits, targets, **args)
+
+
+# -- log-probs at k ids per row (score centering's head: ops/head_logprobs.py) --
+
+K_IDS = 5
+
+
+def _ids_and_upstream():
+    gen = torch.Generator().manual_seed(12)
+    ids = torch.stack([torch.randperm(VOCAB, generator=gen)[:K_IDS] for _ in range(SHAPE[0] * SHAPE[1])])
+    return ids.view(*SHAPE, K_IDS), torch.randn(*SHAPE, K_IDS, generator=gen)
+
+
+def _at_reference(temperature: float, real_vocab: int = VOCAB):
+    logits, _, _ = full_logits()
+    ids, upstream = _ids_and_upstream()
+    ids = ids % real_vocab
+    x = logits.double().requires_grad_()
+    logp = torch.log_softmax(x[..., :real_vocab] / temperature, dim=-1).gather(-1, ids)
+    (grad,) = torch.autograd.grad(logp, x, upstream.double())
+    return logp.detach(), grad
+
+
+def _at_rank(temperature, chunk, real_vocab):
+    from bpo_megatron.ops import vocab_parallel_logprobs_at
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    logits, _, _ = full_logits()
+    ids, upstream = _ids_and_upstream()
+    shard = VOCAB // world
+    leaf = logits[..., rank * shard:(rank + 1) * shard].contiguous().requires_grad_()
+    group = dist.group.WORLD if world > 1 else None
+    logp = vocab_parallel_logprobs_at(leaf, ids % real_vocab, group, temperature=temperature, chunk_size=chunk,
+                                      vocab_size=real_vocab)
+    (logp * upstream).sum().backward()
+    return logp.detach(), leaf.grad
+
+
+@pytest.mark.parametrize("world, temperature, chunk, real_vocab",
+                         [(1, 1.0, None, VOCAB), (1, 0.7, 4, 83), (2, 0.7, 4, VOCAB), (2, 1.0, None, 40)])
+def test_logprobs_at_k_ids_equal_the_full_vocabulary_log_softmax(world, temperature, chunk, real_vocab):
+    """TP = 1 and TP = 2 over gloo (40 real tokens: rank 1 of 2 holds only padding): every rank's
+    log-probs at the ids and the gradient shards, against a float64 full-vocabulary log-softmax."""
+    ref_logp, ref_grad = _at_reference(temperature, real_vocab)
+    per_rank = run_gloo_world(_at_rank, world, temperature, chunk, real_vocab, timeout=60)
+    assert all(torch.equal(r[0], per_rank[0][0]) for r in per_rank), "ranks must agree exactly"
+    torch.testing.assert_close(per_rank[0][0].double(), ref_logp, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.cat([r[1] for r in per_rank], dim=-1).double(), ref_grad, rtol=1e-6, atol=1e-6)

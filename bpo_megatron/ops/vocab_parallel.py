@@ -41,7 +41,7 @@ from bpo_megatron.ops.shards import combine_shards, group_rank_size, valid_colum
 _CHUNK_BYTES = {"cpu": 4 * 2**20, "cuda": 256 * 2**20}
 
 
-def _default_chunk_rows(vocab_shard: int, device: torch.device) -> int:
+def default_chunk_rows(vocab_shard: int, device: torch.device) -> int:
     chunk_bytes = _CHUNK_BYTES.get(device.type, _CHUNK_BYTES["cuda"])
     return max(1, chunk_bytes // (4 * max(vocab_shard, 1)))
 
@@ -252,7 +252,7 @@ def vocab_parallel_logprobs(
 
         return fused_vocab_parallel_logprobs(
             logits, targets, tp_group, float(temperature), with_entropy, inplace, vocab_size)
-    chunk_rows = chunk_size or _default_chunk_rows(logits.shape[-1], logits.device)
+    chunk_rows = chunk_size or default_chunk_rows(logits.shape[-1], logits.device)
     return _VocabParallelLogProbs.apply(
         logits, targets, tp_group, float(temperature), chunk_rows, with_entropy, inplace, vocab_size
     )
