@@ -19,7 +19,7 @@ from bpo_megatron import platform
 from bpo_megatron.losses import BatchTotals, PolicyLossConfig, policy_loss
 from bpo_megatron.models import HFModelConfig, ModelOptions, build_gpt_model
 from bpo_megatron.models.routing import expert_id_dtype
-from bpo_megatron.ops import vocab_parallel_logprobs
+from bpo_megatron.ops import vocab_parallel_logprobs, vocab_parallel_logprobs_at
 from bpo_megatron.parallel import ParallelConfig, initialize_parallel, layout_record
 from bpo_megatron.trainer import checkpoint
 from bpo_megatron.trainer.config import TrainerConfig
@@ -209,14 +209,22 @@ class TrainActor:
         # gradients by the DP size; the losses here are already shares of the whole minibatch.
         scale = len(micro_batches) * self.ranks.dp_size
 
+        centring = self.loss_cfg.score_centering
+
         def loss_func(micro: Batch, logits: torch.Tensor):
+            head = None
+            if centring:  # first, from the logits as they are (its backward reads them again)
+                head = micro.as_padded(vocab_parallel_logprobs_at(
+                    logits, micro.head_ids, self._tp_group, temperature=self.trainer_cfg.temperature,
+                    vocab_size=self.hf.vocab_size))
             logp = vocab_parallel_logprobs(
                 logits, micro.targets, self._tp_group, temperature=self.trainer_cfg.temperature,
-                inplace=True, vocab_size=self.hf.vocab_size, kernel=self.trainer_cfg.logprob_kernel)
+                inplace=not centring, vocab_size=self.hf.vocab_size, kernel=self.trainer_cfg.logprob_kernel)
             # the padded layout whatever the model read: one loss, aggregation and statistics
             logp, view = micro.as_padded(logp), micro.padded
             loss, stats = policy_loss(logp, view.rollout_logprobs, view.advantages, view.train_mask,
-                                      self.loss_cfg, totals=totals, old_logprobs=view.old_logprobs)
+                                      self.loss_cfg, totals=totals, old_logprobs=view.old_logprobs,
+                                      head_logprobs=head, sampler_head_logprobs=view.sampler_head_logprobs)
             return loss * scale, {"loss": loss.detach().clone(), "stats": stats}
 
         zero_grad(self.ddp, self.optimizer)
@@ -328,7 +336,8 @@ class TrainActor:
         return prepare_shares(samples, self.hf, dp_size=self.ranks.dp_size,
                               budget=self.trainer_cfg.max_tokens_per_micro_batch, cost=self.cost,
                               replaying=self.replay is not None and replaying,
-                              correction=self.loss_cfg.correction.name if training else "none")
+                              correction=self.loss_cfg.correction.name if training else "none",
+                              score_centering=training and self.loss_cfg.score_centering)
 
     def _check_share(self, share: list[TrainSample], *, replaying: bool = True, training: bool = False) -> None:
         """A share comes from a driver that checked the whole batch: its routing ids are not read
@@ -336,7 +345,8 @@ class TrainActor:
         (balance.packs_in_lockstep), so no rank waits for another that refused."""
         self._check_onloaded()
         check_batch(share, self.hf, replaying=self.replay is not None and replaying, dp_size=1,
-                    correction=self.loss_cfg.correction.name if training else "none", routing_ids=False)
+                    correction=self.loss_cfg.correction.name if training else "none", routing_ids=False,
+                    score_centering=training and self.loss_cfg.score_centering)
 
     def _check_onloaded(self) -> None:
         if self._offload.offloaded:

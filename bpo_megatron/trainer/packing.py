@@ -59,6 +59,7 @@ class PackedMicroBatch:
     routed_experts: torch.Tensor | None  # [1, T, num_moe_layers, topk] or None
     padded: MicroBatch  # collate of the same samples (loss tensors; without routing)
     source: torch.Tensor  # [b, s] long: packed position of each padded cell; T where the cell is padding
+    head_ids: torch.Tensor | None = None  # [1, T, k] the sampler's top-k ids at each target (score centering)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -106,11 +107,14 @@ def pack(samples: list[TrainSample], *, pad_to_multiple: int = 1, with_routing: 
     if with_routing:
         layers, topk = samples[0].routed_experts.shape[1:]
         routed = torch.arange(topk, dtype=samples[0].routed_experts.dtype).expand(1, total, layers, topk).clone()
+    head_ids = None if padded.head_ids is None else torch.zeros(1, total, padded.head_ids.shape[-1], dtype=torch.long)
     for row, (sample, start, n) in enumerate(zip(samples, bounds, lengths)):
         tokens = sample.tokens.long()
         input_ids[0, start : start + n] = tokens[:-1]
         targets[0, start : start + n] = tokens[1:]
         source[row, :n] = torch.arange(start, start + n)
+        if head_ids is not None:
+            head_ids[0, start : start + n] = padded.head_ids[row, :n]
         if routed is not None:
             routed[0, start : start + n] = sample.routed_experts
     micro = PackedMicroBatch(
@@ -122,6 +126,7 @@ def pack(samples: list[TrainSample], *, pad_to_multiple: int = 1, with_routing: 
         routed_experts=routed,
         padded=padded,
         source=source,
+        head_ids=head_ids,
     )
     check_packed_seq_params(micro.packed_seq_params(), total=total)
     return micro

@@ -38,6 +38,10 @@ class TrainSample:
     # leaves out the tokens whose replayed routing is not the one they were sampled with
     # (rollout.types.Sample.routing_valid)
     train_mask: torch.Tensor | None = None
+    # [n - response_start, k]: the sampler's k most likely token ids at each response token and
+    # their log q under the distribution it drew from (loss.score_centering); None without it
+    sampler_head_ids: torch.Tensor | None = None
+    sampler_head_logprobs: torch.Tensor | None = None
 
     @property
     def num_response_tokens(self) -> int:
@@ -81,10 +85,30 @@ def check_samples(samples: list[TrainSample], *, vocab_size: int) -> None:
                              f"({n - s.response_start}), got shape {tuple(s.old_logprobs.shape)}")
         if not math.isfinite(s.advantage):
             raise ValueError(f"{where}: advantage must be finite, got {s.advantage}")
+        _check_head(where, s, samples[0], n - s.response_start, vocab_size)
         if s.train_mask is not None and (s.train_mask.dtype != torch.bool
                                          or s.train_mask.shape != (n - s.response_start,)):
             raise ValueError(f"{where}: train_mask must be bool, one per response token ({n - s.response_start}), "
                              f"got {s.train_mask.dtype} {tuple(s.train_mask.shape)}")
+
+
+def _check_head(where: str, s: TrainSample, first: TrainSample, responses: int, vocab_size: int) -> None:
+    """The sampler's top-k of each response token: on every sample or none, one k for all."""
+    ids, logprobs = s.sampler_head_ids, s.sampler_head_logprobs
+    if (ids is None) != (logprobs is None) or (ids is None) != (first.sampler_head_ids is None):
+        raise ValueError(f"{where}: sampler_head_ids and sampler_head_logprobs go together, on every sample or none")
+    if ids is None:
+        return
+    k = first.sampler_head_ids.shape[-1]
+    if ids.shape != (responses, k) or logprobs.shape != (responses, k) or ids.dtype.is_floating_point:
+        raise ValueError(f"{where}: sampler_head_ids (integer) and sampler_head_logprobs must be [{responses}, {k}] "
+                         f"(one row of k per response token), got {ids.dtype} {tuple(ids.shape)} and "
+                         f"{tuple(logprobs.shape)}")
+    if responses and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"{where}: sampler_head_ids must lie in [0, {vocab_size}) (the model's vocabulary)")
+    # −inf is a token the sampler's filter left out (q = 0); NaN or a positive value is no log-probability
+    if bool(torch.isnan(logprobs).any()) or bool((logprobs > 1e-5).any()):
+        raise ValueError(f"{where}: sampler_head_logprobs must be log-probabilities (<= 0, -inf allowed)")
 
 
 @dataclass
@@ -101,6 +125,10 @@ class MicroBatch:
     lengths: torch.Tensor  # [b] real input positions per row (n − 1)
     routed_experts: torch.Tensor | None  # [b, s, num_moe_layers, topk] or None
     old_logprobs: torch.Tensor | None = None  # [b, s] log π_old of the target (0 off the mask) or None
+    # [b, s, k] the sampler's top-k ids at each target and their log q (score centering), or None;
+    # ids are 0 and log q 0 off the mask
+    head_ids: torch.Tensor | None = None
+    sampler_head_logprobs: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -135,6 +163,11 @@ def collate(samples: list[TrainSample], *, pad_to_multiple: int = 1, with_routin
     train_mask = torch.zeros(b, seq, dtype=torch.bool)
     rollout_logprobs = torch.zeros(b, seq, dtype=torch.float32)
     old_logprobs = torch.zeros(b, seq, dtype=torch.float32) if samples[0].old_logprobs is not None else None
+    head_ids = head_logprobs = None
+    if samples[0].sampler_head_ids is not None:
+        k = samples[0].sampler_head_ids.shape[-1]
+        head_ids = torch.zeros(b, seq, k, dtype=torch.long)
+        head_logprobs = torch.zeros(b, seq, k, dtype=torch.float32)
     routed = None
     if with_routing:
         layers, topk = samples[0].routed_experts.shape[1:]
@@ -151,6 +184,9 @@ def collate(samples: list[TrainSample], *, pad_to_multiple: int = 1, with_routin
         rollout_logprobs[row, first:n] = s.rollout_logprobs.float()
         if old_logprobs is not None:
             old_logprobs[row, first:n] = s.old_logprobs.float()
+        if head_ids is not None:
+            head_ids[row, first:n] = s.sampler_head_ids.long()
+            head_logprobs[row, first:n] = s.sampler_head_logprobs.float()
         if routed is not None:
             routed[row, :n] = s.routed_experts
     return MicroBatch(
@@ -164,6 +200,8 @@ def collate(samples: list[TrainSample], *, pad_to_multiple: int = 1, with_routin
         lengths=torch.tensor(lengths),
         routed_experts=routed,
         old_logprobs=old_logprobs,
+        head_ids=head_ids,
+        sampler_head_logprobs=head_logprobs,
     )
 
 

@@ -22,11 +22,13 @@ class Shares:
 
 
 def prepare_shares(samples: list[TrainSample], hf: HFModelConfig, *, dp_size: int, budget: int, cost: CostModel,
-                   replaying: bool, correction: str = "none", routing_ids: bool = True) -> Shares:
+                   replaying: bool, correction: str = "none", routing_ids: bool = True,
+                   score_centering: bool = False) -> Shares:
     """Refuse, before anything is sent or run, what any rank would refuse (:func:`check_batch`;
     with a token ``budget``, a sample that fits no micro-batch), then the shares
     (:func:`~bpo_megatron.trainer.balance.data_parallel_shares`) and the batch's totals."""
-    check_batch(samples, hf, replaying=replaying, dp_size=dp_size, correction=correction, routing_ids=routing_ids)
+    check_batch(samples, hf, replaying=replaying, dp_size=dp_size, correction=correction, routing_ids=routing_ids,
+                score_centering=score_centering)
     if budget:
         check_fits(samples, budget)
     return Shares(data_parallel_shares(samples, dp_size, budget=budget, cost=cost), minibatch_totals(samples))
@@ -41,16 +43,20 @@ def minibatch_totals(minibatch: list[TrainSample]) -> BatchTotals:
 
 
 def check_batch(samples: list[TrainSample], hf: HFModelConfig, *, replaying: bool, dp_size: int,
-                correction: str = "none", routing_ids: bool = True) -> None:
+                correction: str = "none", routing_ids: bool = True, score_centering: bool = False) -> None:
     """Refuse samples the model cannot take (token ids, routing when ``replaying``), a batch
     that ``dp_size`` data-parallel ranks cannot share evenly, and one without the behaviour
-    log-probs a mismatch ``correction`` (other than none) is computed from. ``routing_ids``:
+    log-probs a mismatch ``correction`` (other than none) is computed from, or without the
+    sampler's top-k ``score_centering`` is built from. ``routing_ids``:
     also read the expert ids (see :func:`~bpo_megatron.trainer.replay.check_routed_experts`:
     false where the routing came from an engine, which checked it on arrival)."""
     check_samples(samples, vocab_size=hf.vocab_size)
     if correction != "none" and samples[0].old_logprobs is None:
         raise ValueError(f"loss.correction={correction} needs each sample's old_logprobs (the trainer's log-probs under "
                          "the weights at the step's start): set train.recompute_old_logprobs=true")
+    if score_centering and samples[0].sampler_head_ids is None:
+        raise ValueError("loss.score_centering needs each sample's sampler_head_ids and sampler_head_logprobs (the "
+                         "engine's top-k log-probs of every response token, which the loop asks for with it on)")
     if replaying:
         check_routed_experts(samples, num_moe_layers=len(hf.moe_layers), topk=hf.num_experts_per_tok,
                              num_experts=hf.num_experts, contents=routing_ids)
