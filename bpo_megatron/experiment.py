@@ -148,6 +148,14 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
         raise ConfigError(f"loss.correction={cfg.loss.correction.name} corrects by the trainer's own log-probs under the weights "
                           "at the step's start (those that sampled each response when train.async.max_staleness=0): set "
                           "train.recompute_old_logprobs=true (or loss.correction=none)")
+    if cfg.loss.score_centering and not spec.returns_top_logprobs:
+        raise ConfigError(f"loss.score_centering builds its term from the sampler's top-k log-probs of every generated "
+                          f"token, which rollout.engine={spec.name} does not return here (rollout.engine=hf does); use "
+                          "rollout.engine=hf or loss.score_centering=false")
+    if cfg.loss.score_centering and cfg.rollout.agent.name is not None:
+        raise ConfigError(f"loss.score_centering with rollout.agent.name={cfg.rollout.agent.name}: a multi-turn response "
+                          "does not carry the sampler's top-k of its turns yet; set rollout.agent.name=null or "
+                          "loss.score_centering=false")
     if cfg.weight_sync.verify and not spec.exposes_weights:
         raise ConfigError(f"weight_sync.verify=true reads the engine's weights back, which rollout.engine="
                           f"{spec.name} does not allow (rollout.engine=hf does)")

@@ -240,3 +240,71 @@ def test_the_term_through_the_vocab_parallel_op_is_the_full_vocabulary_centering
     shards = run_gloo_world(_centering_on_rank, world, mode, timeout=60)
     torch.testing.assert_close(torch.cat(shards, dim=-1).double(), torch.where(keep[..., None], want, 0.0),
                                rtol=1e-4, atol=1e-6)
+
+
+# -- the embedded engine returns the top-k of the distribution it draws from --
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from bpo_megatron.testing import MODEL_CONFIGS, random_checkpoint
+
+    return random_checkpoint(MODEL_CONFIGS / "tiny_qwen3_moe", tmp_path_factory.mktemp("sc-engine"), seed=2)
+
+
+@pytest.mark.parametrize("filters", [{}, {"top_k": 3}, {"top_p": 0.6}])
+def test_the_embedded_engine_reports_the_top_k_it_drew_from(moe_dir, filters):
+    """Against a teacher-forced recompute: without filters, the top-k of log-softmax(logits / T);
+    with top-k or top-p, the kept tokens renormalised (the rest −inf), every sampled token among
+    them. A request that does not ask gets none."""
+    from bpo_megatron.rollout import GenerationRequest, SamplingParams
+    from bpo_megatron.rollout.hf.engine import HFEngine
+    from bpo_megatron.testing.recompute import teacher_forced
+
+    engine = HFEngine(moe_dir, capture_routing=False)
+    asked = [GenerationRequest(f"q{i}", tuple(range(3 + i, 9 + i)),
+                               SamplingParams(temperature=0.8, max_new_tokens=10, n=2, seed=i, top_logprobs=5, **filters))
+             for i in range(3)]
+    plain = GenerationRequest("plain", (1, 2, 3), SamplingParams(max_new_tokens=4, **filters))
+    samples = engine.generate([*asked, plain])
+    assert samples[-1].sampler_head_ids is None and samples[-1].sampler_head_logprobs is None
+    for sample in samples[:-1]:
+        sample.check()
+        ids, logq = sample.sampler_head_ids, sample.sampler_head_logprobs
+        assert ids.dtype == torch.int32 and logq.dtype == torch.float32 and ids.shape == (sample.response_tokens.numel(), 5)
+        prompt = sample.prompt_tokens.numel()
+        logp, _ = teacher_forced(engine.model, sample.tokens, temperature=0.8)
+        logp = logp[prompt - 1:]
+        if not filters:
+            want_values, want_ids = logp.topk(5, dim=-1)
+            assert torch.equal(ids.long(), want_ids)
+            torch.testing.assert_close(logq, want_values, rtol=0, atol=1e-5)
+            continue
+        order = logp.argsort(dim=-1, descending=True)
+        assert torch.equal(ids.long(), order[:, :5])
+        probs = logp.exp().gather(-1, order)
+        kept = torch.zeros_like(probs, dtype=torch.bool)
+        if "top_k" in filters:
+            kept[:, :3] = True
+        else:
+            kept = (probs.cumsum(-1) - probs) < 0.6
+        want = torch.where(kept, probs, 0.0)
+        want = (want / want.sum(-1, keepdim=True))[:, :5].log()
+        finite = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(logq), finite) and bool((~finite).any() or "top_p" in filters)
+        torch.testing.assert_close(logq[finite], want[finite], rtol=0, atol=1e-5)
+        # every sampled token is one the filters kept
+        rank = (order == sample.response_tokens[:, None]).int().argmax(-1)
+        assert bool(kept.gather(-1, rank[:, None]).all())
+    engine.shutdown()
+
+
+def test_score_centering_is_refused_up_front_where_the_engine_cannot_return_the_top_k():
+    from bpo_megatron.config import ConfigError
+    from bpo_megatron.experiment import load_experiment
+
+    with pytest.raises(ConfigError, match="rollout.engine=sglang does not return here"):
+        load_experiment("configs/tiny_moe_cpu.yaml", ["loss.score_centering=true", "rollout.engine=sglang"])
+    with pytest.raises(ConfigError, match="rollout.agent.name=calculator"):
+        load_experiment("configs/tiny_moe_cpu.yaml", ["loss.score_centering=true", "rollout.agent.name=calculator"])
+    cfg = load_experiment("configs/tiny_moe_cpu.yaml", ["loss.score_centering=true", "loss.score_centering_top_k=16"])
+    assert cfg.loss.score_centering and cfg.loss.score_centering_top_k == 16

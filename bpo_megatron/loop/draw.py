@@ -23,12 +23,15 @@ class StepRequests:
     def __init__(self, cfg, tokenizer) -> None:
         self.rollout = cfg.rollout
         self.stops = stop_tokens(tokenizer, cfg.rollout.stop_token_ids)
+        # score centering is built from the sampler's top-k of every generated token
+        self.top_logprobs = cfg.loss.score_centering_top_k if cfg.loss.score_centering else 0
 
     def __call__(self, batch: list, step: int, round_: int) -> list:
         r = self.rollout
         return requests(batch, tag=f"s{step}" if round_ == 0 else f"s{step}r{round_}", n=r.group_size,
                         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                        stop_token_ids=self.stops, seed=r.seed + step + round_ * ROUND_SEED_STRIDE)
+                        stop_token_ids=self.stops, seed=r.seed + step + round_ * ROUND_SEED_STRIDE,
+                        top_logprobs=self.top_logprobs)
 
 
 class StepDraw:

@@ -30,7 +30,8 @@ def training_samples(samples: list[Sample], rewards: torch.Tensor, group_size: i
     train = [TrainSample(tokens=s.tokens, response_start=s.prompt_tokens.numel(),
                          rollout_logprobs=s.rollout_logprobs, advantage=float(a),
                          routed_experts=s.routed_experts if keep_routing else None,
-                         train_mask=_train_mask(s, keep_routing))
+                         train_mask=_train_mask(s, keep_routing), sampler_head_ids=s.sampler_head_ids,
+                         sampler_head_logprobs=s.sampler_head_logprobs)
              for s, a in zip(samples, advantages.tolist())]
     lengths = torch.tensor([s.response_tokens.numel() for s in samples], dtype=torch.float32)
     metrics.update(response_length_mean=float(lengths.mean()), response_length_max=float(lengths.max()),

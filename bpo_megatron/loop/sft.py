@@ -22,9 +22,9 @@ from bpo_megatron.trainer.samples import TrainSample
 
 
 def warm_start_loss(loss):
-    """The loss of a warm start: the log-likelihood (GRPO at ratio 1, no correction), aggregated
-    as the run's loss is."""
-    return replace(loss, name="grpo", correction=replace(loss.correction, name="none"))
+    """The loss of a warm start: the log-likelihood (GRPO at ratio 1, no correction, no score
+    centering: a reference answer has no sampler), aggregated as the run's loss is."""
+    return replace(loss, name="grpo", correction=replace(loss.correction, name="none"), score_centering=False)
 
 
 def demonstrated(prompt: list[int], problem, tokenizer, agent=None) -> TrainSample:

@@ -151,6 +151,7 @@ class TrainerGroup:
         self.call("save", root, step, trainer_state, keep_last)
 
     def set_loss(self, loss) -> None:
+        self.correction, self.score_centering = loss.correction.name, loss.score_centering  # what batches are checked for
         self.call("set_loss", loss)
 
     def set_learning_rate(self, lr: float) -> None:

@@ -27,6 +27,8 @@ from bpo_megatron.rollout.types import EngineHealth, GenerationRequest, Sample
 @dataclass(frozen=True)
 class EngineCapabilities:
     captures_routing: bool  # can return routed experts per processed token (R3)
+    # can return, per generated token, the sampler's top-k ids and log q (SamplingParams.top_logprobs)
+    returns_top_logprobs: bool = False
 
 
 # samples that finished together, each with its position in the order generate() returns them
@@ -211,6 +213,9 @@ class EngineSpec:
     # a generation under way pauses for a weight update and continues with the new weights, each
     # token recording the version that sampled it (partial rollouts, train.async)
     partial_rollouts: bool = False
+    # returns the sampler's top-k ids and log q per generated token (SamplingParams.top_logprobs):
+    # what loss.score_centering is built from
+    returns_top_logprobs: bool = False
 
     def weight_transport(self, options: Any, colocated: bool) -> str:
         """What the trainer's ranks build the transport from (``weight_sync.transport_class``):

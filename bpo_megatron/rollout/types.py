@@ -36,6 +36,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     n: int = 1  # responses per prompt
+    # report, for each generated token, the sampler's this many most likely tokens and their log q
+    # under the distribution it drew from (after temperature and top-k/top-p, renormalised): score
+    # centering's input (Sample.sampler_head_ids / sampler_head_logprobs); 0: none
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
@@ -48,6 +52,8 @@ class SamplingParams:
             raise ValueError(f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.n < 1:
             raise ValueError(f"rollout.n must be >= 1, got {self.n}")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0 (0: none), got {self.top_logprobs}")
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,11 @@ class Sample:
     # output, rollout/agents): the model sampled none of them, so they carry no μ (0 there, never
     # read), no loss and no routing of their own to replay. None: every response token is the model's.
     from_environment: torch.Tensor | None = None
+    # [R, k] when the request asked (SamplingParams.top_logprobs = k): the sampler's k most likely
+    # token ids at each response token (int32) and their log q (float32) under the distribution it
+    # drew from, most likely first
+    sampler_head_ids: torch.Tensor | None = None
+    sampler_head_logprobs: torch.Tensor | None = None
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -153,6 +164,11 @@ class Sample:
         if self.from_environment is not None and bool(self.rollout_logprobs[self.from_environment].any()):
             raise ValueError(f"sample {self.request_id}/{self.index}: tokens from the environment carry no log μ "
                              "(0 there): the model did not sample them")
+        if (self.sampler_head_ids is None) != (self.sampler_head_logprobs is None) or (
+                self.sampler_head_ids is not None and (self.sampler_head_ids.shape != self.sampler_head_logprobs.shape
+                                                       or self.sampler_head_ids.shape[0] != r)):
+            raise ValueError(f"sample {self.request_id}/{self.index}: sampler_head_ids and sampler_head_logprobs must "
+                             f"both be [{r}, k]")
         if self.routed_experts is not None:
             want = (self.prompt_tokens.numel() + r - 1 - self.routing_start, num_moe_layers, topk)
             got = tuple(self.routed_experts.shape)

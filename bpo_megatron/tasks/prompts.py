@@ -78,12 +78,13 @@ def stop_tokens(tokenizer, extra: tuple[int, ...] = ()) -> tuple[int, ...]:
 
 def requests(encoded: list[Encoded], *, tag: str, n: int, temperature: float, top_p: float, top_k: int,
              max_new_tokens: int, stop_token_ids: tuple[int, ...], seed: int,
-             capture_routing: bool = True) -> list[GenerationRequest]:
+             capture_routing: bool = True, top_logprobs: int = 0) -> list[GenerationRequest]:
     """``capture_routing``: whether an engine that captures routed experts returns them for these
-    requests (training rollouts, which R3 replays; evaluation's are thrown away)."""
+    requests (training rollouts, which R3 replays; evaluation's are thrown away); ``top_logprobs``:
+    the sampler's most likely tokens returned per generated token (score centering's)."""
     return [GenerationRequest(f"{tag}-{i}", e.prompt_tokens,
                               SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                              max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
-                                             seed=seed * 1_000_003 + i * 1009, n=n),
+                                             seed=seed * 1_000_003 + i * 1009, n=n, top_logprobs=top_logprobs),
                               capture_routing=capture_routing)
             for i, e in enumerate(encoded)]

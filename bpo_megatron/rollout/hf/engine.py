@@ -39,7 +39,7 @@ from bpo_megatron.rollout.hf.decode import attention_for, check_supported, resol
 from bpo_megatron.rollout.hf.options import check_decode
 from bpo_megatron.rollout.hf.sampling import row_seeds
 from bpo_megatron.rollout.hf.shared_weights import SegmentLayout, SharedWeights
-from bpo_megatron.rollout.hf.slots import DecodeStates, SlotRow, SlotSession, SlotSettings, StateShape
+from bpo_megatron.rollout.hf.slots import DecodeStates, RowOutput, SlotRow, SlotSession, SlotSettings, StateShape
 from bpo_megatron.rollout.hf.weights import HFWeights
 from bpo_megatron.rollout.types import EngineHealth, GenerationRequest, Sample
 from bpo_megatron.weights import fp8
@@ -108,7 +108,7 @@ class HFEngine(RolloutEngine):
                                         num_experts=model.config.num_experts)
                          if capture_routing and routers else None)
         self.num_moe_layers = len(routers)
-        self.capabilities = EngineCapabilities(captures_routing=self._capture is not None)
+        self.capabilities = EngineCapabilities(captures_routing=self._capture is not None, returns_top_logprobs=True)
         self._paused = False
         self.weight_version = self._pending_version = 0
         # Weights change only between forward passes: a forward runs with the gate's lock free
@@ -287,7 +287,7 @@ class HFEngine(RolloutEngine):
                 for queued_row, out in ended:
                     i = order[queued_row]
                     routed = out.routing if self._capture is not None and rows[i].request.capture_routing else None
-                    samples[i] = _to_sample(rows[i], out.tokens, out.logprobs, out.versions, out.stopped, routed)
+                    samples[i] = _to_sample(rows[i], out, routed)
                     done.append((i, samples[i]))
                 if report is not None:
                     report(done)
@@ -315,17 +315,18 @@ class HFEngine(RolloutEngine):
                                  f"model's max_position_embeddings={self._max_positions}")
 
 
-def _to_sample(row: _Row, tokens: torch.Tensor, logprobs: torch.Tensor, versions: torch.Tensor, stopped: bool,
-               routed: torch.Tensor | None) -> Sample:
+def _to_sample(row: _Row, out: RowOutput, routed: torch.Tensor | None) -> Sample:
     """A row's sample from its outputs, all host tensors it may keep."""
     return Sample(
         request_id=row.request.request_id,
         index=row.index,
         prompt_tokens=torch.tensor(row.request.prompt_tokens, dtype=torch.long),
-        response_tokens=tokens,
-        rollout_logprobs=logprobs,
-        finish_reason="stop" if stopped else "length",
+        response_tokens=out.tokens,
+        rollout_logprobs=out.logprobs,
+        finish_reason="stop" if out.stopped else "length",
         routed_experts=routed,
-        weight_version=int(versions.min()),  # the oldest weights that sampled a token of it
-        token_versions=versions,
+        weight_version=int(out.versions.min()),  # the oldest weights that sampled a token of it
+        token_versions=out.versions,
+        sampler_head_ids=out.head_ids,
+        sampler_head_logprobs=out.head_logprobs,
     )

@@ -39,8 +39,9 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 def _sample_filtered(logprobs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                     uniforms: torch.Tensor) -> torch.Tensor:
-    """Top-k then top-p, in descending-probability order, as one masked pass over the batch."""
+                     uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k then top-p, in descending-probability order, as one masked pass over the batch: the
+    tokens, and the kept (unnormalised) probabilities in that order with the order itself."""
     sorted_logprobs, order = logprobs.sort(dim=-1, descending=True)
     probs = sorted_logprobs.exp()
     rank = torch.arange(probs.shape[-1], device=probs.device)
@@ -50,21 +51,34 @@ def _sample_filtered(logprobs: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     # keep the smallest prefix whose (renormalised) mass reaches top_p: a token stays when the
     # mass before it is still below top_p, so the most likely token always stays
     below = (cumulative - probs) < top_p[:, None] * cumulative[:, -1:]
-    picked = _inverse_cdf(probs.masked_fill(~below, 0.0), uniforms)
-    return order.gather(1, picked[:, None])[:, 0]
+    kept = probs.masked_fill(~below, 0.0)
+    picked = _inverse_cdf(kept, uniforms)
+    return order.gather(1, picked[:, None])[:, 0], kept, order
+
+
+Head = tuple[torch.Tensor, torch.Tensor]  # ([b, k] token ids, [b, k] their log q), most likely first
 
 
 def draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-         uniforms: torch.Tensor, filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+         uniforms: torch.Tensor, filtered: bool, head: int = 0) -> tuple[torch.Tensor, torch.Tensor, Head | None]:
     """Tokens ``[b]`` and their log μ ``[b]`` (fp32) from last-position logits ``[b, V]``, one
     uniform per row. ``filtered``: the batch goes through top-k/top-p (which orders the CDF by
-    probability, so it picks another token for the same uniform than the unfiltered draw)."""
+    probability, so it picks another token for the same uniform than the unfiltered draw).
+    ``head`` > 0: also the ``head`` most likely tokens of the distribution drawn from and their
+    log q — after the filters, renormalised (a token the filters left out has log q = −inf) —
+    what score centering is built from."""
     logprobs = torch.log_softmax(logits.float() / temperature[:, None], dim=-1)
+    top = None
     if filtered:
-        tokens = _sample_filtered(logprobs, top_k, top_p, uniforms)
+        tokens, kept, order = _sample_filtered(logprobs, top_k, top_p, uniforms)
+        if head:
+            top = order[:, :head], (kept[:, :head] / kept.sum(-1, keepdim=True)).log()
     else:
         tokens = _inverse_cdf(logprobs.exp(), uniforms)
-    return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
+        if head:
+            values, ids = logprobs.topk(head, dim=-1)
+            top = ids, values
+    return tokens, logprobs.gather(1, tokens[:, None])[:, 0], top
 
 
 class SlotSampler:
@@ -85,9 +99,10 @@ class SlotSampler:
     token for the same uniform than the unfiltered draw).
     """
 
-    def __init__(self, slots: int, filtered: bool, stop_width: int, device: torch.device) -> None:
+    def __init__(self, slots: int, filtered: bool, stop_width: int, device: torch.device, head: int = 0) -> None:
         self._device = device
         self.filtered = filtered
+        self.head = head  # the sampler's most likely tokens reported per step (0: none)
         self.temperature = torch.ones(slots, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(slots, dtype=torch.long, device=device)
         self.top_p = torch.ones(slots, dtype=torch.float32, device=device)
@@ -139,14 +154,15 @@ class SlotSampler:
             self._ring[slots, parity] = torch.stack([f[2] for f in fresh]).to(self._device)
 
     def sample(self, logits: torch.Tensor, count: torch.Tensor, slots: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens and log μ from logits ``[len(slots), V]`` (``slots`` None: every slot, in order);
-        ``count`` holds each of those slots' tokens sampled so far (on the device)."""
+               ) -> tuple[torch.Tensor, torch.Tensor, Head | None]:
+        """Tokens, log μ and the head (:func:`draw`) from logits ``[len(slots), V]`` (``slots``
+        None: every slot, in order); ``count`` holds each of those slots' tokens sampled so far."""
         index = self._slot_ids if slots is None else slots
         uniforms = self._ring[index, (count // UNIFORM_BLOCK) % 2, count % UNIFORM_BLOCK]
         if slots is None:
-            return draw(logits, self.temperature, self.top_k, self.top_p, uniforms, self.filtered)
-        return draw(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], uniforms, self.filtered)
+            return draw(logits, self.temperature, self.top_k, self.top_p, uniforms, self.filtered, self.head)
+        return draw(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], uniforms, self.filtered,
+                    self.head)
 
     def is_stop(self, tokens: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         """Which of ``tokens`` (one per slot of ``slots``; None: every slot) end their row."""

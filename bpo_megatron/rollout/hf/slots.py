@@ -80,6 +80,9 @@ class RowOutput:
     versions: torch.Tensor
     stopped: bool
     routing: torch.Tensor | None
+    # [tokens, k] the sampler's k most likely ids at each response token and their log q (when asked)
+    head_ids: torch.Tensor | None = None
+    head_logprobs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -91,12 +94,13 @@ class StateShape:
     routing: bool  # routing written by the step
     filtered: bool  # the sampler's top-k/top-p draw
     stop_width: int
+    head: int = 0  # the sampler's most likely tokens recorded per step (SamplingParams.top_logprobs)
 
     def serves(self, wanted: StateShape) -> bool:
         """Whether a state of this shape can decode rows that need ``wanted``: as many slots, room
         for as many positions and stop tokens, the same routing output and the same draw."""
         return (self.slots == wanted.slots and self.length >= wanted.length and self.stop_width >= wanted.stop_width
-                and (self.routing, self.filtered) == (wanted.routing, wanted.filtered))
+                and (self.routing, self.filtered, self.head) == (wanted.routing, wanted.filtered, wanted.head))
 
     @staticmethod
     def of(rows: list[SlotRow], settings: SlotSettings, capture: bool) -> StateShape:
@@ -105,7 +109,8 @@ class StateShape:
         return StateShape(slots=bucket(len(rows), 1, settings.slots), length=bucket(length, MIN_LENGTH),
                           routing=capture,
                           filtered=any(r.sampling.top_k > 0 or r.sampling.top_p < 1.0 for r in rows),
-                          stop_width=bucket(max(len(r.sampling.stop_token_ids) for r in rows), MIN_STOP_WIDTH))
+                          stop_width=bucket(max(len(r.sampling.stop_token_ids) for r in rows), MIN_STOP_WIDTH),
+                          head=max(r.sampling.top_logprobs for r in rows))
 
 
 def left_padded(prompts: list[tuple[int, ...]], device: torch.device
@@ -147,7 +152,7 @@ class DecodeState:
         self.routing_out = routing_buffer(model, slots, device) if shape.routing else None
         self.decoder = FunctionalDecoder(model, self.cache, attention=attention, routing=self.routing_out,
                                          compile_layers=compile_layers)
-        self.sampler = SlotSampler(slots, shape.filtered, shape.stop_width, device)
+        self.sampler = SlotSampler(slots, shape.filtered, shape.stop_width, device, head=shape.head)
         self.ids = torch.arange(slots, device=device)
         # the step's inputs and bookkeeping: static tensors, written in place
         self.feed = torch.zeros(slots, dtype=torch.long, device=device)  # the token each slot feeds
@@ -163,6 +168,9 @@ class DecodeState:
         self.versions = torch.zeros(slots, length, dtype=torch.int64, device=device)
         self.routing = (torch.zeros(slots, length, *self.routing_out.shape[1:], dtype=self.routing_out.dtype,
                                     device=device) if self.routing_out is not None else None)
+        self.head_ids = torch.zeros(slots, length, shape.head, dtype=torch.int32, device=device) if shape.head else None
+        self.head_logprobs = (torch.zeros(slots, length, shape.head, dtype=torch.float32, device=device)
+                              if shape.head else None)
         if cuda_graph:
             from bpo_megatron.rollout.hf.graphs import GraphedStep
 
@@ -191,12 +199,15 @@ class DecodeState:
     def step(self) -> None:
         """One decode step of every slot: device work only (captured as is on CUDA)."""
         logits = self.decoder(self.feed, self.position)
-        tokens, logprobs = self.sampler.sample(logits, self.count)
+        tokens, logprobs, head = self.sampler.sample(logits, self.count)
         active = ~self.done
         column = self.count.clamp(max=self.shape.length - 1)
         for buffer, new in ((self.tokens, tokens), (self.logprobs, logprobs),
                             (self.versions, self.version.expand_as(self.count))):
             buffer[self.ids, column] = torch.where(active, new, buffer[self.ids, column])
+        if head is not None:
+            for buffer, new in ((self.head_ids, head[0].to(torch.int32)), (self.head_logprobs, head[1])):
+                buffer[self.ids, column] = torch.where(active[:, None], new, buffer[self.ids, column])
         if self.routing is not None:  # the experts of the token fed: response token count − 1
             fed = (self.count - 1).clamp(min=0)
             self.routing[self.ids, fed] = torch.where(active[:, None, None], self.routing_out,
@@ -314,8 +325,10 @@ class SlotSession:
         index = torch.tensor(slots, dtype=torch.long, device=device)
         sampler = state.sampler
         sampler.assign(slots, [r.sampling for r in rows], [r.seed for r in rows])
-        tokens, logprobs = sampler.sample(logits, torch.zeros_like(index), index)
+        tokens, logprobs, head = sampler.sample(logits, torch.zeros_like(index), index)
         state.tokens[index, 0], state.logprobs[index, 0], state.versions[index, 0] = tokens, logprobs, version
+        if head is not None:
+            state.head_ids[index, 0], state.head_logprobs[index, 0] = head[0].to(torch.int32), head[1]
         stop = sampler.is_stop(tokens, index)
         state.stopped[index] = stop
         state.done[index] = stop | (sampler.max_new_tokens[index] <= 1)
@@ -338,9 +351,12 @@ class SlotSession:
                 if row in self._prompt_routing:
                     routing = torch.cat([self._prompt_routing.pop(row), state.routing[slot, :length - 1]]).cpu()
                 # copies: the slot's buffers are reused by the next row
+                head = self._rows[row].sampling.top_logprobs  # the row's own k: the most likely come first
                 outputs[row] = RowOutput(*(buffer[slot, :length].to("cpu", copy=True)
                                            for buffer in (state.tokens, state.logprobs, state.versions)),
-                                         stopped[slot], routing)
+                                         stopped[slot], routing,
+                                         *((buffer[slot, :length, :head].to("cpu", copy=True)
+                                            for buffer in (state.head_ids, state.head_logprobs)) if head else ()))
                 self._holder[slot] = None
                 self._counts.pop(slot)
                 state.sampler.release(slot)
