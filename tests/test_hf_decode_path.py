@@ -365,7 +365,9 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph
 
 def _graph_and_eager(moe_dir, attention: str, scribble: bool):
     engine = HFEngine(moe_dir, capture_routing=True, dtype=torch.bfloat16, device="cuda", decode="eager")
-    rows = [SlotRow(r.prompt_tokens, r.sampling, seed, True) for r in _requests(200) for seed in (1, 2, 3)]
+    # the sampler's top-4 recorded too (score centering's input): written inside the graph as well
+    rows = [SlotRow(r.prompt_tokens, r.sampling, seed, True) for r in _requests(200, top_logprobs=4)
+            for seed in (1, 2, 3)]
     settings = SlotSettings(slots=4, refill_every=3, attention=attention, cuda_graph=False)
     shape = StateShape.of(rows, settings, capture=True)
 
@@ -384,12 +386,14 @@ def _graph_and_eager(moe_dir, attention: str, scribble: bool):
 @pytest.mark.parametrize("attention", ["sdpa", "flash"])
 def test_graph_replay_changes_no_number_on_cuda(moe_dir, attention):
     """The same step eager and replayed as a CUDA graph, with the memory freed after capture
-    scribbled over before the first replay: capture must change nothing, so tokens, log μ and
-    routing are bit for bit the same."""
+    scribbled over before the first replay: capture must change nothing, so tokens, log μ, routing
+    and the sampler's top-k are bit for bit the same."""
     for eager, graphed in zip(*_graph_and_eager(moe_dir, attention, scribble=True), strict=True):
         assert torch.equal(eager.tokens, graphed.tokens)
         assert torch.equal(eager.logprobs, graphed.logprobs)
         assert torch.equal(eager.routing, graphed.routing)
+        assert eager.head_ids.shape == (eager.tokens.numel(), 4)
+        assert torch.equal(eager.head_ids, graphed.head_ids) and torch.equal(eager.head_logprobs, graphed.head_logprobs)
 
 
 @cuda_only

@@ -53,9 +53,13 @@ PAPER_LOSSES = ("bpo", "grpo", "gspo", "cispo", "dppo_tv")
 LABELS = {"bpo": "BPO", "grpo": "GRPO-ClipHigher", "gspo": "GSPO", "cispo": "CISPO", "dppo_tv": "DPPO",
           "dppo_kl": "DPPO (binary KL)", "grpo_tis": "GRPO + TIS"}
 # methods that are more than a loss name
-LABELS.update({"grpo_dualclip": "GRPO-CH dual-clip", "bpo_eps1e3": "BPO ε=1e3"})
+LABELS.update({"grpo_dualclip": "GRPO-CH dual-clip", "bpo_eps1e3": "BPO ε=1e3", "grpo_sc": "GRPO-CH + SC",
+               "bpo_sc": "BPO + SC"})
 METHOD_OVERRIDES = {"grpo_tis": ("loss.name=grpo", "loss.correction=tis", "train.recompute_old_logprobs=true"),
-                    # BPO with a band so wide that nothing is masked: ω's cap is all that is left
+                    # score centering (losses/score_centering.py) on top of the loss, no correction
+                    "grpo_sc": ("loss.name=grpo", "loss.score_centering=true"),
+                    "bpo_sc": ("loss.name=bpo", "loss.score_centering=true"),
+                    # BPO with a band so wide that nothing is masked and ω within 1 ± 1e-3: plain policy gradient
                     "bpo_eps1e3": ("loss.name=bpo", "loss.bpo_eps=1000.0")}
 # training metrics shown per method and setting, when the runs recorded them: (metric, heading)
 DIAGNOSTICS = (("async/staleness_mean", "staleness of trained responses (RL steps)"),
@@ -63,7 +67,9 @@ DIAGNOSTICS = (("async/staleness_mean", "staleness of trained responses (RL step
                ("abs_logp_diff_mean", "\\|log π − log μ\\|"),
                ("routing_agreement", "routing agreement"),
                ("clip_frac", "masked tokens"),
-               ("correction_weight_mean", "correction weight"))
+               ("correction_weight_mean", "correction weight"),
+               ("mismatch_abs_logp_diff_mean", "\\|log π_old − log μ\\|"),
+               ("score_centering_rho", "score centering's ρ"))
 
 
 @dataclass(frozen=True)
