@@ -148,10 +148,15 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
         raise ConfigError(f"loss.correction={cfg.loss.correction.name} corrects by the trainer's own log-probs under the weights "
                           "at the step's start (those that sampled each response when train.async.max_staleness=0): set "
                           "train.recompute_old_logprobs=true (or loss.correction=none)")
-    if cfg.loss.score_centering and not spec.returns_top_logprobs:
+    if cfg.loss.score_centering and spec.top_logprobs == "none":
         raise ConfigError(f"loss.score_centering builds its term from the sampler's top-k log-probs of every generated "
-                          f"token, which rollout.engine={spec.name} does not return here (rollout.engine=hf does); use "
-                          "rollout.engine=hf or loss.score_centering=false")
+                          f"token, which rollout.engine={spec.name} does not return here (rollout.engine=hf and sglang do); "
+                          f"use another engine or loss.score_centering=false")
+    if cfg.loss.score_centering and spec.top_logprobs == "unfiltered" and (cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0):
+        raise ConfigError(f"loss.score_centering with rollout.engine={spec.name}: it reports the top-k of the distribution "
+                          f"before its top-k/top-p filters, not the one it draws from with rollout.top_p="
+                          f"{cfg.rollout.top_p}, rollout.top_k={cfg.rollout.top_k}; set rollout.top_p=1.0 and "
+                          "rollout.top_k=0 (or use rollout.engine=hf, which reports the filtered one)")
     if cfg.loss.score_centering and cfg.rollout.agent.name is not None:
         raise ConfigError(f"loss.score_centering with rollout.agent.name={cfg.rollout.agent.name}: a multi-turn response "
                           "does not carry the sampler's top-k of its turns yet; set rollout.agent.name=null or "

@@ -15,7 +15,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -27,8 +27,6 @@ from bpo_megatron.rollout.types import EngineHealth, GenerationRequest, Sample
 @dataclass(frozen=True)
 class EngineCapabilities:
     captures_routing: bool  # can return routed experts per processed token (R3)
-    # can return, per generated token, the sampler's top-k ids and log q (SamplingParams.top_logprobs)
-    returns_top_logprobs: bool = False
 
 
 # samples that finished together, each with its position in the order generate() returns them
@@ -182,6 +180,9 @@ def _no_quantization(_options: Any) -> str | None:
     return None
 
 
+TopLogprobs = Literal["none", "drawn", "unfiltered"]
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """Everything the system knows of one engine.
@@ -213,9 +214,11 @@ class EngineSpec:
     # a generation under way pauses for a weight update and continues with the new weights, each
     # token recording the version that sampled it (partial rollouts, train.async)
     partial_rollouts: bool = False
-    # returns the sampler's top-k ids and log q per generated token (SamplingParams.top_logprobs):
-    # what loss.score_centering is built from
-    returns_top_logprobs: bool = False
+    # the sampler's top-k ids and log q per generated token it returns (SamplingParams.top_logprobs:
+    # what loss.score_centering is built from): "none"; "drawn": of the distribution it drew from,
+    # filters included; "unfiltered": of the temperature-scaled distribution before top-k/top-p
+    # (the one drawn from only when no filter is set)
+    top_logprobs: TopLogprobs = "none"
 
     def weight_transport(self, options: Any, colocated: bool) -> str:
         """What the trainer's ranks build the transport from (``weight_sync.transport_class``):

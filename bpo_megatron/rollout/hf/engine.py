@@ -108,7 +108,7 @@ class HFEngine(RolloutEngine):
                                         num_experts=model.config.num_experts)
                          if capture_routing and routers else None)
         self.num_moe_layers = len(routers)
-        self.capabilities = EngineCapabilities(captures_routing=self._capture is not None, returns_top_logprobs=True)
+        self.capabilities = EngineCapabilities(captures_routing=self._capture is not None)
         self._paused = False
         self.weight_version = self._pending_version = 0
         # Weights change only between forward passes: a forward runs with the gate's lock free

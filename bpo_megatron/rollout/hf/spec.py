@@ -37,5 +37,5 @@ SPEC = EngineSpec(
     weight_quantization=lambda options: None if options.quantization == "none" else options.quantization,
     exposes_weights=True,
     partial_rollouts=True,  # its forward gate (rollout/hf/engine.py)
-    returns_top_logprobs=True,  # of the distribution it drew from (rollout/hf/sampling.py)
+    top_logprobs="drawn",  # of the distribution it drew from (rollout/hf/sampling.py)
 )

@@ -1,8 +1,9 @@
 """SGLang's native HTTP protocol: request bodies from our requests, samples from its responses.
 
 Field names and encodings are SGLang's (``/generate`` with ``input_ids``, ``sampling_params``,
-``return_logprob``, ``return_routed_experts``; ``meta_info.output_token_logprobs`` as
-``[logprob, token_id, text]`` triples, ``meta_info.routed_experts`` as base64 of raw int32 laid
+``return_logprob``, ``return_routed_experts``, ``top_logprobs_num``; ``meta_info.output_token_logprobs``
+as ``[logprob, token_id, text]`` triples, ``meta_info.output_top_logprobs`` as one list of such
+triples per output token, most likely first, ``meta_info.routed_experts`` as base64 of raw int32 laid
 out ``[prompt + response − 1, num_hidden_layers, top-k]`` — every layer of the model, dense ones
 included — ``meta_info.finish_reason.type``, and ``meta_info.weight_versions``: spans
 ``{"version", "start", "end"}`` over the output tokens, more than one when a weight update reached
@@ -55,7 +56,7 @@ def generate_body(items: list[ResponseSlot], *, capture_routing: bool) -> dict:
     starts = {item.request.routing_from for item in items}
     if len(starts) != 1:
         raise ValueError(f"one /generate body takes one routed_experts_start_len; these items ask {sorted(starts)}")
-    return {
+    body = {
         "rid": [item.rid for item in items],
         "input_ids": [list(item.request.prompt_tokens) for item in items],
         "sampling_params": [sampling_params(item.request.sampling, item.seed) for item in items],
@@ -65,6 +66,9 @@ def generate_body(items: list[ResponseSlot], *, capture_routing: bool) -> dict:
         # the positions from there on (0: the whole sequence, prompt included)
         "routed_experts_start_len": starts.pop(),
     }
+    if any(item.request.sampling.top_logprobs for item in items):  # score centering's sampler top-k
+        body["top_logprobs_num"] = [item.request.sampling.top_logprobs for item in items]
+    return body
 
 
 # Whether a ``/pause_generation`` mode makes SGLang recompute the routed experts of a request it
@@ -139,6 +143,20 @@ def token_versions(meta: dict, length: int, rid: str) -> torch.Tensor | None:
     return versions
 
 
+def _top_logprobs(meta: dict, length: int, k: int, rid: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``meta_info.output_top_logprobs`` (one list of ``[logprob, token_id, text]`` per output
+    token) as ``[length, k]`` ids (int32) and log-probs (float32), most likely first."""
+    positions = meta.get("output_top_logprobs")
+    if positions is None or len(positions) != length:
+        raise ProtocolError(f"{rid}: meta_info.output_top_logprobs has {None if positions is None else len(positions)} "
+                            f"entries for {length} output tokens (was top_logprobs_num={k} sent?)")
+    if any(entries is None or len(entries) < k for entries in positions):
+        raise ProtocolError(f"{rid}: meta_info.output_top_logprobs gives fewer than the {k} tokens asked at a position")
+    ids = torch.tensor([[int(entry[1]) for entry in entries[:k]] for entries in positions], dtype=torch.int32)
+    values = torch.tensor([[float(entry[0]) for entry in entries[:k]] for entries in positions], dtype=torch.float32)
+    return ids.view(length, k), values.view(length, k)
+
+
 def decode_sample(item: ResponseSlot, response: dict, *, routing: RoutingLayout | None,
                   pause_mode: str = "retract") -> Sample:
     """A ``Sample`` from one element of SGLang's ``/generate`` response (with routed experts,
@@ -172,6 +190,9 @@ def decode_sample(item: ResponseSlot, response: dict, *, routing: RoutingLayout 
             meta.get("weight_version")),
         token_versions=versions,
     )
+    if item.request.sampling.top_logprobs:
+        sample.sampler_head_ids, sample.sampler_head_logprobs = _top_logprobs(
+            meta, len(tokens), item.request.sampling.top_logprobs, item.rid)
     if routing is not None:
         encoded = meta.get("routed_experts")
         if encoded is None:

@@ -44,4 +44,6 @@ SPEC = EngineSpec(
     # the server captures routing wherever it runs (it may be attached by url from a CPU driver)
     # pause_generation (retract) keeps requests under way; meta_info.weight_versions dates each token
     partial_rollouts=True,
+    # top_logprobs_num: log-softmax(logits / T), before SGLang's top-k/top-p (layers/sampler.py)
+    top_logprobs="unfiltered",
 )
