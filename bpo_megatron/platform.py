@@ -84,7 +84,13 @@ def has_fp8_block_gemm(device: torch.device) -> bool:
     """True when ``torch._scaled_mm`` multiplies e4m3 matrices with 1 × 128 / 128 × 128 block scales
     on ``device``: a CUDA device of compute capability 9.x (Hopper; cuBLAS has these kernels for
     sm90 only). FP8 GEMMs emulate the same rounding elsewhere (:mod:`bpo_megatron.weights.fp8`)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return device.type == "cuda" and _compute_capability(device.index)[0] == 9
+
+
+@functools.cache
+def _compute_capability(index: int | None) -> tuple[int, int]:
+    # asked once per device: it is read on every FP8 GEMM, inside captured decode steps too
+    return torch.cuda.get_device_capability(index)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
