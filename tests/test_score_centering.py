@@ -303,12 +303,15 @@ def test_score_centering_is_refused_up_front_where_the_engine_cannot_return_the_
     from bpo_megatron.experiment import load_experiment
 
     free = ["model.routing_replay=false", "rollout.capture_routed_experts=false"]  # R3 aside: CPU-only checks
-    with pytest.raises(ConfigError, match="rollout.engine=vllm does not return here"):
-        load_experiment("configs/tiny_moe_cpu.yaml", ["loss.score_centering=true", "rollout.engine=vllm", *free])
-    # SGLang reports the top-k before its filters: only without them is that the distribution it draws from
-    with pytest.raises(ConfigError, match="rollout.top_p=0.9, rollout.top_k=0; set rollout.top_p=1.0"):
-        load_experiment("configs/tiny_moe_cpu.yaml", ["loss.score_centering=true", "rollout.engine=sglang",
-                                                      "rollout.top_p=0.9", *free])
+    # SGLang and vLLM report the top-k before their filters: only without them is that the
+    # distribution they draw from
+    for engine in ("sglang", "vllm"):
+        with pytest.raises(ConfigError, match="rollout.top_p=0.9, rollout.top_k=0; set rollout.top_p=1.0"):
+            load_experiment("configs/tiny_moe_cpu.yaml", ["loss.score_centering=true", f"rollout.engine={engine}",
+                                                          "rollout.top_p=0.9", *free])
+    from bpo_megatron.rollout import ENGINES, engine_spec
+    assert {name: engine_spec(name).top_logprobs for name in ENGINES} == {"hf": "drawn", "sglang": "unfiltered",
+                                                                          "vllm": "unfiltered"}
     with pytest.raises(ConfigError, match="rollout.agent.name=calculator"):
         load_experiment("configs/tiny_moe_cpu.yaml", ["loss.score_centering=true", "rollout.agent.name=calculator"])
     cfg = load_experiment("configs/tiny_moe_cpu.yaml", ["loss.score_centering=true", "loss.score_centering_top_k=16"])

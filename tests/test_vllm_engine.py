@@ -164,6 +164,24 @@ def test_decoding_a_completion():
     sample.check(num_moe_layers=2, topk=2)
 
 
+def test_the_samplers_top_k_is_asked_for_and_decoded_by_rank():
+    """logprobs=k returns, per position, the k most likely tokens (ranks 1 … k) and the sampled
+    token's entry when it is not among them: the head is the ranked ones, in rank order."""
+    assert sampling_kwargs(SamplingParams(top_logprobs=3), seed=None, mode="processed_logprobs")["logprobs"] == 3
+    row = ResponseSlot(request(top_logprobs=3), 0)
+    positions = [{4: Logprob(-2.0, rank=5), 11: Logprob(-0.5, rank=1), 12: Logprob(-1.0, rank=2), 13: Logprob(-1.5, rank=3)},
+                 {13: Logprob(-0.2, rank=2), 8: Logprob(-0.1, rank=1), 14: Logprob(-3.0, rank=3)}]
+    out = CompletionOutput(0, [4, 8], positions, None, "length")
+    sample = _decode(row, RequestOutput([5, 6, 7], [out]), capture=False)
+    assert sample.sampler_head_ids.dtype == torch.int32
+    assert sample.sampler_head_ids.tolist() == [[11, 12, 13], [8, 13, 14]]
+    assert torch.equal(sample.sampler_head_logprobs, torch.tensor([[-0.5, -1.0, -1.5], [-0.1, -0.2, -3.0]]))
+    sample.check()
+    positions[1].pop(14)  # fewer than asked
+    with pytest.raises(ProtocolError, match="the 3 most likely tokens asked"):
+        _decode(row, RequestOutput([5, 6, 7], [CompletionOutput(0, [4, 8], positions, None, "length")]), capture=False)
+
+
 def test_a_stop_token_is_kept_and_is_a_stop_even_on_the_last_allowed_step():
     row = ResponseSlot(request(stop_token_ids=(9,)), 0)
     stopped = _decode(row, RequestOutput([5, 6, 7], [completion(3, [4, 9], finish="stop")]))

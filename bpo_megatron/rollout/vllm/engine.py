@@ -75,7 +75,8 @@ def sampling_kwargs(params: SamplingParams, seed: int | None, mode: LogprobsMode
         "top_p": params.top_p,
         "top_k": params.top_k if params.top_k > 0 else -1,  # -1 disables top-k in every vLLM version
         "max_tokens": params.max_new_tokens,
-        "logprobs": 0,  # the sampled token's log-prob only
+        # the sampled token's log-prob, and the k most likely tokens' when asked (score centering)
+        "logprobs": params.top_logprobs,
         "stop_token_ids": list(params.stop_token_ids),
         "ignore_eos": True,  # the stop list is complete; the model's own EOS must not end a row early
         "detokenize": False,
@@ -84,6 +85,21 @@ def sampling_kwargs(params: SamplingParams, seed: int | None, mode: LogprobsMode
     if seed is not None:
         kwargs["seed"] = seed
     return kwargs
+
+
+def _head(positions: list, k: int, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens of each position (vLLM's ranks 1 … k; the sampled token's entry
+    besides them, of a lower rank, is not one of them) as ``[R, k]`` ids and log-probs."""
+    ids, values = [], []
+    for position in positions:
+        ranked = sorted(((entry.rank, token, entry.logprob) for token, entry in (position or {}).items()
+                         if entry.rank is not None and 1 <= entry.rank <= k))
+        if [rank for rank, _, _ in ranked] != list(range(1, k + 1)):
+            raise ProtocolError(f"{where}: a position does not give the {k} most likely tokens asked (logprobs={k})")
+        ids.append([token for _, token, _ in ranked])
+        values.append([float(logprob) for _, _, logprob in ranked])
+    return (torch.tensor(ids, dtype=torch.int32).view(len(positions), k),
+            torch.tensor(values, dtype=torch.float32).view(len(positions), k))
 
 
 def _sampled_logprob(position: Any, token: int, where: str) -> float:
@@ -140,6 +156,9 @@ def decode_output(row: ResponseSlot, output: Any, *, routing: RoutingLayout | No
         rollout_logprobs=torch.tensor(logprobs, dtype=torch.float32),
         finish_reason=finish,
     )
+    if row.request.sampling.top_logprobs:
+        sample.sampler_head_ids, sample.sampler_head_logprobs = _head(positions, row.request.sampling.top_logprobs,
+                                                                      where)
     if routing is not None:
         if completion.routed_experts is None:
             raise ProtocolError(f"{where}: no routed experts; vLLM must be built with enable_return_routed_experts "

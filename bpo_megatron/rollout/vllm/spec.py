@@ -28,4 +28,7 @@ SPEC = EngineSpec(
     transport=lambda options, colocated: "object_store",
     library="vllm",  # an in-process engine: vLLM's LLM runs in the engine actor
     captures_routing_without_gpu=False,  # routed-expert capture needs vLLM's GPU model runner
+    # logprobs=k: its processed log-probs are the drawn distribution's only without top-k/top-p, its
+    # raw ones only at temperature 1 without them (vllm/engine.py refuses the rest per request)
+    top_logprobs="unfiltered",
 )
