@@ -205,3 +205,54 @@ def test_fp8_gemm_takes_the_block_scaled_kernel_only_where_it_exists(monkeypatch
     assert fp8.gemm_path(x.float(), q) == "emulated"  # the kernel returns bf16 from bf16 inputs here
     assert fp8.gemm_path(x[:, :384], q[:, :384]) == "emulated"  # 3 scale blocks along the input
     assert fp8.gemm_path(x[:15], q) == "emulated" and fp8.gemm_path(x, q[:200]) == "emulated"
+
+
+def test_an_fp8_server_gets_e4m3_values_and_block_scales_and_starts_from_a_block_fp8_checkpoint(moe_dir):
+    """What an FP8-serialized server (SGLang, rollout.sglang.quantization=fp8) loads: each linear
+    weight as e4m3 and ``<name>_scale_inv``, the rest as it is, at sync (fp8.SYNC_FORMS) and in
+    the checkpoint it starts from (made once beside the run's weights, config marked block FP8)."""
+    from bpo_megatron.weights.safetensors_io import HFWeightsReader
+
+    weight = torch.randn(200, 300, generator=torch.Generator().manual_seed(9))
+    name = "model.layers.0.mlp.experts.3.down_proj.weight"
+    [(q_name, q), (s_name, scale)] = fp8.SYNC_FORMS["fp8-blocks"](name, weight)
+    assert (q_name, s_name) == (name, name + "_scale_inv") and q.dtype == torch.float8_e4m3fn
+    assert torch.equal(fp8.dequantize(q, scale), fp8.round_through_fp8(weight))
+    router = "model.layers.0.mlp.gate.weight"
+    assert fp8.SYNC_FORMS["fp8-blocks"](router, weight)[0][1] is weight and len(fp8.SYNC_FORMS["fp8-blocks"](router, weight)) == 1
+    [(_, rounded)] = fp8.SYNC_FORMS["fp8"](name, weight)
+    assert torch.equal(rounded, fp8.round_through_fp8(weight))
+
+    served = fp8.served_checkpoint(moe_dir)
+    assert served == moe_dir.with_name(moe_dir.name + ".fp8") and fp8.served_checkpoint(moe_dir) == served  # once
+    import json
+    assert json.loads((served / "config.json").read_text())["quantization_config"] == fp8.QUANTIZATION_CONFIG
+    with HFWeightsReader(moe_dir) as source, HFWeightsReader(served) as target:
+        names = set(target.weight_map)
+        for tensor_name in source.weight_map:
+            original = source.slice(tensor_name)[:]
+            if fp8.quantized(tensor_name):
+                q, scale = target.slice(tensor_name)[:], target.slice(tensor_name + "_scale_inv")[:]
+                assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+                assert torch.equal(fp8.dequantize(q, scale, dtype=original.dtype), fp8.round_through_fp8(original))
+                names -= {tensor_name, tensor_name + "_scale_inv"}
+            else:
+                assert torch.equal(target.slice(tensor_name)[:], original)
+                names.discard(tensor_name)
+        assert not names  # nothing else in it
+
+
+def test_the_sglang_engine_is_launched_in_fp8_and_the_trainer_told_to_send_blocks():
+    from bpo_megatron.rollout import engine_spec
+    from bpo_megatron.rollout.sglang.options import SGLangConfig, SGLangOptions
+
+    spec = engine_spec("sglang")
+    assert spec.weight_quantization(SGLangOptions(quantization="fp8")) == "fp8-blocks"
+    assert spec.weight_quantization(SGLangOptions()) is None
+    command = SGLangConfig(model_path="m", quantization="fp8").launch_command(30000)
+    assert command[command.index("--quantization") + 1] == "fp8"
+    assert "--quantization" not in SGLangConfig(model_path="m").launch_command(30000)
+    with pytest.raises(ValueError, match="--quantization is set by rollout.sglang.quantization"):
+        SGLangOptions(quantization="fp8", extra_args=("--quantization", "fp8"))
+    with pytest.raises(ValueError, match="choose none or fp8"):
+        SGLangOptions(quantization="int4")

@@ -137,8 +137,9 @@ class TrainWorker:
         Every rank takes part in gathering the shards; rank 0 alone talks to the engines, or every
         rank for a transport that sends from every GPU (``cuda_ipc``). ``dtype``
         (``fp32``/``bf16``) converts the tensors to the engines' precision first, and
-        ``quantization`` (``fp8``) rounds the linear layers' weights as the engines hold them
-        (:mod:`bpo_megatron.weights.fp8`, the one place that decides it). Engines that
+        ``quantization`` sends the linear layers' weights as the engines hold them
+        (:data:`bpo_megatron.weights.fp8.SYNC_FORMS`: rounded through e4m3, or e4m3 values and
+        block scales; the one place that decides it). Engines that
         died meanwhile are reported in ``failed`` (their positions in ``endpoints``). With
         ``verify``, rank 0 also returns the fingerprints of what it sent.
         """
@@ -151,15 +152,14 @@ class TrainWorker:
         stream = self.actor.export_weights(bucket_bytes, dtype=TORCH_DTYPES[dtype] if dtype else None,
                                            host=sender.host_tensors, all_ranks=sender.every_rank, views=sender.views)
 
+        form = None if quantization is None else fp8.SYNC_FORMS.get(quantization)
+        if quantization is not None and form is None:
+            raise ValueError(f"weights quantized as {quantization!r}: choose one of {sorted(fp8.SYNC_FORMS)}")
+
         def fingerprinted(buckets):
             for bucket in buckets:
-                if quantization == "fp8":
-                    if not isinstance(bucket, list):
-                        raise ValueError(f"the {transport} transport sends flattened buckets, which are not "
-                                         "rounded through FP8 here; FP8 engines receive lists of tensors")
-                    bucket = [(name, fp8.round_named(name, tensor)) for name, tensor in bucket]
-                elif quantization is not None:
-                    raise ValueError(f"weights quantized as {quantization!r}: only fp8 is known")
+                if form is not None:  # a flattened bucket too: its tensors, each as the engines load it
+                    bucket = [pair for name, tensor in bucket for pair in form(name, tensor)]
                 if verify and self.rank == 0:
                     expected.update((name, fingerprint(tensor)) for name, tensor in bucket)
                 yield bucket

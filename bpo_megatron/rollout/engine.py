@@ -206,8 +206,9 @@ class EngineSpec:
     library: str | None = None
     check: Callable[[Any], None] = _no_check
     weight_dtype: Callable[[Any], str | None] = _engine_dtype
-    # how the engine holds its weights beyond their dtype (None; "fp8": rounded through block-wise
-    # e4m3, bpo_megatron/weights/fp8.py): the trainer sends them so, and fingerprints what it sent
+    # how the engine holds its weights beyond their dtype (None, or a form of
+    # bpo_megatron.weights.fp8.SYNC_FORMS: "fp8" rounded through block e4m3, "fp8-blocks" e4m3
+    # values and block scales): the trainer sends them so, and fingerprints what it sent
     weight_quantization: Callable[[Any], str | None] = _no_quantization
     captures_routing_without_gpu: bool = True  # R3 capture works on a CPU-only machine
     exposes_weights: bool = False  # can report what it holds (weight_sync.verify)

@@ -15,8 +15,13 @@ replays, so it is not rounded here).
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -30,6 +35,13 @@ SUBNORMAL_STEP = 2.0**-9
 
 # the Hugging Face names of the weights FP8 serving quantizes (a router's "mlp.gate.weight" is not one)
 _QUANTIZED = re.compile(r"\.(self_attn\.(q|k|v|o)_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)\.weight$")
+
+
+# An FP8-serialized checkpoint (SGLang's --quantization fp8, block scales): each quantized weight
+# "<...>_proj.weight" beside its scales "<...>_proj.weight_scale_inv", and this in its config
+SCALE_SUFFIX = "_scale_inv"
+QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                       "weight_block_size": [128, 128]}
 
 
 def quantized(name: str) -> bool:
@@ -138,3 +150,53 @@ def linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor) -> torch.T
         # the kernel wants the activations' scales outer-dimension-major and the weight's transposed
         return torch._scaled_mm(xq, q.t(), x_scale.t().contiguous().t(), scale_inv.t(), out_dtype=x.dtype)
     return emulated_linear(x, q, scale_inv)
+
+
+# -- weights for FP8 engines: what the trainer sends, what a server starts from --
+
+def served_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The tensors an FP8-serialized server loads for the weight ``name`` (SGLang with a block-FP8
+    checkpoint): a quantized weight as its e4m3 values and ``<name>_scale_inv``, any other as it is."""
+    if not quantized(name):
+        return [(name, tensor)]
+    q, scale_inv = quantize(tensor)
+    return [(name, q), (name + SCALE_SUFFIX, scale_inv)]
+
+
+# how the trainer sends weights to an engine that holds them in FP8 (EngineSpec.weight_quantization):
+# "fp8": rounded through e4m3 in the tensor's dtype (an engine that computes in it: the embedded
+# engine's emulation); "fp8-blocks": e4m3 values and their scales (an FP8-serialized server)
+SYNC_FORMS: dict[str, Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]] = {
+    "fp8": lambda name, tensor: [(name, round_named(name, tensor))],
+    "fp8-blocks": served_tensors,
+}
+
+
+def served_checkpoint(model_dir: str | Path) -> Path:
+    """The block-FP8 checkpoint an FP8 server starts from: ``model_dir``'s weights through
+    :func:`served_tensors`, its config with :data:`QUANTIZATION_CONFIG`, its other files as they
+    are; made once beside it (``<model_dir>.fp8``; atomically, so engines starting at once on a
+    node agree) and reused after."""
+    from bpo_megatron.weights.safetensors_io import INDEX_FILE, HFWeightsReader, ShardedSafetensorsWriter
+
+    source = Path(model_dir)
+    target = source.with_name(source.name + ".fp8")
+    if (target / "config.json").is_file():
+        return target
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(source, partial, ignore=shutil.ignore_patterns("*.safetensors", INDEX_FILE))
+    writer = ShardedSafetensorsWriter(partial)
+    with HFWeightsReader(source) as reader:
+        for name in reader.weight_map:
+            for served, tensor in served_tensors(name, reader.slice(name)[:]):
+                writer.add(served, tensor)
+    writer.close()
+    config = json.loads((partial / "config.json").read_text())
+    config["quantization_config"] = dict(QUANTIZATION_CONFIG)
+    (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    try:
+        os.rename(partial, target)
+    except OSError:  # another engine of the run made it first
+        shutil.rmtree(partial, ignore_errors=True)
+    return target

@@ -46,3 +46,42 @@ def test_sglang_dequantizes_our_fp8_weights_to_what_our_engine_computes_with(tmp
         assert q.dtype == torch.float8_e4m3fn and scale_inv.shape == (-(-weight.shape[0] // 128), -(-weight.shape[1] // 128))
         assert torch.equal(theirs[name], fp8.dequantize(q, scale_inv)), name
         assert torch.equal(theirs[name], fp8.round_through_fp8(weight)), name
+
+
+READ_CHECKPOINT = """
+import glob, json, sys, torch
+from sglang.srt.layers.quantization.fp8 import Fp8Config
+from sglang.srt.layers.quantization.fp8_utils import block_quant_dequant
+from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
+directory = sys.argv[1]
+config = Fp8Config.from_config(json.load(open(directory + "/config.json"))["quantization_config"])
+weights = dict(safetensors_weights_iterator(sorted(glob.glob(directory + "/*.safetensors"))))
+dequantized = {name[: -len("_scale_inv")]: block_quant_dequant(weights[name[: -len("_scale_inv")]], scale,
+                                                                 config.weight_block_size, torch.float32)
+               for name, scale in weights.items() if name.endswith("_scale_inv")}
+torch.save({"serialized": config.is_checkpoint_fp8_serialized, "block": list(config.weight_block_size),
+            "names": sorted(weights), "dequantized": dequantized}, sys.argv[2])
+"""
+
+
+def test_sglang_reads_the_block_fp8_checkpoint_an_fp8_server_starts_from(tmp_path):
+    """Our served checkpoint (``fp8.served_checkpoint``) through SGLang's own ``Fp8Config`` and
+    safetensors reader: an FP8-serialized checkpoint with 128 × 128 blocks whose every quantized
+    weight SGLang dequantizes to our rounding of the original, and nothing else quantized."""
+    from bpo_megatron.testing import MODEL_CONFIGS, random_checkpoint
+    from bpo_megatron.weights.safetensors_io import HFWeightsReader
+
+    model_dir = random_checkpoint(MODEL_CONFIGS / "tiny_qwen3_moe", tmp_path / "moe", seed=1)
+    served = fp8.served_checkpoint(model_dir)
+    done = subprocess.run([str(SGLANG_PYTHON), "-c", READ_CHECKPOINT, str(served), str(tmp_path / "read.pt")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    read = torch.load(tmp_path / "read.pt")
+    assert read["serialized"] and read["block"] == [128, 128]
+    with HFWeightsReader(model_dir) as source:
+        quantized = {name for name in source.weight_map if fp8.quantized(name)}
+        assert quantized and set(read["dequantized"]) == quantized
+        assert set(read["names"]) == set(source.weight_map) | {name + "_scale_inv" for name in quantized}
+        for name in quantized:
+            original = source.slice(name)[:]
+            assert torch.equal(read["dequantized"][name], fp8.round_through_fp8(original).float()), name

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 @dataclass(frozen=True)
 class SGLangOptions:
@@ -27,6 +28,10 @@ class SGLangOptions:
     tp_size: int = 1
     mem_fraction_static: float | None = None
     extra_args: tuple[str, ...] = ()  # passed to sglang.launch_server verbatim
+    # none: the weights as the trainer holds them; fp8: served in block FP8 (--quantization fp8 on a
+    # block-FP8 checkpoint made from the run's weights, bpo_megatron/weights/fp8.py), the trainer
+    # sending each linear weight as e4m3 values and block scales
+    quantization: Literal["none", "fp8"] = "none"
     launcher: tuple[str, ...] = field(default_factory=lambda: (sys.executable, "-m", "sglang.launch_server"))
     startup_timeout_s: float = 900.0
     # A generation request's own deadline. None (the default): none — a request waits in SGLang's
@@ -48,6 +53,10 @@ class SGLangOptions:
                 raise ValueError(f"rollout.sglang.{name} must be >= 1")
         if self.max_retries < 0:
             raise ValueError("rollout.sglang.max_retries must be >= 0")
+        if self.quantization not in ("none", "fp8"):
+            raise ValueError(f"rollout.sglang.quantization={self.quantization!r}: choose none or fp8")
+        if self.quantization != "none" and "--quantization" in self.extra_args:
+            raise ValueError("rollout.sglang.extra_args: --quantization is set by rollout.sglang.quantization")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError(f"rollout.sglang.request_timeout_s must be > 0 seconds, or null (no deadline per request: "
                              f"rollout.stall_timeout_s bounds a server that stops making progress), got "
@@ -94,4 +103,6 @@ class SGLangConfig(SGLangOptions):
             cmd.append("--enable-memory-saver")
         if self.mem_fraction_static is not None:
             cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        if self.quantization != "none":
+            cmd += ["--quantization", self.quantization]
         return cmd + list(self.extra_args)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from bpo_megatron.rollout.engine import EngineContext, EngineProfile, EngineSpec, RolloutEngine
 from bpo_megatron.rollout.sglang.options import SGLangConfig, SGLangOptions
@@ -21,7 +21,12 @@ def engine_config(options: SGLangOptions, context: EngineContext) -> SGLangConfi
 def _build(options: SGLangOptions, context: EngineContext) -> RolloutEngine:
     from bpo_megatron.rollout.sglang.engine import SGLangEngine
 
-    return SGLangEngine(engine_config(options, context), routing=context.routing)
+    config = engine_config(options, context)
+    if options.quantization == "fp8" and options.url is None:  # a server it starts: from a block-FP8 checkpoint
+        from bpo_megatron.weights import fp8
+
+        config = replace(config, model_path=str(fp8.served_checkpoint(context.model_dir)))
+    return SGLangEngine(config, routing=context.routing)
 
 
 def _profile(options: SGLangOptions, requests: int, gpus_per_engine: float) -> EngineProfile:
@@ -46,4 +51,6 @@ SPEC = EngineSpec(
     partial_rollouts=True,
     # top_logprobs_num: log-softmax(logits / T), before SGLang's top-k/top-p (layers/sampler.py)
     top_logprobs="unfiltered",
+    # block FP8: each linear weight sent as e4m3 values and its block scales (weights/fp8.py)
+    weight_quantization=lambda options: "fp8-blocks" if options.quantization == "fp8" else None,
 )
