@@ -240,6 +240,8 @@ def test_an_fp8_server_gets_e4m3_values_and_block_scales_and_starts_from_a_block
                 assert torch.equal(target.slice(tensor_name)[:], original)
                 names.discard(tensor_name)
         assert not names  # nothing else in it
+    elsewhere = fp8.served_checkpoint(moe_dir, moe_dir.parent / "fp8-copies")  # rollout.sglang.fp8_checkpoint_dir
+    assert elsewhere == moe_dir.parent / "fp8-copies" / f"{moe_dir.name}.fp8" and (elsewhere / "config.json").is_file()
 
 
 def test_the_sglang_engine_is_launched_in_fp8_and_the_trainer_told_to_send_blocks():

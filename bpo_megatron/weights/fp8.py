@@ -172,17 +172,22 @@ SYNC_FORMS: dict[str, Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor
 }
 
 
-def served_checkpoint(model_dir: str | Path) -> Path:
+def served_checkpoint(model_dir: str | Path, directory: str | Path | None = None) -> Path:
     """The block-FP8 checkpoint an FP8 server starts from: ``model_dir``'s weights through
     :func:`served_tensors`, its config with :data:`QUANTIZATION_CONFIG`, its other files as they
-    are; made once beside it (``<model_dir>.fp8``; atomically, so engines starting at once on a
-    node agree) and reused after."""
+    are; made once as ``<directory>/<model_dir's name>.fp8`` (``directory`` None: beside
+    ``model_dir``), atomically, so engines starting at once agree, and reused after."""
     from bpo_megatron.weights.safetensors_io import INDEX_FILE, HFWeightsReader, ShardedSafetensorsWriter
 
     source = Path(model_dir)
-    target = source.with_name(source.name + ".fp8")
+    parent = source.parent if directory is None else Path(directory)
+    target = parent / f"{source.name}.fp8"
     if (target / "config.json").is_file():
         return target
+    if not os.access(parent if parent.exists() else parent.parent, os.W_OK):
+        raise PermissionError(f"the block-FP8 copy of {source} for an FP8 server goes to {parent}, which is not "
+                              "writable: set rollout.sglang.fp8_checkpoint_dir to a writable directory")
+    parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     shutil.copytree(source, partial, ignore=shutil.ignore_patterns("*.safetensors", INDEX_FILE))

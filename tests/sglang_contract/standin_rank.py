@@ -35,9 +35,13 @@ class CheckpointModel(torch.nn.Module):
 
     def __init__(self, model_dir: str) -> None:
         super().__init__()
+        from pathlib import Path
+
         from safetensors.torch import load_file
 
-        self.weights = load_file(f"{model_dir}/model.safetensors")
+        # every file of the checkpoint, as SGLang's loader reads it (one file, or the shards of an index)
+        self.weights = {name: tensor for file in sorted(Path(model_dir).glob("*.safetensors"))
+                        for name, tensor in load_file(str(file)).items()}
         self.released = False
 
     def load_weights(self, named) -> None:

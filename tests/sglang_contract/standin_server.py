@@ -459,7 +459,8 @@ class TokenizerManager:
     async def update_weights_from_distributed(self, obj, request=None):
         return await self._update("update_weights_from_distributed", obj,
                                   {"tensors": len(obj.names), "version": obj.weight_version,
-                                   "load_format": obj.load_format})
+                                   "load_format": obj.load_format, "dtypes": sorted(set(obj.dtypes)),
+                                   "scales": sum(name.endswith("_scale_inv") for name in obj.names)})
 
     async def init_weights_update_group(self, obj, request=None):
         return await self._all("init_weights_update_group", obj, {"rank_offset": obj.rank_offset,
@@ -569,6 +570,7 @@ def main() -> None:
 
     server_args = ServerArgs.from_cli_args(ARGS)
     print(f"server_args={_server_args_for_logging(server_args)}", flush=True)  # as SGLang logs them at start
+    _record({"call": "start", "model_path": server_args.model_path, "quantization": server_args.quantization})
     publish(server_args, role="tokenizer")  # as SGLang's tokenizer process does
     ranks = Ranks(ARGS.tp_size, ARGS.model_path)
     STATE["version"] = ranks.call("version")[0]

@@ -184,3 +184,19 @@ def test_an_async_run_four_steps_ahead_loses_an_engine_once_and_restarts_it_once
         _check_order(server, memory_saver=False)
     pauses = [c for server in servers for c in server if c["call"] == "pause_generation"]
     assert pauses and {c["mode"] for c in pauses} == {"retract"}
+
+
+def test_an_fp8_served_engine_starts_from_block_fp8_and_receives_e4m3_weights_with_their_scales(tmp_path):
+    """rollout.sglang.quantization=fp8 over the stand-in (SGLang's own server arguments, weight-update
+    requests and flattened-bucket receiving): the server is started with --quantization fp8 on the
+    block-FP8 checkpoint beside the run's weights, and every weight update carries each linear
+    weight as e4m3 with its weight_scale_inv (the stand-in's ranks load them by name and shape)."""
+    metrics, calls, output = _run(tmp_path, "cluster.colocate=false", "rollout.num_engines=1",
+                                  "cluster.trainer_ranks=2", "rollout.sglang.quantization=fp8")
+    [start] = [call for call in calls if call["call"] == "start"]  # SGLang's own ServerArgs of the command line
+    assert start["quantization"] == "fp8" and start["model_path"].endswith("initial_hf.fp8")
+    updates = [call for call in calls if call["call"] == "update_weights_from_distributed"]
+    assert updates
+    scales = sum(call["scales"] for call in updates)
+    assert scales > 0 and all("float8_e4m3fn" in call["dtypes"] for call in updates if call["scales"])
+    assert [r["step"] for r in metrics if "reward_mean" in r] == [1, 2, 3]

@@ -32,6 +32,9 @@ class SGLangOptions:
     # block-FP8 checkpoint made from the run's weights, bpo_megatron/weights/fp8.py), the trainer
     # sending each linear weight as e4m3 values and block scales
     quantization: Literal["none", "fp8"] = "none"
+    # where the block-FP8 copy of the run's weights is made for fp8 (None: beside them, e.g.
+    # <run>/initial_hf.fp8 or <model.path>.fp8)
+    fp8_checkpoint_dir: str | None = None
     launcher: tuple[str, ...] = field(default_factory=lambda: (sys.executable, "-m", "sglang.launch_server"))
     startup_timeout_s: float = 900.0
     # A generation request's own deadline. None (the default): none — a request waits in SGLang's

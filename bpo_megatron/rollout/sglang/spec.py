@@ -25,7 +25,7 @@ def _build(options: SGLangOptions, context: EngineContext) -> RolloutEngine:
     if options.quantization == "fp8" and options.url is None:  # a server it starts: from a block-FP8 checkpoint
         from bpo_megatron.weights import fp8
 
-        config = replace(config, model_path=str(fp8.served_checkpoint(context.model_dir)))
+        config = replace(config, model_path=str(fp8.served_checkpoint(context.model_dir, options.fp8_checkpoint_dir)))
     return SGLangEngine(config, routing=context.routing)
 
 
