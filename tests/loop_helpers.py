@@ -21,3 +21,16 @@ def run_loop(cfg, *, stop_after_step: int | None = None) -> tuple[dict, list[str
             raise Interrupted(line)
 
     return run(cfg, echo=echo), lines
+
+
+def assert_the_demo_learned(run_dir) -> None:
+    """A full demo run learned: its training reward over the last 10 steps above the first 10 by
+    more than 0.05, its last evaluation above its first."""
+    from bpo_megatron.observability.metrics import read_metrics
+
+    records = read_metrics(run_dir)
+    rewards = [r["reward_mean"] for r in records if "reward_mean" in r]
+    evals = [r["eval/mean_avg@4"] for r in records if "eval/mean_avg@4" in r]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > first + 0.05, (first, last)
+    assert evals[-1] > evals[0], evals

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bpo_megatron.observability.metrics import read_metrics
-from loop_helpers import Interrupted, run_loop
+from loop_helpers import Interrupted, assert_the_demo_learned, run_loop
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -211,12 +211,7 @@ def test_the_demo_learns_one_step_off_policy(tmp_path, ray_session):
     cfg = load_experiment("configs/tiny_moe_cpu.yaml", [f"logging.run_dir={tmp_path}", "cluster.colocate=false",
                                                         "train.async.max_staleness=1"])
     _run(cfg)
-    records = read_metrics(tmp_path)
-    rewards = [r["reward_mean"] for r in records if "reward_mean" in r]
-    evals = [r["eval/mean_avg@4"] for r in records if "eval/mean_avg@4" in r]
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    assert last > first + 0.05, (first, last)
-    assert evals[-1] > evals[0], evals
+    assert_the_demo_learned(tmp_path)
 
 
 @pytest.mark.slow
