@@ -267,6 +267,9 @@ def test_the_embedded_engine_reports_the_top_k_it_drew_from(moe_dir, filters):
     plain = GenerationRequest("plain", (1, 2, 3), SamplingParams(max_new_tokens=4, **filters))
     samples = engine.generate([*asked, plain])
     assert samples[-1].sampler_head_ids is None and samples[-1].sampler_head_logprobs is None
+    vocab = engine.model.config.vocab_size
+    with pytest.raises(ValueError, match=f"top_logprobs={vocab + 1} exceeds the model's vocabulary of {vocab}"):
+        engine.generate([GenerationRequest("big", (1, 2), SamplingParams(max_new_tokens=2, top_logprobs=vocab + 1))])
     for sample in samples[:-1]:
         sample.check()
         ids, logq = sample.sampler_head_ids, sample.sampler_head_logprobs

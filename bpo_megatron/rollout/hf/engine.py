@@ -305,6 +305,11 @@ class HFEngine(RolloutEngine):
             self._forward_done()
 
     def _check_lengths(self, requests: list[GenerationRequest]) -> None:
+        vocab = self._live_model().config.vocab_size
+        for request in requests:
+            if request.sampling.top_logprobs > vocab:
+                raise ValueError(f"request {request.request_id!r}: top_logprobs={request.sampling.top_logprobs} "
+                                 f"exceeds the model's vocabulary of {vocab} tokens (loss.score_centering_top_k)")
         if self._max_positions is None:
             return
         for request in requests:
