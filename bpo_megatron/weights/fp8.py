@@ -146,10 +146,16 @@ def linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor) -> torch.T
     the input quantized in 1 × 128 groups, accumulated in fp32, returned in ``x``'s dtype; by the
     path :func:`gemm_path` names."""
     if gemm_path(x, q) == "scaled_mm":
-        xq, x_scale = quantize_activations(x)
-        # the kernel wants the activations' scales outer-dimension-major and the weight's transposed
-        return torch._scaled_mm(xq, q.t(), x_scale.t().contiguous().t(), scale_inv.t(), out_dtype=x.dtype)
+        return block_scaled_mm(*quantize_activations(x), q, scale_inv, x.dtype)
     return emulated_linear(x, q, scale_inv)
+
+
+def block_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """The block-scaled GEMM of :func:`linear` alone, on inputs already quantized (the path
+    ``scaled_mm`` of :func:`gemm_path`: Hopper)."""
+    # the kernel wants the activations' scales outer-dimension-major and the weight's transposed
+    return torch._scaled_mm(xq, q.t(), x_scale.t().contiguous().t(), scale_inv.t(), out_dtype=out_dtype)
 
 
 # -- weights for FP8 engines: what the trainer sends, what a server starts from --
