@@ -96,8 +96,7 @@ class TrainerGroup:
                                                                  "start-up")
         self.dp_size = self.layout[0][1]
         self.hf, self.replaying = spec.hf, spec.model.routing_replay
-        self.correction = spec.loss.correction.name
-        self.score_centering = spec.loss.score_centering
+        self.loss = spec.loss  # what training batches are checked for (set_loss changes it)
         self.budget = spec.trainer.max_tokens_per_micro_batch  # > 0: packed micro-batches, shares balanced by cost
         self.cost = CostModel.of(self.hf)
         self.sent_bytes = 0  # written into the object store for the ranks (see take_sent_bytes)
@@ -110,8 +109,7 @@ class TrainerGroup:
         share's (:func:`~bpo_megatron.trainer.balance.imbalance`; 1.0 is perfect balance)."""
         from bpo_megatron.trainer.balance import imbalance
 
-        shares = self._prepare(minibatch, replaying=self.replaying, correction=self.correction,
-                               score_centering=self.score_centering)
+        shares = self._prepare(minibatch, replaying=self.replaying, loss=self.loss)
         refs = self._put_shares(minibatch, shares.indices)
         metrics = self._collect([w.train_share.remote(refs[dp], shares.totals)
                                  for w, (dp, _, _) in zip(self.workers, self.layout)], "train_step")[-1]
@@ -151,7 +149,7 @@ class TrainerGroup:
         self.call("save", root, step, trainer_state, keep_last)
 
     def set_loss(self, loss) -> None:
-        self.correction, self.score_centering = loss.correction.name, loss.score_centering  # what batches are checked for
+        self.loss = loss
         self.call("set_loss", loss)
 
     def set_learning_rate(self, lr: float) -> None:
@@ -201,15 +199,14 @@ class TrainerGroup:
         sent, self.sent_bytes = self.sent_bytes, 0
         return sent
 
-    def _prepare(self, samples: list, *, replaying: bool, correction: str = "none", score_centering: bool = False):
+    def _prepare(self, samples: list, *, replaying: bool, loss=None):
         """Refuse, before anything is sent, what every rank would refuse; the shares the ranks'
         own whole-batch calls would choose, so results map back to sample order alike (the
         routing came from an engine, which checked its ids on arrival)."""
         from bpo_megatron.trainer.shares import prepare_shares
 
         return prepare_shares(samples, self.hf, dp_size=self.dp_size, budget=self.budget, cost=self.cost,
-                              replaying=replaying, correction=correction, routing_ids=False,
-                              score_centering=score_centering)
+                              replaying=replaying, loss=loss, routing_ids=False)
 
     def _put_shares(self, samples: list, shares: list[list[int]]) -> list:
         import ray

@@ -336,8 +336,7 @@ class TrainActor:
         return prepare_shares(samples, self.hf, dp_size=self.ranks.dp_size,
                               budget=self.trainer_cfg.max_tokens_per_micro_batch, cost=self.cost,
                               replaying=self.replay is not None and replaying,
-                              correction=self.loss_cfg.correction.name if training else "none",
-                              score_centering=training and self.loss_cfg.score_centering)
+                              loss=self.loss_cfg if training else None)
 
     def _check_share(self, share: list[TrainSample], *, replaying: bool = True, training: bool = False) -> None:
         """A share comes from a driver that checked the whole batch: its routing ids are not read
@@ -345,8 +344,7 @@ class TrainActor:
         (balance.packs_in_lockstep), so no rank waits for another that refused."""
         self._check_onloaded()
         check_batch(share, self.hf, replaying=self.replay is not None and replaying, dp_size=1,
-                    correction=self.loss_cfg.correction.name if training else "none", routing_ids=False,
-                    score_centering=training and self.loss_cfg.score_centering)
+                    loss=self.loss_cfg if training else None, routing_ids=False)
 
     def _check_onloaded(self) -> None:
         if self._offload.offloaded:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bpo_megatron.losses import BatchTotals
+from bpo_megatron.losses import BatchTotals, PolicyLossConfig
 from bpo_megatron.models.hf_config import HFModelConfig
 from bpo_megatron.trainer.balance import CostModel, data_parallel_shares
 from bpo_megatron.trainer.packing import check_fits
@@ -22,13 +22,11 @@ class Shares:
 
 
 def prepare_shares(samples: list[TrainSample], hf: HFModelConfig, *, dp_size: int, budget: int, cost: CostModel,
-                   replaying: bool, correction: str = "none", routing_ids: bool = True,
-                   score_centering: bool = False) -> Shares:
+                   replaying: bool, loss: PolicyLossConfig | None = None, routing_ids: bool = True) -> Shares:
     """Refuse, before anything is sent or run, what any rank would refuse (:func:`check_batch`;
     with a token ``budget``, a sample that fits no micro-batch), then the shares
     (:func:`~bpo_megatron.trainer.balance.data_parallel_shares`) and the batch's totals."""
-    check_batch(samples, hf, replaying=replaying, dp_size=dp_size, correction=correction, routing_ids=routing_ids,
-                score_centering=score_centering)
+    check_batch(samples, hf, replaying=replaying, dp_size=dp_size, loss=loss, routing_ids=routing_ids)
     if budget:
         check_fits(samples, budget)
     return Shares(data_parallel_shares(samples, dp_size, budget=budget, cost=cost), minibatch_totals(samples))
@@ -43,18 +41,18 @@ def minibatch_totals(minibatch: list[TrainSample]) -> BatchTotals:
 
 
 def check_batch(samples: list[TrainSample], hf: HFModelConfig, *, replaying: bool, dp_size: int,
-                correction: str = "none", routing_ids: bool = True, score_centering: bool = False) -> None:
+                loss: PolicyLossConfig | None = None, routing_ids: bool = True) -> None:
     """Refuse samples the model cannot take (token ids, routing when ``replaying``), a batch
-    that ``dp_size`` data-parallel ranks cannot share evenly, and one without the behaviour
-    log-probs a mismatch ``correction`` (other than none) is computed from, or without the
-    sampler's top-k ``score_centering`` is built from. ``routing_ids``:
+    that ``dp_size`` data-parallel ranks cannot share evenly, and one without what the ``loss``
+    it trains with (None: scored only) is computed from: the behaviour log-probs of a mismatch
+    correction, the sampler's top-k of score centering. ``routing_ids``:
     also read the expert ids (see :func:`~bpo_megatron.trainer.replay.check_routed_experts`:
     false where the routing came from an engine, which checked it on arrival)."""
     check_samples(samples, vocab_size=hf.vocab_size)
-    if correction != "none" and samples[0].old_logprobs is None:
-        raise ValueError(f"loss.correction={correction} needs each sample's old_logprobs (the trainer's log-probs under "
-                         "the weights at the step's start): set train.recompute_old_logprobs=true")
-    if score_centering and samples[0].sampler_head_ids is None:
+    if loss is not None and loss.correction.active and samples[0].old_logprobs is None:
+        raise ValueError(f"loss.correction={loss.correction.name} needs each sample's old_logprobs (the trainer's "
+                         "log-probs under the weights at the step's start): set train.recompute_old_logprobs=true")
+    if loss is not None and loss.score_centering and samples[0].sampler_head_ids is None:
         raise ValueError("loss.score_centering needs each sample's sampler_head_ids and sampler_head_logprobs (the "
                          "engine's top-k log-probs of every response token, which the loop asks for with it on)")
     if replaying:

@@ -96,7 +96,7 @@ class HFEngine(RolloutEngine):
         self._fp8 = quantization == "fp8"
         # an FP8 engine holds its linear weights rounded through block e4m3 and computes those layers
         # in block FP8 (rollout/hf/fp8_compute.py), from the first generation on
-        self._fp8_layers: dict[str, fp8_compute.Fp8Linear] = {}
+        self._fp8_layers: list[fp8_compute.Fp8Linear] = []
         if self._fp8:
             with torch.no_grad():
                 for name, view in self._weights.items():
@@ -143,7 +143,7 @@ class HFEngine(RolloutEngine):
     def end_weight_update(self) -> None:
         self._live_model()
         with self._gate:
-            for layer in self._fp8_layers.values():  # weights may also have been written in place (shared memory)
+            for layer in self._fp8_layers:  # what update_weights or shared memory wrote, once
                 layer.refresh()
             self._paused, self.weight_version = False, self._pending_version
             self._gate.notify_all()
@@ -213,13 +213,9 @@ class HFEngine(RolloutEngine):
             # an FP8 engine's linear weights arrive rounded (the trainer rounds them at sync, as it
             # does for weights written in place); rounding again changes nothing but catches a sender
             # that did not (same dtype and shape: the bytes are those received)
+            # (their e4m3 copies follow at end_weight_update, which closes every update)
             round_ = fp8.round_named if self._fp8 else (lambda name, tensor: tensor)
-            received = 0
-            for name, tensor in named_tensors:
-                received += self._weights.load(name, round_(name, tensor))
-                if name in self._fp8_layers:
-                    self._fp8_layers[name].refresh()
-            return received
+            return sum(self._weights.load(name, round_(name, tensor)) for name, tensor in named_tensors)
 
     def weight_details(self) -> SegmentLayout | None:
         """What ``shared_memory`` writes into: where the shared weights lie (None: not shared)."""
@@ -262,7 +258,7 @@ class HFEngine(RolloutEngine):
         if self._paused:
             raise RuntimeError("the hf rollout engine is in a weight update; call end_weight_update() "
                                "before generate()")
-        self._check_lengths(requests)
+        self._check_requests(requests)
         rows = [_Row(request, index, seed) for request in requests
                 for index, seed in enumerate(row_seeds(request.sampling.seed, request.sampling.n))]
         if not rows:
@@ -304,7 +300,7 @@ class HFEngine(RolloutEngine):
         finally:
             self._forward_done()
 
-    def _check_lengths(self, requests: list[GenerationRequest]) -> None:
+    def _check_requests(self, requests: list[GenerationRequest]) -> None:
         vocab = self._live_model().config.vocab_size
         for request in requests:
             if request.sampling.top_logprobs > vocab:

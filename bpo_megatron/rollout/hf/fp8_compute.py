@@ -16,8 +16,8 @@ gate, up and down) compute so:
   FP8 GEMM: the numbers are FP8's, the speed is the dtype's).
 
 Both are modules of the model, so the decode step and a teacher-forced forward of the same model
-compute the same numbers. The e4m3 copies are refreshed in place after every weight write
-(their addresses are what a captured decode graph reads).
+compute the same numbers. The e4m3 copies are refreshed in place at the end of every weight
+update (their addresses are what a captured decode graph reads).
 """
 
 from __future__ import annotations
@@ -72,15 +72,15 @@ class Fp8Experts(nn.Module):
                                self.act_fn, round_inputs=self.round_inputs)
 
 
-def install(model: nn.Module) -> dict[str, Fp8Linear]:
+def install(model: nn.Module) -> list[Fp8Linear]:
     """Make ``model``'s quantized layers compute in block FP8 (weights already rounded: the engine
-    rounds them at load); returns the :class:`Fp8Linear` layers by their weight's on-disk name, to
-    refresh after a weight write."""
-    layers: dict[str, Fp8Linear] = {}
+    rounds them at load); returns the :class:`Fp8Linear` layers, to refresh after a weight update."""
+    layers: list[Fp8Linear] = []
     for name, module in list(model.named_modules()):
         parent_name, _, child = name.rpartition(".")
         if isinstance(module, nn.Linear) and fp8.quantized(f"{name}.weight"):
-            replacement = layers[f"{name}.weight"] = Fp8Linear(module)
+            replacement = Fp8Linear(module)
+            layers.append(replacement)
         elif child == "experts" and isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) \
                 and module.gate_up_proj.ndim == 3:
             replacement = Fp8Experts(module)
