@@ -1,5 +1,5 @@
-"""The numbers in the prose of experiments/tier_b/README.md and experiments/multi_turn/README.md
-are the committed CSVs' numbers.
+"""The numbers in the prose of experiments/tier_b/README.md, experiments/multi_turn/README.md and
+experiments/tier_m/README.md (and its row of docs/results.md) are the committed CSVs' numbers.
 
 Each is recomputed here with the csv module and closed-form statistics (Student t quantiles from
 tables), not by ``compare``, and the text must state it as written below: a sentence that drifts
@@ -18,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TIER_B = ROOT / "experiments" / "tier_b"
 MULTI_TURN = ROOT / "experiments" / "multi_turn"
+TIER_M = ROOT / "experiments" / "tier_m"
 RESULTS = (TIER_B / "README.md").read_text() + "\n" + (MULTI_TURN / "README.md").read_text()
 T_975 = {2: 4.302653, 9: 2.262157}  # two-sided 95% Student t quantiles by degrees of freedom
 
@@ -205,3 +206,56 @@ def test_the_step_size_contrast():
     assert f"| lr 1e-4 | {cells[0]} | {cells[1]} | {signed(mean)} [{signed(low)}, {signed(high)}] |" in RESULTS
     mean, _, low, high = interval([a - b for a, b in zip(gap, before)])
     assert f"L = {signed(mean)} [{signed(low)}, {signed(high)}]" in RESULTS and high < 0  # "the step size matters"
+
+
+# Tier M: four methods under the emulated FP8 engine, each against GRPO-CH + TIS (the reference)
+TIER_M_RUNS = _runs(TIER_M / "main" / "runs.csv")
+TIER_M_TEXT = (TIER_M / "README.md").read_text()
+TIER_M_METHODS = (("bpo", "BPO"), ("grpo_sc", "GRPO-CH + SC"), ("bpo_sc", "BPO + SC"))
+
+
+def _versus_tis(method: str, runs: dict[tuple, list[dict]] = TIER_M_RUNS, reference: str = "grpo_tis"):
+    return [final_window(runs[(method, s)]) - final_window(runs[(reference, s)]) for s in SEEDS]
+
+
+def test_the_tier_m_table_and_its_readings():
+    values = {m: [final_window(TIER_M_RUNS[(m, s)]) for s in SEEDS] for m in ("grpo_tis", "bpo", "grpo_sc", "bpo_sc")}
+    for seed in SEEDS:  # a seed's four runs share the step-0 evaluation
+        assert len({start(TIER_M_RUNS[(m, seed)]) for m in values}) == 1
+    starts = [start(rows) for rows in TIER_M_RUNS.values()]
+    assert f"evaluation\n({min(starts):.1f}–{max(starts):.1f}% across seeds" in TIER_M_TEXT
+    reference = values["grpo_tis"]
+    assert f"| GRPO-CH + TIS | {statistics.fmean(reference):.1f} ± {statistics.stdev(reference):.1f} | reference |" \
+        in TIER_M_TEXT
+    sds = []
+    for method, label in TIER_M_METHODS:
+        deltas = _versus_tis(method)
+        mean, sd, low, high = interval(deltas)
+        sds.append(sd)
+        row = (f"| {label} | {statistics.fmean(values[method]):.1f} ± {statistics.stdev(values[method]):.1f} | "
+               f"{signed(mean)} [{signed(low)}, {signed(high)}] |")
+        assert row in TIER_M_TEXT, row
+        assert high < 0  # the reading "worse" needs the interval below 0 (the Holm p-values are compare's)
+    behind = [sum(d < 0 for d in _versus_tis(m)) for m, _ in TIER_M_METHODS]
+    assert behind == [8, 10, 10]
+    assert "ends ahead of BPO (in 8 of 10 seeds),\nof GRPO-ClipHigher with score centering (in all 10)" in TIER_M_TEXT
+    assert f"The observed paired SDs ({sds[0]:.1f}, {sds[1]:.1f} and {sds[2]:.1f} points)" in TIER_M_TEXT
+    row = (ROOT / "docs" / "results.md").read_text()
+    for method, label in TIER_M_METHODS:
+        mean, _, low, high = interval(_versus_tis(method))
+        assert f"{label} {signed(mean)} [{signed(low)}, {signed(high)}]" in row
+    assert f"against GRPO-CH + TIS's {statistics.fmean(reference):.1f}%" in row
+
+
+def test_the_tier_m_diagnostics_and_exploratory_contrasts():
+    text = TIER_M_TEXT.replace("\n  ", " ")
+    masked = {m: statistics.fmean(step_mean(TIER_M_RUNS[(m, s)], "clip_frac") for s in SEEDS)
+              for m in ("grpo_tis", "grpo_sc", "bpo", "bpo_sc")}
+    assert (f"GRPO-CH + TIS {masked['grpo_tis']:.3f}, GRPO-CH + SC {masked['grpo_sc']:.3f}, BPO {masked['bpo']:.3f}, "
+            f"BPO + SC {masked['bpo_sc']:.3f}") in text
+    assert masked["grpo_tis"] < masked["grpo_sc"] < masked["bpo"] < masked["bpo_sc"]
+    mismatch = statistics.fmean(step_mean(TIER_M_RUNS[("grpo_tis", s)], "mismatch_abs_logp_diff_mean") for s in SEEDS)
+    assert f"|log π_old − log μ| {mismatch:.3f} (measured by the GRPO-CH + TIS runs' recompute" in text
+    for method, label in (("bpo_sc", "BPO + SC"), ("grpo_sc", "GRPO-CH + SC")):
+        mean, _, low, high = interval(_versus_tis(method, reference="bpo"))
+        assert f"{label} {'is ' if method == 'bpo_sc' else ''}{signed(mean)} [{signed(low)}, {signed(high)}]" in text
