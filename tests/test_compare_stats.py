@@ -362,3 +362,13 @@ def test_between_two_settings_each_methods_change_and_its_difference_from_the_re
     assert "| BPO | 10 | -11.3 [-13.6, -9.0] | 3.2 |" in table  # what experiments/tier_b/README.md quotes
     assert "| GRPO-ClipHigher | 10 | -5.7 [-7.2, -4.2] | 2.1 | +5.6 [+2.9, +8.3] | 0.001 |" in table
     assert main(["compare", "--from-csv", csvs, "--between", "r3/0,r3/9", "--out", str(out)]) == 2
+
+
+def test_the_committed_tier_m_tables_rebuild_from_their_csv(tmp_path):
+    """experiments/tier_m/main/results.md is what the pre-registered command writes from the committed
+    runs.csv alone, byte for byte."""
+    tier_m = TIER_B.parents[1] / "tier_m" / "main"
+    argv = ["compare", "--from-csv", str(tier_m / "runs.csv"), "--primary", "bpo@fp8/0,grpo_sc@fp8/0,bpo_sc@fp8/0",
+            "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert (tmp_path / "results.md").read_text() == (tier_m / "results.md").read_text()
