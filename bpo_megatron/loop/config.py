@@ -75,6 +75,10 @@ class CheckpointConfig:
     every: int = 10  # steps; 0 saves only at the end
     keep_last: int | None = 3
     resume: bool = True  # continue from the newest checkpoint in the run directory
+    # true: a step waits only while the state is staged (host memory: `bpo-megatron plan` prints
+    # it) and a background process writes it, published once whole; false: the step waits for the
+    # write. Either way a save is atomic and at most one is in flight (bpo_megatron/trainer/checkpoint.py)
+    background: bool = True
 
     def __post_init__(self) -> None:
         if self.every < 0 or (self.keep_last is not None and self.keep_last < 1):
