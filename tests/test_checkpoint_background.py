@@ -154,13 +154,18 @@ def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint_the_newe
 
 
 def test_the_background_writer_imports_on_this_torch():
-    """Megatron's background writer imports private names of torch's distributed checkpointing;
+    """Megatron's checkpoint writer imports private names of torch's distributed checkpointing;
     run under each torch of the supported window (PYTHONPATH=.torch-oldest: 2.11; the SGLang
-    venv: 2.14) this says whether they are all there."""
+    venv: 2.14) this says whether they are all there, and the write function takes what the
+    writer passes it."""
     import inspect
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    checkpoint.check_background_saves_supported()
+    checkpoint.check_checkpoint_writer()
     writes = inspect.signature(filesystem_async._write_item).parameters
     assert {"stream", "data", "write_item", "storage_key"} <= set(writes)
+    if "serialization_format" in writes:  # what the writer then passes
+        from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+        assert SerializationFormat.TORCH_SAVE

@@ -83,3 +83,6 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.every < 0 or (self.keep_last is not None and self.keep_last < 1):
             raise ValueError("checkpoint.every must be >= 0 and checkpoint.keep_last >= 1 (or null)")
+        if not isinstance(self.background, bool):
+            raise ValueError(f"checkpoint.background must be true (saves written in the background) or false "
+                             f"(each save blocks the step until written), got {self.background!r}")

@@ -215,7 +215,7 @@ class BackgroundSaves:
     docstring). Every method is collective: every rank calls it at the same point."""
 
     def __init__(self) -> None:
-        check_background_saves_supported()
+        check_checkpoint_writer()
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         # Megatron's persistent worker is a spawned process that selects a CUDA device; the
@@ -266,16 +266,18 @@ class BackgroundSaves:
         return step
 
 
-def check_background_saves_supported() -> None:
-    """Megatron's background writer imports private names of torch's distributed checkpointing;
-    refuse up front, naming them, on a torch that lacks one (rather than at the first save)."""
+def check_checkpoint_writer() -> None:
+    """Megatron's checkpoint writer (blocking saves run it too) imports private names of torch's
+    distributed checkpointing; refuse up front, naming the one missing, on a torch that lacks
+    one, rather than at the first save."""
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async, state_dict_saver  # noqa: F401
+        from megatron.core.dist_checkpointing.strategies import torch as torch_strategy  # noqa: F401
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: F401
     except ImportError as exc:
-        raise RuntimeError(f"background checkpoint saves need Megatron's asynchronous writer, which does not import "
-                           f"with torch {torch.__version__} ({exc}); save in the foreground "
-                           "(checkpoint.background=false)") from exc
+        raise RuntimeError(f"checkpoint saves need Megatron-Core's distributed-checkpoint writer, which does not import "
+                           f"with torch {torch.__version__} ({exc}); use a torch of the window the package supports "
+                           "(pyproject.toml)") from exc
 
 
 def save(root: str | Path, step: int, model: torch.nn.Module, optimizer, trainer_state: dict[str, Any],
