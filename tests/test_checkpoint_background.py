@@ -90,6 +90,10 @@ def test_a_background_save_resumes_exactly_like_a_blocking_one(tmp_path):
     # the one the two steps trained while it was written
     manifests = [json.loads((Path(root) / "step-00000002" / checkpoint.integrity.MANIFEST).read_text())
                  for root in (blocking, background)]
+    # the same files listed (those the background writer hashed itself among them, its own notes gone)
+    assert sorted(manifests[1]) == sorted(manifests[0]) == sorted(
+        str(f.relative_to(Path(background) / "step-00000002")) for f in (Path(background) / "step-00000002").rglob("*")
+        if f.is_file() and f.name != checkpoint.integrity.MANIFEST)
     shards = {name for name in manifests[0] if name.endswith(".distcp")}
     assert shards and {name: manifests[1][name] for name in shards} == {name: manifests[0][name] for name in shards}
     from_blocking, from_background = run_gloo_world(_resume_each, 2, [blocking, background], timeout=TIMEOUT)[0]
@@ -145,6 +149,9 @@ def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint_the_newe
     # change nothing: the partial directory is never read
     written = [p for p in partial.rglob("*") if p.is_file()]
     assert any(p.suffix == ".distcp" for p in written) and (partial / checkpoint.STATE_FILE).is_file()
+    # each writer hashed the shards it wrote (in the background, not at the publish)
+    hashed = {name for rank in (0, 1) for name in json.loads((partial / f".digests-rank-{rank:05d}.json").read_text())}
+    assert hashed == {p.name for p in written if p.suffix == ".distcp"}
     for path in written:
         path.write_bytes(b"not a checkpoint")
     resumed = run_gloo_world(_resume_and_continue, 2, str(root), timeout=TIMEOUT)[0]

@@ -55,6 +55,7 @@ STATE_FILE = "trainer_state.json"
 # How long finishing a background save may take (the write of the largest checkpoints at disk speed).
 BACKGROUND_SAVE_TIMEOUT_S = 3 * 3600.0
 _POLL_INTERVAL_S = 0.05
+_DIGESTS_PREFIX = ".digests-rank-"  # checksums a background writer computed (consumed at the publish)
 # Test-only: a directory that makes each background writer, once it has written its rank's files,
 # say so (``rank-00000.held`` holding its process id) and wait for ``release`` there (tests that
 # kill a save in flight, or train while one is held). Never set outside the test suite.
@@ -339,13 +340,33 @@ def save(root: str | Path, step: int, model: torch.nn.Module, optimizer, trainer
         return final
     # after Megatron's own finalisation (its .metadata and metadata.json, once every rank wrote)
     request.add_finalize_fn(publish)
-    hold = os.environ.get(TEST_HOLD_WRITER_ENV)
-    if hold and request.async_fn is not None:
-        request = request._replace(async_fn=_held_writer(request.async_fn, Path(hold), rank))
+    if request.async_fn is not None:
+        writer = _hashing_writer(request.async_fn, partial, rank)
+        hold = os.environ.get(TEST_HOLD_WRITER_ENV)
+        if hold:
+            writer = _held_writer(writer, Path(hold), rank)
+        request = request._replace(async_fn=writer)
     # at once, before the next optimizer step changes what the writer's fork sees
     background.start(request, step)
     background.staged_s = time.perf_counter() - start
     return final
+
+
+def _hashing_writer(write: Callable, directory: Path, rank: int) -> Callable:
+    """Megatron's writer (called with this rank, its write buckets and a results queue), then the
+    checksums of the files it wrote, computed in the background too and left beside them for the
+    publish (:func:`_write_checksums`), which would otherwise hash them on the training thread."""
+
+    def hashing(rank_arg, buckets, *rest, **kwargs) -> None:
+        write(rank_arg, buckets, *rest, **kwargs)
+        names = [str(Path(bucket[0]).relative_to(directory)) for bucket in buckets]
+        try:
+            digests = integrity.digests(directory, names)
+        except OSError:
+            return  # a failed write: Megatron reports it at the publish, which then hashes nothing
+        _write_atomically(directory / f"{_DIGESTS_PREFIX}{rank:05d}.json", json.dumps(digests))
+
+    return hashing
 
 
 def _held_writer(write: Callable, hold: Path, rank: int) -> Callable:
@@ -363,14 +384,19 @@ def _held_writer(write: Callable, hold: Path, rank: int) -> Callable:
 
 
 def _write_checksums(directory: Path, rank: int, world_size: int) -> None:
-    """Every rank hashes its share of the files; rank 0 writes the manifest (before the rename,
-    so a checkpoint in place always has one)."""
-    names = integrity.files_of(directory)
+    """Every rank hashes its share of the files (but those a background writer hashed already);
+    rank 0 writes the manifest (before the rename, so a checkpoint in place always has one)."""
+    hashed: dict = {}
+    for found in sorted(directory.glob(f"{_DIGESTS_PREFIX}*")):
+        hashed.update(json.loads(found.read_text()))
+    names = [n for n in integrity.files_of(directory) if n not in hashed and not n.startswith(_DIGESTS_PREFIX)]
     share = integrity.digests(directory, names[rank::world_size])
     shares: list = [None] * world_size
     dist.all_gather_object(shares, share)
     if rank == 0:
-        integrity.write_manifest(directory, {k: v for part in shares for k, v in part.items()})
+        for found in directory.glob(f"{_DIGESTS_PREFIX}*"):  # every rank has read them
+            found.unlink()
+        integrity.write_manifest(directory, {**hashed, **{k: v for part in shares for k, v in part.items()}})
 
 
 def _prune(root: Path, keep_last: int) -> None:
