@@ -176,3 +176,14 @@ def test_the_background_writer_imports_on_this_torch():
         from torch.distributed.checkpoint.filesystem import SerializationFormat
 
         assert SerializationFormat.TORCH_SAVE
+
+
+def test_the_loop_saves_in_the_background_unless_told_not_to():
+    from bpo_megatron.config import ConfigError
+    from bpo_megatron.experiment import load_experiment
+
+    demo = Path(__file__).resolve().parents[1] / "configs" / "tiny_moe_cpu.yaml"
+    assert load_experiment(demo).checkpoint.background is True
+    assert load_experiment(demo, ["checkpoint.background=false"]).checkpoint.background is False
+    with pytest.raises((ConfigError, ValueError), match="checkpoint.background"):
+        load_experiment(demo, ["checkpoint.background=sometimes"])
