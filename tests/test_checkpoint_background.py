@@ -160,6 +160,47 @@ def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint_the_newe
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000001", "step-00000002"]
 
 
+def _a_background_write_fails(root: str) -> dict:
+    """A background save whose write fails (the disk full, say), finished; then a blocking save."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    actor = th.build_actor(lr=LR, **LAYOUT)
+    _step(actor, 0)
+    actor.save(root)
+    _step(actor, 1)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    real_write, filesystem_async._write_item = filesystem_async._write_item, full_disk
+    try:  # the writer forked by this save sees the failing write
+        actor.save(root, background=True)
+    finally:
+        filesystem_async._write_item = real_write
+    try:
+        actor.finish_saves()
+        error = None
+    except Exception as exc:  # noqa: BLE001 - what every rank saw is the result
+        error = f"{type(exc).__name__}: {exc}"
+    after_failure = {"in_flight": actor.saves.in_flight, "latest": (Path(root) / checkpoint.LATEST).read_text(),
+                     "listing": sorted(p.name for p in Path(root).iterdir())}
+    _step(actor, 2)  # training goes on; the next save (blocking) succeeds
+    actor.save(root)
+    actor.close()
+    return {"error": error, "after_failure": after_failure, "latest": (Path(root) / checkpoint.LATEST).read_text()}
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_a_failed_background_write_raises_on_every_rank_and_publishes_nothing(tmp_path):
+    root = tmp_path / "ckpt"
+    for result in run_gloo_world(_a_background_write_fails, 2, str(root), timeout=TIMEOUT):
+        assert result["error"] is not None and "No space left on device" in result["error"], result
+        assert result["after_failure"] == {"in_flight": False, "latest": "step-00000001",
+                                           "listing": [".partial-step-00000002", "latest", "step-00000001"]}
+        assert result["latest"] == "step-00000003"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000001", "step-00000003"]
+
+
 def test_the_background_writer_imports_on_this_torch():
     """Megatron's checkpoint writer imports private names of torch's distributed checkpointing;
     run under each torch of the supported window (PYTHONPATH=.torch-oldest: 2.11; the SGLang

@@ -117,7 +117,8 @@ def run_rounds(settings: Settings) -> list[Run]:
 def format_table(runs: list[Run], settings: Settings) -> str:
     ms = 1e3
     lines = [f"{settings.ranks} gloo rank(s), Qwen3-MoE hidden {settings.hidden_size}, {settings.layers} layers, "
-             f"{settings.experts} experts, vocabulary {settings.vocab_size} (checkpoint {runs[0].checkpoint_mib:.0f} MiB); "
+             f"{settings.experts} experts, vocabulary {settings.vocab_size} "
+             f"(checkpoint {runs[0].checkpoint_mib:.0f} MiB); "
              f"{settings.steps} steps of {settings.samples_per_step} samples, a save every {settings.every}; "
              "modes alternating", "",
              "| round | mode | saves | step wait per save, median ms | max ms | of it for the save before, ms "

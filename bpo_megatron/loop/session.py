@@ -187,8 +187,8 @@ class RunSession:
             self.echo(f"the checkpoint of step {step} is being written in the background: training waited "
                       f"{waited}{timing['staged_s']:.1f} s to stage it")
         else:
-            self.echo(f"saved the checkpoint of step {step}: "
-                      f"{checkpoint_bytes(root / step_dir_name(step)) / 1e9:.3f} GB in {time.perf_counter() - start:.1f} s")
+            written = checkpoint_bytes(root / step_dir_name(step))
+            self.echo(f"saved the checkpoint of step {step}: {written / 1e9:.3f} GB in {time.perf_counter() - start:.1f} s")
         plot_runs([self.cfg.run_dir], self.cfg.run_dir / "curves.png", labels=[self.cfg.name])
 
     def finish_saves(self) -> None:

@@ -238,7 +238,7 @@ class BackgroundSaves:
         """Publish the save in flight if every rank's writer is done; the step published, if any."""
         if not self.in_flight:
             return None
-        self._queue.maybe_finalize_async_calls(blocking=False)
+        self._finalize_if_done()
         return self._published()
 
     def finish(self, why: str, timeout_s: float = BACKGROUND_SAVE_TIMEOUT_S) -> int | None:
@@ -248,7 +248,7 @@ class BackgroundSaves:
             return None
         start = time.monotonic()
         while self._queue.get_num_unfinalized_calls():
-            self._queue.maybe_finalize_async_calls(blocking=False)
+            self._finalize_if_done()
             if not self._queue.get_num_unfinalized_calls():
                 break
             # decided together, so every rank leaves the loop at the same poll
@@ -259,6 +259,25 @@ class BackgroundSaves:
                                    f"({why}); its directory stays a {PARTIAL_PREFIX} one, never read")
             time.sleep(_POLL_INTERVAL_S)
         return self._published()
+
+    def _finalize_if_done(self) -> None:
+        """Megatron's finalisation, then ours (the publish), if every rank's writer is done; a
+        save that failed (a rank's write, the publish) raises on every rank and is no longer in
+        flight, its directory left a partial one."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            self._queue.maybe_finalize_async_calls(blocking=False)
+        except CheckpointException as exc:  # a BaseException; raised on every rank, but detailed on rank 0
+            step, self.step = self.step, None
+            detail = [str(exc)]
+            dist.broadcast_object_list(detail, src=0)
+            raise RuntimeError(f"the background save of step {step} failed (its {PARTIAL_PREFIX} directory is never "
+                               f"read; the checkpoint before it stays the newest): {detail[0]}") from exc
+        except BaseException:
+            if not self._queue.get_num_unfinalized_calls():
+                self.step = None
+            raise
 
     def _published(self) -> int | None:
         if self._queue.get_num_unfinalized_calls():
@@ -276,9 +295,9 @@ def check_checkpoint_writer() -> None:
         from megatron.core.dist_checkpointing.strategies import torch as torch_strategy  # noqa: F401
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: F401
     except ImportError as exc:
-        raise RuntimeError(f"checkpoint saves need Megatron-Core's distributed-checkpoint writer, which does not import "
-                           f"with torch {torch.__version__} ({exc}); use a torch of the window the package supports "
-                           "(pyproject.toml)") from exc
+        raise RuntimeError(f"checkpoint saves need Megatron-Core's distributed-checkpoint writer, which does not "
+                           f"import with torch {torch.__version__} ({exc}); use a torch of the window the package "
+                           "supports (pyproject.toml)") from exc
 
 
 def save(root: str | Path, step: int, model: torch.nn.Module, optimizer, trainer_state: dict[str, Any],
