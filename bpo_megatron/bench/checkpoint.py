@@ -121,7 +121,7 @@ def format_table(runs: list[Run], settings: Settings) -> str:
              f"(checkpoint {runs[0].checkpoint_mib:.0f} MiB); "
              f"{settings.steps} steps of {settings.samples_per_step} samples, a save every {settings.every}; "
              "modes alternating", "",
-             "| round | mode | saves | step wait per save, median ms | max ms | of it for the save before, ms "
+             "| round | mode | saves | step wait per save, median ms | max ms | of it for the save before, total ms "
              "| end-of-run wait ms | mean step s | wall s |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r.round + 1} | {r.mode} | {len(r.waits_s)} | {statistics.median(r.waits_s) * ms:.0f} | "
