@@ -84,6 +84,9 @@ class TrainActor:
         if trainer.logprob_kernel == "fused" and not platform.runs_triton(platform.device()):
             raise ValueError("trainer.logprob_kernel=fused needs a GPU with triton on every trainer rank; this rank has "
                              "none (trainer.logprob_kernel=auto takes the fused kernels where they can run)")
+        # the checkpoint being written in the background, if any (save(background=True)); refuses a
+        # torch whose distributed checkpointing lacks what Megatron's writer imports, before any model
+        self.saves = checkpoint.BackgroundSaves()
         initialize_parallel(parallel, seed=trainer.seed)
         # An unset params_dtype is this rank's platform default (bf16 with a GPU), decided here
         # where the model lives, not by a driver that may have no GPU.
@@ -119,8 +122,6 @@ class TrainActor:
         self._export_plan: ExportPlan | None = None
         # the pinned host buffer exported weights pass through on their way to host memory
         self._staging: HostStaging | None = None
-        # the checkpoint being written in the background, if any (save(background=True))
-        self.saves = checkpoint.BackgroundSaves()
 
     # ------------------------------------------------------------------------------------ API
     @property
