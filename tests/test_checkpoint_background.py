@@ -52,12 +52,18 @@ def _save_in_both_ways_and_train_on(blocking_root: str, background_root: str, ho
         del os.environ[checkpoint.TEST_HOLD_WRITER_ENV]
     metrics += [_step(actor, 2), _step(actor, 3)]  # each polls the held save
     in_flight_while_training = actor.saves.in_flight and not (Path(background_root) / "step-00000002").exists()
+    try:  # the wait for a save is bounded, and says what waited
+        actor.saves.finish("the test waits half a second", timeout_s=0.5)
+        timed_out = None
+    except TimeoutError as exc:
+        timed_out = str(exc)
     dist.barrier()
     if dist.get_rank() == 0:
         (Path(hold) / "release").touch()
     published = actor.finish_saves()
     actor.close()
-    return {"metrics": metrics, "in_flight_while_training": in_flight_while_training, "published": published}
+    return {"metrics": metrics, "in_flight_while_training": in_flight_while_training, "published": published,
+            "timed_out": timed_out}
 
 
 def _resume_each(roots: list[str]) -> list[dict]:
@@ -81,6 +87,8 @@ def test_a_background_save_resumes_exactly_like_a_blocking_one(tmp_path):
     os.mkdir(hold)
     straight = run_gloo_world(_save_in_both_ways_and_train_on, 2, blocking, background, hold, timeout=TIMEOUT)
     assert all(r["in_flight_while_training"] and r["published"] == 2 for r in straight), straight
+    assert all(r["timed_out"] == "the background save of step 2 did not finish within 0.5 s (the test waits half a "
+               "second); its directory stays a .partial- one, never read" for r in straight), straight
     assert sorted(p.name for p in Path(hold).iterdir()) == ["rank-00000.held", "rank-00001.held", "release"]
     for root in (blocking, background):
         assert (Path(root) / checkpoint.LATEST).read_text() == "step-00000002"

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bpo_megatron import platform
 from bpo_megatron.trainer import integrity, optimizer_state
 from bpo_megatron.trainer.optimizer_state import OptimizerState
 
@@ -252,10 +253,10 @@ class BackgroundSaves:
             if not self._queue.get_num_unfinalized_calls():
                 break
             # decided together, so every rank leaves the loop at the same poll
-            expired = torch.tensor([float(time.monotonic() - start > timeout_s)])
+            expired = torch.tensor([float(time.monotonic() - start > timeout_s)], device=platform.device())
             dist.all_reduce(expired, op=dist.ReduceOp.MAX)
             if expired.item():
-                raise TimeoutError(f"the background save of step {self.step} did not finish within {timeout_s:.0f} s "
+                raise TimeoutError(f"the background save of step {self.step} did not finish within {timeout_s:g} s "
                                    f"({why}); its directory stays a {PARTIAL_PREFIX} one, never read")
             time.sleep(_POLL_INTERVAL_S)
         return self._published()
