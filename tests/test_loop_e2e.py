@@ -50,6 +50,9 @@ def test_interrupted_then_resumed_at_another_layout(tmp_path, ray_session, small
     saved = run_dir / "checkpoints" / "step-00000004"
     on_disk = sum(p.stat().st_size for p in saved.rglob("*") if p.is_file() and p.name != "checksums.json")
     assert any(line.startswith("saving the checkpoint of step 4 under ") for line in lines), lines
+    # written in the background (checkpoint.background's default), the step waiting for its staging
+    assert any(line.startswith("the checkpoint of step 4 is being written in the background: training waited ")
+               for line in lines), lines
     assert on_disk > 1e6 and any(line.startswith(f"saved the checkpoint of step 4: {on_disk / 1e9:.3f} GB in ")
                                  for line in lines), lines
     assert (run_dir / "curves.png").is_file() and (run_dir / "config.yaml").is_file()

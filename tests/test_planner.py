@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -289,6 +290,9 @@ def test_rank_host_memory_closed_forms():
     assert r.gather == 12 * 40_000_000 + 12 * 40_000_000 // 2 and r.compaction == 4 * 100_000_000
     assert r.staging == 12 * 100_000_000 + 12 * 40_000_000 * 3 // 2
     assert r.at_save == r.staging + 7 and r.load == 12 * 100_000_000
+    # a background save keeps its staged copy (the state and weights it writes) while it writes:
+    # less than the save's own peak, which stays the bound
+    assert r.background_staging == 12 * 100_000_000 + 2 * 100_000_000 < r.staging
     # the other DP rank only sends its half of a bucket; a resume still reads its whole shard's state
     other = rank_host(100_000_000, 0, stage=0, param_bytes=2, offload_bytes=7, dp=2, expert_dp=1,
                       dense_writer=False, expert_writer=False, distributed=True)
@@ -339,12 +343,17 @@ def test_host_memory_at_a_save_for_both_30b_recipes_closed_forms(capsys):
     assert plan.host.at_save == pytest.approx(expected, rel=1e-12)
     assert plan.host.at_save < 300e9 and plan.fits
     # what plan prints, and its verdict against the node's memory
+    # a background save holds the fp32 state (12 B) and bf16 weights (2 B) of what the node writes
+    staged = {"qwen3_30b_a3b_bpo.yaml": 14 * (4 * (d + stage.params.expert) + 4 * stage.params.expert),
+              "qwen3_30b_a3b_bpo_disaggregated.yaml": 14 * (4 * (first.params.dense + e) + 4 * (last.params.dense + e))}
     for recipe, at_save in (("qwen3_30b_a3b_bpo.yaml", _host_closed_form([(d, stage.params.expert)] * 4
                                                                            + [(0, stage.params.expert)] * 4, pinned)),
                             ("qwen3_30b_a3b_bpo_disaggregated.yaml", expected)):
         assert main(["plan", str(ROOT / "configs" / recipe)]) == 0
         out = capsys.readouterr().out
         assert "at a checkpoint save  " in out and f"{at_save / 1e9:.2f}" in out
+        assert re.search(r"of it staged while a background save writes \(checkpoint.background: fp32 state \+ "
+                         rf"weights written\) +{staged[recipe] / 1e9:.2f}\n", out), out
         assert "fits in 1000 GB per node (plan --host-memory-gb)" in out and "verdict: FITS" in out
     assert main(["plan", str(RECIPE_30B), "--host-memory-gb", "700"]) == 1
     out = capsys.readouterr().out

@@ -12,6 +12,7 @@ from bpo_megatron.registry import LazyRegistry
 BENCHMARKS = LazyRegistry({
     "async": "bpo_megatron.bench.asynchronous",
     "background-eval": "bpo_megatron.bench.background_eval",
+    "checkpoint": "bpo_megatron.bench.checkpoint",
     "logprobs": "bpo_megatron.bench.logprobs",
     "ops": "bpo_megatron.bench.ops",
     "packing": "bpo_megatron.bench.packing",

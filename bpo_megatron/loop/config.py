@@ -75,7 +75,14 @@ class CheckpointConfig:
     every: int = 10  # steps; 0 saves only at the end
     keep_last: int | None = 3
     resume: bool = True  # continue from the newest checkpoint in the run directory
+    # true: a step waits only while the state is staged (host memory: `bpo-megatron plan` prints
+    # it) and a background process writes it, published once whole; false: the step waits for the
+    # write. Either way a save is atomic and at most one is in flight (bpo_megatron/trainer/checkpoint.py)
+    background: bool = True
 
     def __post_init__(self) -> None:
         if self.every < 0 or (self.keep_last is not None and self.keep_last < 1):
             raise ValueError("checkpoint.every must be >= 0 and checkpoint.keep_last >= 1 (or null)")
+        if not isinstance(self.background, bool):
+            raise ValueError(f"checkpoint.background must be true (saves written in the background) or false "
+                             f"(each save blocks the step until written), got {self.background!r}")

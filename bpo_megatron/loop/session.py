@@ -47,6 +47,7 @@ class RunSession:
         self.metrics_out = self.trainer = self.engines = self.placement = self._evaluators = None
         self._started_ray = False
         self._lock = RunLock(self.cfg.run_dir)
+        self._writing: tuple[int, float] | None = None  # a background save: its step and start time
 
     # ------------------------------------------------------------------------------ set up
     def __enter__(self) -> RunSession:
@@ -171,21 +172,50 @@ class RunSession:
         # an evaluation of this step still running is run again by a resume from here, whose metrics
         # keep the records written so far (not that evaluation's, which may come later)
         state.eval_pending, state.metrics_records = self.evaluations.pending_steps(), self.metrics_out.records
-        root = checkpoint_root(self.cfg)
-        self.echo(f"saving the checkpoint of step {step} under {root} ...")
+        root, background = checkpoint_root(self.cfg), self.cfg.checkpoint.background
+        self.echo(f"saving the checkpoint of step {step} under {root}{' in the background' if background else ''} ...")
         start = time.perf_counter()
         try:
-            self.trainer.save(str(root), step, state.to_dict(), self.cfg.checkpoint.keep_last)
+            timing = self.trainer.save(str(root), step, state.to_dict(), self.cfg.checkpoint.keep_last, background)
         except TrainerFailed as exc:
             _refuse_full_disk(root, exc)
             raise
-        self.echo(f"saved the checkpoint of step {step}: {checkpoint_bytes(root / step_dir_name(step)) / 1e9:.3f} GB "
-                  f"in {time.perf_counter() - start:.1f} s")
+        self._report_published()  # the save before this one, finished by now
+        waited = f"{timing['waited_s']:.1f} s for the save before it, " if timing["waited_s"] >= 0.05 else ""
+        if background:
+            self._writing = (step, start)
+            self.echo(f"the checkpoint of step {step} is being written in the background: training waited "
+                      f"{waited}{timing['staged_s']:.1f} s to stage it")
+        else:
+            written = checkpoint_bytes(root / step_dir_name(step))
+            self.echo(f"saved the checkpoint of step {step}: {written / 1e9:.3f} GB in {time.perf_counter() - start:.1f} s")
         plot_runs([self.cfg.run_dir], self.cfg.run_dir / "curves.png", labels=[self.cfg.name])
 
+    def finish_saves(self) -> None:
+        """The checkpoint being written in the background, if any, written and published."""
+        try:
+            self.trainer.finish_saves()
+        except TrainerFailed as exc:
+            _refuse_full_disk(checkpoint_root(self.cfg), exc)
+            raise
+        self._report_published()
+
+    def _report_published(self) -> None:
+        """Say that the background save started last is published, once it is (the trainer
+        publishes it at a training step after its write, or when asked to finish it)."""
+        if self._writing is None:
+            return
+        step, start = self._writing
+        saved = checkpoint_root(self.cfg) / step_dir_name(step)
+        if saved.is_dir():
+            self._writing = None
+            self.echo(f"saved the checkpoint of step {step}: {checkpoint_bytes(saved) / 1e9:.3f} GB in the background "
+                      f"(published within {time.perf_counter() - start:.1f} s of its start)")
+
     def finish(self) -> dict:
-        """Every evaluation recorded; what the run achieved."""
+        """Every evaluation recorded, the last checkpoint written; what the run achieved."""
         self.evaluations.wait(why="the run ends")
+        self.finish_saves()
         return {"step": self.state.step, "best_step": self.best.step, "best_mean": self.best.mean,
                 "best_weights": self.best_weights(), "run_dir": str(self.cfg.run_dir)}
 

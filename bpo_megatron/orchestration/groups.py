@@ -144,9 +144,18 @@ class TrainerGroup:
         """Hugging Face weights from ``directory``, on every rank."""
         self.call("load_hf", directory)
 
-    def save(self, root: str, step: int, trainer_state: dict[str, Any], keep_last: int | None) -> None:
-        """The checkpoint of ``step`` under ``root`` (atomic), keeping the newest ``keep_last``."""
-        self.call("save", root, step, trainer_state, keep_last)
+    def save(self, root: str, step: int, trainer_state: dict[str, Any], keep_last: int | None,
+             background: bool = False) -> dict[str, float]:
+        """The checkpoint of ``step`` under ``root`` (atomic), keeping the newest ``keep_last``;
+        with ``background`` written by a background process and published later (at a training
+        step or :meth:`finish_saves`). How long the trainer waited: ``waited_s`` for the save before
+        it, ``staged_s`` for this one (the slowest rank's)."""
+        timings = self.call("save", root, step, trainer_state, keep_last, background)
+        return {key: max(t[key] for t in timings) for key in timings[0]}
+
+    def finish_saves(self) -> int | None:
+        """Wait for the background save in flight, if any, and publish it; its step."""
+        return self.call("finish_saves")[0]
 
     def set_loss(self, loss) -> None:
         self.loss = loss

@@ -98,8 +98,13 @@ class TrainWorker:
     def onload(self) -> int:
         return self.actor.onload()
 
-    def save(self, root: str, step: int, trainer_state: dict[str, Any], keep_last: int | None) -> str:
-        return self.actor.save(root, trainer_state=trainer_state, keep_last=keep_last, step=step)
+    def save(self, root: str, step: int, trainer_state: dict[str, Any], keep_last: int | None,
+             background: bool = False) -> dict[str, float]:
+        self.actor.save(root, trainer_state=trainer_state, keep_last=keep_last, step=step, background=background)
+        return {"waited_s": self.actor.saves.waited_s, "staged_s": self.actor.saves.staged_s}
+
+    def finish_saves(self) -> int | None:
+        return self.actor.finish_saves("the run needs its checkpoint written")
 
     def load(self, root: str, verify: bool = True) -> dict[str, Any]:
         return self.actor.load(root, verify=verify)

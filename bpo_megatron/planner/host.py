@@ -47,6 +47,9 @@ def driver_memory_gib(cfg) -> int:
 # Colocated ranks also hold their offload buffers (weights and optimizer shard, gradients are
 # not moved): the trainer drops them before a save, but they are counted, so the figure bounds
 # the node through the whole run (the rollout phase holds those buffers, a save its staging).
+# A background save (checkpoint.background) holds its staged copy, the fp32 state and the weights
+# the rank writes, while the next steps train beside it (colocated: with fresh offload buffers);
+# that is never more than the save's own peak above, which is the bound either way.
 # At load (a resume, before any offload) every rank allocates the fp32 state of its whole shard.
 # The busiest node is taken to hold the ranks with the largest figures, a bound whatever the
 # placement (Megatron's rank order puts a stage's DP-rank-0 ranks first: on one node, that one).
@@ -77,8 +80,13 @@ class RankHost:
         return self.fp32_state + max(self.gather, self.compaction, self.weights)
 
     @property
+    def background_staging(self) -> int:
+        """What a background save holds staged until its write is done."""
+        return self.fp32_state + self.weights
+
+    @property
     def at_save(self) -> int:
-        return self.pinned + self.staging
+        return self.pinned + max(self.staging, self.background_staging)
 
 
 @dataclass(frozen=True)

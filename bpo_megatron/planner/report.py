@@ -231,6 +231,8 @@ def _host(plan: Plan) -> list[str]:
         [f"margin ({HOST_MARGIN_FRACTION:.0%} + {gb(HOST_PROCESS_BYTES_PER_GPU)} GB per GPU)",
          gb(host.at_save - counted)],
         ["at a checkpoint save", gb(host.at_save)],
+        ["  of it staged while a background save writes (checkpoint.background: fp32 state + weights written)",
+         gb(sum(r.background_staging for r in ranks))],
         ["at a load (every rank: its shard's fp32 state, 12 B per parameter) + margin", gb(host.at_load)],
     ]
     header = [f"host memory of the busiest trainer node (GB; {len(ranks)} ranks: {_writers(ranks)})", "node"]

@@ -84,6 +84,9 @@ class TrainActor:
         if trainer.logprob_kernel == "fused" and not platform.runs_triton(platform.device()):
             raise ValueError("trainer.logprob_kernel=fused needs a GPU with triton on every trainer rank; this rank has "
                              "none (trainer.logprob_kernel=auto takes the fused kernels where they can run)")
+        # the checkpoint being written in the background, if any (save(background=True)); refuses a
+        # torch whose distributed checkpointing lacks what Megatron's writer imports, before any model
+        self.saves = checkpoint.BackgroundSaves()
         initialize_parallel(parallel, seed=trainer.seed)
         # An unset params_dtype is this rank's platform default (bf16 with a GPU), decided here
         # where the model lives, not by a driver that may have no GPU.
@@ -203,6 +206,7 @@ class TrainActor:
         """:meth:`train_step` given this rank's data-parallel share of the minibatch and the
         minibatch's ``totals`` (every rank calls it with its own share at once)."""
         self._check_share(share, training=True)
+        self.poll_saves()  # every rank trains this step: the point where a finished save is published
         start = time.perf_counter()
         micro_batches, _ = self._micro_batches(share)
         # Megatron's schedule divides each micro-batch loss by their number and DDP divides the
@@ -239,10 +243,16 @@ class TrainActor:
         return metrics
 
     def save(self, root: str, *, trainer_state: dict[str, Any] | None = None,
-             keep_last: int | None = None, step: int | None = None) -> str:
+             keep_last: int | None = None, step: int | None = None, background: bool = False) -> str:
         """Atomically write model, optimizer, RNG and ``trainer_state`` (e.g. the data cursor).
 
         The checkpoint is named after ``step`` (e.g. the RL step), by default the optimizer step.
+        With ``background`` the save returns once the state is staged and a background process
+        writes it; it is published (the directory returned appears) at the first
+        :meth:`poll_saves` (each training step) after the write, or at :meth:`finish_saves`. A save
+        still in flight is finished first: ``saves.waited_s`` and ``saves.staged_s`` say how long
+        this call waited for it and then took itself.
+
         The host buffers offloading keeps for its next round are dropped first, so the optimizer
         state the save gathers in host memory (``bpo_megatron.planner.host``) does not come on
         top of them; the next offload pins fresh ones. Refused while offloaded.
@@ -253,15 +263,40 @@ class TrainActor:
         # the HF config travels with the weights, so the checkpoint can be exported to HF alone
         state = {"actor_step": self.step, "hf_config": self.hf.to_hf_dict(), **(trainer_state or {})}
         self._offload.drop_spares()
+        if not background:
+            self.saves.waited_s = self._timed_finish("a blocking save starts")
         try:
             return str(checkpoint.save(root, self.step if step is None else step, self.model, self.optimizer,
-                                       state, layout=self._layout(), keep_last=keep_last))
+                                       state, layout=self._layout(), keep_last=keep_last,
+                                       background=self.saves if background else None))
         finally:
-            release_host_cache()  # the pinned copies the writer staged the weights in
+            if not self.saves.in_flight:
+                release_host_cache()  # the pinned copies the writer staged the weights in
+
+    def poll_saves(self) -> int | None:
+        """Publish the background save if every rank's writer is done (collective); its step."""
+        published = self.saves.poll()
+        if published is not None:
+            release_host_cache()
+        return published
+
+    def finish_saves(self, why: str = "the caller needs the checkpoint written") -> int | None:
+        """Wait for the background save in flight, if any, and publish it (collective); its step."""
+        published = self.saves.finish(why)
+        if published is not None:
+            release_host_cache()
+        return published
+
+    def _timed_finish(self, why: str) -> float:
+        start = time.perf_counter()
+        self.finish_saves(why)
+        return time.perf_counter() - start
 
     def load(self, path: str, *, load_optimizer: bool = True, verify: bool = True) -> dict[str, Any]:
         """Load a checkpoint saved under any layout; returns its trainer state. ``verify``
-        checks its files against the checksums written at save (split over the ranks) first."""
+        checks its files against the checksums written at save (split over the ranks) first.
+        A background save in flight is published first (it may be the newest checkpoint)."""
+        self.finish_saves("a checkpoint is loaded")
         meta = checkpoint.load(path, self.model, self.optimizer if load_optimizer else None,
                                layout=self._layout(), verify=verify)
         self.step = int(meta.get("actor_step", meta["step"]))
@@ -319,9 +354,11 @@ class TrainActor:
 
     def close(self) -> None:
         """Release Megatron's process groups (the ``torch.distributed`` world stays: its owner
-        created it). The actor is unusable afterwards; another may be built in this world."""
+        created it). The actor is unusable afterwards; another may be built in this world. A
+        background save in flight is published first."""
         from megatron.core import parallel_state
 
+        self.finish_saves("the trainer closes")
         self.replay = None
         parallel_state.destroy_model_parallel()
 

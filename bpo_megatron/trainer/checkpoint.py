@@ -16,6 +16,15 @@ root, whatever ``latest`` says; a damaged one (checksums, torn state) is refused
 skipped. Model and optimizer tensors are saved with their global shapes, so a checkpoint loads
 under a different TP/EP/PP layout.
 
+A save either blocks until the checkpoint is published or, with a :class:`BackgroundSaves`,
+returns once this rank's tensors are staged (copied to host memory on a GPU; on a CPU the
+writer's forked process holds a copy-on-write image of them) and a background process writes
+them. The publish steps (checksums, the rename into place, the ``latest`` marker, pruning) run
+when the write is done, at a point where every rank polls, so a background save is published
+exactly as a blocking one and a process killed while it writes leaves the previous checkpoint
+the newest. At most one save is in flight: the next save, a load and the end of training wait
+for it first.
+
 The distributed optimizer (GPUs) is saved in Megatron's fully reshardable format with its state
 gathered on DP rank 0 of each inner optimizer alone, and made compact before the writer sees it
 (:mod:`bpo_megatron.trainer.optimizer_state`): a node then holds at most what
@@ -28,20 +37,30 @@ import json
 import os
 import random
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from bpo_megatron import platform
 from bpo_megatron.trainer import integrity, optimizer_state
 from bpo_megatron.trainer.optimizer_state import OptimizerState
 
 LATEST = "latest"
 PARTIAL_PREFIX = ".partial-"
 STATE_FILE = "trainer_state.json"
+# How long finishing a background save may take (the write of the largest checkpoints at disk speed).
+BACKGROUND_SAVE_TIMEOUT_S = 3 * 3600.0
+_POLL_INTERVAL_S = 0.05
+_DIGESTS_PREFIX = ".digests-rank-"  # checksums a background writer computed (consumed at the publish)
+# Test-only: a directory that makes each background writer, once it has written its rank's files,
+# say so (``rank-00000.held`` holding its process id) and wait for ``release`` there (tests that
+# kill a save in flight, or train while one is held). Never set outside the test suite.
+TEST_HOLD_WRITER_ENV = "BPO_MEGATRON_TEST_HOLD_CHECKPOINT_WRITER"
 
 
 def step_dir_name(step: int) -> str:
@@ -193,12 +212,111 @@ def checkpoint_bytes(directory: Path) -> int:
     return sum(int(entry["bytes"]) for entry in json.loads(manifest.read_text()).values())
 
 
+class BackgroundSaves:
+    """The save of this rank writing in the background, if any (at most one; see the module
+    docstring). Every method is collective: every rank calls it at the same point."""
+
+    def __init__(self) -> None:
+        check_checkpoint_writer()
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        # Megatron's persistent worker is a spawned process that selects a CUDA device; the
+        # temporal caller forks this process per save, which works on CPUs and GPUs alike
+        self._queue = AsyncCallsQueue(persistent=False)
+        self.step: int | None = None  # the step being written
+        self.waited_s = 0.0  # how long the last save waited for the one before it to finish
+        self.staged_s = 0.0  # how long the last save took before it returned (the step's share)
+
+    @property
+    def in_flight(self) -> bool:
+        return self.step is not None
+
+    def start(self, request, step: int) -> None:
+        self._queue.schedule_async_request(request)
+        self.step = step
+
+    def poll(self) -> int | None:
+        """Publish the save in flight if every rank's writer is done; the step published, if any."""
+        if not self.in_flight:
+            return None
+        self._finalize_if_done()
+        return self._published()
+
+    def finish(self, why: str, timeout_s: float = BACKGROUND_SAVE_TIMEOUT_S) -> int | None:
+        """Wait for the save in flight and publish it (``why``: what needs it finished, named if
+        it takes longer than ``timeout_s``); the step published, if any."""
+        if not self.in_flight:
+            return None
+        start = time.monotonic()
+        while self._queue.get_num_unfinalized_calls():
+            self._finalize_if_done()
+            if not self._queue.get_num_unfinalized_calls():
+                break
+            # decided together, so every rank leaves the loop at the same poll
+            expired = torch.tensor([float(time.monotonic() - start > timeout_s)], device=platform.device())
+            dist.all_reduce(expired, op=dist.ReduceOp.MAX)
+            if expired.item():
+                raise TimeoutError(f"the background save of step {self.step} did not finish within {timeout_s:g} s "
+                                   f"({why}); its directory stays a {PARTIAL_PREFIX} one, never read")
+            time.sleep(_POLL_INTERVAL_S)
+        return self._published()
+
+    def _finalize_if_done(self) -> None:
+        """Megatron's finalisation, then ours (the publish), if every rank's writer is done; a
+        save that failed (a rank's write, the publish) raises on every rank and is no longer in
+        flight, its directory left a partial one."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            self._queue.maybe_finalize_async_calls(blocking=False)
+        except CheckpointException as exc:  # a BaseException; raised on every rank, but detailed on rank 0
+            step, self.step = self.step, None
+            detail = [str(exc)]
+            dist.broadcast_object_list(detail, src=0)
+            raise RuntimeError(f"the background save of step {step} failed (its {PARTIAL_PREFIX} directory is never "
+                               f"read; the checkpoint before it stays the newest): {detail[0]}") from exc
+        except BaseException:
+            if not self._queue.get_num_unfinalized_calls():
+                self.step = None
+            raise
+
+    def _published(self) -> int | None:
+        if self._queue.get_num_unfinalized_calls():
+            return None
+        step, self.step = self.step, None
+        return step
+
+
+def check_checkpoint_writer() -> None:
+    """Megatron's checkpoint writer (blocking saves run it too) imports private names of torch's
+    distributed checkpointing; refuse up front, naming the one missing, on a torch that lacks
+    one, rather than at the first save."""
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async, state_dict_saver  # noqa: F401
+        from megatron.core.dist_checkpointing.strategies import torch as torch_strategy  # noqa: F401
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError(f"checkpoint saves need Megatron-Core's distributed-checkpoint writer, which does not "
+                           f"import with torch {torch.__version__} ({exc}); use a torch of the window the package "
+                           "supports (pyproject.toml)") from exc
+
+
 def save(root: str | Path, step: int, model: torch.nn.Module, optimizer, trainer_state: dict[str, Any],
-         *, layout: dict[str, int], keep_last: int | None = None) -> Path:
-    """Collectively save ``model`` (the unwrapped GPTModel chunk) and ``optimizer`` (every rank calls)."""
+         *, layout: dict[str, int], keep_last: int | None = None, background: BackgroundSaves | None = None) -> Path:
+    """Collectively save ``model`` (the unwrapped GPTModel chunk) and ``optimizer`` (every rank calls).
+
+    With ``background`` the save returns once the tensors are staged and is published later
+    (:meth:`BackgroundSaves.poll`, :meth:`BackgroundSaves.finish`); the directory returned exists
+    only then. A save still in flight is finished first.
+    """
     from megatron.core import dist_checkpointing
 
     root = Path(root)
+    if background is not None:
+        start = time.perf_counter()
+        background.finish(why=f"the checkpoint of step {step} waits for it")
+        background.waited_s = time.perf_counter() - start
+    start = time.perf_counter()
     if optimizer is not None and not optimizer_state.has_state(optimizer):
         optimizer = None  # before the first step there is nothing but the model to save
     final = root / step_dir_name(step)
@@ -210,7 +328,9 @@ def save(root: str | Path, step: int, model: torch.nn.Module, optimizer, trainer
             shutil.rmtree(stale, ignore_errors=True)
         partial.mkdir()
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False)[0], str(partial))
+    request = dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False)[0], str(partial),
+                                      async_sharded_save=background is not None)
+    # the RNG and trainer state of this step, written now: the step saved is this one
     (partial / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), partial / "rng" / f"rank-{rank:05d}.pt")
     if rank == 0:
@@ -220,30 +340,83 @@ def save(root: str | Path, step: int, model: torch.nn.Module, optimizer, trainer
             meta["optimizer_format"] = _optimizer_format(optimizer)
             meta["optimizer_parts"] = len(optimizer_state.inner_optimizers(optimizer))
         _write_atomically(partial / STATE_FILE, json.dumps(meta, indent=2, sort_keys=True))
-    dist.barrier()
-    _write_checksums(partial, rank, dist.get_world_size())
-    dist.barrier()
-    if rank == 0:
-        if final.exists():  # re-saving a step: the old copy goes only once the new one is whole
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        _fsync_dir(root)
-        _write_atomically(root / LATEST, final.name)
-        if keep_last:
-            _prune(root, keep_last)
-    dist.barrier()
+
+    def publish() -> None:
+        dist.barrier()
+        _write_checksums(partial, rank, dist.get_world_size())
+        dist.barrier()
+        if rank == 0:
+            if final.exists():  # re-saving a step: the old copy goes only once the new one is whole
+                shutil.rmtree(final)
+            os.replace(partial, final)
+            _fsync_dir(root)
+            _write_atomically(root / LATEST, final.name)
+            if keep_last:
+                _prune(root, keep_last)
+        dist.barrier()
+
+    if background is None:
+        publish()
+        return final
+    # after Megatron's own finalisation (its .metadata and metadata.json, once every rank wrote)
+    request.add_finalize_fn(publish)
+    if request.async_fn is not None:
+        writer = _hashing_writer(request.async_fn, partial, rank)
+        hold = os.environ.get(TEST_HOLD_WRITER_ENV)
+        if hold:
+            writer = _held_writer(writer, Path(hold), rank)
+        request = request._replace(async_fn=writer)
+    # at once, before the next optimizer step changes what the writer's fork sees
+    background.start(request, step)
+    background.staged_s = time.perf_counter() - start
     return final
 
 
+def _hashing_writer(write: Callable, directory: Path, rank: int) -> Callable:
+    """Megatron's writer (called with this rank, its write buckets and a results queue), then the
+    checksums of the files it wrote, computed in the background too and left beside them for the
+    publish (:func:`_write_checksums`), which would otherwise hash them on the training thread."""
+
+    def hashing(rank_arg, buckets, *rest, **kwargs) -> None:
+        write(rank_arg, buckets, *rest, **kwargs)
+        names = [str(Path(bucket[0]).relative_to(directory)) for bucket in buckets]
+        try:
+            digests = integrity.digests(directory, names)
+        except OSError:
+            return  # a failed write: Megatron reports it at the publish, which then hashes nothing
+        _write_atomically(directory / f"{_DIGESTS_PREFIX}{rank:05d}.json", json.dumps(digests))
+
+    return hashing
+
+
+def _held_writer(write: Callable, hold: Path, rank: int) -> Callable:
+    """Test-only (:data:`TEST_HOLD_WRITER_ENV`): the writer announces itself once its files are
+    written and waits for ``release`` (at most ten minutes, then goes on)."""
+
+    def held(*args, **kwargs) -> None:
+        write(*args, **kwargs)
+        (hold / f"rank-{rank:05d}.held").write_text(str(os.getpid()))
+        deadline = time.monotonic() + 600
+        while not (hold / "release").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    return held
+
+
 def _write_checksums(directory: Path, rank: int, world_size: int) -> None:
-    """Every rank hashes its share of the files; rank 0 writes the manifest (before the rename,
-    so a checkpoint in place always has one)."""
-    names = integrity.files_of(directory)
+    """Every rank hashes its share of the files (but those a background writer hashed already);
+    rank 0 writes the manifest (before the rename, so a checkpoint in place always has one)."""
+    hashed: dict = {}
+    for found in sorted(directory.glob(f"{_DIGESTS_PREFIX}*")):
+        hashed.update(json.loads(found.read_text()))
+    names = [n for n in integrity.files_of(directory) if n not in hashed and not n.startswith(_DIGESTS_PREFIX)]
     share = integrity.digests(directory, names[rank::world_size])
     shares: list = [None] * world_size
     dist.all_gather_object(shares, share)
     if rank == 0:
-        integrity.write_manifest(directory, {k: v for part in shares for k, v in part.items()})
+        for found in directory.glob(f"{_DIGESTS_PREFIX}*"):  # every rank has read them
+            found.unlink()
+        integrity.write_manifest(directory, {**hashed, **{k: v for part in shares for k, v in part.items()}})
 
 
 def _prune(root: Path, keep_last: int) -> None:
