@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
-# Tiny Qwen3 configs: ``tiny_qwen3_moe`` (2 MoE layers, top-2 of 4 experts) and ``tiny_qwen3`` (dense)
+# Tiny configs: ``tiny_qwen3_moe`` (2 MoE layers, top-2 of 4 experts), ``tiny_qwen3`` (dense) and
+# ``tiny_glm4_moe`` (GLM-4.5: a dense first layer, then 2 MoE layers of top-2 of 8 experts + a shared
+# expert, sigmoid routing with an expert bias, Q/K/V biases, QK-norm, RoPE on half of each head)
 MODEL_CONFIGS = Path(__file__).resolve().parent / "configs"
 TINY_MOE = MODEL_CONFIGS / "tiny_qwen3_moe" / "config.json"
 
@@ -68,10 +70,15 @@ def random_checkpoint(config, out: str | Path, *, seed: int) -> Path:
 def spread_weights_(model) -> None:
     """Re-initialise a transformers model in place (torch's global generator) so that logits
     (~N(0, 2²)) and router scores (~N(0, 4²)) stay far from uniform: a wrong position, mask or
-    expert shows up in log μ, and routing is not decided by near-ties."""
+    expert shows up in log μ, and routing is not decided by near-ties. A router's expert bias
+    (``e_score_correction_bias``, a buffer that checkpoints carry) gets ~N(0, 0.3²), the size of a
+    sigmoid score's spread, so it changes which experts win."""
     config = model.config
     hidden = config.hidden_size
     with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.3)
         for name, param in model.named_parameters():
             if param.ndim == 1:  # norms: distinct values, so a mix-up between them is visible
                 param.normal_(1.0, 0.1)
