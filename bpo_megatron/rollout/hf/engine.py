@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM
 
 from bpo_megatron import platform
 from bpo_megatron.rollout.engine import EngineCapabilities, Finished, RolloutEngine, as_finished
-from bpo_megatron.rollout.hf.capture import RoutingCapture, moe_routers
+from bpo_megatron.rollout.hf.capture import RoutingCapture, moe_routers, num_routed_experts
 from bpo_megatron.rollout.hf import fp8_compute
 from bpo_megatron.rollout.hf.decode import attention_for, check_supported, resolve_path
 from bpo_megatron.rollout.hf.options import check_decode
@@ -105,7 +105,7 @@ class HFEngine(RolloutEngine):
             self._fp8_layers = fp8_compute.install(model)
         routers = moe_routers(model)
         self._capture = (RoutingCapture(routers, topk=model.config.num_experts_per_tok,
-                                        num_experts=model.config.num_experts)
+                                        num_experts=num_routed_experts(routers))
                          if capture_routing and routers else None)
         self.num_moe_layers = len(routers)
         self.capabilities = EngineCapabilities(captures_routing=self._capture is not None)

@@ -48,7 +48,8 @@ def hf_weight_views(model: nn.Module) -> dict[str, torch.Tensor]:
     """On-disk name -> a view sharing storage with the model's parameter, in parameter order.
 
     Tied weights appear once, under the name ``save_pretrained`` writes (``named_parameters`` drops
-    the duplicate, as saving does).
+    the duplicate, as saving does). Persistent buffers a checkpoint carries (a router's
+    ``e_score_correction_bias``) follow the parameters; the rotary tables, which are not saved, do not.
     """
     fused = {name: module for name, module in model.named_modules() if _fused_experts(module)}
     views: dict[str, torch.Tensor] = {}
@@ -59,6 +60,8 @@ def hf_weight_views(model: nn.Module) -> dict[str, torch.Tensor]:
                 views.update(_expert_views(owner, fused[owner]))
             continue
         views[name] = param.detach()
+    saved = set(model.state_dict(keep_vars=True))
+    views.update((name, buffer.detach()) for name, buffer in model.named_buffers() if name in saved)
     return views
 
 
