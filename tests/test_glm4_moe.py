@@ -147,3 +147,115 @@ def test_pp2_round_trip_without_qk_norm(glm_models, tmp_path) -> None:
                                      progress=False, timeout=TIMEOUT)
     _check_megatron_logits(checkpoint, {"pp": 2}, 2, ref)
     _check_export(checkpoint, tmp_path / "hf", hf_dir, ref, parallel=ParallelConfig(pp=2))
+
+
+# ------------------------------------------------------------------------- routing and R3
+def test_the_expert_bias_changes_which_experts_win(glm_models) -> None:
+    """The fixture's bias is large enough that routing without it would differ: a trainer that
+    dropped it could not reproduce the engine's choice."""
+    model = _hf_model(glm_models["qk_norm"][0])
+    tokens = _batch(model.config.vocab_size)
+    hidden = model.model.embed_tokens(tokens).view(-1, model.config.hidden_size)
+    changed = 0.0
+    with torch.no_grad():
+        for layer in (1, 2):
+            gate = model.model.layers[layer].mlp.gate
+            biased = gate(hidden)[2].sort(dim=-1).values
+            bias = gate.e_score_correction_bias.clone()
+            gate.e_score_correction_bias.zero_()
+            plain = gate(hidden)[2].sort(dim=-1).values
+            gate.e_score_correction_bias.copy_(bias)
+            changed = max(changed, (biased != plain).any(dim=-1).float().mean().item())
+    assert changed > 0.2, changed
+
+
+def _engine_samples(hf_dir: Path) -> list:
+    """Responses the embedded engine samples (temperature 1) with the routing it captured, as train
+    samples with advantages of both signs."""
+    from bpo_megatron.rollout import GenerationRequest, SamplingParams
+    from bpo_megatron.rollout.hf.engine import HFEngine
+    from bpo_megatron.trainer.samples import TrainSample
+
+    engine = HFEngine(hf_dir, capture_routing=True)
+    generator = torch.Generator().manual_seed(3)
+    requests = [GenerationRequest(f"q{i}", tuple(torch.randint(0, 200, (length,), generator=generator).tolist()),
+                                  SamplingParams(temperature=1.0, max_new_tokens=9, n=2, seed=40 + i))
+                for i, length in enumerate((3, 8, 5))]
+    samples = engine.generate(requests)
+    engine.shutdown()
+    return [TrainSample(tokens=s.tokens, response_start=s.prompt_tokens.numel(), rollout_logprobs=s.rollout_logprobs,
+                        advantage=(1.0 if i % 2 == 0 else -0.5) * (1 + i / 10), routed_experts=s.routed_experts)
+            for i, s in enumerate(samples)]
+
+
+def _r3_rank(hf_dir: str, samples: list, layout: dict) -> dict | None:
+    """The trainer on the engine's samples: its own free routing (teacher-forced, recorded), then
+    log π with the engine's routing replayed, one R3 train step and log π after it."""
+    from dataclasses import replace
+
+    from bpo_megatron import testing as th
+
+    hf = HFModelConfig.load(hf_dir)
+    actor = th.build_actor(hf, replay=True, weights=hf_dir, params_dtype="fp32", micro_batch_size=2, lr=1e-3,
+                           **layout)
+    free = actor.compute_logprobs([replace(s, routed_experts=None) for s in samples], record_routing=True)
+    replayed = actor.compute_logprobs(samples)
+    metrics = actor.train_step(samples)
+    after = actor.compute_logprobs(samples)
+    bias = [m.expert_bias.clone() for m in actor.model.modules() if getattr(m, "expert_bias", None) is not None]
+    actor.close()
+    if replayed is None:
+        return None
+    return {"free_routing": free.routed_experts, "replayed": replayed.logprobs, "metrics": metrics,
+            "after": after.logprobs, "bias": bias}
+
+
+@pytest.fixture(scope="module")
+def r3_reference(glm_models):
+    from bpo_megatron.parallel.local_world import run_gloo_world
+
+    hf_dir = glm_models["qk_norm"][0]
+    samples = _engine_samples(hf_dir)
+    (result,) = run_gloo_world(_r3_rank, 1, str(hf_dir), samples, {}, timeout=TIMEOUT)
+    return hf_dir, samples, result
+
+
+def test_the_trainers_router_chooses_what_the_engine_captured(r3_reference) -> None:
+    """Teacher-forced, Megatron's sigmoid router with the converted expert bias picks exactly the
+    experts the engine captured at every position of every MoE layer; log π equals log μ."""
+    _, samples, got = r3_reference
+    positions = 0
+    for sample, routing in zip(samples, got["free_routing"], strict=True):
+        engine = sample.routed_experts.long().sort(dim=-1).values
+        assert torch.equal(routing.long().sort(dim=-1).values, engine)
+        positions += engine.shape[0]
+    assert positions == sum(s.tokens.numel() - 1 for s in samples)
+    for sample, logprobs in zip(samples, got["replayed"], strict=True):
+        torch.testing.assert_close(logprobs, sample.rollout_logprobs, rtol=0, atol=2e-5)
+
+
+def test_the_expert_bias_is_not_trained(r3_reference, glm_models) -> None:
+    from safetensors.torch import load_file
+
+    hf_dir, _, got = r3_reference
+    on_disk = load_file(hf_dir / "model.safetensors")
+    want = [on_disk[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"] for layer in (1, 2)]
+    assert len(got["bias"]) == 2 and all(torch.equal(a, b) for a, b in zip(got["bias"], want))
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"ep": 2}, {"tp": 2, "ep": 2}], ids=["tp2", "ep2", "tp2_ep2"])
+def test_r3_training_at_tp2_and_ep2_equals_one_rank(r3_reference, layout: dict) -> None:
+    from bpo_megatron.parallel.local_world import run_gloo_world
+
+    hf_dir, samples, ref = r3_reference
+    results = [r for r in run_gloo_world(_r3_rank, 2, str(hf_dir), samples, layout, timeout=TIMEOUT) if r]
+    for got in results:
+        for name in ("loss", "grad_norm"):
+            assert abs(got["metrics"][name] - ref["metrics"][name]) <= 1e-5 * abs(ref["metrics"][name]), name
+        for key in ("replayed", "after"):
+            for a, b in zip(got[key], ref[key], strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        for a, b in zip(got["free_routing"], ref["free_routing"], strict=True):
+            assert torch.equal(a.long().sort(dim=-1).values, b.long().sort(dim=-1).values)
+    moved = max((a - b).abs().max().item() for a, b in zip(ref["after"], ref["replayed"]))
+    assert moved > 1e-3, "the step must change log π for the comparison to cover it"
