@@ -259,3 +259,64 @@ def test_r3_training_at_tp2_and_ep2_equals_one_rank(r3_reference, layout: dict) 
             assert torch.equal(a.long().sort(dim=-1).values, b.long().sort(dim=-1).values)
     moved = max((a - b).abs().max().item() for a, b in zip(ref["after"], ref["replayed"]))
     assert moved > 1e-3, "the step must change log π for the comparison to cover it"
+
+
+# ---------------------------------------------------------------------- GLM-4.5-Air recipe
+ROOT = Path(__file__).resolve().parents[1]
+AIR = ROOT / "configs" / "models" / "glm4_5_air" / "config.json"
+AIR_RECIPE = ROOT / "configs" / "glm4_5_air_bpo.yaml"
+
+
+def test_glm_4_5_air_parameter_counts_are_transformers_and_the_published_sizes() -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bpo_megatron.models.qwen3 import model_vocab_size
+    from bpo_megatron.planner.params import rank_parameters
+    from bpo_megatron.weights.names import parameter_counts
+
+    hf = HFModelConfig.load(AIR)
+    assert (len(hf.moe_layers), hf.moe_layers[0], hf.rotary_percent, hf.qk_norm) == (45, 1, 0.5, False)
+    total, active = parameter_counts(hf)
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(AutoConfig.for_model(**json.loads(AIR.read_text())))
+    assert total == sum(p.numel() for p in reference.parameters()) == 106_852_245_504
+    # the published "106B total, 12B active" are these counts cut to whole billions, the active one
+    # without the two embeddings (106.85 B and 12.18 B)
+    embeddings = 2 * hf.vocab_size * hf.hidden_size
+    assert int(total // 1e9) == 106 and int((active - embeddings) // 1e9) == 12
+    # one rank holding the whole model holds exactly that (151,552 rows are a multiple of 128) ...
+    options = ModelOptions(params_dtype="bf16")
+    [whole] = rank_parameters(hf, ParallelConfig(), options)
+    assert whole.total == total
+    # ... and at tp 4 ep 16, per MoE layer: QKV with its bias, the output projection, two norms (no
+    # QK-norm), the router, the shared expert split over TP; 8 local experts
+    [shard] = rank_parameters(hf, ParallelConfig(tp=4, ep=16), options)
+    qkv_rows = (96 + 2 * 8) * 128 // 4
+    attention = qkv_rows * 4096 + qkv_rows + 4096 * (96 * 128 // 4) + 2 * 4096
+    moe_layer = attention + 128 * 4096 + 3 * 4096 * 1408 // 4
+    dense_layer = attention + 3 * 4096 * 10944 // 4
+    vocab_rows = model_vocab_size(hf, ParallelConfig(tp=4), options) // 4
+    assert shard.dense == 2 * vocab_rows * 4096 + 4096 + dense_layer + 45 * moe_layer
+    assert shard.expert == 45 * 8 * 3 * 4096 * 1408
+
+
+def test_the_glm_4_5_air_recipe_fits_and_passes_train_check(tmp_path, capsys) -> None:
+    """``bpo-megatron plan`` sizes the recipe and says it fits; ``train --check`` accepts it with the
+    files it reads stood in for: a checkpoint of GLM-4.5-Air's config (every tensor name and shape,
+    sparse zeros), the character tokenizer and a few training records."""
+    from bpo_megatron.cli import main
+    from bpo_megatron.testing.models import placeholder_checkpoint
+
+    assert main(["plan", str(AIR_RECIPE)]) == 0
+    out = capsys.readouterr().out
+    assert "Glm4MoeForCausalLM, 106.85 B parameters" in out and "verdict: FITS" in out and "FAIL" not in out
+    checkpoint = placeholder_checkpoint(AIR, tmp_path / "glm_4_5_air")
+    records = tmp_path / "train.jsonl"
+    records.write_text("".join(json.dumps({"id": f"p{i}", "problem": f"What is {i} + {i}?", "answer": str(2 * i),
+                                           "source": "test"}) + "\n" for i in range(1, 9)))
+    code = main(["train", str(AIR_RECIPE), f"model.path={checkpoint}", "model.tokenizer=char",
+                 f"data.train={records}", "data.on_bad_record=skip", f"logging.run_dir={tmp_path / 'run'}", "--check"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "config ok: glm4_5_air_bpo" in out.out.lower() and "training prompts: 8 problems" in out.out
+    assert not (tmp_path / "run").exists(), "a check writes nothing"

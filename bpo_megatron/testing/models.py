@@ -90,3 +90,39 @@ def spread_weights_(model) -> None:
                 param.normal_(0.0, 4.0 / math.sqrt(hidden))
             else:
                 param.normal_(0.0, 1.0 / math.sqrt(param.shape[-1]))
+
+
+def placeholder_checkpoint(config_path: str | Path, out: Path, *, shard_bytes: int = 5 * 10**9) -> Path:
+    """A checkpoint directory for checks that read a model's files but none of its numbers: the
+    ``config.json`` at ``config_path`` and safetensors shards (with their index, as large checkpoints
+    ship) whose headers list every tensor the config implies (names, shapes, the config's dtype) over
+    sparse files of zeros, so a 100B-parameter model costs a few megabytes of disk."""
+    from bpo_megatron.models import HFModelConfig
+    from bpo_megatron.weights import hf_tensor_shapes
+
+    hf = HFModelConfig.load(config_path)
+    dtype, size = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}[hf.weights_dtype]
+    shards: list[dict[str, Any]] = [{}]
+    offset = total = 0
+    for name, shape in hf_tensor_shapes(hf).items():
+        nbytes = math.prod(shape) * size
+        if offset and offset + nbytes > shard_bytes:
+            shards.append({})
+            offset = 0
+        shards[-1][name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        total += nbytes
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(Path(config_path).read_text())
+    weight_map = {}
+    for index, tensors in enumerate(shards):
+        file = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        encoded = json.dumps({"__metadata__": {"format": "pt"}, **tensors}).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        with (out / file).open("wb") as handle:
+            handle.write(len(encoded).to_bytes(8, "little") + encoded)
+            handle.truncate(8 + len(encoded) + max(t["data_offsets"][1] for t in tensors.values()))
+        weight_map.update(dict.fromkeys(tensors, file))
+    index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=1))
+    return out
