@@ -149,6 +149,27 @@ def test_pp2_round_trip_without_qk_norm(glm_models, tmp_path) -> None:
     _check_export(checkpoint, tmp_path / "hf", hf_dir, ref, parallel=ParallelConfig(pp=2))
 
 
+def test_engine_weight_updates_by_on_disk_names_reach_every_weight(glm_models, tmp_path) -> None:
+    """What a weight sync sends (the on-disk names: per-expert tensors, the shared expert, Q/K/V
+    biases, the router's expert bias) lands in the live GLM engine, which then samples exactly as an
+    engine started from those weights."""
+    from safetensors.torch import load_file
+
+    from bpo_megatron.rollout import GenerationRequest, SamplingParams
+    from bpo_megatron.rollout.hf.engine import HFEngine
+
+    other, _ = _save(glm_dict(), tmp_path / "other", seed=23)
+    new = load_file(other / "model.safetensors")
+    engine = HFEngine(glm_models["qk_norm"][0], capture_routing=True)
+    assert engine.update_weights(iter(new.items())) == sum(t.numel() * t.element_size() for t in new.values())
+    live = dict(engine.named_hf_weights())
+    assert sorted(live) == sorted(new) and all(torch.equal(live[name], tensor) for name, tensor in new.items())
+    requests = [GenerationRequest("q", (5, 9, 13), SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=1))]
+    fresh = HFEngine(other, capture_routing=True)
+    for a, b in zip(engine.generate(requests), fresh.generate(requests), strict=True):
+        assert torch.equal(a.response_tokens, b.response_tokens) and torch.equal(a.routed_experts, b.routed_experts)
+
+
 # ------------------------------------------------------------------------- routing and R3
 def test_the_expert_bias_changes_which_experts_win(glm_models) -> None:
     """The fixture's bias is large enough that routing without it would differ: a trainer that
