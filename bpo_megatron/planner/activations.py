@@ -24,7 +24,9 @@ attention   (2h·b + 2·norm(h)          the input norm's and the pre-MLP norm's
              + b·(q + 2kv)·d           the fused QKV output (the k norm's input and flash
                                        attention's v are views of it)
              + b·q·d if kv/tp > 1      the query copied out of it (grouped heads are interleaved
-                                       with their keys; with one group per rank it is a view)
+                                       with their keys; with one group per rank it is a view),
+                                       kept as the q norm's input: without QK-norm nothing keeps it
+                                       (RoPE multiplies by constant cos and sin, saving only those)
              + q·norm(d) + kv·norm(d)  the q and k norms (per head, beyond their inputs; without
                                        QK-norm, as in GLM-4.5-Air, none)
              + b·(q + kv)·d            the rotated q and k that flash attention keeps
@@ -40,6 +42,8 @@ MoE MLP     (b·h + 4E + 20k) / tp      the router's input, the fp32 probabiliti
                                        dispatcher's gather keeps them) and per top-k slot the
                                        router's int64 id, fp32 probability and the dispatcher's
                                        int64 id
+            + 4·(E + 1) / tp           with sigmoid scoring (GLM-4.5): the fp32 sigmoid scores
+                                       ``[T, E]`` and the renormalisation's denominator
             + k·etp/tp · (b·(h + 6·I/etp) + 20)
                                        per routed row (``k·etp/tp`` rows per token: each row on
                                        the ``etp`` ranks of its expert): the dispatched hidden
@@ -51,8 +55,8 @@ MoE MLP     (b·h + 4E + 20k) / tp      the router's input, the fp32 probabiliti
             + b·5·S / tp               a shared expert of width S (GLM-4.5): a dense MLP whose
                                        input is the router's
 
-Partial RoPE and the shared expert are counted by the same rules as the measured terms but were
-not measured themselves (the measurement's model is the tiny Qwen3-MoE).
+The tiny GLM-4.5 shape (no QK-norm, Q/K/V biases, RoPE over half of each head, a shared expert,
+sigmoid routing with a bias and a scale, the first layer dense) is measured as well.
 
 ``norm(w)`` is what an RMSNorm over ``w`` features keeps beyond its input: its fp32 ``rstd``, 4
 bytes, on a GPU (torch's fused ``_fused_rms_norm`` saves the input and ``rstd``); on a CPU torch
@@ -122,7 +126,7 @@ def attention_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, act_b
     h, d, tp, b = hf.hidden_size, hf.head_dim, parallel.tp, act_bytes
     q, kv = hf.num_attention_heads, hf.num_key_value_heads
     norms = 2 * (b * h + norm_kept_bytes(h, b, gpu=gpu))
-    qkv = b * h + b * (q + 2 * kv) * d + (b * q * d if kv // tp > 1 else 0)
+    qkv = b * h + b * (q + 2 * kv) * d + (b * q * d if kv // tp > 1 and hf.qk_norm else 0)
     qk_norms = (q + kv) * norm_kept_bytes(d, b, gpu=gpu) if hf.qk_norm else 0
     flash = b * (q + kv) * d + b * q * d + FP32 * q
     rope = 4 * b * int(d * hf.rotary_percent)
@@ -136,6 +140,8 @@ def mlp_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, layer: int,
         return b * (h + 5 * hf.intermediate_size) / tp
     k, etp = hf.num_experts_per_tok, parallel.expert_tp
     router = b * h + FP32 * hf.num_experts + k * (INT64 + FP32 + INT64)
+    if hf.router_score == "sigmoid":
+        router += FP32 * (hf.num_experts + 1)
     row = b * (h + 6 * hf.moe_intermediate_size / etp) + FP32 + 2 * INT64
     shared = b * 5 * hf.shared_expert_intermediate_size
     return (router + k * etp * row + shared) / tp

@@ -37,6 +37,26 @@ def qwen3_moe_config(**sizes: Any) -> dict[str, Any]:
     return config
 
 
+def glm4_moe_config(**sizes: Any) -> dict[str, Any]:
+    """A GLM-4.5 MoE ``config.json`` (as a dict) of the given sizes (``num_experts`` as
+    ``n_routed_experts``), the rest as the tests' tiny GLM has it: Q/K/V biases, RoPE over half of
+    each head, one shared expert, sigmoid routing with a scale, the first layer dense."""
+    config = json.loads((MODEL_CONFIGS / "tiny_glm4_moe" / "config.json").read_text())
+    if "num_experts" in sizes:
+        sizes = {**sizes, "n_routed_experts": sizes.pop("num_experts")}
+    config.update(sizes)
+    return config
+
+
+def moe_config(model_type: str, sizes: dict[str, Any], *, layers: int, dense_layers: int) -> dict[str, Any]:
+    """A ``config.json`` of ``model_type`` (``qwen3_moe`` or ``glm4_moe``) with ``layers`` layers of
+    which ``dense_layers`` (0 or 1) are dense, where the family puts them: Qwen3-MoE the last
+    (``mlp_only_layers``), GLM the first (``first_k_dense_replace``)."""
+    if model_type == "glm4_moe":
+        return glm4_moe_config(**sizes, num_hidden_layers=layers, first_k_dense_replace=dense_layers)
+    return qwen3_moe_config(**sizes, num_hidden_layers=layers, mlp_only_layers=list(range(layers))[layers - dense_layers:])
+
+
 def write_config(config: dict[str, Any], directory: Path) -> Path:
     """``config`` as ``directory/config.json``; the directory."""
     directory.mkdir(parents=True, exist_ok=True)
