@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bpo_megatron.models.families import FAMILIES, config_error, family_of
+from bpo_megatron.models.families import FAMILIES, ModelFamily, config_error, family_of
 
 # model_type -> the architecture name transformers writes for it
 ARCHITECTURES: dict[str, str] = {name: family.architecture for name, family in FAMILIES.items()}
@@ -116,7 +116,7 @@ class HFModelConfig:
                          f"non-zero number of the head_dim={self.head_dim} dimensions (it rotates {rotary_dim})")
 
     @property
-    def family(self):
+    def family(self) -> ModelFamily:
         """The :class:`~bpo_megatron.models.families.ModelFamily` of this ``model_type``."""
         return family_of(self.model_type)
 

@@ -1,4 +1,5 @@
-"""The embedded rollout engine: a transformers Qwen3 / Qwen3-MoE model sampled by our own loop.
+"""The embedded rollout engine: a transformers model of a supported family (Qwen3, Qwen3-MoE,
+GLM-4.5 MoE) sampled by our own loop.
 
 ``model.generate`` is not used so that what a sample reports is exactly what was sampled from: per
 step, fp32 logits / temperature → log-softmax = log μ (before top-k/top-p), then the filtered draw
