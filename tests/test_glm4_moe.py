@@ -19,6 +19,7 @@ import torch
 
 from test_convert import (
     TIMEOUT,
+    _assert_bit_exact,
     _batch,
     _check_export,
     _check_megatron_logits,
@@ -168,6 +169,27 @@ def test_engine_weight_updates_by_on_disk_names_reach_every_weight(glm_models, t
     fresh = HFEngine(other, capture_routing=True)
     for a, b in zip(engine.generate(requests), fresh.generate(requests), strict=True):
         assert torch.equal(a.response_tokens, b.response_tokens) and torch.equal(a.routed_experts, b.routed_experts)
+
+
+def test_a_bf16_checkpoint_round_trips_with_its_fp32_expert_bias(tmp_path) -> None:
+    """transformers keeps and saves the router's expert bias in fp32 in a bf16 model; the export
+    writes the bf16 weights in bf16 and the bias in fp32 again, bit for bit."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bpo_megatron.convert import convert_mcore_to_hf
+    from bpo_megatron.testing.models import spread_weights_
+
+    torch.manual_seed(6)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(FIXTURE.parent), dtype=torch.bfloat16)
+    spread_weights_(model)
+    model.save_pretrained(tmp_path / "hf")
+    written = _safetensors(tmp_path / "hf")
+    assert written["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert written["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    checkpoint = convert_hf_to_mcore(tmp_path / "hf", tmp_path / "ckpt", parallel=ParallelConfig(ep=2),
+                                     progress=False, timeout=TIMEOUT)
+    convert_mcore_to_hf(checkpoint, tmp_path / "out", progress=False, timeout=TIMEOUT)
+    _assert_bit_exact(tmp_path / "out", tmp_path / "hf")
 
 
 # ------------------------------------------------------------------------- routing and R3

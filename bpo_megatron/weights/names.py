@@ -49,7 +49,8 @@ class WeightRule:
     tied_to: str | None = None
     # Whether the model has this weight at all (None: every model whose layers it fits)
     present: Callable[[HFModelConfig], bool] | None = None
-    # A buffer, not a parameter (the router's fixed expert bias): converted and synced, never trained
+    # A buffer, not a parameter (the router's fixed expert bias): converted and synced, never
+    # trained, and exported in its own dtype (fp32, as transformers keeps and saves it in any model dtype)
     buffer: bool = False
     _patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
 
