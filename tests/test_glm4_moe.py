@@ -139,6 +139,7 @@ def test_tp2_ep2_round_trip_gives_transformers_logits(glm_models, tmp_path) -> N
     checkpoint = convert_hf_to_mcore(hf_dir, tmp_path / "ckpt", parallel=ParallelConfig(**layout),
                                      progress=False, timeout=TIMEOUT)
     _check_megatron_logits(checkpoint, layout, 2, ref)
+    _check_megatron_logits(checkpoint, {}, 1, ref)  # resharded on load (the expert bias too)
     _check_export(checkpoint, tmp_path / "hf", hf_dir, ref, parallel=ParallelConfig(**layout))
 
 
