@@ -364,3 +364,33 @@ def test_the_glm_4_5_air_recipe_fits_and_passes_train_check(tmp_path, capsys) ->
     assert code == 0, out.err
     assert "config ok: glm4_5_air_bpo" in out.out.lower() and "training prompts: 8 problems" in out.out
     assert not (tmp_path / "run").exists(), "a check writes nothing"
+
+
+def _free_routing_rank(hf_dir: str, rows: list) -> list:
+    """The trainer's own routing of ``rows`` (teacher-forced, recorded), with replay on."""
+    from bpo_megatron import testing as th
+    from bpo_megatron.trainer.samples import TrainSample
+
+    hf = HFModelConfig.load(hf_dir)
+    actor = th.build_actor(hf, replay=True, weights=hf_dir, params_dtype="fp32", micro_batch_size=2)
+    samples = [TrainSample(tokens=row, response_start=2, rollout_logprobs=-torch.ones(row.numel() - 2), advantage=1.0)
+               for row in rows]
+    routing = actor.compute_logprobs(samples, record_routing=True).routed_experts
+    actor.close()
+    return routing
+
+
+def test_group_limited_routing_is_reproduced(tmp_path) -> None:
+    """n_group=4, topk_group=1 (top-2 of 8 experts, both from the best group, groups ranked by their
+    two best biased scores): Megatron's group-limited router picks what transformers' does."""
+    from bpo_megatron.parallel.local_world import run_gloo_world
+    from bpo_megatron.testing.recompute import teacher_forced
+
+    hf_dir, _ = _save(glm_dict(n_group=4, topk_group=1), tmp_path / "grouped", seed=24)
+    model = _hf_model(hf_dir)
+    rows = list(torch.randint(0, 200, (4, 10), generator=torch.Generator().manual_seed(9)))
+    want = [teacher_forced(model, row, temperature=1.0)[1] for row in rows]
+    assert all(bool(((w[..., 0] // 2) == (w[..., 1] // 2)).all()) for w in want)  # one group per token
+    (got,) = run_gloo_world(_free_routing_rank, 1, str(hf_dir), rows, timeout=TIMEOUT)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.long().sort(dim=-1).values, b.long().sort(dim=-1).values)
