@@ -101,6 +101,20 @@ def test_configs_megatron_cannot_reproduce_are_refused(overrides: dict, field: s
             HFModelConfig.load(raw)
 
 
+def test_a_family_refuses_the_architecture_of_another() -> None:
+    """The description is family-neutral, but each family fixes what its transformers model has:
+    a Qwen3-MoE config (built directly) with a shared expert or sigmoid routing is refused."""
+    import dataclasses
+
+    qwen = HFModelConfig.load(MODEL_CONFIGS / "tiny_qwen3_moe")
+    for field, value in [("shared_expert_intermediate_size", 32), ("first_k_dense_replace", 1), ("qk_norm", False),
+                         ("routed_scaling_factor", 2.5)]:
+        with pytest.raises(ValueError, match=f"{field}=.* is not part of qwen3_moe"):
+            dataclasses.replace(qwen, **{field: value})
+    with pytest.raises(ValueError, match="mlp_only_layers=.* is not part of glm4_moe"):
+        dataclasses.replace(HFModelConfig.load(FIXTURE), mlp_only_layers=(2,))
+
+
 def test_group_limited_routing_that_megatron_scores_alike_is_taken() -> None:
     hf = HFModelConfig.load(glm_dict(n_group=4, topk_group=1))
     assert (hf.n_group, hf.topk_group) == (4, 1)

@@ -66,9 +66,22 @@ def _qwen3_attention(hf: HFModelConfig) -> None:
                            "attention output projection alone)")
 
 
+def _fixed(hf: HFModelConfig, **values: Any) -> None:
+    """Fields the family's architecture fixes (only a directly constructed config can differ)."""
+    for name, value in values.items():
+        if getattr(hf, name) != value:
+            raise config_error(f"{name}={getattr(hf, name)!r} is not part of {hf.model_type}; it has {value!r}")
+
+
+# Qwen3 and Qwen3-MoE: QK-norm, softmax routing without bias, scale, groups or shared expert
+_QWEN3_FIXED = dict(qk_norm=True, router_score="softmax", router_expert_bias=False, routed_scaling_factor=1.0,
+                    n_group=1, topk_group=1, shared_expert_intermediate_size=0, first_k_dense_replace=0)
+
+
 # ----------------------------------------------------------------------------------- Qwen3
 def _qwen3_check(hf: HFModelConfig) -> None:
     _qwen3_attention(hf)
+    _fixed(hf, **_QWEN3_FIXED)
 
 
 def _qwen3_moe_parse(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -88,6 +101,7 @@ def _qwen3_moe_parse(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 def _qwen3_moe_check(hf: HFModelConfig) -> None:
     _qwen3_attention(hf)
+    _fixed(hf, **_QWEN3_FIXED)
     _nonnegative_number("router_aux_loss_coef", hf.router_aux_loss_coef)
     if not isinstance(hf.decoder_sparse_step, int) or isinstance(hf.decoder_sparse_step, bool) \
             or hf.decoder_sparse_step <= 0:
@@ -134,6 +148,7 @@ def _glm4_moe_parse(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _glm4_moe_check(hf: HFModelConfig) -> None:
+    _fixed(hf, router_score="sigmoid", router_expert_bias=True, decoder_sparse_step=1, mlp_only_layers=())
     if not hf.norm_topk_prob:
         raise config_error("norm_topk_prob=false is not supported: Megatron's sigmoid router always "
                            "renormalises the top-k scores (GLM-4.5 checkpoints set norm_topk_prob=true)")
