@@ -42,6 +42,17 @@ def dense_dir(tmp_path_factory) -> Path:
     return _random_checkpoint("tiny_qwen3", tmp_path_factory.mktemp("dense"), seed=0)
 
 
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory) -> Path:
+    """GLM-4.5 MoE: a dense first layer, sigmoid routing with a non-zero expert bias, a shared expert,
+    Q/K/V biases, QK-norm and RoPE over half of each head."""
+    return _random_checkpoint("tiny_glm4_moe", tmp_path_factory.mktemp("glm"), seed=0)
+
+
+def _model_dir(kind: str, moe_dir: Path, dense_dir: Path, glm_dir: Path) -> Path:
+    return {"moe": moe_dir, "dense": dense_dir, "glm": glm_dir}[kind]
+
+
 def _requests(vocab: int, lengths=(3, 17, 1, 30, 9), **sampling) -> list[GenerationRequest]:
     generator = torch.Generator().manual_seed(1)
     defaults = dict(temperature=0.7, top_p=0.9, top_k=40, max_new_tokens=24, n=3)
@@ -50,12 +61,12 @@ def _requests(vocab: int, lengths=(3, 17, 1, 30, 9), **sampling) -> list[Generat
             for i, length in enumerate(lengths)]
 
 
-@pytest.mark.parametrize("kind", ["moe", "dense"])
-def test_rollout_logprobs_and_routing_equal_a_teacher_forced_recompute(kind, moe_dir, dense_dir):
-    path = moe_dir if kind == "moe" else dense_dir
+@pytest.mark.parametrize("kind", ["moe", "dense", "glm"])
+def test_rollout_logprobs_and_routing_equal_a_teacher_forced_recompute(kind, moe_dir, dense_dir, glm_dir):
+    path = _model_dir(kind, moe_dir, dense_dir, glm_dir)
     engine = HFEngine(path, capture_routing=True)
     hf = HFModelConfig.load(path)
-    assert engine.capabilities.captures_routing == (kind == "moe")
+    assert engine.capabilities.captures_routing == hf.is_moe
     assert engine.num_moe_layers == len(hf.moe_layers)
     requests = _requests(hf.vocab_size, stop_token_ids=(7, 11))
     samples = engine.generate(requests)
@@ -73,14 +84,14 @@ def test_rollout_logprobs_and_routing_equal_a_teacher_forced_recompute(kind, moe
         ranks = (logprobs[prompt - 1:] > response_logprobs[:, None]).sum(1)
         assert int(ranks.max()) < 40
         assert sample.finish_reason == ("stop" if sample.response_tokens[-1].item() in (7, 11) else "length")
-        if kind == "moe":
-            assert sample.routed_experts.dtype == torch.uint8  # 4 experts: ids travel as bytes
+        if hf.is_moe:
+            assert sample.routed_experts.dtype == torch.uint8  # 4 or 8 experts: ids travel as bytes
             assert torch.equal(sample.routed_experts, routing.to(torch.uint8)), sample.request_id
             routed_tokens += routing.shape[0]
         else:
             assert sample.routed_experts is None
     assert worst <= TOLERANCE, worst
-    assert routed_tokens == sum(s.tokens.numel() - 1 for s in samples) if kind == "moe" else True
+    assert routed_tokens == sum(s.tokens.numel() - 1 for s in samples) if hf.is_moe else True
 
 
 def test_sampling_follows_the_filtered_distribution_while_logprobs_stay_unfiltered(moe_dir):
@@ -147,9 +158,9 @@ def test_stop_tokens_end_a_response_and_max_new_tokens_bounds_it(moe_dir):
         engine.generate([GenerationRequest("long", prompt, SamplingParams(max_new_tokens=251))])
 
 
-@pytest.mark.parametrize("kind", ["moe", "dense"])
-def test_named_hf_weights_are_the_checkpoint_tensors(kind, moe_dir, dense_dir):
-    path = moe_dir if kind == "moe" else dense_dir
+@pytest.mark.parametrize("kind", ["moe", "dense", "glm"])
+def test_named_hf_weights_are_the_checkpoint_tensors(kind, moe_dir, dense_dir, glm_dir):
+    path = _model_dir(kind, moe_dir, dense_dir, glm_dir)
     on_disk = load_file(path / "model.safetensors")
     weights = dict(HFEngine(path, capture_routing=False).named_hf_weights())
     assert sorted(weights) == sorted(on_disk)

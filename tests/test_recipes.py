@@ -26,7 +26,8 @@ BASELINES = {  # the paper's hyper-parameters of each baseline (appendix, experi
     "dppo": {"name": "dppo_tv", "dppo_delta": 0.1, "dppo_ratio_cap": 10.0},
 }
 DISAGGREGATED = CONFIGS / "qwen3_30b_a3b_bpo_disaggregated.yaml"
-RECIPES = [MAIN, DISAGGREGATED, ABLATION, *(CONFIGS / f"qwen3_30b_a3b_{b}.yaml" for b in BASELINES)]
+GLM_AIR = CONFIGS / "glm4_5_air_bpo.yaml"  # the main setting on GLM-4.5-Air (tests/test_glm4_moe.py)
+RECIPES = [MAIN, DISAGGREGATED, ABLATION, *(CONFIGS / f"qwen3_30b_a3b_{b}.yaml" for b in BASELINES), GLM_AIR]
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)

@@ -44,6 +44,17 @@ def test_layout_of_a_model_with_dense_layers(tiny_moe_config):
     assert torch.equal(layout.decode_int32(full.astype("<i4").tobytes()), picked)
 
 
+def test_glm_dense_first_layers_are_cut_from_sglangs_rows():
+    """GLM-4.5 (first_k_dense_replace): SGLang's int32 rows cover every layer; the dense first one
+    routes nothing and is dropped, so MoE layer i of the engine is MoE layer i of the trainer."""
+    hf = HFModelConfig.load({**json.loads((MODEL_CONFIGS / "tiny_glm4_moe" / "config.json").read_text()),
+                             "num_hidden_layers": 4, "first_k_dense_replace": 2})
+    layout = RoutingLayout.of(hf)
+    assert (layout.moe_layers, layout.num_hidden_layers, layout.topk, layout.num_experts) == ((2, 3), 4, 2, 8)
+    full = np.argsort(np.random.default_rng(1).random((6, 4, 8)), axis=-1)[..., :2].astype("<i4")
+    assert torch.equal(layout.decode_int32(full.tobytes()).long(), torch.from_numpy(full[:, 2:]).long())
+
+
 @pytest.mark.parametrize("shape, match", [((5, 3, 2), r"expected \[positions, 4 layers \(or its 2 MoE layers\), top-2\]"),
                                           ((5, 4, 3), "top-2"), ((5, 8), "shape")])
 def test_routing_of_another_shape_is_refused_naming_both(tiny_moe_config, shape, match):

@@ -1,4 +1,5 @@
-"""The offline Hugging Face ↔ Megatron-Core checkpoint tool for Qwen3 / Qwen3-MoE.
+"""The offline Hugging Face ↔ Megatron-Core checkpoint tool for the supported model families
+(:mod:`bpo_megatron.models.families`).
 
 ``convert_hf_to_mcore`` / ``convert_mcore_to_hf`` are the two file conversions behind
 ``bpo-megatron convert``; each starts a gloo world of its own

@@ -9,7 +9,9 @@ COMPARED_FIELDS: tuple[str, ...] = (
     "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
     "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size",
     "vocab_size", "rms_norm_eps", "rope_theta", "tie_word_embeddings", "norm_topk_prob",
-    "decoder_sparse_step", "mlp_only_layers",
+    "decoder_sparse_step", "mlp_only_layers", "attention_bias", "qk_norm", "rotary_percent", "router_score",
+    "router_expert_bias", "routed_scaling_factor", "n_group", "topk_group", "shared_expert_intermediate_size",
+    "first_k_dense_replace",
 )
 
 

@@ -1,5 +1,7 @@
-"""The policy model: Qwen3 / Qwen3-MoE Hugging Face configs mapped onto Megatron-Core GPTModels."""
+"""The policy model: Hugging Face configs of the supported families (Qwen3, Qwen3-MoE, GLM-4.5 MoE;
+:mod:`bpo_megatron.models.families`) mapped onto Megatron-Core GPTModels."""
 
+from bpo_megatron.models.families import FAMILIES, ModelFamily
 from bpo_megatron.models.hf_config import ARCHITECTURES, HFModelConfig
 from bpo_megatron.models.options import ModelOptions, default_params_dtype
 from bpo_megatron.models.qwen3 import (
@@ -13,6 +15,8 @@ from bpo_megatron.models.qwen3 import (
 
 __all__ = [
     "ARCHITECTURES",
+    "FAMILIES",
+    "ModelFamily",
     "HFModelConfig",
     "ModelOptions",
     "build_gpt_model",

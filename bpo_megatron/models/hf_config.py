@@ -1,10 +1,12 @@
-"""The Hugging Face ``config.json`` of a Qwen3 or Qwen3-MoE checkpoint, parsed and checked.
+"""The Hugging Face ``config.json`` of a supported checkpoint, parsed and checked.
 
-Only what the Megatron model needs is kept. Fields that fix the shape of the network (and
-``norm_topk_prob``, whose transformers default differs from the released MoE checkpoints) are
-required; the others default the way transformers fills them in. Anything the Megatron model cannot
-reproduce exactly (RoPE scaling, sliding-window attention, attention biases, other activations) is
-refused here, so a checkpoint never loads into a model that computes something else.
+Only what the Megatron model needs is kept, in one vocabulary for every family
+(:mod:`bpo_megatron.models.families` maps each ``model_type`` onto it). Fields that fix the shape of
+the network (and ``norm_topk_prob``, whose transformers default differs from the released MoE
+checkpoints) are required; the others default the way transformers fills them in. Anything the
+Megatron model cannot reproduce exactly (RoPE scaling, sliding-window attention, biases Megatron
+has no place for, other activations) is refused here, so a checkpoint never loads into a model that
+computes something else.
 """
 
 from __future__ import annotations
@@ -16,34 +18,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bpo_megatron.models.families import FAMILIES, ModelFamily, config_error, family_of
+
 # model_type -> the architecture name transformers writes for it
-ARCHITECTURES: dict[str, str] = {
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-}
+ARCHITECTURES: dict[str, str] = {name: family.architecture for name, family in FAMILIES.items()}
 
 _REQUIRED = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "rms_norm_eps", "max_position_embeddings",
 )
-_REQUIRED_MOE = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
 _POSITIVE_INTS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "max_position_embeddings",
 )
-_POSITIVE_MOE_INTS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                      "decoder_sparse_step")
-
-
-def _error(message: str) -> ValueError:
-    return ValueError(f"config.json: {message}")
+_POSITIVE_MOE_INTS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+_error = config_error
 
 
 @dataclass(frozen=True)
 class HFModelConfig:
-    """Architecture of a ``Qwen3ForCausalLM`` or ``Qwen3MoeForCausalLM`` checkpoint.
+    """Architecture of a checkpoint of one of the :data:`~bpo_megatron.models.families.FAMILIES`.
 
-    For a dense model the MoE fields keep their zero defaults. Construct it with :meth:`load`
+    For a dense model the MoE fields keep their zero defaults; the defaults of the others are
+    Qwen3's (QK-norm, full RoPE, softmax routing, no shared expert). Construct it with :meth:`load`
     (from a ``config.json`` path, its directory, or the parsed dict); direct construction is
     validated the same way.
     """
@@ -68,65 +65,69 @@ class HFModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.0
+    qk_norm: bool = True  # RMSNorm on every query and key head
+    rotary_percent: float = 1.0  # the share of each head's dims RoPE rotates (the leading ones)
+    router_score: str = "softmax"  # "softmax" or "sigmoid" (scored independently per expert)
+    router_expert_bias: bool = False  # a fixed per-expert bias added to the scores for the choice only
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' (renormalised) weights
+    n_group: int = 1  # group-limited routing: experts in n_group groups, the best topk_group kept
+    topk_group: int = 1
+    shared_expert_intermediate_size: int = 0  # an always-on SwiGLU beside the routed experts (0: none)
+    first_k_dense_replace: int = 0  # GLM/DeepSeek: the first k layers are dense
     # The parsed config.json as read (None when constructed directly). It travels with
     # checkpoints so they can be exported back to Hugging Face with every field the original had
     # (token ids, dtype, ...); it takes no part in equality, hashing or validation.
     source: Mapping[str, Any] | None = field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.model_type not in ARCHITECTURES:
-            raise _error(f"model_type={self.model_type!r} is not supported; "
-                         f"supported: {', '.join(sorted(ARCHITECTURES))}")
+        family = family_of(self.model_type)
         if isinstance(self.mlp_only_layers, list):  # keep the config hashable and immutable
             object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
-        moe = self.model_type == "qwen3_moe"
+        moe = family.moe or self.num_experts != 0
         for name in _POSITIVE_INTS + (_POSITIVE_MOE_INTS if moe else ()):
             _check_positive(name, getattr(self, name), integer=True)
         _check_positive("rms_norm_eps", self.rms_norm_eps, integer=False)
         _check_positive("rope_theta", self.rope_theta, integer=False)
-        for name in ("tie_word_embeddings", "attention_bias", "norm_topk_prob"):
+        for name in ("tie_word_embeddings", "attention_bias", "norm_topk_prob", "qk_norm", "router_expert_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise _error(f"{name}={getattr(self, name)!r} must be true or false")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise _error(f"num_key_value_heads={self.num_key_value_heads} must divide "
                          f"num_attention_heads={self.num_attention_heads}")
-        if self.attention_bias:
-            # Qwen3 puts the bias on o_proj as well; Megatron's add_qkv_bias covers only the
-            # fused QKV projection, so such a checkpoint has no exact Megatron counterpart.
-            raise _error("attention_bias=True is not supported (Megatron has no bias on the "
-                         "attention output projection alone)")
-        if moe:
-            self._check_moe()
-
-    def _check_moe(self) -> None:
-        if self.num_experts_per_tok > self.num_experts:
+        self._check_rotary()
+        if self.router_score not in ("softmax", "sigmoid"):
+            raise _error(f"router scoring {self.router_score!r} must be 'softmax' or 'sigmoid'")
+        if self.router_expert_bias and self.router_score != "sigmoid":
+            raise _error("an expert score bias needs sigmoid routing (Megatron applies it to sigmoid scores only)")
+        _check_positive("routed_scaling_factor", self.routed_scaling_factor, integer=False)
+        if not isinstance(self.shared_expert_intermediate_size, int) or self.shared_expert_intermediate_size < 0:
+            raise _error(f"shared expert size {self.shared_expert_intermediate_size!r} must be a "
+                         "non-negative integer")
+        if moe and self.num_experts_per_tok > self.num_experts:
             raise _error(f"num_experts_per_tok={self.num_experts_per_tok} must not exceed "
                          f"num_experts={self.num_experts}")
-        if not isinstance(self.router_aux_loss_coef, (int, float)) or isinstance(
-                self.router_aux_loss_coef, bool) or self.router_aux_loss_coef < 0:
-            raise _error(f"router_aux_loss_coef={self.router_aux_loss_coef!r} must be a "
-                         "non-negative number")
-        for layer in self.mlp_only_layers:
-            if not isinstance(layer, int) or isinstance(layer, bool) or not (
-                    0 <= layer < self.num_hidden_layers):
-                raise _error(f"mlp_only_layers contains {layer!r}; entries must be layer "
-                             f"indices in [0, {self.num_hidden_layers})")
+        family.check(self)
+
+    def _check_rotary(self) -> None:
+        _check_positive("partial_rotary_factor", self.rotary_percent, integer=False)
+        rotary_dim = int(self.head_dim * self.rotary_percent)
+        if self.rotary_percent > 1 or rotary_dim % 2 or rotary_dim == 0:
+            raise _error(f"partial_rotary_factor={self.rotary_percent!r} must be at most 1 and rotate an even, "
+                         f"non-zero number of the head_dim={self.head_dim} dimensions (it rotates {rotary_dim})")
+
+    @property
+    def family(self) -> ModelFamily:
+        """The :class:`~bpo_megatron.models.families.ModelFamily` of this ``model_type``."""
+        return family_of(self.model_type)
 
     @property
     def architecture(self) -> str:
-        return ARCHITECTURES[self.model_type]
+        return self.family.architecture
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
-        """Indices of the Mixture-of-Experts layers, by transformers' Qwen3-MoE rule."""
-        if self.model_type != "qwen3_moe":
-            return ()
-        return tuple(
-            layer for layer in range(self.num_hidden_layers)
-            if layer not in self.mlp_only_layers
-            and self.num_experts > 0
-            and (layer + 1) % self.decoder_sparse_step == 0
-        )
+        """Indices of the Mixture-of-Experts layers, by transformers' rule for the family."""
+        return self.family.moe_layers(self)
 
     @property
     def is_moe(self) -> bool:
@@ -162,16 +163,10 @@ class HFModelConfig:
             "hidden_act": "silu",
             "dtype": "float32",
         }
-        if self.model_type == "qwen3_moe":
-            raw.update(
-                num_experts=self.num_experts,
-                num_experts_per_tok=self.num_experts_per_tok,
-                moe_intermediate_size=self.moe_intermediate_size,
-                norm_topk_prob=self.norm_topk_prob,
-                decoder_sparse_step=self.decoder_sparse_step,
-                mlp_only_layers=list(self.mlp_only_layers),
-                router_aux_loss_coef=self.router_aux_loss_coef,
-            )
+        if self.rotary_percent != 1.0 or self.family.rotary_default != 1.0:
+            raw["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta,
+                                      "partial_rotary_factor": self.rotary_percent}
+        raw.update(self.family.hf_fields(self))
         return raw
 
     @classmethod
@@ -194,10 +189,7 @@ def _check_positive(name: str, value: Any, *, integer: bool) -> None:
 
 
 def _model_type(raw: Mapping[str, Any]) -> str:
-    model_type = raw.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise _error(f"model_type={model_type!r} is not supported; "
-                     f"supported: {', '.join(sorted(ARCHITECTURES))}")
+    model_type = family_of(raw.get("model_type")).model_type
     architectures = raw.get("architectures")
     if architectures is not None and list(architectures) != [ARCHITECTURES[model_type]]:
         raise _error(f"architectures={architectures!r} is not supported for "
@@ -221,6 +213,17 @@ def _rope_theta(raw: Mapping[str, Any]) -> float:
         raise _error(f"rope_theta={theta!r} disagrees with "
                      f"rope_parameters.rope_theta={parameters['rope_theta']!r}")
     return theta
+
+
+def _rotary_percent(raw: Mapping[str, Any], default: float) -> Any:
+    """``partial_rotary_factor``, from ``rope_parameters`` (transformers 5) or the top level (4);
+    absent, the family's default, as transformers' modeling code assumes it."""
+    parameters = raw.get("rope_parameters") or {}
+    inside, outside = parameters.get("partial_rotary_factor"), raw.get("partial_rotary_factor")
+    if inside is not None and outside is not None and inside != outside:
+        raise _error(f"partial_rotary_factor={outside!r} disagrees with "
+                     f"rope_parameters.partial_rotary_factor={inside!r}")
+    return inside if inside is not None else outside if outside is not None else default
 
 
 def _check_attention_and_activation(raw: Mapping[str, Any]) -> None:
@@ -248,42 +251,21 @@ def _head_dim(raw: Mapping[str, Any]) -> Any:
     return hidden // heads
 
 
-def _num_experts_alias(raw: Mapping[str, Any]) -> Mapping[str, Any]:
-    """transformers 5 writes Qwen3-MoE's ``num_experts`` as ``num_local_experts``; read either."""
-    if "num_local_experts" not in raw:
-        return raw
-    if "num_experts" in raw and raw["num_experts"] != raw["num_local_experts"]:
-        raise _error(f"num_experts={raw['num_experts']!r} disagrees with "
-                     f"num_local_experts={raw['num_local_experts']!r}")
-    return {**raw, "num_experts": raw["num_local_experts"]}
-
-
 def _from_dict(raw: Mapping[str, Any]) -> HFModelConfig:
     source = copy.deepcopy(dict(raw))
-    model_type = _model_type(raw)
-    moe = model_type == "qwen3_moe"
-    if moe:
-        raw = _num_experts_alias(raw)
-    for name in _REQUIRED + (_REQUIRED_MOE if moe else ()):
+    family = family_of(_model_type(raw))
+    for name in _REQUIRED + family.required:
         if name not in raw:
             raise _error(f"required field {name!r} is missing")
     _check_attention_and_activation(raw)
     fields: dict[str, Any] = {name: raw[name] for name in _REQUIRED}
     fields.update(
-        model_type=model_type,
+        model_type=family.model_type,
         head_dim=_head_dim(raw),
         rope_theta=_rope_theta(raw),
+        rotary_percent=_rotary_percent(raw, family.rotary_default),
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         attention_bias=raw.get("attention_bias", False),
     )
-    if moe:
-        mlp_only = raw.get("mlp_only_layers") or []
-        if not isinstance(mlp_only, (list, tuple)):
-            raise _error(f"mlp_only_layers={mlp_only!r} must be a list of layer indices")
-        fields.update({name: raw[name] for name in _REQUIRED_MOE})
-        fields.update(
-            decoder_sparse_step=raw.get("decoder_sparse_step", 1),
-            mlp_only_layers=tuple(mlp_only),
-            router_aux_loss_coef=raw.get("router_aux_loss_coef", 0.001),
-        )
+    fields.update(family.parse(raw))
     return HFModelConfig(**fields, source=source)

@@ -1,8 +1,11 @@
-"""Qwen3 and Qwen3-MoE as Megatron-Core ``GPTModel``s.
+"""The supported Hugging Face families (Qwen3, Qwen3-MoE, GLM-4.5 MoE) as Megatron-Core ``GPTModel``s.
 
 The mapping follows transformers' modeling code exactly: pre-norm RMSNorm blocks, grouped-query
-attention with RMSNorm on each query/key head (QK-norm) and plain RoPE, SwiGLU MLPs, no biases, and
-for MoE layers a softmax top-k router without shared experts. Megatron imports stay inside the
+attention with optional RMSNorm on each query/key head (QK-norm), optional Q/K/V biases and RoPE on
+all or the leading part of each head, SwiGLU MLPs, and for MoE layers a softmax or sigmoid top-k
+router (with a fixed expert bias, group limits and a scaling factor where the family has them) and an
+optional shared expert. It reads only :class:`HFModelConfig`'s family-neutral description
+(:mod:`bpo_megatron.models.families`). Megatron imports stay inside the
 functions, so importing this package does not pull in Megatron (callers silence its warnings first).
 """
 
@@ -77,11 +80,12 @@ def transformer_config(
         kv_channels=hf.head_dim,  # Qwen3 sets head_dim independently of hidden/heads
         normalization="RMSNorm",
         layernorm_epsilon=hf.rms_norm_eps,
-        qk_layernorm=True,
+        qk_layernorm=hf.qk_norm,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,  # HFModelConfig refuses attention_bias=True
+        # the families that take attention_bias=True put it on q/k/v only (HFModelConfig refuses others)
+        add_qkv_bias=hf.attention_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # parallel layout
@@ -131,16 +135,12 @@ def _moe_fields(hf: HFModelConfig, options: ModelOptions, *, te: bool) -> dict[s
     moe_layers = set(hf.moe_layers)
     coeff = float(options.moe_aux_loss_coeff)
     return {
+        **_router_fields(hf),
         "num_moe_experts": hf.num_experts,
         "moe_router_topk": hf.num_experts_per_tok,
         "moe_ffn_hidden_size": hf.moe_intermediate_size,
         "moe_layer_freq": [int(layer in moe_layers) for layer in range(hf.num_hidden_layers)],
-        "moe_shared_expert_intermediate_size": None,
-        "moe_router_score_function": "softmax",
-        # norm_topk_prob: softmax over all experts, then renormalise the top k = softmax over
-        # the top-k logits, which is Megatron's default (top-k first). Without renormalisation
-        # the probabilities are taken from the full softmax: pre-softmax.
-        "moe_router_pre_softmax": not hf.norm_topk_prob,
+        "moe_shared_expert_intermediate_size": hf.shared_expert_intermediate_size or None,
         "moe_router_dtype": "fp32",  # transformers routes in fp32 as well
         "moe_router_load_balancing_type": "aux_loss" if coeff > 0 else "none",
         "moe_aux_loss_coeff": coeff,
@@ -151,6 +151,30 @@ def _moe_fields(hf: HFModelConfig, options: ModelOptions, *, te: bool) -> dict[s
         "moe_permute_fusion": te,
         "moe_grouped_gemm": te,  # TE's grouped GEMM; the local spec's experts: layer_spec(experts=...)
     }
+
+
+def _router_fields(hf: HFModelConfig) -> dict[str, object]:
+    """The router of ``hf``'s MoE layers: scoring, the expert bias, group limits, the scaling."""
+    fields: dict[str, object] = {
+        "moe_router_score_function": hf.router_score,
+        # softmax with norm_topk_prob: softmax over all experts, then renormalise the top k =
+        # softmax over the top-k logits, which is Megatron's default (top-k first). Without
+        # renormalisation the probabilities are taken from the full softmax: pre-softmax. Sigmoid
+        # scores are renormalised either way (HFModelConfig refuses sigmoid without norm_topk_prob).
+        "moe_router_pre_softmax": not hf.norm_topk_prob,
+        # applied to the renormalised weights, as transformers does; 1.0 is left unset
+        "moe_router_topk_scaling_factor": (hf.routed_scaling_factor if hf.routed_scaling_factor != 1.0
+                                           else None),
+    }
+    if hf.router_expert_bias:
+        # The checkpoint's e_score_correction_bias is a fixed buffer the rollout engine routes
+        # with; an update rate of 0 keeps Megatron's load-balancing update from moving it, so the
+        # trainer chooses the experts the engine chose (and it is not a parameter: no optimizer
+        # touches it).
+        fields.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
+    if hf.n_group > 1:  # HFModelConfig admits only group limits Megatron scores like transformers
+        fields.update(moe_router_num_groups=hf.n_group, moe_router_group_topk=hf.topk_group)
+    return fields
 
 
 def layer_spec(hf: HFModelConfig, config: TransformerConfig, *, attention: CoreAttention = "auto",
@@ -172,7 +196,7 @@ def layer_spec(hf: HFModelConfig, config: TransformerConfig, *, attention: CoreA
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    if config.num_layers != hf.num_hidden_layers or not config.qk_layernorm:
+    if config.num_layers != hf.num_hidden_layers or config.qk_layernorm != hf.qk_norm:
         raise ValueError("layer_spec: config was not made by transformer_config for this model")
     if experts not in ("grouped", "sequential"):
         raise ValueError(f"layer_spec: experts={experts!r} must be 'grouped' or 'sequential'")
@@ -327,7 +351,7 @@ def build_gpt_model(
         parallel_output=True,  # logits stay vocab-sharded: log-probs are computed per shard
         share_embeddings_and_output_weights=hf.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=hf.rotary_percent,  # the leading int(head_dim × percent) dims rotate, as in transformers
         rotary_base=hf.rope_theta,
     )
     # The local spec's torch norms are created in fp32 whatever params_dtype says (TE's follow

@@ -24,13 +24,17 @@ attention   (2h·b + 2·norm(h)          the input norm's and the pre-MLP norm's
              + b·(q + 2kv)·d           the fused QKV output (the k norm's input and flash
                                        attention's v are views of it)
              + b·q·d if kv/tp > 1      the query copied out of it (grouped heads are interleaved
-                                       with their keys; with one group per rank it is a view)
-             + q·norm(d) + kv·norm(d)  the q and k norms (per head, beyond their inputs)
+                                       with their keys; with one group per rank it is a view),
+                                       kept as the q norm's input: without QK-norm nothing keeps it
+                                       (RoPE multiplies by constant cos and sin, saving only those)
+             + q·norm(d) + kv·norm(d)  the q and k norms (per head, beyond their inputs; without
+                                       QK-norm, as in GLM-4.5-Air, none)
              + b·(q + kv)·d            the rotated q and k that flash attention keeps
              + b·q·d + 4q) / tp        its output (the output projection's input, the same
                                        buffer) and its fp32 log-sum-exp per head
-            + 4·b·d                    RoPE's cos and sin of the query's and the key's call (not
-                                       split: every TP rank rotates the whole sequence)
+            + 4·b·r                    RoPE's cos and sin of the query's and the key's call over
+                                       the r = d·rotary_percent rotated dims (not split: every TP
+                                       rank rotates the whole sequence)
 dense MLP   b·(h + 5·ffn) / tp         fc1's input and output (gate and up), SiLU(gate), up +
                                        glu_linear_offset (a new buffer even at 0), their product
                                        (fc2's input)
@@ -38,6 +42,8 @@ MoE MLP     (b·h + 4E + 20k) / tp      the router's input, the fp32 probabiliti
                                        dispatcher's gather keeps them) and per top-k slot the
                                        router's int64 id, fp32 probability and the dispatcher's
                                        int64 id
+            + 4·(E + 1) / tp           with sigmoid scoring (GLM-4.5): the fp32 sigmoid scores
+                                       ``[T, E]`` and the renormalisation's denominator
             + k·etp/tp · (b·(h + 6·I/etp) + 20)
                                        per routed row (``k·etp/tp`` rows per token: each row on
                                        the ``etp`` ranks of its expert): the dispatched hidden
@@ -46,6 +52,11 @@ MoE MLP     (b·h + 4E + 20k) / tp      the router's input, the fp32 probabiliti
                                        input), the fp32 probability and two int64 permutation
                                        indices. Routing is assumed balanced (R3 replays the
                                        engine's routing; there is no capacity dropping).
+            + b·5·S / tp               a shared expert of width S (GLM-4.5): a dense MLP whose
+                                       input is the router's
+
+The tiny GLM-4.5 shape (no QK-norm, Q/K/V biases, RoPE over half of each head, a shared expert,
+sigmoid routing with a bias and a scale, the first layer dense) is measured as well.
 
 ``norm(w)`` is what an RMSNorm over ``w`` features keeps beyond its input: its fp32 ``rstd``, 4
 bytes, on a GPU (torch's fused ``_fused_rms_norm`` saves the input and ``rstd``); on a CPU torch
@@ -115,10 +126,10 @@ def attention_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, act_b
     h, d, tp, b = hf.hidden_size, hf.head_dim, parallel.tp, act_bytes
     q, kv = hf.num_attention_heads, hf.num_key_value_heads
     norms = 2 * (b * h + norm_kept_bytes(h, b, gpu=gpu))
-    qkv = b * h + b * (q + 2 * kv) * d + (b * q * d if kv // tp > 1 else 0)
-    qk_norms = q * norm_kept_bytes(d, b, gpu=gpu) + kv * norm_kept_bytes(d, b, gpu=gpu)
+    qkv = b * h + b * (q + 2 * kv) * d + (b * q * d if kv // tp > 1 and hf.qk_norm else 0)
+    qk_norms = (q + kv) * norm_kept_bytes(d, b, gpu=gpu) if hf.qk_norm else 0
     flash = b * (q + kv) * d + b * q * d + FP32 * q
-    rope = 4 * b * d
+    rope = 4 * b * int(d * hf.rotary_percent)
     return (norms + qkv + qk_norms + flash) / tp + rope
 
 
@@ -129,8 +140,11 @@ def mlp_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, layer: int,
         return b * (h + 5 * hf.intermediate_size) / tp
     k, etp = hf.num_experts_per_tok, parallel.expert_tp
     router = b * h + FP32 * hf.num_experts + k * (INT64 + FP32 + INT64)
+    if hf.router_score == "sigmoid":
+        router += FP32 * (hf.num_experts + 1)
     row = b * (h + 6 * hf.moe_intermediate_size / etp) + FP32 + 2 * INT64
-    return (router + k * etp * row) / tp
+    shared = b * 5 * hf.shared_expert_intermediate_size
+    return (router + k * etp * row + shared) / tp
 
 
 def layer_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, layer: int, act_bytes: int, *,
@@ -170,7 +184,7 @@ def ends_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, act_bytes:
     if last:
         kept += (2 * b * h + norm_kept_bytes(h, b, gpu=gpu)) / tp
     if recompute == "full":
-        kept += FP32 * hf.head_dim
+        kept += FP32 * int(hf.head_dim * hf.rotary_percent)
     return kept
 
 

@@ -4,11 +4,14 @@ The count mirrors what :func:`bpo_megatron.models.build_gpt_model` builds (Megat
 ``GPTModel``; the local and the transformer-engine specs hold the same parameters, TE only fuses
 the norms into the following linear layer):
 
-* every layer: fused QKV ``[(heads + 2·kv_heads)·head_dim / tp, hidden]``, output projection
-  ``[hidden, heads·head_dim / tp]``, the q/k RMSNorms over ``head_dim`` and the two layer norms
-  over ``hidden`` (norms are replicated over TP: sequence parallelism keeps them whole);
+* every layer: fused QKV ``[(heads + 2·kv_heads)·head_dim / tp, hidden]`` (and its bias
+  ``(heads + 2·kv_heads)·head_dim / tp`` with ``attention_bias``), output projection
+  ``[hidden, heads·head_dim / tp]``, the q/k RMSNorms over ``head_dim`` (with QK-norm) and the two
+  layer norms over ``hidden`` (norms are replicated over TP: sequence parallelism keeps them whole);
 * dense MLP: SwiGLU ``fc1 [2·ffn / tp, hidden]`` and ``fc2 [hidden, ffn / tp]``;
-* MoE MLP: the router ``[experts, hidden]`` (replicated, a dense parameter) and
+* MoE MLP: the router ``[experts, hidden]`` (replicated, a dense parameter; its expert bias is a
+  buffer, not a parameter), a shared expert where the family has one (a SwiGLU of
+  ``shared_ffn / tp``, dense: split over TP and reduced over DP like a dense MLP) and
   ``experts / ep`` local experts, each a SwiGLU of ``moe_ffn / etp``;
 * first pipeline stage: the word embeddings over the padded vocabulary, split over TP;
 * last stage: the final norm and the output layer (also when the embeddings are tied but the
@@ -50,9 +53,10 @@ def stage_layers(hf: HFModelConfig, pp: int, stage: int) -> tuple[int, ...]:
 
 def _attention(hf: HFModelConfig, tp: int) -> int:
     q_width = hf.num_attention_heads * hf.head_dim
-    qkv = (hf.num_attention_heads + 2 * hf.num_key_value_heads) * hf.head_dim // tp * hf.hidden_size
+    qkv_rows = (hf.num_attention_heads + 2 * hf.num_key_value_heads) * hf.head_dim // tp
+    qkv = qkv_rows * hf.hidden_size + (qkv_rows if hf.attention_bias else 0)
     proj = hf.hidden_size * (q_width // tp)
-    qk_norms = 2 * hf.head_dim
+    qk_norms = 2 * hf.head_dim if hf.qk_norm else 0
     return qkv + proj + qk_norms
 
 
@@ -66,6 +70,8 @@ def layer_params(hf: HFModelConfig, parallel: ParallelConfig, layer: int) -> tup
     dense = _attention(hf, parallel.tp) + norms
     if layer in set(hf.moe_layers):
         router = hf.num_experts * hf.hidden_size
+        if hf.shared_expert_intermediate_size:
+            router += _swiglu(hf.hidden_size, hf.shared_expert_intermediate_size, parallel.tp)
         local_experts = hf.num_experts // parallel.ep
         expert = local_experts * _swiglu(hf.hidden_size, hf.moe_intermediate_size, parallel.expert_tp)
         return dense + router, expert

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bpo_megatron.testing.models import qwen3_moe_config
+from bpo_megatron.testing.models import moe_config
 
 
 class _Saved:
@@ -68,22 +68,22 @@ class MeasuredActivations:
 
 
 def measure_activations(sizes: dict, *, tp: int = 1, lengths: tuple[int, int] = (256, 512), recompute: str = "none",
-                        model_options: dict | None = None) -> MeasuredActivations:
+                        model_options: dict | None = None, model_type: str = "qwen3_moe") -> MeasuredActivations:
     """Measure, on this rank of the current torch.distributed world (every rank calls it; ``tp``
-    divides the world), fp32 Qwen3-MoE models of ``sizes`` (:func:`qwen3_moe_config` fields but
-    the layer count): one MoE layer, two MoE layers, one MoE and one dense layer, each at two
+    divides the world), fp32 MoE models of ``model_type`` and ``sizes`` (:func:`moe_config`; sizes
+    but the layer count): one MoE layer, two MoE layers, one MoE and one dense layer, each at two
     ``lengths`` (multiples of ``tp``), with activation recomputation ``recompute``. Differences
     between them separate a layer's cost from the ends', and the two lengths a per-token cost from
     a constant. ``model_options``: further ``ModelOptions`` fields; the core attention is the fused
     one unless they say otherwise."""
     from bpo_megatron.testing.trainer import build_actor
 
-    models = {"moe": (1, []), "two_moe": (2, []), "moe_dense": (2, [1])}  # name -> (layers, dense layers)
+    models = {"moe": (1, 0), "two_moe": (2, 0), "moe_dense": (2, 1)}  # name -> (layers, dense layers)
     options = {"attention": "fused", **(model_options or {})}
     gen = torch.Generator().manual_seed(0)
     measured: dict[tuple[str, int], int] = {}
     for name, (layers, dense) in models.items():
-        config = qwen3_moe_config(**sizes, num_hidden_layers=layers, mlp_only_layers=dense)
+        config = moe_config(model_type, sizes, layers=layers, dense_layers=dense)
         actor = build_actor(config, tp=tp, params_dtype="fp32", recompute=recompute, model_options=options)
         try:
             for length in lengths:

@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
-# Tiny Qwen3 configs: ``tiny_qwen3_moe`` (2 MoE layers, top-2 of 4 experts) and ``tiny_qwen3`` (dense)
+# Tiny configs: ``tiny_qwen3_moe`` (2 MoE layers, top-2 of 4 experts), ``tiny_qwen3`` (dense) and
+# ``tiny_glm4_moe`` (GLM-4.5: a dense first layer, then 2 MoE layers of top-2 of 8 experts + a shared
+# expert, sigmoid routing with an expert bias, Q/K/V biases, QK-norm, RoPE on half of each head)
 MODEL_CONFIGS = Path(__file__).resolve().parent / "configs"
 TINY_MOE = MODEL_CONFIGS / "tiny_qwen3_moe" / "config.json"
 
@@ -33,6 +35,26 @@ def qwen3_moe_config(**sizes: Any) -> dict[str, Any]:
     }
     config.update(sizes)
     return config
+
+
+def glm4_moe_config(**sizes: Any) -> dict[str, Any]:
+    """A GLM-4.5 MoE ``config.json`` (as a dict) of the given sizes (``num_experts`` as
+    ``n_routed_experts``), the rest as the tests' tiny GLM has it: Q/K/V biases, RoPE over half of
+    each head, one shared expert, sigmoid routing with a scale, the first layer dense."""
+    config = json.loads((MODEL_CONFIGS / "tiny_glm4_moe" / "config.json").read_text())
+    if "num_experts" in sizes:
+        sizes = {**sizes, "n_routed_experts": sizes.pop("num_experts")}
+    config.update(sizes)
+    return config
+
+
+def moe_config(model_type: str, sizes: dict[str, Any], *, layers: int, dense_layers: int) -> dict[str, Any]:
+    """A ``config.json`` of ``model_type`` (``qwen3_moe`` or ``glm4_moe``) with ``layers`` layers of
+    which ``dense_layers`` (0 or 1) are dense, where the family puts them: Qwen3-MoE the last
+    (``mlp_only_layers``), GLM the first (``first_k_dense_replace``)."""
+    if model_type == "glm4_moe":
+        return glm4_moe_config(**sizes, num_hidden_layers=layers, first_k_dense_replace=dense_layers)
+    return qwen3_moe_config(**sizes, num_hidden_layers=layers, mlp_only_layers=list(range(layers))[layers - dense_layers:])
 
 
 def write_config(config: dict[str, Any], directory: Path) -> Path:
@@ -68,10 +90,15 @@ def random_checkpoint(config, out: str | Path, *, seed: int) -> Path:
 def spread_weights_(model) -> None:
     """Re-initialise a transformers model in place (torch's global generator) so that logits
     (~N(0, 2²)) and router scores (~N(0, 4²)) stay far from uniform: a wrong position, mask or
-    expert shows up in log μ, and routing is not decided by near-ties."""
+    expert shows up in log μ, and routing is not decided by near-ties. A router's expert bias
+    (``e_score_correction_bias``, a buffer that checkpoints carry) gets ~N(0, 0.3²), the size of a
+    sigmoid score's spread, so it changes which experts win."""
     config = model.config
     hidden = config.hidden_size
     with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.3)
         for name, param in model.named_parameters():
             if param.ndim == 1:  # norms: distinct values, so a mix-up between them is visible
                 param.normal_(1.0, 0.1)
@@ -83,3 +110,39 @@ def spread_weights_(model) -> None:
                 param.normal_(0.0, 4.0 / math.sqrt(hidden))
             else:
                 param.normal_(0.0, 1.0 / math.sqrt(param.shape[-1]))
+
+
+def placeholder_checkpoint(config_path: str | Path, out: Path, *, shard_bytes: int = 5 * 10**9) -> Path:
+    """A checkpoint directory for checks that read a model's files but none of its numbers: the
+    ``config.json`` at ``config_path`` and safetensors shards (with their index, as large checkpoints
+    ship) whose headers list every tensor the config implies (names, shapes, the config's dtype) over
+    sparse files of zeros, so a 100B-parameter model costs a few megabytes of disk."""
+    from bpo_megatron.models import HFModelConfig
+    from bpo_megatron.weights import hf_tensor_shapes
+
+    hf = HFModelConfig.load(config_path)
+    dtype, size = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}[hf.weights_dtype]
+    shards: list[dict[str, Any]] = [{}]
+    offset = total = 0
+    for name, shape in hf_tensor_shapes(hf).items():
+        nbytes = math.prod(shape) * size
+        if offset and offset + nbytes > shard_bytes:
+            shards.append({})
+            offset = 0
+        shards[-1][name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        total += nbytes
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(Path(config_path).read_text())
+    weight_map = {}
+    for index, tensors in enumerate(shards):
+        file = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        encoded = json.dumps({"__metadata__": {"format": "pt"}, **tensors}).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        with (out / file).open("wb") as handle:
+            handle.write(len(encoded).to_bytes(8, "little") + encoded)
+            handle.truncate(8 + len(encoded) + max(t["data_offsets"][1] for t in tensors.values()))
+        weight_map.update(dict.fromkeys(tensors, file))
+    index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=1))
+    return out

@@ -237,10 +237,13 @@ def weight_stream(model: torch.nn.Module, hf: HFModelConfig, *, dst: int = 0, dt
     for unit in plan.units:
         rule = RULES_BY_NAME[unit.weights[0].key[0]]
         shapes = rule.hf_shapes(dims)
-        out_dtype = dtype or unit.weights[0].dtype
+        # a buffer (the router's expert bias) keeps its own dtype, fp32, as transformers keeps it
+        unit_dtype = None if rule.buffer else dtype
+        out_dtype = unit_dtype or unit.weights[0].dtype
         held: list[list[torch.Tensor]] = []  # the unit's weights held here: each as its HF tensors
         for weight in unit.weights:
-            merged = _tensor_step(weight, mine, rank, groups, ctx, shapes, dtype, copy=not views and rank == dst)
+            merged = _tensor_step(weight, mine, rank, groups, ctx, shapes, unit_dtype,
+                                  copy=not views and rank == dst)
             if merged is not None:
                 held = [merged]
         if unit.expert_group and rank in unit.expert_group:

@@ -128,8 +128,8 @@ class GroupInterleaved:
         pieces: list[list[torch.Tensor]] = [[] for _ in hf_shapes]
         for shard in shards:
             blocks = shard.reshape(per_shard, sum(per_group), -1).split(per_group, dim=1)
-            for out, block in zip(pieces, blocks):
-                out.append(block.reshape(-1, block.shape[-1]))
+            for out, block, shape in zip(pieces, blocks, hf_shapes):
+                out.append(block.reshape(-1, *shape[1:]))  # 1-D for a bias
         return [_joined(parts, 0, copy) for parts in pieces]
 
     def read(self, source: TensorSource, names: _Names, hf_shapes: _Shapes, shard: int,
@@ -142,8 +142,7 @@ class GroupInterleaved:
             start = shard * per_shard * rows
             part = source.slice(name, shape)[start:start + per_shard * rows]
             blocks.append(part.reshape(per_shard, rows, -1))
-        joined = torch.cat(blocks, dim=1)
-        return joined.reshape(-1, joined.shape[-1])
+        return torch.cat(blocks, dim=1).reshape(-1, *hf_shapes[0][1:])  # 1-D for a bias
 
 
 class VocabRows:

@@ -24,7 +24,7 @@ class LocalWeight:
     key: WeightKey
     shard: int  # index of this rank's piece among num_shards (0 of 1 when not split)
     num_shards: int
-    param: torch.nn.Parameter
+    param: torch.Tensor  # a parameter, or a buffer of a rule that names one (``WeightRule.buffer``)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -45,16 +45,20 @@ def _tp_coordinates() -> dict[bool, tuple[int, int]]:
 
 
 def local_weights(model: torch.nn.Module) -> list[LocalWeight]:
-    """Every parameter of this rank's model chunk, resolved; unknown parameters are an error."""
+    """Every parameter of this rank's model chunk and every buffer a rule names (the router's
+    expert bias), resolved; unknown parameters are an error (other buffers, such as token counts,
+    are state of the module, not weights)."""
     model = unwrap(model)
     layers = model.decoder.layers if hasattr(model, "decoder") else []
     coordinates = _tp_coordinates()
     resolved: list[LocalWeight] = []
     unknown: list[str] = []
-    for name, param in model.named_parameters():
-        found = match_megatron_name(name)
-        if found is None:
-            unknown.append(name)
+    weights = [(name, param, match_megatron_name(name), False) for name, param in model.named_parameters()]
+    weights += [(name, buffer, match_megatron_name(name), True) for name, buffer in model.named_buffers()]
+    for name, param, found, is_buffer in weights:
+        if found is None or found[0].buffer != is_buffer:
+            if not is_buffer:
+                unknown.append(name)
             continue
         rule, local_layer, local_expert = found
         layer = layers[local_layer].layer_number - 1 if local_layer >= 0 else -1
@@ -63,6 +67,6 @@ def local_weights(model: torch.nn.Module) -> list[LocalWeight]:
         shard, num_shards = coordinates[rule.is_expert] if LAYOUTS[rule.layout].splits else (0, 1)
         resolved.append(LocalWeight(name, rule, (rule.name, layer, expert), shard, num_shards, param))
     if unknown:
-        raise ValueError("parameters with no Hugging Face counterpart (not a Qwen3 / Qwen3-MoE "
-                         f"model built by bpo_megatron.models?): {', '.join(unknown)}")
+        raise ValueError("parameters with no Hugging Face counterpart (not a model "
+                         f"built by bpo_megatron.models?): {', '.join(unknown)}")
     return resolved

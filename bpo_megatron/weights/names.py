@@ -1,4 +1,4 @@
-"""Every weight of a Qwen3 / Qwen3-MoE model, once: its Megatron-Core parameter names, its Hugging
+"""Every weight of a model of the supported families, once: its Megatron-Core parameter names, its Hugging
 Face tensor names and shapes, and the layout that turns one into the other.
 
 The table is data: one :class:`WeightRule` per kind of weight. A rule lists the Megatron parameter
@@ -7,6 +7,9 @@ on GPU, which fuses the block norms into the following linear layer and keeps th
 layer in one grouped module), the Hugging Face names it becomes (the names on disk:
 ``mlp.experts.{e}.gate_proj.weight``, even though transformers 5 fuses experts in memory), their
 shapes in terms of the config, and the name of the layout in :mod:`bpo_megatron.weights.layouts`.
+Weights only some architectures have (Q/K/V biases, QK-norms, shared experts, the router's expert
+bias) say so by a predicate on :class:`~bpo_megatron.models.hf_config.HFModelConfig`'s description,
+never on the ``model_type``.
 
 A weight is identified across ranks by its :data:`WeightKey` ``(rule, global layer, global
 expert)``, with -1 where a rule has no layer or expert.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -43,6 +47,11 @@ class WeightRule:
     # With tie_word_embeddings the output layer is the embedding: HF checkpoints store only the
     # embedding, so this weight is read from (and not written as) that tensor.
     tied_to: str | None = None
+    # Whether the model has this weight at all (None: every model whose layers it fits)
+    present: Callable[[HFModelConfig], bool] | None = None
+    # A buffer, not a parameter (the router's fixed expert bias): converted and synced, never
+    # trained, and exported in its own dtype (fp32, as transformers keeps and saves it in any model dtype)
+    buffer: bool = False
     _patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +71,9 @@ class WeightRule:
                 groups = found.groupdict()
                 return int(groups.get("layer") or -1), int(groups.get("expert") or -1)
         return None
+
+    def applies_to(self, hf: HFModelConfig) -> bool:
+        return self.present is None or self.present(hf)
 
     def hf_names(self, layer: int = -1, expert: int = -1) -> list[str]:
         return [t.format(layer=layer, expert=expert) for t in self.hf]
@@ -90,10 +102,15 @@ RULES: tuple[WeightRule, ...] = (
                (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight",
                 _H + "self_attn.v_proj.weight"),
                (("q", "hidden"), ("kv", "hidden"), ("kv", "hidden")), "qkv", "layer"),
+    WeightRule("qkv_bias", (_L + "self_attention.linear_qkv.bias",),
+               (_H + "self_attn.q_proj.bias", _H + "self_attn.k_proj.bias", _H + "self_attn.v_proj.bias"),
+               (("q",), ("kv",), ("kv",)), "qkv", "layer", present=lambda hf: hf.attention_bias),
     WeightRule("q_norm", (_L + "self_attention.q_layernorm.weight",),
-               (_H + "self_attn.q_norm.weight",), (("head_dim",),), "replicated", "layer"),
+               (_H + "self_attn.q_norm.weight",), (("head_dim",),), "replicated", "layer",
+               present=lambda hf: hf.qk_norm),
     WeightRule("k_norm", (_L + "self_attention.k_layernorm.weight",),
-               (_H + "self_attn.k_norm.weight",), (("head_dim",),), "replicated", "layer"),
+               (_H + "self_attn.k_norm.weight",), (("head_dim",),), "replicated", "layer",
+               present=lambda hf: hf.qk_norm),
     WeightRule("attention_out", (_L + "self_attention.linear_proj.weight",),
                (_H + "self_attn.o_proj.weight",), (("hidden", "q"),), "row_parallel", "layer"),
     WeightRule("post_attention_norm",
@@ -106,6 +123,17 @@ RULES: tuple[WeightRule, ...] = (
                (_H + "mlp.down_proj.weight",), (("hidden", "ffn"),), "row_parallel", "dense_layer"),
     WeightRule("router", (_L + "mlp.router.weight",),
                (_H + "mlp.gate.weight",), (("experts", "hidden"),), "replicated", "moe_layer"),
+    WeightRule("router_bias", (_L + "mlp.router.expert_bias",),
+               (_H + "mlp.gate.e_score_correction_bias",), (("experts",),), "replicated", "moe_layer",
+               present=lambda hf: hf.router_expert_bias, buffer=True),
+    # the shared expert is split over tensor parallelism like a dense MLP, not like the experts
+    WeightRule("shared_in", (_L + "mlp.shared_experts.linear_fc1.weight",),
+               (_H + "mlp.shared_experts.gate_proj.weight", _H + "mlp.shared_experts.up_proj.weight"),
+               (("shared_ffn", "hidden"), ("shared_ffn", "hidden")), "glu", "moe_layer",
+               present=lambda hf: hf.shared_expert_intermediate_size > 0),
+    WeightRule("shared_out", (_L + "mlp.shared_experts.linear_fc2.weight",),
+               (_H + "mlp.shared_experts.down_proj.weight",), (("hidden", "shared_ffn"),), "row_parallel",
+               "moe_layer", present=lambda hf: hf.shared_expert_intermediate_size > 0),
     WeightRule("expert_in",
                (_L + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
                 _L + "mlp.experts.linear_fc1.weight{expert}"),
@@ -137,6 +165,7 @@ def model_dims(hf: HFModelConfig) -> dict[str, int]:
         "head_dim": hf.head_dim,
         "ffn": hf.intermediate_size,
         "moe_ffn": hf.moe_intermediate_size,
+        "shared_ffn": hf.shared_expert_intermediate_size,
         "experts": hf.num_experts,
     }
 
@@ -157,9 +186,9 @@ def sort_key(key: WeightKey) -> tuple[int, int, int, int]:
     return _PHASE[rule.scope], key[1], _RULE_INDEX[rule.name], key[2]
 
 
-def _applies(rule: WeightRule, layer_is_moe: bool) -> bool:
-    return {"layer": True, "dense_layer": not layer_is_moe, "moe_layer": layer_is_moe,
-            "expert": layer_is_moe}[rule.scope]
+def _applies(rule: WeightRule, hf: HFModelConfig, layer_is_moe: bool) -> bool:
+    return rule.applies_to(hf) and {"layer": True, "dense_layer": not layer_is_moe, "moe_layer": layer_is_moe,
+                                    "expert": layer_is_moe}[rule.scope]
 
 
 def expected_keys(hf: HFModelConfig) -> list[WeightKey]:
@@ -168,7 +197,7 @@ def expected_keys(hf: HFModelConfig) -> list[WeightKey]:
     moe_layers = set(hf.moe_layers)
     for layer in range(hf.num_hidden_layers):
         for rule in RULES:
-            if _PHASE[rule.scope] != 1 or not _applies(rule, layer in moe_layers):
+            if _PHASE[rule.scope] != 1 or not _applies(rule, hf, layer in moe_layers):
                 continue
             experts = range(hf.num_experts) if rule.is_expert else (-1,)
             keys.extend((rule.name, layer, expert) for expert in experts)
@@ -198,10 +227,11 @@ def parameter_counts(hf: HFModelConfig) -> tuple[int, int]:
 
     ``active`` counts what one token uses: every weight but the experts each MoE layer leaves
     unchosen (all but ``num_experts_per_tok``). Embeddings and the output layer are included in
-    both (once when they are tied).
+    both (once when they are tied). Buffers (the router's expert bias) are not parameters.
     """
     dims = model_dims(hf)
-    size = {rule.name: sum(math.prod(shape) for shape in rule.hf_shapes(dims)) for rule in RULES}
+    size = {rule.name: 0 if rule.buffer else sum(math.prod(shape) for shape in rule.hf_shapes(dims))
+            for rule in RULES}
     total = sum(size[name] for name, _, _ in expected_keys(hf))
     per_expert = sum(size[rule.name] for rule in RULES if rule.is_expert)
     unchosen = len(hf.moe_layers) * (hf.num_experts - hf.num_experts_per_tok) * per_expert

@@ -1,7 +1,9 @@
 """Routed-expert capture (R3) in a transformers MoE model, by forward hooks on the routers.
 
-transformers 5's ``Qwen3MoeTopKRouter`` (``layer.mlp.gate``) returns ``(logits, scores, indices)``
-with ``indices`` ``[tokens, top_k]``: the experts the layer actually dispatches each token to. A hook
+The router of every supported family is ``layer.mlp.gate`` beside ``layer.mlp.experts``
+(transformers 5's ``Qwen3MoeTopKRouter``, ``Glm4MoeTopkRouter``, ``DeepseekV3TopkRouter``) and returns
+``(logits, weights, indices)`` with ``indices`` ``[tokens, top_k]``: the experts the layer actually
+dispatches each token to, after any expert bias and group limit. A hook
 writes them, without a host sync, into a per-batch buffer ``[rows, columns, moe_layers, top_k]``
 whose columns are the left-padded token positions of the batch; the engine cuts each sample's real
 positions out at the end. Rows are those of the batch's requests that want their routing
@@ -22,6 +24,12 @@ def moe_routers(model: nn.Module) -> list[nn.Module]:
     """The router of every MoE layer, in layer order (dense layers have no ``mlp.gate``)."""
     return [layer.mlp.gate for layer in model.model.layers
             if isinstance(getattr(layer.mlp, "gate", None), nn.Module) and hasattr(layer.mlp, "experts")]
+
+
+def num_routed_experts(routers: list[nn.Module]) -> int:
+    """The experts each router chooses among (the rows of its weight ``[experts, hidden]``), read
+    from the modules: the config names the count differently in each family."""
+    return int(routers[0].weight.shape[0])
 
 
 class RoutingCapture:

@@ -1,4 +1,5 @@
-"""One decode step of a transformers Qwen3 / Qwen3-MoE model as a function of static buffers.
+"""One decode step of a transformers causal LM of the supported families as a function of static
+buffers.
 
 Every slot of a :class:`SlotKVCache` feeds one token per step: the step reads ``tokens`` and
 ``positions`` (``[slots]``), writes each slot's new key and value at its position, attends over the
@@ -9,7 +10,11 @@ addresses every step, so on CUDA the whole step is captured as one graph (:mod:`
 
 The weights are read through the model's own modules at every call (projections, norms, the
 router's ``forward`` without its hooks), so an in-place weight update is seen by the next step, and
-the numerics are transformers' own except where two kernels sum in another order:
+the numerics are transformers' own except where two kernels sum in another order. What differs
+between the families is read from the modules: QK-norms where the attention has them, RoPE over the
+leading dimensions the rotary table covers (GLM rotates half of each head), a shared expert where the
+MoE block has one.
+
 
 * attention: on CUDA FlashAttention's variable-length kernel (native grouped-query attention, each
   slot limited to its tokens by ``seqused_k``); elsewhere SDPA over the whole slot with a mask;
@@ -26,12 +31,13 @@ from typing import Literal
 import torch
 from torch import nn
 
+from bpo_megatron.models.families import FAMILIES
 from bpo_megatron.models.routing import expert_id_dtype
-from bpo_megatron.rollout.hf.capture import moe_routers
+from bpo_megatron.rollout.hf.capture import moe_routers, num_routed_experts
 from bpo_megatron.rollout.hf.kv_cache import SlotKVCache
 
 Attention = Literal["flash", "sdpa"]
-SUPPORTED = ("qwen3", "qwen3_moe")
+SUPPORTED = tuple(name for name, family in FAMILIES.items() if family.embedded_decode)
 ResolvedPath = Literal["eager", "cuda_graph"]
 
 
@@ -71,6 +77,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the leading ``cos.shape[-1]`` dimensions of each head, the rest passed through."""
+    width = cos.shape[-1]
+    if width == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rotated, kept = x[..., :width], x[..., width:]
+    return torch.cat((rotated * cos + _rotate_half(rotated) * sin, kept), dim=-1)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 # outside a compiled layer: torch._grouped_mm's meta kernel (which compiling needs) takes bf16 only,
 # and the GEMMs it runs are one kernel each already
 @torch.compiler.disable
@@ -101,7 +120,7 @@ def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
 
 
 class FunctionalDecoder:
-    """The decode step over a slot cache, for a transformers Qwen3 / Qwen3-MoE causal LM."""
+    """The decode step over a slot cache, for a transformers causal LM of :data:`SUPPORTED`."""
 
     def __init__(self, model: nn.Module, cache: SlotKVCache, *, attention: Attention,
                  routing: torch.Tensor | None, compile_layers: bool = False) -> None:
@@ -158,11 +177,10 @@ class FunctionalDecoder:
     def _attend(self, attn: nn.Module, keys: torch.Tensor, values: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         slots, head_dim = x.shape[0], attn.head_dim
-        query = attn.q_norm(attn.q_proj(x).view(slots, -1, head_dim))
-        key = attn.k_norm(attn.k_proj(x).view(slots, -1, head_dim))
+        query = getattr(attn, "q_norm", _identity)(attn.q_proj(x).view(slots, -1, head_dim))
+        key = getattr(attn, "k_norm", _identity)(attn.k_proj(x).view(slots, -1, head_dim))
         value = attn.v_proj(x).view(slots, -1, head_dim)
-        query = query * cos + _rotate_half(query) * sin
-        key = key * cos + _rotate_half(key) * sin
+        query, key = _rope(query, cos, sin), _rope(key, cos, sin)
         keys[self._slot_ids, positions] = key
         values[self._slot_ids, positions] = value
         if self._attention == "flash":
@@ -190,12 +208,14 @@ class FunctionalDecoder:
         if routing is not None:
             routing.copy_(experts.to(routing.dtype))
         fused = mlp.experts
-        return grouped_experts(x, experts, weights, fused.gate_up_proj, fused.down_proj, fused.act_fn,
-                               round_inputs=getattr(fused, "round_inputs", None))
+        out = grouped_experts(x, experts, weights, fused.gate_up_proj, fused.down_proj, fused.act_fn,
+                              round_inputs=getattr(fused, "round_inputs", None))
+        shared = getattr(mlp, "shared_experts", None)
+        return out if shared is None else out + shared(x)
 
 
 def routing_buffer(model: nn.Module, slots: int, device: torch.device) -> torch.Tensor:
     """The step's routing output ``[slots, moe_layers, top_k]`` in the capture's id dtype."""
-    config = model.config
-    return torch.zeros(slots, len(moe_routers(model)), config.num_experts_per_tok,
-                       dtype=expert_id_dtype(config.num_experts), device=device)
+    routers = moe_routers(model)
+    return torch.zeros(slots, len(routers), model.config.num_experts_per_tok,
+                       dtype=expert_id_dtype(num_routed_experts(routers)), device=device)

@@ -1,4 +1,5 @@
-"""The embedded rollout engine: a transformers Qwen3 / Qwen3-MoE model sampled by our own loop.
+"""The embedded rollout engine: a transformers model of a supported family (Qwen3, Qwen3-MoE,
+GLM-4.5 MoE) sampled by our own loop.
 
 ``model.generate`` is not used so that what a sample reports is exactly what was sampled from: per
 step, fp32 logits / temperature → log-softmax = log μ (before top-k/top-p), then the filtered draw
@@ -33,7 +34,7 @@ from transformers import AutoModelForCausalLM
 
 from bpo_megatron import platform
 from bpo_megatron.rollout.engine import EngineCapabilities, Finished, RolloutEngine, as_finished
-from bpo_megatron.rollout.hf.capture import RoutingCapture, moe_routers
+from bpo_megatron.rollout.hf.capture import RoutingCapture, moe_routers, num_routed_experts
 from bpo_megatron.rollout.hf import fp8_compute
 from bpo_megatron.rollout.hf.decode import attention_for, check_supported, resolve_path
 from bpo_megatron.rollout.hf.options import check_decode
@@ -105,7 +106,7 @@ class HFEngine(RolloutEngine):
             self._fp8_layers = fp8_compute.install(model)
         routers = moe_routers(model)
         self._capture = (RoutingCapture(routers, topk=model.config.num_experts_per_tok,
-                                        num_experts=model.config.num_experts)
+                                        num_experts=num_routed_experts(routers))
                          if capture_routing and routers else None)
         self.num_moe_layers = len(routers)
         self.capabilities = EngineCapabilities(captures_routing=self._capture is not None)

@@ -1,6 +1,6 @@
 """The weights of a live transformers model, addressed by their Hugging Face on-disk names.
 
-transformers 5 keeps the experts of a Qwen3-MoE layer fused in memory: ``mlp.experts.gate_up_proj``
+transformers 5 keeps the experts of a MoE layer (Qwen3-MoE, GLM-4.5) fused in memory: ``mlp.experts.gate_up_proj``
 ``[E, 2I, H]`` holds, for expert ``e``, its gate rows ``[:I]`` followed by its up rows ``[I:]``, and
 ``mlp.experts.down_proj`` ``[E, H, I]`` stacks the down projections. Checkpoints are still written with
 one tensor per expert and projection (``mlp.experts.{e}.gate_proj.weight`` ``[I, H]``, ``up_proj``,
@@ -23,7 +23,7 @@ def _fused_experts(module: nn.Module) -> bool:
     if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.ndim == 3):
         return False
     # The decorator of transformers' fused experts records the layout; only the one Qwen3-MoE
-    # uses (gate and up concatenated, [out, in] per expert, no biases) is mapped here.
+    # and GLM-4.5 use (gate and up concatenated, [out, in] per expert, no biases) is mapped here.
     if getattr(module, "is_transposed", False) or not getattr(module, "is_concatenated", True) \
             or getattr(module, "has_bias", False):
         raise ValueError(f"{type(module).__name__}: fused experts layout (transposed/interleaved/bias) "
@@ -48,7 +48,8 @@ def hf_weight_views(model: nn.Module) -> dict[str, torch.Tensor]:
     """On-disk name -> a view sharing storage with the model's parameter, in parameter order.
 
     Tied weights appear once, under the name ``save_pretrained`` writes (``named_parameters`` drops
-    the duplicate, as saving does).
+    the duplicate, as saving does). Persistent buffers a checkpoint carries (a router's
+    ``e_score_correction_bias``) follow the parameters; the rotary tables, which are not saved, do not.
     """
     fused = {name: module for name, module in model.named_modules() if _fused_experts(module)}
     views: dict[str, torch.Tensor] = {}
@@ -59,6 +60,8 @@ def hf_weight_views(model: nn.Module) -> dict[str, torch.Tensor]:
                 views.update(_expert_views(owner, fused[owner]))
             continue
         views[name] = param.detach()
+    saved = set(model.state_dict(keep_vars=True))
+    views.update((name, buffer.detach()) for name, buffer in model.named_buffers() if name in saved)
     return views
 
 
