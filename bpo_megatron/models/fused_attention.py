@@ -36,6 +36,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from torch.nn.attention.varlen import varlen_attn
 
+from bpo_megatron.models.context_attention import context_parallel_attention, without_context_parallelism
 from bpo_megatron.models.packed_attention import check_packed_layout
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -45,8 +46,9 @@ class FusedDotProductAttention(DotProductAttention):
     """:class:`DotProductAttention`'s causal self-attention, padded or packed, on torch's fused
     kernels (see the module docstring); same parameters (none) and checkpoints."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(without_context_parallelism(config), *args, **kwargs)
+        self.context_parallel_size = config.context_parallel_size
         self._check_supported()
 
     def _check_supported(self) -> None:
@@ -71,10 +73,14 @@ class FusedDotProductAttention(DotProductAttention):
                              "attention_bias; model.attention=unfused applies Megatron's")
         if packed_seq_params is not None:
             check_packed_layout(packed_seq_params)
+            if self.context_parallel_size > 1:
+                return context_parallel_attention(query, key, value, packed_seq_params, scale=self.softmax_scale)
             out = varlen_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
                                           packed_seq_params.cu_seqlens_kv, packed_seq_params.max_seqlen_q,
                                           packed_seq_params.max_seqlen_kv, scale=self.softmax_scale)
             return out.reshape(out.shape[0], 1, -1)
+        if self.context_parallel_size > 1:
+            raise ValueError("context parallelism splits packed rows only: set trainer.max_tokens_per_micro_batch")
         if query.shape[0] != key.shape[0]:
             raise ValueError(f"causal self-attention needs as many queries as keys, got {query.shape[0]} and "
                              f"{key.shape[0]}")

@@ -27,17 +27,30 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 
 class PackedDotProductAttention(DotProductAttention):
-    """:class:`DotProductAttention` that also attends within each segment of a packed row."""
+    """:class:`DotProductAttention` that also attends within each segment of a packed row, and
+    over the CP group (:mod:`~bpo_megatron.models.context_attention`) under context parallelism."""
+
+    def __init__(self, config, *args, **kwargs):
+        from bpo_megatron.models.context_attention import without_context_parallelism
+
+        super().__init__(without_context_parallelism(config), *args, **kwargs)
+        self.context_parallel_size = config.context_parallel_size
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type=None, attention_bias: torch.Tensor | None = None,
                 packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
         if packed_seq_params is None:
+            if self.context_parallel_size > 1:
+                raise ValueError("context parallelism splits packed rows only: set trainer.max_tokens_per_micro_batch")
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias)
         check_packed_layout(packed_seq_params)
         if attention_mask is not None:
             raise ValueError("packed sequences are masked by their segments: attention_mask must be None")
+        if self.context_parallel_size > 1:
+            from bpo_megatron.models.context_attention import context_parallel_attention
+
+            return context_parallel_attention(query, key, value, packed_seq_params, scale=self.softmax_scale)
         bounds = packed_seq_params.cu_seqlens_q.tolist()
         if bounds[-1] != query.shape[0]:
             raise ValueError(f"cu_seqlens end at {bounds[-1]}, not at the {query.shape[0]} packed positions")
