@@ -38,8 +38,13 @@ BUDGET_SETTING = "trainer.max_tokens_per_micro_batch"
 
 def input_positions(sample: TrainSample, cp: int = 1) -> int:
     """What a sample costs a pack on each rank: the positions the model reads (all tokens but the
-    last), under context parallelism padded to a multiple of 2 × ``cp`` and split ``cp`` ways."""
-    positions = sample.tokens.numel() - 1
+    last), under context parallelism its share on each CP rank (:func:`rank_positions`)."""
+    return rank_positions(sample.tokens.numel() - 1, cp)
+
+
+def rank_positions(positions: int, cp: int) -> int:
+    """A sample of ``positions`` input positions on each of ``cp`` context-parallel ranks: padded
+    to a multiple of 2 × ``cp`` and split ``cp`` ways."""
     if cp == 1:
         return positions
     return -(-positions // (2 * cp)) * 2
