@@ -203,7 +203,8 @@ def _check_token_budget(cfg: ExperimentConfig) -> None:
         raise ConfigError(
             f"trainer.max_tokens_per_micro_batch={budget} cannot hold the longest sample: data.max_prompt_tokens="
             f"{cfg.data.max_prompt_tokens} + rollout.max_new_tokens={cfg.rollout.max_new_tokens} − 1 = {longest} "
-            f"input positions{share}; raise the budget{'' if cp == 1 else ' or parallel.cp'} (or lower those limits)")
+            f"input positions{share}; raise the budget or parallel.cp (each of its ranks holds 1/cp of a sample), "
+            "or lower those limits")
 
 
 def _check_context_budget(cfg: ExperimentConfig, hf: HFModelConfig) -> None:

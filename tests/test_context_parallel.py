@@ -156,3 +156,43 @@ def test_cp2_trains_and_scores_every_loss_as_cp1(name):
     modes = (("cp1", BUDGET, 2), ("cp2", CP_BUDGET, 2, {"cp": 2}))
     ranks = run_gloo_world(_train_every_loss, world, layout, modes=modes, timeout=TIMEOUT * 2)
     check_every_loss_alike(ranks, f"{name}: CP = 2 against CP = 1, {len(CASES)} losses on {world} ranks")
+
+
+# ------------------------------------------------------------------------------ the planner
+def test_the_plan_splits_samples_over_cp_and_counts_the_gathered_keys():
+    from bpo_megatron.models import HFModelConfig
+    from bpo_megatron.planner import make_plan
+    from test_planner import QWEN3_30B, _recipe
+
+    hf = HFModelConfig.load(QWEN3_30B)
+    one, two = make_plan(_recipe(), hf), make_plan(_recipe("parallel.cp=2"), hf)
+    assert (one.dp, two.dp, two.optimizer_dp) == (8, 4, 8)
+    [a], [b] = one.stages, two.stages
+    # the distributed optimizer shards over dp × cp: the same states a rank
+    assert a.static == b.static and a.logits == b.logits
+    # the budget counts one rank's positions (36864, a multiple of tp 4); with recompute full the one
+    # rebuilt layer keeps the key prefixes and values: 2 B × 2 × 4 KV heads × 128 × (2 + ½) / tp 4 a token
+    assert two.tokens_per_micro_batch == one.tokens_per_micro_batch == 36_864
+    assert b.activations - a.activations == pytest.approx(36_864 * 2 * 2 * 4 * 128 * 2.5 / 4)
+    # every other CP rank's 36864 keys and values, 48 layers
+    assert (one.context_gather, two.context_gather) == (0.0, 36_864 * 2 * 2 * 4 * 128 / 4 * 48)
+    assert two.fits
+
+
+def test_the_plan_checks_one_rank_share_and_suggests_cp_when_a_sample_does_not_fit(capsys):
+    from bpo_megatron.cli import main
+    from test_planner import RECIPE_30B
+
+    long = ["rollout.max_new_tokens=200000", "--gpu-memory-gb", "56"]
+    # 2048 + 200000 − 1 positions: a budget of 50512 holds the share of each of 4 CP ranks, not the sample
+    assert main(["plan", str(RECIPE_30B), *long, "trainer.max_tokens_per_micro_batch=50512"]) == 2
+    out = "".join(capsys.readouterr())
+    assert "rollout.max_new_tokens=200000 − 1 = 202047 input positions; raise the budget or parallel.cp" in out
+    assert main(["plan", str(RECIPE_30B), *long, "trainer.max_tokens_per_micro_batch=202048"]) == 1
+    out = capsys.readouterr().out
+    assert ("no token budget fits: not even one of the longest sample (202047 positions) does; parallel.cp=4 fits "
+            "it, 50512 positions a rank") in out
+    assert main(["plan", str(RECIPE_30B), *long, "parallel.cp=4", "trainer.max_tokens_per_micro_batch=50512"]) == 0
+    out = capsys.readouterr().out
+    assert "tp 4 × pp 1 × cp 4 × dp 2" in out and "(202047 over cp 4: 50512 a rank)" in out
+    assert "context parallel: each sample split over cp 4 ranks" in out and "verdict: FITS" in out
