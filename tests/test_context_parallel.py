@@ -57,10 +57,12 @@ def test_each_chunk_attends_to_its_sample_up_to_its_own_end():
 
 def test_a_sample_longer_than_the_budget_fits_its_share_on_each_cp_rank():
     samples = th.samples_of_lengths((11, 3), (5, 2), seed=3, old_spread=0.0)
-    with pytest.raises(ValueError, match="sample 0 takes 11 input positions"):
+    with pytest.raises(ValueError, match="sample 0 has 11 input positions"):
         check_fits(samples, 8)
     check_fits(samples, 6, cp=2)  # 11 → 12 padded, 6 on each rank
-    with pytest.raises(ValueError, match=r"takes 6 input positions on each of parallel.cp=2 ranks \(len\(tokens\) − 1 = 11\)"):
+    with pytest.raises(ValueError, match=r"has 11 input positions \(len\(tokens\) − 1 = 11, 6 on each of "
+                                         r"parallel.cp=2 ranks\), more than .*=5: raise the budget to at least "
+                                         r"its share, or parallel.cp"):
         check_fits(samples, 5, cp=2)
     # each sample padded to a multiple of 4, the row to a multiple of 4 × 2 for TP = 2: 12 + 4 = 16
     whole = pack(samples, pad_to_multiple=2)
@@ -77,7 +79,8 @@ def test_a_sample_longer_than_the_budget_fits_its_share_on_each_cp_rank():
 
 def test_parallel_cp_is_validated_with_the_world():
     assert ParallelConfig(cp=2, tp=2).data_parallel_size(8) == 2
-    with pytest.raises(ValueError, match="parallel.tp × parallel.pp × parallel.cp = 1 × 1 × 2"):
+    with pytest.raises(ValueError, match="world size 3 is not divisible by parallel.tp × parallel.pp × parallel.cp = "
+                                         "1 × 1 × 2"):
         ParallelConfig(cp=2).validate_world(3)
     with pytest.raises(ValueError, match="parallel.cp must be a positive integer"):
         ParallelConfig(cp=0)

@@ -99,7 +99,7 @@ def test_fused_core_attention_equals_the_unfused_reference():
 def test_the_block_causal_mask_aligns_segments_of_unequal_lengths_at_their_ends():
     """The CPU stand-in of the varlen kernel takes its interface: query and key bounds, causal from
     the segment's end where a segment has fewer queries than keys (FlashAttention's alignment)."""
-    from bpo_megatron.models.fused_attention import _block_causal_mask
+    from bpo_megatron.models.varlen_attention import _block_causal_mask
 
     cu_q, cu_kv = torch.tensor([0, 2, 3], dtype=torch.int32), torch.tensor([0, 3, 5], dtype=torch.int32)
     want = torch.tensor([[1, 1, 0, 0, 0],   # segment 0: 2 queries over 3 keys
@@ -335,7 +335,7 @@ def test_flash_varlen_on_cuda_in_bf16_equals_the_reference(heads, groups):
     heads) against the fp32 block-mask path (equal to Megatron's attention on CPUs, above) on the
     same bf16 inputs: outputs and gradients within bf16 rounding. Segments of 1 to 300 positions,
     across FlashAttention's 128-wide blocks."""
-    from bpo_megatron.models.fused_attention import varlen_causal_attention
+    from bpo_megatron.models.varlen_attention import varlen_causal_attention
 
     gen = torch.Generator().manual_seed(0)
     lengths = [300, 1, 77, 129, 64]

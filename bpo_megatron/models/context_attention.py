@@ -6,7 +6,7 @@ Under context parallelism each rank holds two chunks of every packed sample
 (:mod:`bpo_megatron.parallel.context`), but its queries attend to the whole sample up to their own
 position. Keys and values are all-gathered over the CP group (differentiably: a rank's keys get
 the gradient of every rank's queries), each chunk's key prefix is read from them, and
-:func:`~bpo_megatron.models.fused_attention.varlen_causal_attention` attends each chunk to its
+:func:`~bpo_megatron.models.varlen_attention.varlen_causal_attention` attends each chunk to its
 prefix with the causal mask aligned at the prefix's end (FlashAttention on CUDA in half precision,
 SDPA under a dense mask elsewhere). The packed-sequence parameters carry the split as
 :class:`ContextParallelSeqParams`: Megatron's own fields hold the whole row's bounds (what RoPE
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from bpo_megatron.models.varlen_attention import varlen_causal_attention
 from bpo_megatron.parallel.context import ContextSplit, context_parallel_group, gather_rows
 
 
@@ -35,8 +36,6 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
                                params: PackedSeqParams, *, scale: float) -> torch.Tensor:
     """Queries ``[t_local, heads, d]`` of this rank's chunks attending to their samples' keys and
     values (``[t_local, groups, d]`` on each rank) up to their own positions; ``[t_local, 1, heads × d]``."""
-    from bpo_megatron.models.fused_attention import varlen_causal_attention
-
     split = getattr(params, "split", None)
     if split is None:
         raise ValueError("context-parallel attention needs the packed row's split (ContextParallelSeqParams, built "

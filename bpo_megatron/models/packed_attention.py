@@ -25,14 +25,14 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from bpo_megatron.models.context_attention import context_parallel_attention, without_context_parallelism
+
 
 class PackedDotProductAttention(DotProductAttention):
     """:class:`DotProductAttention` that also attends within each segment of a packed row, and
     over the CP group (:mod:`~bpo_megatron.models.context_attention`) under context parallelism."""
 
     def __init__(self, config, *args, **kwargs):
-        from bpo_megatron.models.context_attention import without_context_parallelism
-
         super().__init__(without_context_parallelism(config), *args, **kwargs)
         self.context_parallel_size = config.context_parallel_size
 
@@ -48,8 +48,6 @@ class PackedDotProductAttention(DotProductAttention):
         if attention_mask is not None:
             raise ValueError("packed sequences are masked by their segments: attention_mask must be None")
         if self.context_parallel_size > 1:
-            from bpo_megatron.models.context_attention import context_parallel_attention
-
             return context_parallel_attention(query, key, value, packed_seq_params, scale=self.softmax_scale)
         bounds = packed_seq_params.cu_seqlens_q.tolist()
         if bounds[-1] != query.shape[0]:

@@ -63,10 +63,11 @@ class ParallelConfig:
                 "(use expert parallelism, ep > 1, to keep experts unsplit)"
             )
         if world_size % (self.model_parallel_size * self.cp) != 0:
-            raise ValueError(
-                f"world size {world_size} is not divisible by parallel.tp × parallel.pp × parallel.cp = "
-                f"{self.tp} × {self.pp} × {self.cp}; choose sizes whose product divides the number of ranks"
-            )
+            names, sizes = "parallel.tp × parallel.pp", f"{self.tp} × {self.pp}"
+            if self.cp > 1:
+                names, sizes = f"{names} × parallel.cp", f"{sizes} × {self.cp}"
+            raise ValueError(f"world size {world_size} is not divisible by {names} = {sizes}; choose sizes whose "
+                             "product divides the number of ranks")
         per_stage = world_size // self.pp
         expert_ranks = self.ep * self.expert_tp
         if per_stage % expert_ranks != 0:

@@ -113,10 +113,10 @@ def _budget(cfg: ExperimentConfig, per_rank: int, dp: int, budget: int) -> Check
     cp = cfg.parallel.cp
     share = rank_positions(longest, cp)
     if share > budget:
-        of = "" if cp == 1 else f", {share} on each of parallel.cp={cp} ranks"
+        of = "" if cp == 1 else (f", {share} on each of parallel.cp={cp} ranks (raise the budget or parallel.cp, "
+                                 "which splits the sample over more ranks)")
         return Check(False, f"trainer.max_tokens_per_micro_batch={budget} cannot hold the longest sample, "
-                            f"data.max_prompt_tokens + rollout.max_new_tokens − 1 = {longest} positions{of} "
-                            "(raise the budget, or parallel.cp to split the sample over more ranks)")
+                            f"data.max_prompt_tokens + rollout.max_new_tokens − 1 = {longest} positions{of}")
     tp = cfg.parallel.tp
     # packs are padded to a multiple of TP under sequence parallelism: a budget that is one keeps them within it
     padding = "" if not cfg.parallel.sequence_parallel or budget % tp == 0 else \

@@ -84,7 +84,8 @@ class Plan:
         if self.rollout is None or not self.cfg.cluster.colocate:
             return None
         p = self.cfg.parallel
-        return trainer_residual(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp or 1, dp=self.dp, expert_dp=self.expert_dp)
+        return trainer_residual(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp or 1, dp=self.dp, expert_dp=self.expert_dp,
+                                cp=p.cp)
 
     @property
     def rollout_outside_pool(self) -> float:

@@ -55,10 +55,10 @@ def check_fits(samples: list[TrainSample], budget: int, cp: int = 1) -> None:
     for i, sample in enumerate(samples):
         length = input_positions(sample, cp)
         if length > budget:
-            share = "" if cp == 1 else f" on each of parallel.cp={cp} ranks"
-            raise ValueError(f"sample {i} takes {length} input positions{share} (len(tokens) − 1 = "
-                             f"{input_positions(sample)}), more than {BUDGET_SETTING}={budget}: raise the budget "
-                             f"to at least the longest sample{'' if cp == 1 else ' or parallel.cp'}")
+            share = "" if cp == 1 else f", {length} on each of parallel.cp={cp} ranks"
+            raise ValueError(f"sample {i} has {input_positions(sample)} input positions (len(tokens) − 1 = "
+                             f"{input_positions(sample)}{share}), more than {BUDGET_SETTING}={budget}: raise the "
+                             f"budget to at least {'the longest sample' if cp == 1 else 'its share, or parallel.cp'}")
 
 
 @dataclass
