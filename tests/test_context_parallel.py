@@ -86,6 +86,26 @@ def test_parallel_cp_is_validated_with_the_world():
         ParallelConfig(cp=0)
 
 
+def test_an_experiment_with_cp_needs_packed_micro_batches_that_hold_a_share_of_the_longest_sample():
+    from bpo_megatron.config import ConfigError
+    from bpo_megatron.experiment import load_experiment
+    from conftest import DEMO
+
+    with pytest.raises(ConfigError, match=r"parallel.cp=2 splits packed samples over its ranks: set "
+                                          r"trainer.max_tokens_per_micro_batch"):
+        load_experiment(DEMO, ["parallel.cp=2", "parallel.ep=1"])
+    with pytest.raises(ConfigError, match="world size 2 is not divisible by parallel.tp × parallel.pp × parallel.cp"):
+        load_experiment(DEMO, ["parallel.cp=2", "parallel.tp=2", "parallel.ep=1"])
+    cfg = load_experiment(DEMO, ["parallel.cp=2", "parallel.ep=1", "trainer.max_tokens_per_micro_batch=4096"])
+    assert cfg.data_parallel_size == 1
+    longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens - 1
+    share = -(-longest // 4) * 2  # padded to a multiple of 4, split in two
+    with pytest.raises(ConfigError, match=f"input positions, {share} on each of parallel.cp=2 ranks; raise the "
+                                          "budget or parallel.cp"):
+        load_experiment(DEMO, ["parallel.cp=2", "parallel.ep=1", f"trainer.max_tokens_per_micro_batch={share - 1}"])
+    load_experiment(DEMO, ["parallel.cp=2", "parallel.ep=1", f"trainer.max_tokens_per_micro_batch={share}"])
+
+
 # ------------------------------------------------------------------------------ attention
 def _reference_attention(q, k, v, bounds, scale):
     """Causal attention within each segment, explicit softmax in float64 ([t, heads, d]; GQA)."""
