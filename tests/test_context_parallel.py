@@ -181,6 +181,37 @@ def test_cp2_trains_and_scores_every_loss_as_cp1(name):
     check_every_loss_alike(ranks, f"{name}: CP = 2 against CP = 1, {len(CASES)} losses on {world} ranks")
 
 
+def _score_centering_at_cp(model_dir) -> dict:
+    """Score centering (the sampler's top-k ids split with the tokens, their log-probs gathered
+    back): the step's metrics and gradients at CP = 1 and CP = 2 from the same weights."""
+    from bpo_megatron.losses import PolicyLossConfig
+    from test_score_centering_training import K, _samples
+
+    results = {}
+    for cp, budget in ((1, BUDGET), (2, CP_BUDGET)):
+        actor = th.build_actor(cp=cp, micro_batch_size=2, grad_clip=math.inf, weights=model_dir,
+                               max_tokens_per_micro_batch=budget,
+                               loss=PolicyLossConfig(score_centering=True, score_centering_top_k=K))
+        metrics = actor.train_step(_samples(model_dir, perturb=0.8))
+        results[cp] = (metrics, {n: p.main_grad.detach().clone() for n, p in actor.model.named_parameters()})
+        actor.close()
+    return results
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_score_centering_at_cp2_trains_as_at_cp1(tmp_path):
+    from bpo_megatron.testing import MODEL_CONFIGS, random_checkpoint
+
+    model_dir = random_checkpoint(MODEL_CONFIGS / "tiny_qwen3_moe", tmp_path, seed=4)
+    for results in run_gloo_world(_score_centering_at_cp, 2, model_dir, timeout=TIMEOUT):
+        (one, g1), (two, g2) = results[1], results[2]
+        assert 0 < one["score_centering_head_mass"] <= 1 and one["score_centering_rho"] > 0
+        for key in ("loss", "score_centering_rho", "score_centering_head_mass", "grad_norm"):
+            assert two[key] == pytest.approx(one[key], rel=1e-6, abs=1e-9), key
+        worst = max(float((g2[n] - g1[n]).abs().max()) / max(float(g1[n].abs().max()), 1e-12) for n in g1)
+        assert worst < 4e-6  # test_packed_training's GRAD_RTOL
+
+
 # ------------------------------------------------------------------------------ the planner
 def test_the_plan_splits_samples_over_cp_and_counts_the_gathered_keys():
     from bpo_megatron.models import HFModelConfig
