@@ -6,8 +6,10 @@
 * The trainer at CP = 2 against CP = 1 on the same samples (R3 on, every policy loss × every
   aggregation, the mismatch corrections): loss, loss statistics, gradients, returned log-probs,
   entropies and recorded routing within fp32 rounding (the tolerances of
-  ``test_packed_training``), with a sample longer than one rank's budget, alone and with TP = 2 or
-  EP = 2.
+  ``test_packed_training``), with a sample longer than one rank's budget, alone and with TP = 2,
+  EP = 2 or PP = 2; score centering likewise.
+* The planner: CP's memory and communication terms, the budget as one rank's share, the
+  suggested ``parallel.cp`` when a sample does not fit; experiments refused without packing.
 """
 
 from __future__ import annotations
@@ -169,6 +171,7 @@ LAYOUTS = {  # name -> (world size, layout shared by both runs)
     "cp2": (2, {}),
     "cp2_tp2_sp": (4, dict(tp=2)),
     "cp2_ep2": (4, dict(ep=2)),
+    "cp2_pp2": (4, dict(pp=2)),
 }
 
 
