@@ -211,8 +211,8 @@ def _params(q, kv=None, *, max_seqlen=None, **kwargs):
     (lambda: _params(torch.tensor([0, 4, 8], dtype=torch.int32, device="meta"), max_seqlen=4),
      r"on the host where they are built"),
     (lambda: _params([0, 4, 8], qkv_format="sbhd"), r"qkv_format='thd'"),
-    (lambda: _params([0, 4, 8], cu_seqlens_q_padded=torch.tensor([0, 4, 8], dtype=torch.int32)),
-     r"context parallelism"),
+    (lambda: _params([0, 4, 8], cu_seqlens_q_padded=torch.tensor([0, 4, 6], dtype=torch.int32)),
+     r"padded segment bounds \(cu_seqlens_\*_padded\) other than the segments themselves"),
 ])
 def test_bad_packed_bounds_are_refused_by_name(params, match):
     from bpo_megatron.models.packed_attention import check_packed_seq_params

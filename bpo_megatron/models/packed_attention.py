@@ -67,10 +67,12 @@ def check_packed_layout(params: PackedSeqParams) -> None:
     without reading a tensor (no device sync: every layer calls this)."""
     if params.qkv_format != "thd":
         raise ValueError(f"packed attention takes qkv_format='thd', got {params.qkv_format!r}")
-    padded = (params.cu_seqlens_q_padded, params.cu_seqlens_kv_padded)
-    if any(bound is not None for bound in padded):
-        raise ValueError("padded segment bounds (cu_seqlens_*_padded) are for context parallelism, "
-                         "which the local attention does not support")
+    padded = ((params.cu_seqlens_q_padded, params.cu_seqlens_q), (params.cu_seqlens_kv_padded, params.cu_seqlens_kv))
+    if any(bound is not None and bound is not unpadded for bound, unpadded in padded):
+        # (the trainer's context-parallel rows pad each sample inside its segment, and pass the
+        # same bounds as both, as transformer-engine's CP attention reads them)
+        raise ValueError("padded segment bounds (cu_seqlens_*_padded) other than the segments themselves: the "
+                         "local attention attends whole segments")
     q, kv = params.cu_seqlens_q, params.cu_seqlens_kv
     if q.shape != kv.shape or params.max_seqlen_q != params.max_seqlen_kv:
         raise ValueError("self-attention over a packed row needs cu_seqlens_q == cu_seqlens_kv and "

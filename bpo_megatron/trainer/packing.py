@@ -91,8 +91,10 @@ class PackedMicroBatch:
         if self.split is not None:
             from bpo_megatron.models.context_attention import ContextParallelSeqParams
 
+            # each sample is padded inside its segment: its padded bounds are its bounds
             return ContextParallelSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens,
-                                            cu_seqlens_kv=self.cu_seqlens, max_seqlen_q=self.max_seqlen,
+                                            cu_seqlens_kv=self.cu_seqlens, cu_seqlens_q_padded=self.cu_seqlens,
+                                            cu_seqlens_kv_padded=self.cu_seqlens, max_seqlen_q=self.max_seqlen,
                                             max_seqlen_kv=self.max_seqlen, split=self.split)
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
                                max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
