@@ -1,5 +1,6 @@
 """Context parallelism over packed rows: which positions of each sample a CP rank holds, and the
-two gathers that put a split row back together.
+differentiable gather that puts a split row back together (keys and values for attention, log-probs
+for the loss).
 
 Causal attention costs a sample's late positions more than its early ones, so a sample is not cut
 into ``cp`` consecutive pieces: it is padded to a multiple of ``2·cp``, viewed as ``2·cp`` equal
@@ -42,7 +43,7 @@ def zigzag_index(bounds: list[int], cp_size: int, cp_rank: int) -> torch.Tensor:
 
 def unzigzag_index(bounds: list[int], cp_size: int) -> torch.Tensor:
     """For each position of the row, its place in the CP ranks' rows concatenated rank by rank
-    (what :func:`gather_split` returns): ``gathered[unzigzag_index(...)]`` is the row in order."""
+    (what :func:`gather_rows` returns): ``gathered[unzigzag_index(...)]`` is the row in order."""
     held = torch.cat([zigzag_index(bounds, cp_size, rank) for rank in range(cp_size)])
     return torch.argsort(held)
 
