@@ -187,14 +187,24 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
 
 
 def _check_token_budget(cfg: ExperimentConfig) -> None:
-    """The longest sample a rollout can produce must fit one packed micro-batch."""
-    budget = cfg.trainer.max_tokens_per_micro_batch
+    """The longest sample a rollout can produce must fit one packed micro-batch (its share of one
+    under context parallelism, which needs packed micro-batches)."""
+    from bpo_megatron.trainer.packing import rank_positions
+
+    budget, cp = cfg.trainer.max_tokens_per_micro_batch, cfg.parallel.cp
+    if cp > 1 and not budget:
+        raise ConfigError(f"parallel.cp={cp} splits packed samples over its ranks: set "
+                          "trainer.max_tokens_per_micro_batch (packed micro-batches; under CP it counts one rank's "
+                          "positions)")
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens - 1  # input positions: tokens[:-1]
-    if budget and longest > budget:
+    per_rank = rank_positions(longest, cp)
+    if budget and per_rank > budget:
+        share = "" if cp == 1 else f", {per_rank} on each of parallel.cp={cp} ranks"
         raise ConfigError(
             f"trainer.max_tokens_per_micro_batch={budget} cannot hold the longest sample: data.max_prompt_tokens="
             f"{cfg.data.max_prompt_tokens} + rollout.max_new_tokens={cfg.rollout.max_new_tokens} − 1 = {longest} "
-            "input positions; raise the budget (or lower those limits)")
+            f"input positions{share}; raise the budget or parallel.cp (each of its ranks holds 1/cp of a sample), "
+            "or lower those limits")
 
 
 def _check_context_budget(cfg: ExperimentConfig, hf: HFModelConfig) -> None:

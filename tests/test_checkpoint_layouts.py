@@ -1,6 +1,7 @@
 """Checkpoints continue training under another layout exactly as the uninterrupted run: model
 and Adam moments reshard between expert parallelism on and off (EP=2 ↔ EP=1, where the optimizer
-is split into dense and expert parts or not) and between tensor and expert parallelism."""
+is split into dense and expert parts or not), between tensor and expert parallelism, and from
+context to expert parallelism."""
 
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ PAIRS = {
     "ep2_to_ep1": ((2, dict(ep=2)), (1, dict())),
     "ep1_to_ep2": ((1, dict()), (2, dict(ep=2))),
     "tp2_to_ep2": ((2, dict(tp=2)), (2, dict(ep=2))),
+    # context parallelism (packed micro-batches): DP 1 × CP 2 to DP 2, the optimizer sharded over DP × CP
+    "cp2_to_ep2": ((2, dict(cp=2, max_tokens_per_micro_batch=16)), (2, dict(ep=2, max_tokens_per_micro_batch=16))),
 }
 
 

@@ -99,7 +99,7 @@ def test_fused_core_attention_equals_the_unfused_reference():
 def test_the_block_causal_mask_aligns_segments_of_unequal_lengths_at_their_ends():
     """The CPU stand-in of the varlen kernel takes its interface: query and key bounds, causal from
     the segment's end where a segment has fewer queries than keys (FlashAttention's alignment)."""
-    from bpo_megatron.models.fused_attention import _block_causal_mask
+    from bpo_megatron.models.varlen_attention import _block_causal_mask
 
     cu_q, cu_kv = torch.tensor([0, 2, 3], dtype=torch.int32), torch.tensor([0, 3, 5], dtype=torch.int32)
     want = torch.tensor([[1, 1, 0, 0, 0],   # segment 0: 2 queries over 3 keys
@@ -211,8 +211,8 @@ def _params(q, kv=None, *, max_seqlen=None, **kwargs):
     (lambda: _params(torch.tensor([0, 4, 8], dtype=torch.int32, device="meta"), max_seqlen=4),
      r"on the host where they are built"),
     (lambda: _params([0, 4, 8], qkv_format="sbhd"), r"qkv_format='thd'"),
-    (lambda: _params([0, 4, 8], cu_seqlens_q_padded=torch.tensor([0, 4, 8], dtype=torch.int32)),
-     r"context parallelism"),
+    (lambda: _params([0, 4, 8], cu_seqlens_q_padded=torch.tensor([0, 4, 6], dtype=torch.int32)),
+     r"padded segment bounds \(cu_seqlens_\*_padded\) other than the segments themselves"),
 ])
 def test_bad_packed_bounds_are_refused_by_name(params, match):
     from bpo_megatron.models.packed_attention import check_packed_seq_params
@@ -335,7 +335,7 @@ def test_flash_varlen_on_cuda_in_bf16_equals_the_reference(heads, groups):
     heads) against the fp32 block-mask path (equal to Megatron's attention on CPUs, above) on the
     same bf16 inputs: outputs and gradients within bf16 rounding. Segments of 1 to 300 positions,
     across FlashAttention's 128-wide blocks."""
-    from bpo_megatron.models.fused_attention import varlen_causal_attention
+    from bpo_megatron.models.varlen_attention import varlen_causal_attention
 
     gen = torch.Generator().manual_seed(0)
     lengths = [300, 1, 77, 129, 64]

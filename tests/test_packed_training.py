@@ -43,7 +43,8 @@ LAYOUTS = {  # name -> (world size, layout); data parallelism 2 in each
     # experts split over TP and DP ranks, and R3 replayed again by activation recomputation
     "tp2_sp_ep2_dp2_recompute": (4, dict(tp=2, ep=2, recompute="full")),
 }
-MODES = (("padded", 0, 2), ("packed", BUDGET, 2))  # (name, token budget, trainer.micro_batch_size)
+# (name, token budget, trainer.micro_batch_size[, layout fields that differ from the world's])
+MODES = (("padded", 0, 2), ("packed", BUDGET, 2))
 # Tolerances, packed against padded (fp32). A packed sample's attention reduces over its own n
 # keys where a padded row reduces over the micro-batch's longest (the rest masked to 0), so the
 # two orders of summation round apart: log-probs and entropies differ by one float32 ulp at most
@@ -124,15 +125,15 @@ def _rel(a: float, b: float) -> float:
 def _train_every_loss(layout: dict, modes=MODES) -> dict:
     """Per batching: scores (R3 replay), the trainer's own routing, and for every case the step's
     metrics and gradients (clipping off, so they are the raw ones), each step from the same
-    initial weights. Returns the packed run's deviations from the padded one, computed here so
-    the gradients do not cross process boundaries."""
+    initial weights. Returns the second mode's deviations from the first (reported as "packed"
+    and "padded"), computed here so the gradients do not cross process boundaries."""
     samples = _samples()
     without_old = [dataclasses.replace(s, old_logprobs=None) for s in samples]
     initial = None
     runs: dict = {}
-    for mode, budget, micro_batch_size in modes:
+    for mode, budget, micro_batch_size, *overrides in modes:
         actor = th.build_actor(replay=True, micro_batch_size=micro_batch_size, grad_clip=math.inf,
-                               max_tokens_per_micro_batch=budget, **layout)
+                               max_tokens_per_micro_batch=budget, **{**layout, **(overrides[0] if overrides else {})})
         if initial is None:
             initial = th.flat_params(actor)
         _set_params(actor, initial)  # the same weights however each actor was initialised
@@ -186,6 +187,12 @@ def _train_every_loss(layout: dict, modes=MODES) -> dict:
 def test_packed_micro_batches_train_every_loss_exactly_as_padded_ones(name):
     world, layout = LAYOUTS[name]
     ranks = run_gloo_world(_train_every_loss, world, layout, timeout=TIMEOUT)
+    check_every_loss_alike(ranks, f"{name}: packed against padded, {len(CASES)} losses on {world} ranks")
+
+
+def check_every_loss_alike(ranks: list[dict], title: str) -> None:
+    """Every rank's report of :func:`_train_every_loss`: the second mode ("packed") trained and
+    scored as the first ("padded") within the tolerances above, and the comparison is a real one."""
     outputs = [r["scored"] for r in ranks if r["scored"] is not None]
     assert len(outputs) >= 2  # every data-parallel rank's last stage
     logprobs = outputs[0]["padded_logprobs"]  # the same on every output rank: gathered in sample order
@@ -228,7 +235,7 @@ def test_packed_micro_batches_train_every_loss_exactly_as_padded_ones(name):
             assert scored[f"{key}_shapes"] and scored[f"{key}_same_shapes"], (rank, key)
             check(key, scored[key], LOGPROB_ATOL, f"rank {rank}")
         assert all(scored["routing_equal"]) and scored["routing_shapes"], (rank, scored["routing_equal"])
-    print(f"\n{name}: packed against padded, {len(CASES)} losses on {world} ranks; largest deviations:")
+    print(f"\n{title}; largest deviations:")
     for kind, (dev, where) in sorted(worst.items()):
         print(f"  {kind:42s} {dev:.2e}  {where}")
 

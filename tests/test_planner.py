@@ -233,8 +233,10 @@ def test_sweep_lists_fitting_layouts_best_first(capsys):
     layouts = [(p.cfg.parallel.tp, p.cfg.parallel.pp, p.cfg.parallel.ep, p.cfg.parallel.expert_tp) for p in result.plans]
     assert (4, 1, 8, 1) in layouts  # the recipe's own
     assert all(p.fits and p.cfg.cluster.trainer_ranks == 32 for p in result.plans)
-    keys = [(p.cfg.parallel.pp, p.cfg.parallel.tp, p.cfg.parallel.expert_tp, p.train_peak) for p in result.plans]
+    keys = [(p.cfg.parallel.pp, p.cfg.parallel.tp, p.cfg.parallel.cp, p.cfg.parallel.expert_tp, p.train_peak)
+            for p in result.plans]
     assert keys == sorted(keys)
+    assert {p.cfg.parallel.cp for p in result.plans} >= {1, 2}  # packed micro-batches: CP is a candidate too
     assert result.rejected  # e.g. ep=1 keeps all 128 experts on every rank
     from bpo_megatron.cli import main
 
@@ -243,7 +245,7 @@ def test_sweep_lists_fitting_layouts_best_first(capsys):
     assert "engines 32 GPUs each ≤ 16" in capsys.readouterr().out
     assert main(["plan", str(RECIPE_30B), "rollout.num_engines=4", "--sweep", "--nodes", "2", "--limit", "3"]) == 0
     out = capsys.readouterr().out
-    assert "2 node(s) × 8 GPUs" in out and "tp  pp  ep  etp  dp" in out and "more (--limit)" in out
+    assert "2 node(s) × 8 GPUs" in out and "tp  pp  cp  ep  etp  dp" in out and "more (--limit)" in out
 
 
 def test_plan_reads_a_bare_config_json(tmp_path, capsys):

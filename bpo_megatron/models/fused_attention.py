@@ -26,27 +26,24 @@ the module is built or called.
 
 from __future__ import annotations
 
-import functools
-import inspect
-
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
-from torch.nn.attention.varlen import varlen_attn
 
+from bpo_megatron.models.context_attention import context_parallel_attention, without_context_parallelism
 from bpo_megatron.models.packed_attention import check_packed_layout
-
-FLASH_DTYPES = (torch.float16, torch.bfloat16)
+from bpo_megatron.models.varlen_attention import varlen_causal_attention
 
 
 class FusedDotProductAttention(DotProductAttention):
     """:class:`DotProductAttention`'s causal self-attention, padded or packed, on torch's fused
     kernels (see the module docstring); same parameters (none) and checkpoints."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(without_context_parallelism(config), *args, **kwargs)
+        self.context_parallel_size = config.context_parallel_size
         self._check_supported()
 
     def _check_supported(self) -> None:
@@ -71,10 +68,14 @@ class FusedDotProductAttention(DotProductAttention):
                              "attention_bias; model.attention=unfused applies Megatron's")
         if packed_seq_params is not None:
             check_packed_layout(packed_seq_params)
+            if self.context_parallel_size > 1:
+                return context_parallel_attention(query, key, value, packed_seq_params, scale=self.softmax_scale)
             out = varlen_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
                                           packed_seq_params.cu_seqlens_kv, packed_seq_params.max_seqlen_q,
                                           packed_seq_params.max_seqlen_kv, scale=self.softmax_scale)
             return out.reshape(out.shape[0], 1, -1)
+        if self.context_parallel_size > 1:
+            raise ValueError("context parallelism splits packed rows only: set trainer.max_tokens_per_micro_batch")
         if query.shape[0] != key.shape[0]:
             raise ValueError(f"causal self-attention needs as many queries as keys, got {query.shape[0]} and "
                              f"{key.shape[0]}")
@@ -83,48 +84,3 @@ class FusedDotProductAttention(DotProductAttention):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
                                              enable_gqa=query.shape[2] != key.shape[2])
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
-
-
-def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor, max_seqlen_q: int,
-                            max_seqlen_kv: int, *, scale: float) -> torch.Tensor:
-    """Causal attention within each segment of packed queries ``[t_q, heads, d]`` and keys and
-    values ``[t_kv, groups, d]`` (``heads`` a multiple of ``groups``), segment ``i`` between bounds
-    ``i`` and ``i + 1`` of ``cu_seqlens_q`` / ``cu_seqlens_kv`` (int32, on the tensors' device).
-    FlashAttention's varlen kernel on CUDA in half precision, SDPA under a block-diagonal causal
-    mask elsewhere; ``[t_q, heads, d]`` either way, and no read of the device."""
-    gqa = query.shape[1] != key.shape[1]
-    if query.is_cuda and query.dtype in FLASH_DTYPES:
-        # varlen_attn with the flag (torch 2.13, 2.14) wants enable_gqa=True for fewer key/value
-        # heads; torch 2.11's has no flag and hands them to the same kernel, which takes them
-        flag = {"enable_gqa": True} if gqa and _varlen_takes_gqa_flag() else {}
-        return varlen_attn(query, key, value, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
-                           scale=scale, window_size=(-1, 0), **flag)  # (-1, 0): causal
-    allowed = _block_causal_mask(cu_seqlens_q, query.shape[0], cu_seqlens_kv, key.shape[0])
-    # [t, heads, d] -> [1, heads, t, d]: SDPA's layout, grouped heads at dim -3
-    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
-    return out.squeeze(0).transpose(0, 1)
-
-
-def _block_causal_mask(cu_seqlens_q: torch.Tensor, total_q: int, cu_seqlens_kv: torch.Tensor,
-                       total_kv: int) -> torch.Tensor:
-    """``[t_q, t_kv]`` bool, True where query position i may attend key position j: both in the same
-    segment, j not after i. Positions are counted from their segment's end, as FlashAttention
-    aligns the causal mask of a segment with fewer queries than keys (equal lengths: the usual
-    lower triangle). Device ops only."""
-
-    def segment_and_distance_to_end(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-        ends = cu_seqlens[1:]
-        segment = torch.searchsorted(ends, positions, right=True)
-        return segment, ends[segment] - positions
-
-    segment_q, to_end_q = segment_and_distance_to_end(cu_seqlens_q, total_q)
-    segment_kv, to_end_kv = segment_and_distance_to_end(cu_seqlens_kv, total_kv)
-    return (segment_q[:, None] == segment_kv[None, :]) & (to_end_kv[None, :] >= to_end_q[:, None])
-
-
-@functools.cache
-def _varlen_takes_gqa_flag() -> bool:
-    return "enable_gqa" in inspect.signature(varlen_attn).parameters

@@ -25,19 +25,30 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from bpo_megatron.models.context_attention import context_parallel_attention, without_context_parallelism
+
 
 class PackedDotProductAttention(DotProductAttention):
-    """:class:`DotProductAttention` that also attends within each segment of a packed row."""
+    """:class:`DotProductAttention` that also attends within each segment of a packed row, and
+    over the CP group (:mod:`~bpo_megatron.models.context_attention`) under context parallelism."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(without_context_parallelism(config), *args, **kwargs)
+        self.context_parallel_size = config.context_parallel_size
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type=None, attention_bias: torch.Tensor | None = None,
                 packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
         if packed_seq_params is None:
+            if self.context_parallel_size > 1:
+                raise ValueError("context parallelism splits packed rows only: set trainer.max_tokens_per_micro_batch")
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias)
         check_packed_layout(packed_seq_params)
         if attention_mask is not None:
             raise ValueError("packed sequences are masked by their segments: attention_mask must be None")
+        if self.context_parallel_size > 1:
+            return context_parallel_attention(query, key, value, packed_seq_params, scale=self.softmax_scale)
         bounds = packed_seq_params.cu_seqlens_q.tolist()
         if bounds[-1] != query.shape[0]:
             raise ValueError(f"cu_seqlens end at {bounds[-1]}, not at the {query.shape[0]} packed positions")
@@ -56,10 +67,12 @@ def check_packed_layout(params: PackedSeqParams) -> None:
     without reading a tensor (no device sync: every layer calls this)."""
     if params.qkv_format != "thd":
         raise ValueError(f"packed attention takes qkv_format='thd', got {params.qkv_format!r}")
-    padded = (params.cu_seqlens_q_padded, params.cu_seqlens_kv_padded)
-    if any(bound is not None for bound in padded):
-        raise ValueError("padded segment bounds (cu_seqlens_*_padded) are for context parallelism, "
-                         "which the local attention does not support")
+    padded = ((params.cu_seqlens_q_padded, params.cu_seqlens_q), (params.cu_seqlens_kv_padded, params.cu_seqlens_kv))
+    if any(bound is not None and bound is not unpadded for bound, unpadded in padded):
+        # (the trainer's context-parallel rows pad each sample inside its segment, and pass the
+        # same bounds as both, as transformer-engine's CP attention reads them)
+        raise ValueError("padded segment bounds (cu_seqlens_*_padded) other than the segments themselves: the "
+                         "local attention attends whole segments")
     q, kv = params.cu_seqlens_q, params.cu_seqlens_kv
     if q.shape != kv.shape or params.max_seqlen_q != params.max_seqlen_kv:
         raise ValueError("self-attention over a packed row needs cu_seqlens_q == cu_seqlens_kv and "

@@ -91,6 +91,7 @@ def transformer_config(
         # parallel layout
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
+        context_parallel_size=parallel.cp,
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.expert_tp,
         sequence_parallel=parallel.sequence_parallel,

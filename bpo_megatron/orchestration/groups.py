@@ -99,6 +99,7 @@ class TrainerGroup:
         self.loss = spec.loss  # what training batches are checked for (set_loss changes it)
         self.budget = spec.trainer.max_tokens_per_micro_batch  # > 0: packed micro-batches, shares balanced by cost
         self.cost = CostModel.of(self.hf)
+        self.cp = spec.parallel.cp  # context parallelism: each sample split over cp ranks of the budget
         self.sent_bytes = 0  # written into the object store for the ranks (see take_sent_bytes)
 
     # ---------------------------------------------------------------------------- the algorithm
@@ -215,7 +216,7 @@ class TrainerGroup:
         from bpo_megatron.trainer.shares import prepare_shares
 
         return prepare_shares(samples, self.hf, dp_size=self.dp_size, budget=self.budget, cost=self.cost,
-                              replaying=replaying, loss=loss, routing_ids=False)
+                              replaying=replaying, loss=loss, routing_ids=False, cp=self.cp)
 
     def _put_shares(self, samples: list, shares: list[list[int]]) -> list:
         import ray

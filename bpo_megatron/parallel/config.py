@@ -1,4 +1,4 @@
-"""How the trainer's world is split: tensor, pipeline, expert and data parallelism."""
+"""How the trainer's world is split: tensor, pipeline, context, expert and data parallelism."""
 
 from __future__ import annotations
 
@@ -9,21 +9,25 @@ from dataclasses import dataclass
 class ParallelConfig:
     """Parallel layout of the train actors.
 
-    ``tp × pp × dp = world size``; experts are split ``ep`` ways (with ``etp``-way tensor
-    parallelism inside each expert) over the ``tp × dp`` ranks of a pipeline stage, as in
+    ``tp × pp × cp × dp = world size``; experts are split ``ep`` ways (with ``etp``-way tensor
+    parallelism inside each expert) over the ``tp × cp × dp`` ranks of a pipeline stage, as in
     Megatron-Core. Sequence parallelism is on whenever ``tp > 1`` (Megatron-Core requires it for
-    MoE with tensor parallelism, and it saves activation memory for dense models too).
+    MoE with tensor parallelism, and it saves activation memory for dense models too). Context
+    parallelism (``cp > 1``) splits every packed sample's positions over ``cp`` ranks
+    (:mod:`bpo_megatron.parallel.context`); it needs packed micro-batches
+    (``trainer.max_tokens_per_micro_batch``).
     """
 
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
     # Expert tensor parallelism. None: 1 with expert parallelism (small experts are not worth
     # splitting), tp without it (Megatron-Core's default; see validate_world).
     etp: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "ep"):
+        for name in ("tp", "pp", "ep", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
@@ -47,7 +51,7 @@ class ParallelConfig:
     def data_parallel_size(self, world_size: int) -> int:
         """DP size for ``world_size`` ranks; raises ValueError naming the sizes if they do not fit."""
         self.validate_world(world_size)
-        return world_size // self.model_parallel_size
+        return world_size // (self.model_parallel_size * self.cp)
 
     def validate_world(self, world_size: int) -> None:
         if self.ep == 1 and self.expert_tp != self.tp:
@@ -58,11 +62,12 @@ class ParallelConfig:
                 f"parallel.etp={self.expert_tp} with parallel.ep=1 must equal parallel.tp={self.tp} "
                 "(use expert parallelism, ep > 1, to keep experts unsplit)"
             )
-        if world_size % self.model_parallel_size != 0:
-            raise ValueError(
-                f"world size {world_size} is not divisible by parallel.tp × parallel.pp = "
-                f"{self.tp} × {self.pp}; choose sizes whose product divides the number of ranks"
-            )
+        if world_size % (self.model_parallel_size * self.cp) != 0:
+            names, sizes = "parallel.tp × parallel.pp", f"{self.tp} × {self.pp}"
+            if self.cp > 1:
+                names, sizes = f"{names} × parallel.cp", f"{sizes} × {self.cp}"
+            raise ValueError(f"world size {world_size} is not divisible by {names} = {sizes}; choose sizes whose "
+                             "product divides the number of ranks")
         per_stage = world_size // self.pp
         expert_ranks = self.ep * self.expert_tp
         if per_stage % expert_ranks != 0:

@@ -8,7 +8,7 @@ from bpo_megatron.parallel.config import ParallelConfig
 
 
 def initialize_parallel(parallel: ParallelConfig, *, seed: int) -> None:
-    """Create the TP/PP/EP/DP groups of ``parallel`` (inside an initialised torch.distributed
+    """Create the TP/PP/CP/EP/DP groups of ``parallel`` (inside an initialised torch.distributed
     world) and seed Megatron's tracked RNG streams and torch's default generator."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -20,6 +20,7 @@ def initialize_parallel(parallel: ParallelConfig, *, seed: int) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
+        context_parallel_size=parallel.cp,
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.expert_tp,
     )
@@ -36,4 +37,4 @@ def destroy_parallel() -> None:
 def layout_record(parallel: ParallelConfig, world_size: int) -> dict[str, int]:
     """The layout a checkpoint records, to tell whether it is loaded under the same one."""
     return {"tp": parallel.tp, "pp": parallel.pp, "ep": parallel.ep, "etp": parallel.expert_tp,
-            "dp": world_size // parallel.model_parallel_size}
+            "dp": parallel.data_parallel_size(world_size)}

@@ -91,7 +91,14 @@ the number of micro-batches).
 A micro-batch's ``tokens`` are its input positions as the model reads them: padded, the
 micro-batch size × its longest sample; packed (``trainer.max_tokens_per_micro_batch``), at most the
 budget; either rounded up to a multiple of TP under sequence parallelism
-(:func:`micro_batch_positions`).
+(:func:`micro_batch_positions`). Under context parallelism (``cp > 1``, packed only) the budget
+counts one rank's positions, ``1/cp`` of each sample, so every term above is per local position
+as before, and the CP attention (``bpo_megatron.models.context_attention``) adds the one term not
+measured but counted from its code: each local chunk's key prefix, keys and values gathered from
+the CP group, which attention keeps for backward, ``(cp + ½)`` positions' worth per local position
+(a sample's ``2·cp`` chunks of ``c`` rows: the prefixes of chunks ``r`` and ``2cp − 1 − r`` hold
+``(2cp + 1)·c`` rows), ``b · 2 · kv · d · (cp + ½) / tp`` per token. Transformer-engine's ring
+attention is assumed to keep no more.
 
 R3 (routing replay) adds, per micro-batch, its routed experts ``[T, MoE layers, top-k]`` moved
 whole to every rank (the smallest integer dtype that holds an expert id), and the int64 ids each
@@ -130,7 +137,26 @@ def attention_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, act_b
     qk_norms = (q + kv) * norm_kept_bytes(d, b, gpu=gpu) if hf.qk_norm else 0
     flash = b * (q + kv) * d + b * q * d + FP32 * q
     rope = 4 * b * int(d * hf.rotary_percent)
-    return (norms + qkv + qk_norms + flash) / tp + rope
+    return (norms + qkv + qk_norms + flash) / tp + rope + context_key_bytes(hf, parallel, act_bytes)
+
+
+def context_key_bytes(hf: HFModelConfig, parallel: ParallelConfig, act_bytes: int) -> float:
+    """Under context parallelism: the gathered key prefixes and values attention keeps, per local
+    token and layer on one rank (module docstring); 0 without."""
+    if parallel.cp == 1:
+        return 0.0
+    return act_bytes * 2 * hf.num_key_value_heads * hf.head_dim * (parallel.cp + 0.5) / parallel.tp
+
+
+def context_gather_bytes(hf: HFModelConfig, parallel: ParallelConfig, act_bytes: int, *, tokens: int,
+                         layers: int) -> float:
+    """Bytes of keys and values one rank receives from the other CP ranks in a micro-batch's forward
+    (``tokens`` local positions, ``layers`` layers): every other rank's ``tokens`` keys and values
+    per layer; the backward sums their gradients over the group (an all-reduce of the same size)."""
+    if parallel.cp == 1:
+        return 0.0
+    per_token = act_bytes * 2 * hf.num_key_value_heads * hf.head_dim / parallel.tp
+    return (parallel.cp - 1) * tokens * per_token * layers
 
 
 def mlp_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, layer: int, act_bytes: int) -> float:

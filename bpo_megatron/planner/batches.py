@@ -18,7 +18,8 @@ checks the counts against the trainer's entry points):
   count, the largest of the ranks' fewest, :func:`~bpo_megatron.trainer.balance.micro_batch_bins`),
   costliest first. A pack pays its positions.
 * Every micro-batch is rounded up to a multiple of TP under sequence parallelism, as the trainer
-  pads it.
+  pads it. Under context parallelism a sample counts its share on each CP rank
+  (:func:`~bpo_megatron.trainer.packing.rank_positions`), as the trainer's budget does.
 * **Lockstep.** The data-parallel ranks holding ranks of one expert-parallel group run each
   micro-batch's all-to-alls together, so each pays the largest of their j-th micro-batches
   (Megatron's rank order: attention ranks tp-major then dp, expert ranks etp, then ep, then
@@ -43,6 +44,7 @@ from typing import TYPE_CHECKING
 from bpo_megatron.parallel import ParallelConfig
 from bpo_megatron.planner.activations import round_up
 from bpo_megatron.trainer.balance import CostModel, balanced_shares, fewest_micro_batches, micro_batch_bins
+from bpo_megatron.trainer.packing import rank_positions
 from bpo_megatron.trainer.samples import chunk, split
 
 if TYPE_CHECKING:
@@ -116,8 +118,10 @@ class PassCost:
 def lockstep_groups(parallel: ParallelConfig, trainer_ranks: int, *, moe: bool) -> list[list[int]]:
     """The data-parallel ranks that run every micro-batch together: those whose ranks share an
     expert-parallel group (in a pipeline stage, attention rank r is DP rank r // tp; expert rank
-    r is etp rank r % etp of EP group r // (etp · ep)). Each DP rank alone for a dense model."""
-    dp = trainer_ranks // (parallel.tp * parallel.pp)
+    r is etp rank r % etp of EP group r // (etp · ep); with context parallelism attention rank r
+    is DP rank r // (tp · cp)). Each DP rank alone for a dense model."""
+    dp = trainer_ranks // (parallel.tp * parallel.pp * parallel.cp)
+    attention = parallel.tp * parallel.cp  # consecutive ranks of one DP rank in a stage
     parent = list(range(dp))
 
     def root(i: int) -> int:
@@ -130,8 +134,8 @@ def lockstep_groups(parallel: ParallelConfig, trainer_ranks: int, *, moe: bool) 
         first_of: dict[tuple[int, int], int] = {}
         for rank in range(trainer_ranks // parallel.pp):
             group = (rank % etp, rank // (etp * ep))
-            other = first_of.setdefault(group, rank // parallel.tp)
-            parent[root(rank // parallel.tp)] = root(other)
+            other = first_of.setdefault(group, rank // attention)
+            parent[root(rank // attention)] = root(other)
     groups: dict[int, list[int]] = {}
     for rank in range(dp):
         groups.setdefault(root(rank), []).append(rank)
@@ -225,14 +229,16 @@ def estimate_batches(cfg: ExperimentConfig, *, dp: int, groups: list[list[int]],
     max_prompt, max_new = cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
     pad = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
     budget, b = cfg.trainer.max_tokens_per_micro_batch, cfg.trainer.micro_batch_size
-    if budget < max_prompt + max_new - 1:
+    cp = cfg.parallel.cp
+    if budget < rank_positions(max_prompt + max_new - 1, cp):
         budget = 0  # packing cannot hold the longest sample (a failed layout check says so): padded only
     rng = random.Random(seed)
     runs: dict[tuple[str, str], list[PassCost]] = {}
     drawn: list[int] = []
     for _ in range(steps):
-        step = [sum(distribution.draw(rng, max_prompt, max_new)) - 1 for _ in range(cfg.responses_per_step)]
-        drawn += step
+        full = [sum(distribution.draw(rng, max_prompt, max_new)) - 1 for _ in range(cfg.responses_per_step)]
+        drawn += full
+        step = [rank_positions(n, cp) for n in full]  # what each sample takes of a rank's packs
         size = cfg.minibatch_size
         passes = [("minibatch", step[i:i + size]) for i in range(0, len(step), size)] + [("logprob", step)]
         for name, costs in passes:

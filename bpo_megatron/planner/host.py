@@ -171,13 +171,13 @@ def trainer_node_host(plan, node_memory_gb: float) -> NodeHost | None:
     per_stage = c.trainer_ranks // p.pp
     # DP rank 0 of the dense optimizer: a stage's first tp ranks; of the expert optimizer: its
     # first ep × etp ranks (Megatron's rank order), so the two overlap as far as they can
-    dense_writers = per_stage // plan.dp
+    dense_writers = per_stage // plan.optimizer_dp
     expert_writers = per_stage // plan.expert_dp if plan.hf.is_moe else 0
     ranks = []
     for s in plan.stages:
         offload = s.static.weights + s.static.optimizer if c.colocate else 0
         ranks += [rank_host(s.params.dense, s.params.expert, stage=s.params.stage,
-                            param_bytes=plan.precision.param_bytes, offload_bytes=offload, dp=plan.dp,
+                            param_bytes=plan.precision.param_bytes, offload_bytes=offload, dp=plan.optimizer_dp,
                             expert_dp=plan.expert_dp, dense_writer=local < dense_writers,
                             expert_writer=local < expert_writers, distributed=plan.distributed_optimizer)
                   for local in range(per_stage)]

@@ -56,8 +56,8 @@ def _world(cfg: ExperimentConfig, hf: HFModelConfig, alloc: Allocation) -> Check
         p.validate_world(ranks)
     except ValueError as exc:
         return Check(False, f"{exc} (cluster.trainer_ranks={ranks})")
-    return Check(True, f"tp × pp = {p.tp} × {p.pp} divides the {ranks} trainer ranks (dp "
-                       f"{ranks // (p.tp * p.pp)}); ep × etp = {p.ep} × {p.expert_tp} divides the "
+    return Check(True, f"tp × pp × cp = {p.tp} × {p.pp} × {p.cp} divides the {ranks} trainer ranks (dp "
+                       f"{p.data_parallel_size(ranks)}); ep × etp = {p.ep} × {p.expert_tp} divides the "
                        f"{ranks // p.pp} ranks of a stage")
 
 
@@ -94,6 +94,9 @@ def _batch(cfg: ExperimentConfig, hf: HFModelConfig, alloc: Allocation) -> Check
     budget = cfg.trainer.max_tokens_per_micro_batch
     if budget:
         return _budget(cfg, per_rank, dp, budget)
+    if cfg.parallel.cp > 1:
+        return Check(False, f"parallel.cp={cfg.parallel.cp} splits packed samples: set "
+                            "trainer.max_tokens_per_micro_batch")
     if per_rank % cfg.trainer.micro_batch_size:
         return Check(False, f"{per_rank} responses per DP rank are not a multiple of "
                             f"trainer.micro_batch_size={cfg.trainer.micro_batch_size}")
@@ -102,17 +105,26 @@ def _batch(cfg: ExperimentConfig, hf: HFModelConfig, alloc: Allocation) -> Check
 
 
 def _budget(cfg: ExperimentConfig, per_rank: int, dp: int, budget: int) -> Check:
-    """Packed micro-batches: the longest sample must fit the budget (micro_batch_size is unused)."""
+    """Packed micro-batches: the longest sample (its share on each CP rank) must fit the budget
+    (micro_batch_size is unused)."""
+    from bpo_megatron.trainer.packing import rank_positions
+
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens - 1
-    if longest > budget:
+    cp = cfg.parallel.cp
+    share = rank_positions(longest, cp)
+    if share > budget:
+        of = "" if cp == 1 else (f", {share} on each of parallel.cp={cp} ranks (raise the budget or parallel.cp, "
+                                 "which splits the sample over more ranks)")
         return Check(False, f"trainer.max_tokens_per_micro_batch={budget} cannot hold the longest sample, "
-                            f"data.max_prompt_tokens + rollout.max_new_tokens − 1 = {longest} positions")
+                            f"data.max_prompt_tokens + rollout.max_new_tokens − 1 = {longest} positions{of}")
     tp = cfg.parallel.tp
     # packs are padded to a multiple of TP under sequence parallelism: a budget that is one keeps them within it
     padding = "" if not cfg.parallel.sequence_parallel or budget % tp == 0 else \
         f"; not a multiple of tp {tp}: packs may be padded to {-(-budget // tp) * tp}"
+    held = f"the longest sample ({longest})" if cp == 1 else \
+        f"a share of the longest sample ({longest} over cp {cp}: {share} a rank)"
     return Check(True, f"minibatch {cfg.minibatch_size} = dp {dp} × {per_rank} responses, packed into micro-batches "
-                       f"of ≤ {budget} positions that hold the longest sample ({longest}){padding}")
+                       f"of ≤ {budget} positions that hold {held}{padding}")
 
 
 def _gpu_split(cfg: ExperimentConfig, hf: HFModelConfig, alloc: Allocation) -> Check | None:

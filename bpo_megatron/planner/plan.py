@@ -10,10 +10,12 @@ from typing import TYPE_CHECKING
 from bpo_megatron.models.hf_config import HFModelConfig
 from bpo_megatron.weights.names import parameter_counts
 from bpo_megatron.models.qwen3 import model_vocab_size
-from bpo_megatron.planner.activations import (forward_only_activation_bytes, logits_bytes, micro_batch_positions,
-                                              micro_batches_in_flight, stage_activation_bytes, stage_replay_bytes)
+from bpo_megatron.planner.activations import (context_gather_bytes, forward_only_activation_bytes, logits_bytes,
+                                              micro_batch_positions, micro_batches_in_flight, stage_activation_bytes,
+                                              stage_replay_bytes)
 from bpo_megatron.planner.batches import BatchEstimate, estimate_batches, lockstep_groups
 from bpo_megatron.trainer.balance import CostModel
+from bpo_megatron.trainer.packing import rank_positions
 from bpo_megatron.planner.host import NodeHost, trainer_node_host
 from bpo_megatron.planner.layout import Allocation, Check, layout_checks
 from bpo_megatron.planner.params import StageParams, rank_parameters
@@ -82,7 +84,8 @@ class Plan:
         if self.rollout is None or not self.cfg.cluster.colocate:
             return None
         p = self.cfg.parallel
-        return trainer_residual(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp or 1, dp=self.dp, expert_dp=self.expert_dp)
+        return trainer_residual(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp or 1, dp=self.dp, expert_dp=self.expert_dp,
+                                cp=p.cp)
 
     @property
     def rollout_outside_pool(self) -> float:
@@ -122,6 +125,31 @@ class Plan:
     @property
     def model_size(self) -> tuple[int, int]:
         return parameter_counts(self.hf)
+
+    @property
+    def optimizer_dp(self) -> int:
+        """The ranks the distributed optimizer shards dense parameters' states over: the
+        data-parallel ranks and, as Megatron's, their context-parallel ranks (dp × cp)."""
+        return self.dp * self.cfg.parallel.cp
+
+    @property
+    def context_gather(self) -> float:
+        """Keys and values a rank receives from its CP group in one micro-batch's forward, over the
+        busiest stage's layers (0 without context parallelism)."""
+        layers = max((len(s.params.layers) for s in self.stages), default=0)
+        return context_gather_bytes(self.hf, self.cfg.parallel, self.precision.param_bytes,
+                                    tokens=self.tokens_per_micro_batch, layers=layers)
+
+
+def longest_sample(cfg: ExperimentConfig) -> int:
+    """Input positions of the longest sample a rollout can produce (``tokens[:-1]``)."""
+    return cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens - 1
+
+
+def longest_share(cfg: ExperimentConfig) -> int:
+    """What the longest sample takes of a pack on each rank: all of it, or its share on each of
+    ``parallel.cp`` context-parallel ranks."""
+    return rank_positions(longest_sample(cfg), cfg.parallel.cp)
 
 
 def _splits(cfg: ExperimentConfig, hf: HFModelConfig) -> bool:
@@ -180,11 +208,11 @@ def make_plan(cfg: ExperimentConfig, hf: HFModelConfig, allocation: Allocation |
     precision = Precision.of(cfg.model.options.params_dtype_on(gpu=gpu))
     p, ranks = cfg.parallel, cfg.cluster.trainer_ranks
     world_ok = _splits(cfg, hf)  # the memory model needs a layout the model can be cut into
-    dp = ranks // (p.tp * p.pp) if world_ok else 1
+    dp = ranks // (p.tp * p.pp * p.cp) if world_ok else 1
     expert_dp = ranks // p.pp // (p.ep * p.expert_tp) if world_ok else 1
-    longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens - 1  # input positions: tokens[:-1]
     budget = cfg.trainer.max_tokens_per_micro_batch
-    tokens = micro_batch_positions(p, longest=longest, micro_batch_size=cfg.trainer.micro_batch_size, budget=budget)
+    tokens = micro_batch_positions(p, longest=longest_sample(cfg), micro_batch_size=cfg.trainer.micro_batch_size,
+                                   budget=budget)
     share = max(1, cfg.minibatch_size // max(dp, 1))  # samples per DP rank and optimizer step
     # packed, a rank may run as many micro-batches as it has samples (one each, at the caps)
     micro_batches = share if budget else max(1, share // cfg.trainer.micro_batch_size)
@@ -199,7 +227,7 @@ def make_plan(cfg: ExperimentConfig, hf: HFModelConfig, allocation: Allocation |
                                                             gpu=gpu)
             stages.append(StagePlan(
                 params=params,
-                static=static_memory(params, precision, dp=dp, expert_dp=expert_dp,
+                static=static_memory(params, precision, dp=dp * p.cp, expert_dp=expert_dp,
                                      distributed_optimizer=distributed_optimizer),
                 activations=stage_activation_bytes(hf, p, params.layers, tokens=tokens,
                                                    recompute=cfg.model.options.recompute,
@@ -241,7 +269,7 @@ def largest_budget(plan: Plan) -> int | None:
                           distributed_optimizer=plan.distributed_optimizer)
         return trial.train_peak <= allocation.gpu_bytes
 
-    low = -(-(cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens - 1) // pad)  # the longest sample
+    low = -(-longest_share(cfg) // pad)  # the longest sample (its share of it on each CP rank)
     if not fits(low):
         return None
     high = 2 * low
@@ -253,6 +281,30 @@ def largest_budget(plan: Plan) -> int | None:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
     return low * pad
+
+
+def suggested_context_parallelism(plan: Plan) -> int | None:
+    """When not even the longest sample's share fits one rank's memory (:func:`largest_budget` is
+    None): the smallest ``parallel.cp`` (a power of two dividing the trainer ranks left by TP and
+    PP) whose plan, with a budget of one share of the longest sample, fits; None when none does or
+    on a CPU allocation."""
+    cfg, allocation = plan.cfg, plan.allocation
+    if not allocation.gpus_per_node or not plan.stages:
+        return None
+    p, ranks = cfg.parallel, cfg.cluster.trainer_ranks
+    cp = p.cp * 2
+    while ranks % (p.tp * p.pp * cp) == 0:
+        parallel = dataclasses.replace(p, cp=cp)
+        pad = p.tp if p.sequence_parallel else 1
+        budget = -(-rank_positions(longest_sample(cfg), cp) // pad) * pad
+        trial_cfg = dataclasses.replace(cfg, parallel=parallel,
+                                        trainer=dataclasses.replace(cfg.trainer, max_tokens_per_micro_batch=budget))
+        if _splits(trial_cfg, plan.hf):
+            trial = make_plan(trial_cfg, plan.hf, allocation, distributed_optimizer=plan.distributed_optimizer)
+            if trial.train_peak <= allocation.gpu_bytes:
+                return cp
+        cp *= 2
+    return None
 
 
 def node_memory_gib(cfg: ExperimentConfig) -> int | None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from bpo_megatron.planner.layout import Allocation
-from bpo_megatron.planner.plan import RESERVED_BYTES, Plan, StagePlan, largest_budget
+from bpo_megatron.planner.plan import (RESERVED_BYTES, Plan, StagePlan, largest_budget, longest_sample, longest_share,
+                                       suggested_context_parallelism)
+from bpo_megatron.trainer.packing import rank_positions
 from bpo_megatron.planner.search import SweepResult
 
 _DTYPE_NAMES = {2: "bf16", 4: "fp32"}
@@ -57,11 +59,16 @@ def _header(plan: Plan) -> list[str]:
         f"plan: {cfg.name} on {where}",
         f"model: {hf.architecture}, {billions(total)} parameters ({billions(active)} active per token), "
         f"{hf.num_hidden_layers} layers{experts}",
-        f"trainer: {cfg.cluster.trainer_ranks} ranks = tp {p.tp} × pp {p.pp} × dp {plan.dp}; ep {p.ep}, "
+        f"trainer: {cfg.cluster.trainer_ranks} ranks = tp {p.tp} × pp {p.pp} × cp {p.cp} × dp {plan.dp}; ep {p.ep}, "
         f"etp {p.expert_tp} (expert dp {plan.expert_dp}); sequence parallel {'on' if p.sequence_parallel else 'off'}; "
         f"recompute {cfg.model.options.recompute}; {_DTYPE_NAMES[plan.precision.param_bytes]} weights, {optimizer}",
         f"         {_micro_batches(plan)}",
     ]
+    if p.cp > 1:
+        lines.append(f"         context parallel: each sample split over cp {p.cp} ranks (2 × {p.cp} chunks, one from "
+                     f"each end a rank); every layer all-gathers keys and values over the CP group: "
+                     f"{gb(plan.context_gather)} GB received per rank and micro-batch in forward, as much reduced "
+                     "in backward")
     if plan.rollout:
         r = plan.rollout
         placement = "colocated with the trainer" if cfg.cluster.colocate else "on their own GPUs"
@@ -90,7 +97,8 @@ def _training(plan: Plan) -> list[str]:
     dtype = _DTYPE_NAMES[precision.param_bytes]
     master = "fp32 master + " if precision.master_bytes else ""
     expert_dp = f", expert dp {plan.expert_dp}" if plan.hf.is_moe else ""
-    shard = f" / dp {plan.dp}{expert_dp}" if plan.distributed_optimizer else ""
+    dp = f"dp {plan.dp}" if plan.cfg.parallel.cp == 1 else f"dp × cp {plan.optimizer_dp}"
+    shard = f" / {dp}{expert_dp}" if plan.distributed_optimizer else ""
     rows = [
         ["parameters (dense + expert)", *[f"{billions(s.params.dense)} + {billions(s.params.expert)}" for s in stages]],
         [f"weights ({dtype})", *[fmt(s.static.weights) for s in stages]],
@@ -126,10 +134,17 @@ def _budget_room(plan: Plan) -> list[str]:
     if not plan.allocation.gpus_per_node:
         return []
     largest = largest_budget(plan)
-    longest = plan.cfg.data.max_prompt_tokens + plan.cfg.rollout.max_new_tokens - 1
+    cp = plan.cfg.parallel.cp
+    longest, share = longest_sample(plan.cfg), longest_share(plan.cfg)
+    needs = f"{longest}" if cp == 1 else f"{share} of its {longest} on each of cp {cp} ranks"
     if largest is None:
-        return [f"  → no token budget fits: not even one of the longest sample ({longest} positions) does"]
-    return [f"  → memory allows trainer.max_tokens_per_micro_batch up to {largest} (the longest sample needs {longest})"]
+        suggestion = suggested_context_parallelism(plan)
+        split = "" if suggestion is None else (
+            f"; parallel.cp={suggestion} fits it, {rank_positions(longest, suggestion)} positions a rank "
+            f"(trainer.max_tokens_per_micro_batch ≥ that)")
+        what = "one" if cp == 1 else "a share"
+        return [f"  → no token budget fits: not even {what} of the longest sample ({needs} positions) does{split}"]
+    return [f"  → memory allows trainer.max_tokens_per_micro_batch up to {largest} (the longest sample needs {needs})"]
 
 
 def _rollout(plan: Plan) -> list[str]:
@@ -287,17 +302,17 @@ def format_plan(plan: Plan) -> str:
 
 def format_sweep(result: SweepResult, allocation: Allocation, limit: int | None = None) -> str:
     title = (f"layouts that fit on {allocation.nodes} node(s) × {allocation.gpus_per_node} GPUs × "
-             f"{allocation.gpu_memory_gb:g} GB (best first: fewer pipeline stages, less TP, less expert TP, "
-             f"lower peak)")
+             f"{allocation.gpu_memory_gb:g} GB (best first: fewer pipeline stages, less TP, less CP, less "
+             f"expert TP, lower peak)")
     plans = result.plans
     if not plans:
         reasons = [f"  {count} × {why}" for why, count in list(result.rejected.items())[:5]]
         return "\n".join([title, "  none; rejected layouts:", *reasons])
     shown = plans if limit is None else plans[:limit]
-    rows = [[str(pl.cfg.parallel.tp), str(pl.cfg.parallel.pp), str(pl.cfg.parallel.ep),
+    rows = [[str(pl.cfg.parallel.tp), str(pl.cfg.parallel.pp), str(pl.cfg.parallel.cp), str(pl.cfg.parallel.ep),
              str(pl.cfg.parallel.expert_tp), str(pl.dp), gb(pl.train_peak), gb(pl.rollout_peak)]
             for pl in shown]
-    lines = [title, *_table(["tp", "pp", "ep", "etp", "dp", "train GB", "rollout GB"], rows)]
+    lines = [title, *_table(["tp", "pp", "cp", "ep", "etp", "dp", "train GB", "rollout GB"], rows)]
     if len(shown) < len(plans):
         lines.append(f"  ... and {len(plans) - len(shown)} more (--limit)")
     return "\n".join(lines)

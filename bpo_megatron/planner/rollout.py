@@ -88,9 +88,11 @@ class TrainerResidual:
         return TRAINER_CONTEXT_BYTES + self.communicators * NCCL_COMMUNICATOR_BYTES
 
 
-def trainer_residual(*, tp: int, pp: int, ep: int, etp: int, dp: int, expert_dp: int) -> TrainerResidual:
-    """The communicators a trainer rank uses: tensor, pipeline (and its embedding group), expert,
-    expert-tensor, data and expert-data parallel groups of more than one rank."""
-    sizes = {"tp": tp, "pp": pp, "embedding": pp, "ep": ep, "etp": etp, "dp": dp, "expert dp": expert_dp}
+def trainer_residual(*, tp: int, pp: int, ep: int, etp: int, dp: int, expert_dp: int, cp: int = 1) -> TrainerResidual:
+    """The communicators a trainer rank uses: tensor, pipeline (and its embedding group), context
+    (and the data × context group DDP reduces over), expert, expert-tensor, data and expert-data
+    parallel groups of more than one rank."""
+    sizes = {"tp": tp, "pp": pp, "embedding": pp, "cp": cp, "dp × cp": dp * cp if cp > 1 else 1, "ep": ep,
+             "etp": etp, "dp": dp, "expert dp": expert_dp}
     groups = tuple(name for name, size in sizes.items() if size > 1)
     return TrainerResidual(communicators=len(groups), groups=groups)

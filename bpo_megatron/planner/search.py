@@ -1,10 +1,13 @@
-"""``plan --sweep``: every (tp, pp, ep, etp) layout of the trainer that passes the checks and fits.
+"""``plan --sweep``: every (tp, pp, cp, ep, etp) layout of the trainer that passes the checks and fits.
 
 The trainer gets every GPU of the allocation when engines are colocated, otherwise what the
 engines leave (``rollout.num_engines × cluster.gpus_per_engine``). Candidates keep TP inside a
-node and split the attention heads. They are sorted by what costs throughput first: fewer pipeline stages (bubbles), then less
-tensor parallelism (per-layer collectives), then less expert tensor parallelism, then the lower
-peak memory (the most headroom for longer responses or bigger micro-batches).
+node and split the attention heads; context parallelism (powers of two) is a candidate with packed
+micro-batches only (``trainer.max_tokens_per_micro_batch``). They are sorted by what costs
+throughput first: fewer pipeline stages (bubbles), then less tensor parallelism (per-layer
+collectives), then less context parallelism (a key/value all-gather per layer), then less expert
+tensor parallelism, then the lower peak memory (the most headroom for longer responses or bigger
+micro-batches).
 """
 
 from __future__ import annotations
@@ -34,17 +37,21 @@ def trainer_ranks_for(cfg: ExperimentConfig, allocation: Allocation) -> int:
     return allocation.gpus - int(cfg.rollout.num_engines * cfg.cluster.gpus_per_engine) - evaluation
 
 
-def candidate_layouts(hf: HFModelConfig, ranks: int, gpus_per_node: int) -> list[ParallelConfig]:
+def candidate_layouts(hf: HFModelConfig, ranks: int, gpus_per_node: int, *, packed: bool = False
+                      ) -> list[ParallelConfig]:
+    """Every layout to try; ``packed``: with context parallelism too (it splits packed samples)."""
     layouts = []
     heads = (hf.num_attention_heads, hf.num_key_value_heads)
     for tp in (t for t in _divisors(gpus_per_node) if all(h % t == 0 for h in heads)):
         for pp in _divisors(hf.num_hidden_layers):
             if ranks % (tp * pp):
                 continue
-            for ep in _divisors(hf.num_experts) if hf.is_moe else [1]:
-                for etp in sorted({1, tp}) if ep > 1 else [tp]:
-                    if (ranks // pp) % (ep * etp) == 0:
-                        layouts.append(ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp))
+            sizes = [c for c in _divisors(ranks // (tp * pp)) if c & (c - 1) == 0] if packed else [1]
+            for cp in sizes:
+                for ep in _divisors(hf.num_experts) if hf.is_moe else [1]:
+                    for etp in sorted({1, tp}) if ep > 1 else [tp]:
+                        if (ranks // pp) % (ep * etp) == 0:
+                            layouts.append(ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp))
     return layouts
 
 
@@ -63,7 +70,8 @@ def sweep(cfg: ExperimentConfig, hf: HFModelConfig, allocation: Allocation) -> S
                                   gpus_per_node=allocation.gpus_per_node,
                                   gpu_memory_gb=allocation.gpu_memory_gb)
     plans, rejected = [], Counter()
-    for parallel in candidate_layouts(hf, ranks, allocation.gpus_per_node):
+    packed = bool(cfg.trainer.max_tokens_per_micro_batch)
+    for parallel in candidate_layouts(hf, ranks, allocation.gpus_per_node, packed=packed):
         plan = make_plan(dataclasses.replace(cfg, parallel=parallel, cluster=cluster), hf, allocation)
         if plan.fits:
             plans.append(plan)
@@ -72,5 +80,6 @@ def sweep(cfg: ExperimentConfig, hf: HFModelConfig, allocation: Allocation) -> S
         else:
             rejected.update({"memory per GPU exceeded (training or rollout)" if not plan.memory_ok
                              else "host memory per node exceeded (checkpoint save or load)": 1})
-    plans.sort(key=lambda pl: (pl.cfg.parallel.pp, pl.cfg.parallel.tp, pl.cfg.parallel.expert_tp, pl.train_peak))
+    plans.sort(key=lambda pl: (pl.cfg.parallel.pp, pl.cfg.parallel.tp, pl.cfg.parallel.cp, pl.cfg.parallel.expert_tp,
+                               pl.train_peak))
     return SweepResult(plans, dict(rejected.most_common()))

@@ -8,7 +8,7 @@ import torch
 from bpo_megatron.testing.models import tiny_moe
 
 
-def build_actor(hf=None, *, tp=1, pp=1, ep=1, etp=None, replay=False, recompute="none", lr=1e-3, loss="bpo",
+def build_actor(hf=None, *, tp=1, pp=1, ep=1, etp=None, cp=1, replay=False, recompute="none", lr=1e-3, loss="bpo",
                 micro_batch_size=2, grad_clip=1.0, temperature=1.0, weights=None, max_tokens_per_micro_batch=0,
                 params_dtype=None, logprob_kernel="auto", model_options=None):
     """A train actor of ``hf`` (an ``HFModelConfig``, a config dict or path; the tiny MoE by
@@ -24,7 +24,7 @@ def build_actor(hf=None, *, tp=1, pp=1, ep=1, etp=None, replay=False, recompute=
 
     return TrainerSpec(
         hf=tiny_moe() if hf is None else hf,
-        parallel=ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp),
+        parallel=ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp),
         model=ModelOptions(routing_replay=replay, recompute=recompute, params_dtype=params_dtype,
                            **(model_options or {})),
         loss=loss,

@@ -1,4 +1,4 @@
-"""The train actor: one per rank, a slice of the policy model under TP × EP × PP × DP.
+"""The train actor: one per rank, a slice of the policy model under TP × EP × PP × CP × DP.
 
 Plain Python (the orchestration layer wraps it in a Ray actor). Every rank of the trainer world
 calls the same methods: with the whole batch (each rank takes its data-parallel share itself), or,
@@ -62,6 +62,8 @@ class _Ranks:
     tp_size: int
     dp: int
     dp_size: int
+    cp: int
+    cp_size: int
     is_first_stage: bool
     is_last_stage: bool
 
@@ -78,6 +80,9 @@ class TrainActor:
         if model.routing_replay and not hf.num_experts:
             raise ValueError("model.routing_replay=true needs a Mixture-of-Experts model; this one is dense")
         parallel.validate_world(dist.get_world_size())
+        if parallel.cp > 1 and not trainer.max_tokens_per_micro_batch:
+            raise ValueError(f"parallel.cp={parallel.cp} splits packed samples: set trainer.max_tokens_per_micro_batch "
+                             "(packed micro-batches; under CP it counts one rank's positions)")
         parallel.validate_model(num_layers=hf.num_hidden_layers, num_experts=hf.num_experts,
                                 num_attention_heads=hf.num_attention_heads,
                                 num_query_groups=hf.num_key_value_heads)
@@ -97,6 +102,7 @@ class TrainActor:
         self.ranks = _Ranks(
             tp=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
             dp=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+            cp=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
             is_first_stage=ps.is_pipeline_first_stage(), is_last_stage=ps.is_pipeline_last_stage(),
         )
         self.model = build_gpt_model(hf, parallel, model)
@@ -132,8 +138,8 @@ class TrainActor:
     @property
     def returns_share_results(self) -> bool:
         """The one rank per data-parallel share whose :meth:`logprobs_of_share` results a driver
-        needs (last pipeline stage, TP rank 0; the other TP ranks hold the same)."""
-        return self.ranks.is_last_stage and self.ranks.tp == 0
+        needs (last pipeline stage, TP and CP rank 0; the other TP and CP ranks hold the same)."""
+        return self.ranks.is_last_stage and self.ranks.tp == 0 and self.ranks.cp == 0
 
     def compute_logprobs(self, samples: list[TrainSample], *, record_routing: bool = False
                          ) -> ScoredSamples | None:
@@ -211,6 +217,9 @@ class TrainActor:
         micro_batches, _ = self._micro_batches(share)
         # Megatron's schedule divides each micro-batch loss by their number and DDP divides the
         # gradients by the DP size; the losses here are already shares of the whole minibatch.
+        # Under context parallelism the schedule multiplies each loss by CP and DDP divides by
+        # DP × CP: every CP rank computes the whole loss from the gathered log-probs, and its
+        # backward reaches only this rank's positions (ContextSplit.gather), so the two cancel.
         scale = len(micro_batches) * self.ranks.dp_size
 
         centring = self.loss_cfg.score_centering
@@ -373,7 +382,7 @@ class TrainActor:
         return prepare_shares(samples, self.hf, dp_size=self.ranks.dp_size,
                               budget=self.trainer_cfg.max_tokens_per_micro_batch, cost=self.cost,
                               replaying=self.replay is not None and replaying,
-                              loss=self.loss_cfg if training else None)
+                              loss=self.loss_cfg if training else None, cp=self.ranks.cp_size)
 
     def _check_share(self, share: list[TrainSample], *, replaying: bool = True, training: bool = False) -> None:
         """A share comes from a driver that checked the whole batch: its routing ids are not read
@@ -395,8 +404,10 @@ class TrainActor:
         with_routing = with_routing and self.replay is not None
         if self.trainer_cfg.max_tokens_per_micro_batch:
             groups = packs_in_lockstep(samples, self.trainer_cfg.max_tokens_per_micro_batch, self.cost,
-                                       group=self._dp_group if self.ranks.dp_size > 1 else None)
-            return [pack([samples[i] for i in group], pad_to_multiple=pad, with_routing=with_routing)
+                                       group=self._dp_group if self.ranks.dp_size > 1 else None,
+                                       cp=self.ranks.cp_size)
+            return [pack([samples[i] for i in group], pad_to_multiple=pad, with_routing=with_routing,
+                         cp_size=self.ranks.cp_size, cp_rank=self.ranks.cp)
                     for group in groups], groups
         groups = chunk(list(range(len(samples))), self.trainer_cfg.micro_batch_size)
         return [collate([samples[i] for i in group], pad_to_multiple=pad, with_routing=with_routing)

@@ -103,15 +103,16 @@ def balanced_shares(costs: list[float], parts: int) -> list[list[int]]:
     return [sorted(share) for share in shares]
 
 
-def data_parallel_shares(samples: list[TrainSample], dp_size: int, *, budget: int, cost: CostModel
+def data_parallel_shares(samples: list[TrainSample], dp_size: int, *, budget: int, cost: CostModel, cp: int = 1
                          ) -> list[list[int]]:
     """Which samples (indices, ascending) each data-parallel rank takes. With a token ``budget``:
     equal counts balanced by ``cost`` (:func:`balanced_shares`); without (padded micro-batches):
     contiguous slices of nearly equal counts, as always. The driver and the actor's whole-batch
-    calls both use this, so both put results back in sample order alike."""
+    calls both use this, so both put results back in sample order alike. Under context parallelism
+    (``cp``) a sample costs each rank of its CP group its share of positions."""
     if not budget:
         return split(list(range(len(samples))), dp_size)
-    return balanced_shares([cost(input_positions(s)) for s in samples], dp_size)
+    return balanced_shares([cost(input_positions(s, cp)) for s in samples], dp_size)
 
 
 def in_sample_order(per_share: list[list[T]], shares: list[list[int]]) -> list[T]:
@@ -201,14 +202,16 @@ def micro_batch_bins(lengths: list[int], costs: list[float], budget: int, count:
 
 
 def packs_in_lockstep(samples: list[TrainSample], budget: int, cost: CostModel, *,
-                      group: dist.ProcessGroup | None) -> list[list[int]]:
+                      group: dist.ProcessGroup | None, cp: int = 1) -> list[list[int]]:
     """This rank's ``samples`` (indices) in micro-batches of at most ``budget`` input positions,
     as many as on every rank of the data-parallel ``group`` (None: this rank alone): pipeline
     schedules, MoE all-to-alls and DDP's gradient reduction run micro-batch by micro-batch in
     lockstep. One collective agrees on the count (the largest of the ranks' fewest), on every
     sample fitting the budget and on every rank holding enough samples: a rank never refuses
-    alone and leaves the others waiting."""
-    lengths = [input_positions(s) for s in samples]
+    alone and leaves the others waiting. Under context parallelism (``cp``) a sample takes each
+    rank of its CP group its share of positions (the ranks of a CP group hold the same samples and
+    pack them alike)."""
+    lengths = [input_positions(s, cp) for s in samples]
     costs = [cost(n) for n in lengths]
     fewest = fewest_micro_batches(lengths, costs, budget) if max(lengths) <= budget else 0
     # maxima over the ranks: the fewest micro-batches, the longest sample, and (negated) the fewest samples
@@ -217,7 +220,7 @@ def packs_in_lockstep(samples: list[TrainSample], budget: int, cost: CostModel, 
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     count, longest, least = int(agreed[0]), int(agreed[1]), -int(agreed[2])
     if longest > budget:
-        check_fits(samples, budget)  # the rank holding the sample names it
+        check_fits(samples, budget, cp)  # the rank holding the sample names it
         raise ValueError(f"a sample of {longest} input positions on another data-parallel rank exceeds "
                          f"{BUDGET_SETTING}={budget}: raise the budget to at least the longest sample")
     if count > least:

@@ -22,14 +22,16 @@ class Shares:
 
 
 def prepare_shares(samples: list[TrainSample], hf: HFModelConfig, *, dp_size: int, budget: int, cost: CostModel,
-                   replaying: bool, loss: PolicyLossConfig | None = None, routing_ids: bool = True) -> Shares:
+                   replaying: bool, loss: PolicyLossConfig | None = None, routing_ids: bool = True,
+                   cp: int = 1) -> Shares:
     """Refuse, before anything is sent or run, what any rank would refuse (:func:`check_batch`;
     with a token ``budget``, a sample that fits no micro-batch), then the shares
-    (:func:`~bpo_megatron.trainer.balance.data_parallel_shares`) and the batch's totals."""
+    (:func:`~bpo_megatron.trainer.balance.data_parallel_shares`) and the batch's totals. ``cp``: the
+    context-parallel size, whose ranks split each sample (the budget counts one rank's positions)."""
     check_batch(samples, hf, replaying=replaying, dp_size=dp_size, loss=loss, routing_ids=routing_ids)
     if budget:
-        check_fits(samples, budget)
-    return Shares(data_parallel_shares(samples, dp_size, budget=budget, cost=cost), minibatch_totals(samples))
+        check_fits(samples, budget, cp)
+    return Shares(data_parallel_shares(samples, dp_size, budget=budget, cost=cost, cp=cp), minibatch_totals(samples))
 
 
 def minibatch_totals(minibatch: list[TrainSample]) -> BatchTotals:
