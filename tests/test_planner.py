@@ -370,3 +370,24 @@ def test_an_unset_params_dtype_is_planned_as_the_allocations_ranks_build_it():
     assert plan.cfg.model.options.params_dtype is None and plan.precision.param_bytes == 2
     cpu = make_plan(_recipe("model.params_dtype=null"), hf, Allocation(nodes=1, gpus_per_node=0, gpu_memory_gb=80))
     assert cpu.precision.param_bytes == 4 and cpu.host is None
+
+
+def test_the_readmes_context_parallel_plans_are_what_plan_prints(capsys):
+    """Each line the README quotes under "Long samples" is a line of the command above it, as it
+    prints now (a plan that changes fails here until the README shows it)."""
+    from bpo_megatron.cli import main
+
+    block = (ROOT / "README.md").read_text().split("## Long samples: context parallelism")[1].split("```text\n")[1]
+    block = block.split("```")[0]
+    commands: list[tuple[list[str], list[str]]] = []
+    for line in block.splitlines():
+        if line.startswith("$ bpo-megatron "):
+            commands.append((line[len("$ bpo-megatron "):].split(), []))
+        else:
+            commands[-1][1].append(line)
+    assert len(commands) == 2 and all(quoted for _, quoted in commands)
+    for argv, quoted in commands:
+        main(argv)
+        printed = capsys.readouterr().out.splitlines()
+        for line in quoted:
+            assert line in printed, line
