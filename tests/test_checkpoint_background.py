@@ -202,7 +202,10 @@ def _a_background_write_fails(root: str) -> dict:
 def test_a_failed_background_write_raises_on_every_rank_and_publishes_nothing(tmp_path):
     root = tmp_path / "ckpt"
     for result in run_gloo_world(_a_background_write_fails, 2, str(root), timeout=TIMEOUT):
-        assert result["error"] is not None and "No space left on device" in result["error"], result
+        # megatron-core 0.16 passes the writer's error on; newer versions name only its class (the
+        # worker prints the rest), so the loop tells a full disk by its free space, not the text
+        assert result["error"] is not None and "the background save of step 2 failed" in result["error"], result
+        assert "No space left on device" in result["error"] or "OSError" in result["error"], result
         assert result["after_failure"] == {"in_flight": False, "latest": "step-00000001",
                                            "listing": [".partial-step-00000002", "latest", "step-00000001"]}
         assert result["latest"] == "step-00000003"

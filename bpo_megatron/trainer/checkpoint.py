@@ -33,6 +33,7 @@ gathered on DP rank 0 of each inner optimizer alone, and made compact before the
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import random
@@ -329,7 +330,7 @@ def save(root: str | Path, step: int, model: torch.nn.Module, optimizer, trainer
         partial.mkdir()
     dist.barrier()
     request = dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False)[0], str(partial),
-                                      async_sharded_save=background is not None)
+                                      async_sharded_save=background is not None, **_async_writer(dist_checkpointing.save))
     # the RNG and trainer state of this step, written now: the step saved is this one
     (partial / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), partial / "rng" / f"rank-{rank:05d}.pt")
@@ -370,6 +371,13 @@ def save(root: str | Path, step: int, model: torch.nn.Module, optimizer, trainer
     background.start(request, step)
     background.staged_s = time.perf_counter() - start
     return final
+
+
+def _async_writer(save: Callable) -> dict[str, str]:
+    """The background writer Megatron's ``save`` is asked for: its own (``"mcore"``, the only one
+    megatron-core 0.16 has). Newer versions take ``async_strategy`` and default it to ``"nvrx"``,
+    which needs nvidia-resiliency-ext (not a dependency of this package)."""
+    return {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(save).parameters else {}
 
 
 def _hashing_writer(write: Callable, directory: Path, rank: int) -> Callable:
