@@ -74,6 +74,14 @@ class HFModelConfig:
     topk_group: int = 1
     shared_expert_intermediate_size: int = 0  # an always-on SwiGLU beside the routed experts (0: none)
     first_k_dense_replace: int = 0  # GLM/DeepSeek: the first k layers are dense
+    # Multi-head latent attention (DeepSeek-V3): keys and values come from one compressed latent of
+    # kv_lora_rank dims per token (0: ordinary attention), queries from one of q_lora_rank dims (None: a
+    # plain projection); each head's query and key are qk_nope_head_dim dims without RoPE then head_dim
+    # (transformers' qk_rope_head_dim) rotated ones, its value v_head_dim dims.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
     # The parsed config.json as read (None when constructed directly). It travels with
     # checkpoints so they can be exported back to Hugging Face with every field the original had
     # (token ids, dtype, ...); it takes no part in equality, hashing or validation.
@@ -95,6 +103,7 @@ class HFModelConfig:
             raise _error(f"num_key_value_heads={self.num_key_value_heads} must divide "
                          f"num_attention_heads={self.num_attention_heads}")
         self._check_rotary()
+        self._check_latent_attention()
         if self.router_score not in ("softmax", "sigmoid"):
             raise _error(f"router scoring {self.router_score!r} must be 'softmax' or 'sigmoid'")
         if self.router_expert_bias and self.router_score != "sigmoid":
@@ -114,6 +123,35 @@ class HFModelConfig:
         if self.rotary_percent > 1 or rotary_dim % 2 or rotary_dim == 0:
             raise _error(f"partial_rotary_factor={self.rotary_percent!r} must be at most 1 and rotate an even, "
                          f"non-zero number of the head_dim={self.head_dim} dimensions (it rotates {rotary_dim})")
+
+    def _check_latent_attention(self) -> None:
+        if not isinstance(self.kv_lora_rank, int) or isinstance(self.kv_lora_rank, bool) or self.kv_lora_rank < 0:
+            raise _error(f"kv_lora_rank={self.kv_lora_rank!r} must be a non-negative integer")
+        if not self.kv_lora_rank:
+            for name in ("q_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+                if getattr(self, name) not in (None, 0):
+                    raise _error(f"{name}={getattr(self, name)!r} needs latent attention (kv_lora_rank > 0)")
+            return
+        for name in ("qk_nope_head_dim", "v_head_dim"):
+            _check_positive(name, getattr(self, name), integer=True)
+        if self.q_lora_rank is not None:
+            _check_positive("q_lora_rank", self.q_lora_rank, integer=True)
+
+    @property
+    def multi_latent_attention(self) -> bool:
+        """Whether attention is DeepSeek's multi-head latent attention (MLA)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def query_key_head_dim(self) -> int:
+        """The dims of one head's query and key: ``head_dim`` (for MLA the RoPE part, after the
+        ``qk_nope_head_dim`` without it)."""
+        return self.qk_nope_head_dim + self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        """The dims of one head's value (and of its attention output)."""
+        return self.v_head_dim if self.multi_latent_attention else self.head_dim
 
     @property
     def family(self) -> ModelFamily:

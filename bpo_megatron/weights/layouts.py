@@ -19,6 +19,12 @@ The layouts:
 * ``glu`` — ``linear_fc1`` holds gate and up projections stacked, ``[gate; up]``. TP splits
   *each* of them: rank t holds ``[gate_t; up_t]``, so the shards concatenated are not the TP=1
   tensor; each shard is split in half and the halves are concatenated separately.
+* ``column_parallel`` — one tensor whose output rows TP splits contiguously (MLA's up projections and
+  plain query projection: whole heads per rank).
+* ``latent_down`` — MLA's down projections to the compressed query and key/value latents: the local
+  spec's ``ColumnParallelLinear`` splits their rows over TP like ``column_parallel`` (and gathers the
+  output), transformer-engine's spec keeps them whole on every rank (``duplicated``); which one a
+  model has is read from the shard's shape.
 * ``vocab_rows`` — embedding and output layer: vocabulary rows split over TP, padded to a multiple
   of 128·TP; rows from ``vocab_size`` on are padding (dropped on export, zero on load).
 
@@ -145,6 +151,26 @@ class GroupInterleaved:
         return torch.cat(blocks, dim=1).reshape(-1, *hf_shapes[0][1:])  # 1-D for a bias
 
 
+class LatentDown(GroupInterleaved):
+    """Rows split over TP (the local spec) or the whole tensor on every rank (TE's spec), told
+    apart by the shards' shape."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda ctx, num_shards: num_shards)
+
+    def merge(self, shards: _Shards, hf_shapes: _Shapes, ctx: LayoutContext, *, copy: bool = True
+              ) -> list[torch.Tensor]:
+        if shards[0].shape == hf_shapes[0]:
+            return Replicated().merge(shards, hf_shapes, ctx, copy=copy)
+        return super().merge(shards, hf_shapes, ctx, copy=copy)
+
+    def read(self, source: TensorSource, names: _Names, hf_shapes: _Shapes, shard: int,
+             num_shards: int, local_shape: Shape, ctx: LayoutContext) -> torch.Tensor:
+        if tuple(local_shape) == tuple(hf_shapes[0]):
+            return Replicated().read(source, names, hf_shapes, shard, num_shards, local_shape, ctx)
+        return super().read(source, names, hf_shapes, shard, num_shards, local_shape, ctx)
+
+
 class VocabRows:
     splits = True
 
@@ -181,5 +207,7 @@ LAYOUTS: dict[str, Layout] = {
     "row_parallel": RowParallel(),
     "qkv": GroupInterleaved(lambda ctx, num_shards: ctx.num_query_groups),
     "glu": GroupInterleaved(lambda ctx, num_shards: num_shards),
+    "column_parallel": GroupInterleaved(lambda ctx, num_shards: num_shards),
+    "latent_down": LatentDown(),
     "vocab_rows": VocabRows(),
 }

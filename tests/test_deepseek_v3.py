@@ -1,0 +1,214 @@
+"""DeepSeek-V3 (``DeepseekV3ForCausalLM``: DeepSeek-V3/R1, Kimi-K2, Moonlight) against transformers' own model.
+
+The tiny random DeepSeek-V3 (``bpo_megatron/testing/configs/tiny_deepseek_v3``) has what the family
+adds: multi-head latent attention (a compressed query of ``q_lora_rank`` dims, and in a variant a
+plain query projection as Moonlight's; one compressed key/value latent; query/key heads of 32 + 16
+RoPE dims, value heads of 24), a dense first layer, a sigmoid router with a non-zero expert bias,
+group-limited top-4 of 8 experts (4 groups, the best 2 kept: the limit decides choices), a scale of
+2.5 and a shared expert. Conversion must give transformers' logits at fp32 and export every tensor
+back bit for bit, at TP=2 / EP=2 and PP=2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from test_convert import (
+    TIMEOUT,
+    _batch,
+    _check_export,
+    _check_megatron_logits,
+    _safetensors,
+)
+
+from bpo_megatron.convert import convert_hf_to_mcore
+from bpo_megatron.models import HFModelConfig, ModelOptions
+from bpo_megatron.parallel import ParallelConfig
+from bpo_megatron.testing import MODEL_CONFIGS
+from bpo_megatron.testing.models import random_checkpoint, write_config
+from bpo_megatron.weights import hf_tensor_shapes
+
+FIXTURE = MODEL_CONFIGS / "tiny_deepseek_v3" / "config.json"
+
+
+def deepseek_dict(**overrides: Any) -> dict[str, Any]:
+    raw = json.loads(FIXTURE.read_text())
+    raw.update(overrides)
+    return raw
+
+
+def _hf_model(directory: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def _save(raw: dict[str, Any], out: Path, seed: int) -> tuple[Path, torch.Tensor]:
+    """A random DeepSeek-V3 checkpoint of ``raw`` in ``out`` and transformers' logits on the fixed batch."""
+    random_checkpoint(write_config(raw, out) / "config.json", out, seed=seed)
+    (out / "tokenizer.json").write_text('{"version": "1.0"}')
+    with torch.no_grad():
+        return out, _hf_model(out)(_batch(raw["vocab_size"])).logits
+
+
+@pytest.fixture(scope="module")
+def deepseek_models(tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor]]:
+    return {"q_lora": _save(deepseek_dict(), tmp_path_factory.mktemp("ds_q_lora"), seed=31),
+            "plain_q": _save(deepseek_dict(q_lora_rank=None, num_hidden_layers=4),
+                              tmp_path_factory.mktemp("ds_plain_q"), seed=32)}
+
+
+# ------------------------------------------------------------------------------------ config
+def test_config_maps_onto_the_family_neutral_description() -> None:
+    hf = HFModelConfig.load(FIXTURE)
+    assert hf.architecture == "DeepseekV3ForCausalLM" and hf.moe_layers == (1, 2)
+    assert (hf.num_experts, hf.num_experts_per_tok, hf.n_group, hf.topk_group) == (8, 4, 4, 2)
+    assert hf.shared_expert_intermediate_size == 32 and hf.first_k_dense_replace == 1
+    assert (hf.router_score, hf.router_expert_bias, hf.routed_scaling_factor) == ("sigmoid", True, 2.5)
+    assert hf.multi_latent_attention and not hf.qk_norm and hf.rotary_percent == 1.0
+    assert (hf.q_lora_rank, hf.kv_lora_rank, hf.qk_nope_head_dim, hf.head_dim, hf.v_head_dim) == (32, 32, 32, 16, 24)
+    assert (hf.query_key_head_dim, hf.value_head_dim) == (48, 24)
+    assert HFModelConfig.load(deepseek_dict(q_lora_rank=None)).q_lora_rank is None
+    bare = HFModelConfig(**{f: getattr(hf, f) for f in hf.__dataclass_fields__ if f != "source"})
+    assert HFModelConfig.load(bare.to_hf_dict()) == hf
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"rope_interleave": False}, "rope_interleave"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 40.0}}, "rope_scaling"),
+    ({"scoring_func": "softmax"}, "scoring_func"),
+    ({"topk_method": "greedy"}, "topk_method"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"kv_lora_rank": 0}, "kv_lora_rank"),
+    ({"norm_topk_prob": False}, "norm_topk_prob"),
+    ({"n_group": 4, "topk_group": 1}, "num_experts_per_tok = 2 x topk_group"),
+], ids=["interleave", "yarn", "scoring", "topk_method", "bias", "no_latent", "norm_topk_prob", "group_ratio"])
+def test_configs_megatron_cannot_reproduce_are_refused(overrides: dict, field: str) -> None:
+    with pytest.raises(ValueError, match="config.json") as info:
+        HFModelConfig.load(deepseek_dict(**overrides))
+    assert field in str(info.value)
+    for name in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+        raw = deepseek_dict()
+        del raw[name]  # transformers' defaults are DeepSeek-V3's sizes, never this checkpoint's
+        with pytest.raises(ValueError, match=f"required field '{name}'"):
+            HFModelConfig.load(raw)
+
+
+def test_transformer_config_maps_latent_attention() -> None:
+    from bpo_megatron.models import transformer_config
+
+    config = transformer_config(HFModelConfig.load(FIXTURE), ParallelConfig(), ModelOptions(params_dtype="fp32"))
+    assert config.multi_latent_attention and config.qk_layernorm  # the latent norms
+    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_head_dim, config.qk_pos_emb_head_dim,
+            config.v_head_dim) == (32, 32, 32, 16, 24)
+    assert config.rope_type == "rope" and config.rotary_base == 10000.0
+    assert config.moe_layer_freq == [0, 1, 1] and config.moe_shared_expert_intermediate_size == 32
+    assert (config.moe_router_num_groups, config.moe_router_group_topk, config.moe_router_topk) == (4, 2, 4)
+    assert config.moe_router_enable_expert_bias and config.moe_router_bias_update_rate == 0.0
+    assert config.moe_router_topk_scaling_factor == 2.5
+    with pytest.raises(ValueError, match=r"parallel.tp=4 must divide the model's kv_lora_rank \+ qk_rope_head_dim"):
+        transformer_config(HFModelConfig.load(deepseek_dict(kv_lora_rank=34)), ParallelConfig(tp=4),
+                           ModelOptions(params_dtype="fp32"))
+
+
+# ---------------------------------------------------------------------- latent core attention
+def _reference_attention(query, key, value, bounds, scale):
+    """Plain autograd: causal softmax attention within each segment, ``[t, heads, d]`` in, ``[t, heads × v]`` out."""
+    outs = []
+    for start, end in zip(bounds, bounds[1:]):
+        q, k, v = (x[start:end].transpose(0, 1) for x in (query, key, value))  # [heads, n, d]
+        scores = (q @ k.transpose(1, 2)) * scale
+        causal = torch.ones(end - start, end - start, dtype=torch.bool).tril()
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        outs.append((probs @ v).transpose(0, 1).flatten(1))
+    return torch.cat(outs)
+
+
+def _latent_core_attention_results() -> dict:
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from bpo_megatron.models.latent_attention import LatentDotProductAttention, LatentFusedDotProductAttention
+    from bpo_megatron.parallel.state import initialize_parallel
+
+    initialize_parallel(ParallelConfig(), seed=0)
+    gen = torch.Generator().manual_seed(0)
+    heads, qk_dim, v_dim, scale = 4, 48, 24, 0.21
+    bounds = [0, 5, 6, 13, 16]
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7, max_seqlen_kv=7)
+    config = MLATransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=heads, kv_channels=qk_dim,
+                                  use_cpu_initialization=True, attention_dropout=0.0, q_lora_rank=None,
+                                  kv_lora_rank=32, qk_head_dim=32, qk_pos_emb_head_dim=16, v_head_dim=v_dim,
+                                  rope_type="rope")
+    query, key = (torch.randn(16, heads, qk_dim, generator=gen) for _ in range(2))
+    value = torch.randn(16, heads, v_dim, generator=gen)
+    upstream = torch.randn(16, heads * v_dim, generator=gen)
+    results = {}
+    for cls in (LatentDotProductAttention, LatentFusedDotProductAttention):
+        module = cls(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
+                     softmax_scale=scale, k_channels=qk_dim, v_channels=v_dim)
+        for case in ("padded", "packed"):
+            inputs = [t.clone().requires_grad_() for t in (query, key, value)]
+            if case == "packed":
+                out = module(*inputs, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=params)
+                out = out.squeeze(1)
+            else:  # one sample per batch column: the first 7 positions twice, [s, b, heads, d]
+                out = module(*(torch.stack([t[:7], t[:7]], dim=1) for t in inputs), None,
+                             attn_mask_type=AttnMaskType.causal)
+                out = out[:, 0] + out[:, 1]  # two copies of the one sample
+            (out * upstream[:out.shape[0]]).sum().backward()
+            results[(cls.__name__, case)] = (out.detach(), [t.grad for t in inputs])
+    return {"results": results, "inputs": (query, key, value, upstream), "bounds": bounds, "scale": scale}
+
+
+def test_latent_core_attention_equals_plain_autograd() -> None:
+    """MLA's core attention on the local spec, the reference and the fused one, padded and packed:
+    query/key heads of 48 dims, value heads of 24, a given softmax scale; outputs ``[.., heads × 24]`` and
+    the gradients of query, key and value equal plain autograd's causal attention per sample."""
+    from bpo_megatron.parallel.local_world import run_gloo_world
+
+    (got,) = run_gloo_world(_latent_core_attention_results, 1, timeout=TIMEOUT)
+    query, key, value, upstream = got["inputs"]
+    for (name, case), (out, grads) in got["results"].items():
+        bounds = got["bounds"] if case == "packed" else [0, 7]
+        inputs = [t[:bounds[-1]].clone().requires_grad_() for t in (query, key, value)]
+        want = _reference_attention(*inputs, bounds, got["scale"])
+        weight = 2 if case == "padded" else 1  # the padded case ran the sample twice
+        (want * weight * upstream[:want.shape[0]]).sum().backward()
+        torch.testing.assert_close(out, want * weight, rtol=1e-5, atol=1e-5, msg=f"{name} {case}")
+        for grad, ref in zip(grads, inputs, strict=True):
+            torch.testing.assert_close(grad[:bounds[-1]], ref.grad, rtol=1e-5, atol=1e-5, msg=f"{name} {case}")
+
+
+# -------------------------------------------------------------------------------- conversion
+@pytest.mark.parametrize("name", ["q_lora", "plain_q"])
+def test_expected_names_and_shapes_are_what_transformers_writes(deepseek_models, name: str) -> None:
+    directory, _ = deepseek_models[name]
+    written = {n: tuple(t.shape) for n, t in _safetensors(directory).items()}
+    assert hf_tensor_shapes(HFModelConfig.load(directory)) == written
+
+
+def test_tp2_ep2_round_trip_gives_transformers_logits(deepseek_models, tmp_path) -> None:
+    hf_dir, ref = deepseek_models["q_lora"]
+    layout = {"tp": 2, "ep": 2}
+    checkpoint = convert_hf_to_mcore(hf_dir, tmp_path / "ckpt", parallel=ParallelConfig(**layout),
+                                     progress=False, timeout=TIMEOUT)
+    _check_megatron_logits(checkpoint, layout, 2, ref)
+    _check_megatron_logits(checkpoint, {}, 1, ref)  # resharded on load
+    _check_export(checkpoint, tmp_path / "hf", hf_dir, ref, parallel=ParallelConfig(**layout))
+
+
+def test_pp2_tp2_round_trip_with_a_plain_query_projection(deepseek_models, tmp_path) -> None:
+    hf_dir, ref = deepseek_models["plain_q"]
+    checkpoint = convert_hf_to_mcore(hf_dir, tmp_path / "ckpt", parallel=ParallelConfig(pp=2),
+                                     progress=False, timeout=TIMEOUT)
+    _check_megatron_logits(checkpoint, {"pp": 2}, 2, ref)
+    _check_megatron_logits(checkpoint, {"tp": 2}, 2, ref)
+    _check_export(checkpoint, tmp_path / "hf", hf_dir, ref, parallel=ParallelConfig(pp=2))
