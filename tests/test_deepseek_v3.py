@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+from test_glm4_moe import _engine_samples, _r3_rank
+
 from test_convert import (
     TIMEOUT,
     _batch,
@@ -111,9 +113,6 @@ def test_transformer_config_maps_latent_attention() -> None:
     assert (config.moe_router_num_groups, config.moe_router_group_topk, config.moe_router_topk) == (4, 2, 4)
     assert config.moe_router_enable_expert_bias and config.moe_router_bias_update_rate == 0.0
     assert config.moe_router_topk_scaling_factor == 2.5
-    with pytest.raises(ValueError, match=r"parallel.tp=4 must divide the model's kv_lora_rank \+ qk_rope_head_dim"):
-        transformer_config(HFModelConfig.load(deepseek_dict(kv_lora_rank=34)), ParallelConfig(tp=4),
-                           ModelOptions(params_dtype="fp32"))
 
 
 # ---------------------------------------------------------------------- latent core attention
@@ -236,3 +235,74 @@ def test_multi_token_prediction_layers_are_ignored_on_import(deepseek_models, tm
                                      progress=False, timeout=TIMEOUT)
     _check_megatron_logits(checkpoint, {"ep": 2}, 2, ref)
     _check_export(checkpoint, tmp_path / "hf", hf_dir, ref, parallel=ParallelConfig(ep=2))
+
+
+# ------------------------------------------------------------------------- routing and R3
+def test_the_expert_bias_and_the_group_limit_change_which_experts_win(deepseek_models) -> None:
+    """The fixture routes so that both matter: without the bias, or without the group limit, the
+    router would choose differently for many tokens (a trainer that dropped either could not
+    reproduce the engine's choice); with both, each token's 4 experts lie in 2 of the 4 groups."""
+    model = _hf_model(deepseek_models["q_lora"][0])
+    tokens = _batch(model.config.vocab_size)
+    hidden = model.model.embed_tokens(tokens).view(-1, model.config.hidden_size)
+    changed = {"bias": 0.0, "groups": 0.0}
+    with torch.no_grad():
+        for layer in (1, 2):
+            gate = model.model.layers[layer].mlp.gate
+            chosen = gate(hidden)[2].sort(dim=-1).values
+            assert ((chosen // 2)[:, :, None] == (chosen // 2)[:, None, :]).sum(-1).min() >= 1
+            assert all(len(set(row.tolist())) <= 2 for row in chosen // 2)
+            bias = gate.e_score_correction_bias.clone()
+            gate.e_score_correction_bias.zero_()
+            unbiased = gate(hidden)[2].sort(dim=-1).values
+            gate.e_score_correction_bias.copy_(bias)
+            gate.n_group = gate.topk_group = 1
+            ungrouped = gate(hidden)[2].sort(dim=-1).values
+            gate.n_group, gate.topk_group = 4, 2
+            changed["bias"] = max(changed["bias"], (chosen != unbiased).any(-1).float().mean().item())
+            changed["groups"] = max(changed["groups"], (chosen != ungrouped).any(-1).float().mean().item())
+    assert min(changed.values()) > 0.2, changed
+
+
+@pytest.fixture(scope="module")
+def r3_reference(deepseek_models):
+    from bpo_megatron.parallel.local_world import run_gloo_world
+
+    hf_dir = deepseek_models["q_lora"][0]
+    samples = _engine_samples(hf_dir)
+    (result,) = run_gloo_world(_r3_rank, 1, str(hf_dir), samples, {}, timeout=TIMEOUT)
+    return hf_dir, samples, result
+
+
+def test_the_trainers_router_chooses_what_the_engine_captured(r3_reference) -> None:
+    """Teacher-forced, Megatron's group-limited sigmoid router with the converted expert bias picks
+    exactly the experts the embedded engine captured at every position of every MoE layer (100%);
+    the trainer's log π with the engine's routing replayed equals the engine's log μ."""
+    _, samples, got = r3_reference
+    positions = 0
+    for sample, routing in zip(samples, got["free_routing"], strict=True):
+        engine = sample.routed_experts.long().sort(dim=-1).values
+        assert torch.equal(routing.long().sort(dim=-1).values, engine)
+        positions += engine.shape[0]
+    assert positions == sum(s.tokens.numel() - 1 for s in samples)
+    for sample, logprobs in zip(samples, got["replayed"], strict=True):
+        torch.testing.assert_close(logprobs, sample.rollout_logprobs, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"ep": 2}, {"tp": 2, "ep": 2}], ids=["tp2", "ep2", "tp2_ep2"])
+def test_r3_training_at_tp2_and_ep2_equals_one_rank(r3_reference, layout: dict) -> None:
+    from bpo_megatron.parallel.local_world import run_gloo_world
+
+    hf_dir, samples, ref = r3_reference
+    results = [r for r in run_gloo_world(_r3_rank, 2, str(hf_dir), samples, layout, timeout=TIMEOUT) if r]
+    for got in results:
+        for name in ("loss", "grad_norm"):
+            assert abs(got["metrics"][name] - ref["metrics"][name]) <= 1e-5 * abs(ref["metrics"][name]), name
+        for key in ("replayed", "after"):
+            for a, b in zip(got[key], ref[key], strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        for a, b in zip(got["free_routing"], ref["free_routing"], strict=True):
+            assert torch.equal(a.long().sort(dim=-1).values, b.long().sort(dim=-1).values)
+        assert all(torch.equal(a, b) for a, b in zip(got["bias"], ref["bias"], strict=True))  # never trained
+    moved = max((a - b).abs().max().item() for a, b in zip(ref["after"], ref["replayed"]))
+    assert moved > 1e-3, "the step must change log π for the comparison to cover it"

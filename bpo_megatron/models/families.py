@@ -286,7 +286,7 @@ FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (
     # and samples the main model only, and transformers builds none either
     ModelFamily("deepseek_v3", "DeepseekV3ForCausalLM", moe=True, required=_SIGMOID_MOE_REQUIRED + _MLA_REQUIRED,
                 parse=_deepseek_v3_parse, check=_deepseek_v3_check, moe_layers=_sigmoid_moe_layers,
-                hf_fields=_deepseek_v3_fields, embedded_decode=False),
+                hf_fields=_deepseek_v3_fields),
 )}
 
 

@@ -114,7 +114,7 @@ def transformer_config(
         # Megatron's fused MLA RoPE takes YaRN only (HFModelConfig admits plain RoPE)
         apply_rope_fusion=te and not hf.multi_latent_attention,
         persist_layer_norm=False,
-        **_latent_attention_fields(hf, parallel),
+        **_latent_attention_fields(hf),
         **_recompute_fields(options),
         **_moe_fields(hf, options, te=te),
     )
@@ -126,15 +126,9 @@ def _qk_layernorm(hf: HFModelConfig) -> bool:
     return hf.qk_norm or hf.multi_latent_attention
 
 
-def _latent_attention_fields(hf: HFModelConfig, parallel: ParallelConfig) -> dict[str, object]:
+def _latent_attention_fields(hf: HFModelConfig) -> dict[str, object]:
     if not hf.multi_latent_attention:
         return {}
-    # the local spec's down projections are column-parallel: their output rows split over TP
-    for name, rows in (("q_lora_rank", hf.q_lora_rank or 0), ("kv_lora_rank + qk_rope_head_dim",
-                                                               hf.kv_lora_rank + hf.head_dim)):
-        if rows % parallel.tp:
-            raise ValueError(f"parallel.tp={parallel.tp} must divide the model's {name} ({rows}): Megatron's "
-                             "local latent attention splits that projection over tensor parallelism")
     return {
         "multi_latent_attention": True,
         "q_lora_rank": hf.q_lora_rank,
@@ -254,6 +248,8 @@ def layer_spec(hf: HFModelConfig, config: TransformerConfig, *, attention: CoreA
         # and keeps every score matrix; both replacements take packed rows
         spec.layer_specs = [_with_core_attention(layer, attention, latent=hf.multi_latent_attention)
                             for layer in spec.layer_specs]
+        if hf.multi_latent_attention:
+            spec.layer_specs = [_with_duplicated_latent_down_projections(layer) for layer in spec.layer_specs]
         if experts == "grouped":
             # SequentialMLP loops over the experts after a host sync; the same modules and
             # parameters run as two grouped GEMMs instead
@@ -346,6 +342,22 @@ def _with_core_attention(layer: ModuleSpec, attention: CoreAttention, *, latent:
     return replace(layer, submodules=replace(layer.submodules, self_attention=attention_spec))
 
 
+def _with_duplicated_latent_down_projections(layer: ModuleSpec) -> ModuleSpec:
+    """``layer`` with MLA's down projections (to the query and key/value latents) whole on every TP
+    rank, as transformer-engine's spec has them (``duplicated``), instead of the local spec's
+    column-parallel ones. Those gather their output over TP and leave the rotated key part whole on
+    every rank, whose gradient then holds only this rank's heads' share (Megatron-Core 0.16 sums it
+    over TP only on the duplicated path, where it is gathered from the sequence-parallel region).
+    Megatron's plain duplicated ``Linear`` (its weights' gradients summed over TP under sequence
+    parallelism, as TE's) is what ``MLASelfAttention`` takes besides the parallel ones."""
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    attention_spec = layer.submodules.self_attention
+    submodules = replace(attention_spec.submodules, linear_q_down_proj=Linear, linear_kv_down_proj=Linear)
+    return replace(layer, submodules=replace(layer.submodules,
+                                             self_attention=replace(attention_spec, submodules=submodules)))
+
+
 def _check_process_groups(parallel: ParallelConfig) -> None:
     """Megatron's process groups must have been set up for the same layout."""
     from megatron.core import parallel_state as ps
@@ -406,4 +418,7 @@ def build_gpt_model(
     for param in model.parameters():
         if param.dtype != options.torch_dtype:
             param.data = param.data.to(options.torch_dtype)
+    if hf.multi_latent_attention and not uses_transformer_engine() and platform.has_cuda():
+        # the local spec's duplicated down projections are torch Linears, made on the host
+        model.to(platform.device())
     return model

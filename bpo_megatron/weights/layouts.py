@@ -9,7 +9,8 @@ Each layout does two things:
 
 The layouts:
 
-* ``replicated`` — norms and the router: every TP rank holds the whole tensor, unchanged.
+* ``replicated`` — norms, the router and MLA's down projections to its latents: every TP rank holds
+  the whole tensor, unchanged.
 * ``row_parallel`` — attention output and MLP down projections: TP splits the input dimension
   (dim 1); the layout is the same as Hugging Face's.
 * ``qkv`` — Megatron fuses Q, K and V *per query group*: the rows are, for each of the
@@ -21,10 +22,6 @@ The layouts:
   tensor; each shard is split in half and the halves are concatenated separately.
 * ``column_parallel`` — one tensor whose output rows TP splits contiguously (MLA's up projections and
   plain query projection: whole heads per rank).
-* ``latent_down`` — MLA's down projections to the compressed query and key/value latents: the local
-  spec's ``ColumnParallelLinear`` splits their rows over TP like ``column_parallel`` (and gathers the
-  output), transformer-engine's spec keeps them whole on every rank (``duplicated``); which one a
-  model has is read from the shard's shape.
 * ``vocab_rows`` — embedding and output layer: vocabulary rows split over TP, padded to a multiple
   of 128·TP; rows from ``vocab_size`` on are padding (dropped on export, zero on load).
 
@@ -151,26 +148,6 @@ class GroupInterleaved:
         return torch.cat(blocks, dim=1).reshape(-1, *hf_shapes[0][1:])  # 1-D for a bias
 
 
-class LatentDown(GroupInterleaved):
-    """Rows split over TP (the local spec) or the whole tensor on every rank (TE's spec), told
-    apart by the shards' shape."""
-
-    def __init__(self) -> None:
-        super().__init__(lambda ctx, num_shards: num_shards)
-
-    def merge(self, shards: _Shards, hf_shapes: _Shapes, ctx: LayoutContext, *, copy: bool = True
-              ) -> list[torch.Tensor]:
-        if shards[0].shape == hf_shapes[0]:
-            return Replicated().merge(shards, hf_shapes, ctx, copy=copy)
-        return super().merge(shards, hf_shapes, ctx, copy=copy)
-
-    def read(self, source: TensorSource, names: _Names, hf_shapes: _Shapes, shard: int,
-             num_shards: int, local_shape: Shape, ctx: LayoutContext) -> torch.Tensor:
-        if tuple(local_shape) == tuple(hf_shapes[0]):
-            return Replicated().read(source, names, hf_shapes, shard, num_shards, local_shape, ctx)
-        return super().read(source, names, hf_shapes, shard, num_shards, local_shape, ctx)
-
-
 class VocabRows:
     splits = True
 
@@ -208,6 +185,5 @@ LAYOUTS: dict[str, Layout] = {
     "qkv": GroupInterleaved(lambda ctx, num_shards: ctx.num_query_groups),
     "glu": GroupInterleaved(lambda ctx, num_shards: num_shards),
     "column_parallel": GroupInterleaved(lambda ctx, num_shards: num_shards),
-    "latent_down": LatentDown(),
     "vocab_rows": VocabRows(),
 }
