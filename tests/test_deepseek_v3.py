@@ -306,3 +306,55 @@ def test_r3_training_at_tp2_and_ep2_equals_one_rank(r3_reference, layout: dict) 
         assert all(torch.equal(a, b) for a, b in zip(got["bias"], ref["bias"], strict=True))  # never trained
     moved = max((a - b).abs().max().item() for a, b in zip(ref["after"], ref["replayed"]))
     assert moved > 1e-3, "the step must change log π for the comparison to cover it"
+
+
+# ------------------------------------------------------------------------------- planner
+def _rank_parameter_count(config: str, layout: dict) -> int:
+    from bpo_megatron.models.qwen3 import build_gpt_model
+    from bpo_megatron.parallel.state import initialize_parallel
+
+    parallel = ParallelConfig(**layout)
+    initialize_parallel(parallel, seed=0)
+    model = build_gpt_model(HFModelConfig.load(config), parallel, ModelOptions(params_dtype="fp32"))
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": None}], ids=["q_lora", "plain_q"])
+def test_planner_counts_the_parameters_megatron_builds(overrides: dict, tmp_path) -> None:
+    """Per rank at TP=2 with EP=2: the planner's count of the latent attention (down projections whole on
+    every rank, up and output projections split by heads) is the built model's."""
+    from bpo_megatron.parallel.local_world import run_gloo_world
+    from bpo_megatron.planner.params import rank_parameters
+
+    write_config(deepseek_dict(**overrides), tmp_path)
+    hf = HFModelConfig.load(tmp_path)
+    layout = {"tp": 2, "ep": 2}
+    counts = run_gloo_world(_rank_parameter_count, 2, str(tmp_path), layout, timeout=TIMEOUT)
+    [stage] = rank_parameters(hf, ParallelConfig(**layout), ModelOptions(params_dtype="fp32"))
+    assert counts == [stage.total, stage.total]
+
+
+MOONLIGHT = Path(__file__).resolve().parents[1] / "configs" / "models" / "moonlight_16b_a3b" / "config.json"
+
+
+def test_moonlight_parameter_counts_and_kv_cache_are_transformers_and_the_latent_sizes() -> None:
+    """Moonlight-16B-A3B (the recipe's model): the planner's parameters are transformers' own count
+    (15.96 B, "16B"; 2.91 B active with the embeddings, "A3B"), and an engine's KV cache per token is the
+    latent and the shared rotated key of every layer, whole on every TP rank."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bpo_megatron.planner.params import rank_parameters
+    from bpo_megatron.planner.rollout import kv_bytes_per_token
+    from bpo_megatron.weights.names import parameter_counts
+
+    hf = HFModelConfig.load(MOONLIGHT)
+    assert (hf.q_lora_rank, hf.kv_lora_rank, hf.routed_scaling_factor, hf.n_group) == (None, 512, 2.446, 1)
+    total, active = parameter_counts(hf)
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(AutoConfig.for_model(**json.loads(MOONLIGHT.read_text())))
+    assert total == sum(p.numel() for p in reference.parameters()) == 15_960_108_544
+    assert active == 2_914_774_528
+    [whole] = rank_parameters(hf, ParallelConfig(), ModelOptions(params_dtype="bf16"))
+    assert whole.total == total
+    assert kv_bytes_per_token(hf, tp=1, dtype_bytes=2) == kv_bytes_per_token(hf, tp=4, dtype_bytes=2) \
+        == 27 * (512 + 64) * 2

@@ -12,9 +12,9 @@ padded or packed ``thd`` rows one segment at a time, with its checks) and
 :mod:`~bpo_megatron.models.fused_attention` (torch's fused kernels), sized by the value dims: the
 parents' computation never assumes the value head is as wide as the query's (a ``[.., s, k] @
 [.., k, s]`` score, a ``[.., s, s] @ [.., s, v]`` output), except the output width the reference
-derives from ``kv_channels`` and FlashAttention's varlen kernel, which wants one head size: there
-the values are zero-padded to the query's width and the padding cut from the output (the same
-numbers: padded columns only ever meet zeros). Context parallelism is refused (the model
+derives from ``kv_channels`` and the fused kernels, which want one head size: for those the values
+are zero-padded to the query's width and the padding cut from the output (the same numbers: padded
+columns only ever meet zeros). Context parallelism is refused (the model
 configuration names ``parallel.cp``) before these are built.
 """
 
@@ -65,8 +65,10 @@ class LatentFusedDotProductAttention(FusedDotProductAttention):
                 attention_mask: torch.Tensor | None, attn_mask_type=None, attention_bias: torch.Tensor | None = None,
                 packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
         width = value.shape[-1]
-        if packed_seq_params is not None and width < query.shape[-1]:
-            # FlashAttention's varlen kernel takes one head size for queries, keys and values
+        if width < query.shape[-1]:
+            # the fused kernels (FlashAttention's, varlen or not, on CUDA; torch's flash kernel on a
+            # CPU) take one head size for queries, keys and values; SDPA would otherwise fall back to
+            # its math path, which keeps every [s, s] probability matrix
             value = F.pad(value, (0, query.shape[-1] - width))
         out = super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                               attention_bias=attention_bias, packed_seq_params=packed_seq_params)

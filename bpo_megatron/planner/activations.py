@@ -55,6 +55,16 @@ MoE MLP     (b·h + 4E + 20k) / tp      the router's input, the fp32 probabiliti
             + b·5·S / tp               a shared expert of width S (GLM-4.5): a dense MLP whose
                                        input is the router's
 
+latent      (2h·b + 2·norm(h)          multi-head latent attention (DeepSeek-V3) instead of the
+attention    + b·h + b·r               attention above: the layer norms; the down projections' input
+             + 2b·c + norm(c)          and the shared key part RoPE rotates (r dims); the key/value
+             + 2b·c_q + norm(c_q)      latent (c = kv_lora_rank) and, with a compressed query, the
+             + heads·(4b·k + b·v + 4)) query latent (c_q), each as its norm's input and output; per
+              / tp                     head of query/key width k = nope + r and value width v: the
+            + 4·b·r                    query, the key, the value zero-padded to k, the padded output
+                                       (and its fp32 log-sum-exp), the output cut to v; RoPE's cos
+                                       and sin as above
+
 The tiny GLM-4.5 shape (no QK-norm, Q/K/V biases, RoPE over half of each head, a shared expert,
 sigmoid routing with a bias and a scale, the first layer dense) is measured as well.
 
@@ -123,6 +133,8 @@ def attention_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, act_b
                               ) -> float:
     """The attention half of a layer (with both layer norms), per token on one rank (module
     docstring)."""
+    if hf.multi_latent_attention:
+        return latent_attention_bytes_per_token(hf, parallel, act_bytes, gpu=gpu)
     h, d, tp, b = hf.hidden_size, hf.head_dim, parallel.tp, act_bytes
     q, kv = hf.num_attention_heads, hf.num_key_value_heads
     norms = 2 * (b * h + norm_kept_bytes(h, b, gpu=gpu))
@@ -131,6 +143,27 @@ def attention_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, act_b
     flash = b * (q + kv) * d + b * q * d + FP32 * q
     rope = 4 * b * int(d * hf.rotary_percent)
     return (norms + qkv + qk_norms + flash) / tp + rope
+
+
+def latent_attention_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, act_bytes: int, *,
+                                     gpu: bool = True) -> float:
+    """Multi-head latent attention (with both layer norms), per token on one rank (module docstring)."""
+    h, tp, b, r = hf.hidden_size, parallel.tp, act_bytes, hf.head_dim
+    heads, qk, v = hf.num_attention_heads, hf.query_key_head_dim, hf.value_head_dim
+    norms = 2 * (b * h + norm_kept_bytes(h, b, gpu=gpu))
+    # the down projections' shared input (a sequence shard); each latent's norm input and what the
+    # norm keeps, and its output, the up projection's input; the shared key part RoPE rotates (split
+    # off the key/value latent's projection, saved as that sequence shard)
+    latents = b * h + b * hf.kv_lora_rank + norm_kept_bytes(hf.kv_lora_rank, b, gpu=gpu) + b * hf.kv_lora_rank \
+        + b * r
+    if hf.q_lora_rank is not None:
+        latents += 2 * b * hf.q_lora_rank + norm_kept_bytes(hf.q_lora_rank, b, gpu=gpu)
+    # per head: the query and key assembled from their parts, the value zero-padded to their width
+    # (the fused kernels take one head size), the padded attention output and its fp32
+    # log-sum-exp, the output cut to the value's width (the output projection's input)
+    heads_kept = heads * (4 * b * qk + b * v + FP32)
+    rope = 4 * b * r  # RoPE's cos and sin of the query's and the key's call, every TP rank the whole sequence
+    return (norms + latents + heads_kept) / tp + rope
 
 
 def mlp_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, layer: int, act_bytes: int) -> float:
