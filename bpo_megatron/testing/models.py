@@ -12,7 +12,9 @@ import torch
 
 # Tiny configs: ``tiny_qwen3_moe`` (2 MoE layers, top-2 of 4 experts), ``tiny_qwen3`` (dense) and
 # ``tiny_glm4_moe`` (GLM-4.5: a dense first layer, then 2 MoE layers of top-2 of 8 experts + a shared
-# expert, sigmoid routing with an expert bias, Q/K/V biases, QK-norm, RoPE on half of each head)
+# expert, sigmoid routing with an expert bias, Q/K/V biases, QK-norm, RoPE on half of each head) and
+# ``tiny_deepseek_v3`` (DeepSeek-V3: latent attention, a dense first layer, then 2 MoE layers of
+# group-limited top-4 of 8 experts + a shared expert, sigmoid routing with an expert bias)
 MODEL_CONFIGS = Path(__file__).resolve().parent / "configs"
 TINY_MOE = MODEL_CONFIGS / "tiny_qwen3_moe" / "config.json"
 
