@@ -416,3 +416,18 @@ def test_packed_micro_batches_train_as_padded_ones(r3_reference, layout: dict) -
         for key in ("replayed", "after"):
             for a, b in zip(got[key], ref[key], strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_sglangs_routing_rows_become_the_routing_the_trainer_replays(r3_reference) -> None:
+    """SGLang's response format (int32 rows over every layer, zeros for the dense first layer) of the
+    engine's captured routing decodes to exactly the MoE-layer routing the R3 tests replay."""
+    from bpo_megatron.models.routing import RoutingLayout
+
+    hf_dir, samples, _ = r3_reference
+    layout = RoutingLayout.of(HFModelConfig.load(hf_dir))
+    assert (layout.moe_layers, layout.num_hidden_layers, layout.topk, layout.num_experts) == ((1, 2), 3, 4, 8)
+    for sample in samples:
+        rows = torch.zeros(sample.routed_experts.shape[0], 3, 4, dtype=torch.int32)
+        rows[:, 1:] = sample.routed_experts.to(torch.int32)
+        decoded = layout.decode_int32(rows.numpy().astype("<i4").tobytes())
+        assert torch.equal(decoded.long(), sample.routed_experts.long())
