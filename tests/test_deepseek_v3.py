@@ -36,6 +36,10 @@ from bpo_megatron.testing.models import random_checkpoint, write_config
 from bpo_megatron.weights import hf_tensor_shapes
 
 FIXTURE = MODEL_CONFIGS / "tiny_deepseek_v3" / "config.json"
+# YaRN as DeepSeek-V3 configures it, at the tiny model's scale; mscale ≠ mscale_all_dim so that both
+# the factor on cos and sin and the softmax scale's mscale² differ from 1
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 0.8}
 
 
 def deepseek_dict(**overrides: Any) -> dict[str, Any]:
@@ -62,7 +66,8 @@ def _save(raw: dict[str, Any], out: Path, seed: int) -> tuple[Path, torch.Tensor
 def deepseek_models(tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor]]:
     return {"q_lora": _save(deepseek_dict(), tmp_path_factory.mktemp("ds_q_lora"), seed=31),
             "plain_q": _save(deepseek_dict(q_lora_rank=None, num_hidden_layers=4),
-                              tmp_path_factory.mktemp("ds_plain_q"), seed=32)}
+                              tmp_path_factory.mktemp("ds_plain_q"), seed=32),
+            "yarn": _save(deepseek_dict(rope_scaling=YARN), tmp_path_factory.mktemp("ds_yarn"), seed=33)}
 
 
 # ------------------------------------------------------------------------------------ config
@@ -82,14 +87,19 @@ def test_config_maps_onto_the_family_neutral_description() -> None:
 
 @pytest.mark.parametrize("overrides, field", [
     ({"rope_interleave": False}, "rope_interleave"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 40.0}}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, "rope_scaling"),
+    ({"rope_scaling": {**YARN, "attention_factor": 1.2}}, "attention_factor"),
+    ({"rope_scaling": {**YARN, "mscale": None}}, "mscale_all_dim"),
+    ({"rope_scaling": {**YARN, "truncate": False}}, "truncate"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "original_max_position_embeddings"),
     ({"scoring_func": "softmax"}, "scoring_func"),
     ({"topk_method": "greedy"}, "topk_method"),
     ({"attention_bias": True}, "attention_bias"),
     ({"kv_lora_rank": 0}, "kv_lora_rank"),
     ({"norm_topk_prob": False}, "norm_topk_prob"),
     ({"n_group": 4, "topk_group": 1}, "num_experts_per_tok = 2 x topk_group"),
-], ids=["interleave", "yarn", "scoring", "topk_method", "bias", "no_latent", "norm_topk_prob", "group_ratio"])
+], ids=["interleave", "linear_rope", "yarn_attention_factor", "yarn_mscale", "yarn_truncate", "yarn_original",
+        "scoring", "topk_method", "bias", "no_latent", "norm_topk_prob", "group_ratio"])
 def test_configs_megatron_cannot_reproduce_are_refused(overrides: dict, field: str) -> None:
     with pytest.raises(ValueError, match="config.json") as info:
         HFModelConfig.load(deepseek_dict(**overrides))
@@ -187,7 +197,7 @@ def test_latent_core_attention_equals_plain_autograd() -> None:
 
 
 # -------------------------------------------------------------------------------- conversion
-@pytest.mark.parametrize("name", ["q_lora", "plain_q"])
+@pytest.mark.parametrize("name", ["q_lora", "plain_q", "yarn"])
 def test_expected_names_and_shapes_are_what_transformers_writes(deepseek_models, name: str) -> None:
     directory, _ = deepseek_models[name]
     written = {n: tuple(t.shape) for n, t in _safetensors(directory).items()}
@@ -431,3 +441,54 @@ def test_sglangs_routing_rows_become_the_routing_the_trainer_replays(r3_referenc
         rows[:, 1:] = sample.routed_experts.to(torch.int32)
         decoded = layout.decode_int32(rows.numpy().astype("<i4").tobytes())
         assert torch.equal(decoded.long(), sample.routed_experts.long())
+
+
+
+# -------------------------------------------------------------------------------- YaRN RoPE
+def test_yarn_maps_onto_megatrons_yarn() -> None:
+    from bpo_megatron.models import transformer_config
+    from bpo_megatron.models.hf_config import YarnScaling
+
+    hf = HFModelConfig.load(deepseek_dict(rope_scaling=YARN))
+    assert hf.yarn == YarnScaling(factor=4.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=0.8)
+    # transformers 5's spelling, and mscale without mscale_all_dim (the factor alone scales cos and sin)
+    spelled_5 = deepseek_dict(rope_scaling=None, rope_parameters={**YARN, "rope_type": "yarn", "rope_theta": 10000.0})
+    del spelled_5["rope_theta"]
+    assert HFModelConfig.load(spelled_5).yarn == hf.yarn
+    assert HFModelConfig.load(deepseek_dict(rope_scaling={**YARN, "mscale_all_dim": 0})).yarn.mscale_all_dim == 0.0
+    bare = HFModelConfig(**{f: getattr(hf, f) for f in hf.__dataclass_fields__ if f != "source"})
+    assert HFModelConfig.load(bare.to_hf_dict()) == hf
+    config = transformer_config(hf, ParallelConfig(), ModelOptions(params_dtype="fp32"))
+    assert (config.rope_type, config.rotary_scaling_factor, config.original_max_position_embeddings) == ("yarn", 4.0, 32)
+    assert (config.mscale, config.mscale_all_dim, config.beta_fast, config.beta_slow) == (1.0, 0.8, 32.0, 1.0)
+    with pytest.raises(ValueError, match="rope_scaling=.* is not supported for glm4_moe"):
+        from test_glm4_moe import glm_dict
+        HFModelConfig.load(glm_dict(rope_scaling=YARN))
+
+
+def test_yarn_conversion_gives_transformers_logits(deepseek_models, tmp_path) -> None:
+    hf_dir, ref = deepseek_models["yarn"]
+    checkpoint = convert_hf_to_mcore(hf_dir, tmp_path / "ckpt", parallel=ParallelConfig(tp=2),
+                                     progress=False, timeout=TIMEOUT)
+    _check_megatron_logits(checkpoint, {"tp": 2}, 2, ref)
+    _check_export(checkpoint, tmp_path / "hf", hf_dir, ref, parallel=ParallelConfig(tp=2))
+
+
+def test_yarn_engine_and_trainer_agree(deepseek_models) -> None:
+    """With YaRN, the embedded engine's log μ and routing are a teacher-forced transformers pass's, and
+    the trainer's router picks the captured experts with log π equal to log μ."""
+    from bpo_megatron.parallel.local_world import run_gloo_world
+    from bpo_megatron.testing.recompute import teacher_forced
+
+    hf_dir = deepseek_models["yarn"][0]
+    samples = _engine_samples(hf_dir)
+    model = _hf_model(hf_dir)
+    for sample in samples:
+        logprobs, routing = teacher_forced(model, sample.tokens, temperature=1.0)
+        want = logprobs[sample.response_start - 1:].gather(1, sample.tokens[sample.response_start:, None])[:, 0]
+        torch.testing.assert_close(sample.rollout_logprobs, want, rtol=0, atol=2e-5)
+        assert torch.equal(sample.routed_experts.long(), routing.long())
+    (got,) = run_gloo_world(_r3_rank, 1, str(hf_dir), samples, {}, timeout=TIMEOUT)
+    for sample, routing, logprobs in zip(samples, got["free_routing"], got["replayed"], strict=True):
+        assert torch.equal(routing.long().sort(dim=-1).values, sample.routed_experts.long().sort(dim=-1).values)
+        torch.testing.assert_close(logprobs, sample.rollout_logprobs, rtol=0, atol=2e-5)

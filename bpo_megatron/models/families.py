@@ -36,6 +36,8 @@ class ModelFamily:
     config.json fields for :meth:`HFModelConfig.to_hf_dict`. ``rotary_default`` is the
     ``partial_rotary_factor`` transformers assumes when config.json does not give one.
     ``embedded_decode``: whether the embedded engine's functional decode step reproduces it.
+    ``rope_scalings``: the ``rope_type``\ s besides plain RoPE it takes (Megatron's latent attention
+    computes YaRN as transformers does).
     """
 
     model_type: str
@@ -48,6 +50,7 @@ class ModelFamily:
     hf_fields: Callable[[HFModelConfig], dict[str, Any]]
     rotary_default: float = 1.0
     embedded_decode: bool = True
+    rope_scalings: tuple[str, ...] = ()  # RoPE scalings (rope_type) the family's Megatron counterpart reproduces
 
 
 def _nonnegative_number(name: str, value: Any) -> None:
@@ -286,7 +289,7 @@ FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (
     # and samples the main model only, and transformers builds none either
     ModelFamily("deepseek_v3", "DeepseekV3ForCausalLM", moe=True, required=_SIGMOID_MOE_REQUIRED + _MLA_REQUIRED,
                 parse=_deepseek_v3_parse, check=_deepseek_v3_check, moe_layers=_sigmoid_moe_layers,
-                hf_fields=_deepseek_v3_fields),
+                hf_fields=_deepseek_v3_fields, rope_scalings=("yarn",)),
 )}
 
 

@@ -136,13 +136,15 @@ def _latent_attention_fields(hf: HFModelConfig) -> dict[str, object]:
         "qk_head_dim": hf.qk_nope_head_dim,
         "qk_pos_emb_head_dim": hf.head_dim,
         "v_head_dim": hf.v_head_dim,
-        # plain RoPE on the rotated dims, interleaved pairs as transformers' rope_interleave=True;
-        # a scaling factor of 1 leaves the softmax scale at 1/sqrt(query-key head dims)
-        "rope_type": "rope",
+        # RoPE on the rotated dims, interleaved pairs as transformers' rope_interleave=True: plain
+        # (a scaling factor of 1 leaves the softmax scale at 1/sqrt(query-key head dims)) or YaRN
         "rotary_base": hf.rope_theta,
-        "rotary_scaling_factor": 1.0,
-        "mscale": 1.0,
-        "mscale_all_dim": 0.0,
+        **({"rope_type": "rope", "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+           if hf.yarn is None else
+           {"rope_type": "yarn", "rotary_scaling_factor": float(hf.yarn.factor),
+            "original_max_position_embeddings": hf.yarn.original_max_position_embeddings,
+            "beta_fast": float(hf.yarn.beta_fast), "beta_slow": float(hf.yarn.beta_slow),
+            "mscale": hf.yarn.mscale, "mscale_all_dim": hf.yarn.mscale_all_dim}),
     }
 
 
