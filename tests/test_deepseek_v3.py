@@ -22,6 +22,7 @@ from test_glm4_moe import _engine_samples, _r3_rank
 
 from test_convert import (
     TIMEOUT,
+    _live_export,
     _batch,
     _check_export,
     _check_megatron_logits,
@@ -492,3 +493,40 @@ def test_yarn_engine_and_trainer_agree(deepseek_models) -> None:
     for sample, routing, logprobs in zip(samples, got["free_routing"], got["replayed"], strict=True):
         assert torch.equal(routing.long().sort(dim=-1).values, sample.routed_experts.long().sort(dim=-1).values)
         torch.testing.assert_close(logprobs, sample.rollout_logprobs, rtol=0, atol=2e-5)
+
+
+def test_engine_weight_updates_by_on_disk_names_reach_every_weight(deepseek_models, tmp_path) -> None:
+    """What a weight sync sends (the on-disk names: the latent attention's projections and norms,
+    per-expert tensors, the shared expert, the router's expert bias) lands in the live DeepSeek-V3 engine,
+    which then samples exactly as an engine started from those weights."""
+    from safetensors.torch import load_file
+
+    from bpo_megatron.rollout import GenerationRequest, SamplingParams
+    from bpo_megatron.rollout.hf.engine import HFEngine
+
+    other, _ = _save(deepseek_dict(), tmp_path / "other", seed=34)
+    new = load_file(other / "model.safetensors")
+    assert "model.layers.0.self_attn.kv_b_proj.weight" in new
+    engine = HFEngine(deepseek_models["q_lora"][0], capture_routing=True)
+    assert engine.update_weights(iter(new.items())) == sum(t.numel() * t.element_size() for t in new.values())
+    live = dict(engine.named_hf_weights())
+    assert sorted(live) == sorted(new) and all(torch.equal(live[name], tensor) for name, tensor in new.items())
+    requests = [GenerationRequest("q", (5, 9, 13), SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=1))]
+    fresh = HFEngine(other, capture_routing=True)
+    for a, b in zip(engine.generate(requests), fresh.generate(requests), strict=True):
+        assert torch.equal(a.response_tokens, b.response_tokens) and torch.equal(a.routed_experts, b.routed_experts)
+
+
+
+def test_weight_sync_streams_every_hf_tensor_from_a_tp2_ep2_trainer(deepseek_models) -> None:
+    """The trainer's weight export (what a weight sync sends) at TP=2 with EP=2 yields every on-disk
+    tensor of the checkpoint once, bit for bit, on every rank (the latent projections whole: the down
+    projections from any rank, the up and output projections gathered over TP)."""
+    from bpo_megatron.parallel.local_world import run_gloo_world
+
+    hf_dir, _ = deepseek_models["q_lora"]
+    ranks = run_gloo_world(_live_export, 2, str(hf_dir), {"tp": 2, "ep": 2}, True, timeout=TIMEOUT)
+    original = _safetensors(hf_dir)
+    for rank in ranks:
+        assert sorted(rank["names"]) == sorted(original)
+        assert all(torch.equal(tensor, original[name]) for name, tensor in rank["tensors"].items())
