@@ -46,6 +46,7 @@ CASES = {
     "glm_top2_tp2_sp": (GLM, 2, "none", "glm4_moe"),
     "deepseek_top4_tp2_sp": (DEEPSEEK, 2, "none", "deepseek_v3"),
     "deepseek_plain_query": (dict(DEEPSEEK, q_lora_rank=None, qk_rope_head_dim=8), 1, "none", "deepseek_v3"),
+    "deepseek_top4_tp2_sp_recompute": (DEEPSEEK, 2, "full", "deepseek_v3"),
 }
 TIMEOUT = 240
 

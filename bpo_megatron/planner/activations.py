@@ -83,7 +83,8 @@ mask of the vocab-parallel embedding under TP, 1 byte), the last stage's final n
 (``b·h + norm(h)``) and output layer's input (``b·h``), both ``/ tp``.
 
 Recompute ``full`` (one layer per checkpoint) keeps only each layer's input, ``b·h / tp`` per
-token, and the rotary angles ``[T, 1, 1, d]`` in fp32 once for all checkpoints, and rebuilds one
+token, and the rotary angles ``[T, 1, 1, d]`` in fp32 once for all checkpoints (latent attention
+computes its own inside each layer: none), and rebuilds one
 layer at a time in backward, so one layer's full set (with its stacked expert weights) is added
 once. The MoE dispatch adds the dispatched and the combined rows, ``2 · b · k · h / tp`` per
 token, live for one layer at a time (not kept for backward, so not measured).
@@ -216,7 +217,7 @@ def ends_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, act_bytes:
         kept += INT64 + (1 if tp > 1 else 0)
     if last:
         kept += (2 * b * h + norm_kept_bytes(h, b, gpu=gpu)) / tp
-    if recompute == "full":
+    if recompute == "full" and not hf.multi_latent_attention:  # latent attention makes its own angles per layer
         kept += FP32 * int(hf.head_dim * hf.rotary_percent)
     return kept
 
