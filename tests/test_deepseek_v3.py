@@ -300,8 +300,10 @@ def test_the_trainers_router_chooses_what_the_engine_captured(r3_reference) -> N
         torch.testing.assert_close(logprobs, sample.rollout_logprobs, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("layout", [{"tp": 2}, {"ep": 2}, {"tp": 2, "ep": 2}], ids=["tp2", "ep2", "tp2_ep2"])
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"ep": 2}, {"tp": 2, "ep": 2}, {"tp": 2, "ep": 2, "recompute": "full"}],
+                         ids=["tp2", "ep2", "tp2_ep2", "tp2_ep2_recompute"])
 def test_r3_training_at_tp2_and_ep2_equals_one_rank(r3_reference, layout: dict) -> None:
+    """Also under full recompute (the recipe's), where the replayed routing is used again in backward."""
     from bpo_megatron.parallel.local_world import run_gloo_world
 
     hf_dir, samples, ref = r3_reference
