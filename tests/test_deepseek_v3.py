@@ -532,3 +532,12 @@ def test_weight_sync_streams_every_hf_tensor_from_a_tp2_ep2_trainer(deepseek_mod
     for rank in ranks:
         assert sorted(rank["names"]) == sorted(original)
         assert all(torch.equal(tensor, original[name]) for name, tensor in rank["tensors"].items())
+
+
+
+def test_an_fp8_engine_is_refused_for_latent_attention(tmp_path, capsys) -> None:
+    from bpo_megatron.cli import main
+
+    code = main(["train", str(MOONLIGHT_RECIPE), "rollout.sglang.quantization=fp8", "--check"])
+    assert code != 0
+    assert "rollout.sglang.quantization=fp8 is not supported for DeepseekV3ForCausalLM" in capsys.readouterr().err
