@@ -541,3 +541,14 @@ def test_an_fp8_engine_is_refused_for_latent_attention(tmp_path, capsys) -> None
     code = main(["train", str(MOONLIGHT_RECIPE), "rollout.sglang.quantization=fp8", "--check"])
     assert code != 0
     assert "rollout.sglang.quantization=fp8 is not supported for DeepseekV3ForCausalLM" in capsys.readouterr().err
+
+
+def test_the_balancers_cost_counts_latent_attentions_products_per_query_key_pair() -> None:
+    """The scores take the query/key head dims (32 + 16), the weighted values the value head dims (24): per
+    query-key pair 4 heads · 72 products per layer, against the active matrix weights per token."""
+    from bpo_megatron.trainer.balance import CostModel
+    from bpo_megatron.weights.names import parameter_counts
+
+    hf = HFModelConfig.load(FIXTURE)
+    _, active = parameter_counts(hf)
+    assert CostModel.of(hf).attention_span == pytest.approx((active - 200 * 64) / (4 * (48 + 24) * 3), rel=1e-12)
