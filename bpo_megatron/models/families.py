@@ -36,8 +36,8 @@ class ModelFamily:
     config.json fields for :meth:`HFModelConfig.to_hf_dict`. ``rotary_default`` is the
     ``partial_rotary_factor`` transformers assumes when config.json does not give one.
     ``embedded_decode``: whether the embedded engine's functional decode step reproduces it.
-    ``rope_scalings``: the ``rope_type``\ s besides plain RoPE it takes (Megatron's latent attention
-    computes YaRN as transformers does).
+    ``rope_scalings``: the ``rope_type`` values besides plain RoPE it takes (Megatron's latent
+    attention computes YaRN as transformers does).
     """
 
     model_type: str

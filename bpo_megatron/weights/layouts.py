@@ -25,10 +25,10 @@ The layouts:
 * ``vocab_rows`` — embedding and output layer: vocabulary rows split over TP, padded to a multiple
   of 128·TP; rows from ``vocab_size`` on are padding (dropped on export, zero on load).
 
-``qkv`` and ``glu`` are one rule, :class:`GroupInterleaved`: the Megatron tensor is a sequence of
-groups, each holding a block of rows of every HF tensor in turn, and TP gives each rank a
-contiguous run of groups. For ``qkv`` the groups are the query groups; for ``glu`` there is one
-group per TP rank.
+``qkv``, ``glu`` and ``column_parallel`` are one rule, :class:`GroupInterleaved`: the Megatron
+tensor is a sequence of groups, each holding a block of rows of every HF tensor in turn, and TP
+gives each rank a contiguous run of groups. For ``qkv`` the groups are the query groups; for
+``glu`` and ``column_parallel`` (one HF tensor) there is one group per TP rank.
 """
 
 from __future__ import annotations
