@@ -4,7 +4,8 @@
   hidden/heads and a vocabulary that gives both TP=2 shards real tokens); ``tiny_gpt.py`` builds
   the same sizes as a plain Megatron GPT. End-to-end tests run the CPU demo's own model instead.
   ``tiny_glm4_moe`` is the GLM-4.5 MoE family's (``tests/test_glm4_moe.py``; also parametrized into
-  the embedded engine's, routing layout's and activation memory's tests).
+  the embedded engine's, routing layout's and activation memory's tests); ``tiny_deepseek_v3`` the
+  DeepSeek-V3 family's (``tests/test_deepseek_v3.py``; also in the embedded engine's tests).
 * Code that runs inside gloo ranks cannot use fixtures: ``bpo_megatron.testing`` (the kit the
   benchmarks and the GPU kit use too) holds the one train actor builder (``build_actor``, through
   ``TrainerSpec``) and the sample makers; ``bpo_megatron.parallel.local_world`` starts the ranks

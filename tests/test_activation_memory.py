@@ -6,8 +6,9 @@ grouped experts' stacked weight copy) and the model's ends. Three shapes: groupe
 (4 query heads on 2 KV heads: the query is copied out of the fused QKV output) with top-2 of 8
 experts; multi-query attention (one KV head: the query is a view) with top-3 of 6 experts at another
 width; and the first at TP=2 with sequence parallelism (expert TP 2). Also with full recompute,
-which keeps each layer's input and the rotary angles; and GLM-4.5's shape (Q/K/V biases, no
-QK-norm, RoPE over half of each head, a shared expert, sigmoid routing, the first layer dense). Every term equals the planner's for a CPU
+which keeps each layer's input and the rotary angles; GLM-4.5's shape (Q/K/V biases, no
+QK-norm, RoPE over half of each head, a shared expert, sigmoid routing, the first layer dense); and
+DeepSeek-V3's (multi-head latent attention with and without a compressed query, group-limited routing). Every term equals the planner's for a CPU
 (``gpu=False``: torch's composite RMSNorm) within 1%; the GPU's terms differ from them by the
 composite norms' ``x·rstd`` alone, a closed form."""
 
@@ -29,6 +30,11 @@ GQA = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_attention
 MQA = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=1,
            head_dim=32, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48, max_position_embeddings=1024)
 GLM = dict(GQA, use_qk_norm=False)  # the tiny GLM's biases, half-head RoPE, shared expert and sigmoid router
+# the tiny DeepSeek-V3's latent attention (query/key heads of 32 + 16, values of 24) at other sizes, its
+# group-limited sigmoid router and shared expert
+DEEPSEEK = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4,
+                num_experts=8, num_experts_per_tok=4, moe_intermediate_size=64, max_position_embeddings=1024,
+                q_lora_rank=48, kv_lora_rank=32)
 # name -> (sizes, tp, recompute, model type); a world of 2 ranks runs them all (tp 1: two data-parallel replicas)
 CASES = {
     "gqa_top2": (GQA, 1, "none", "qwen3_moe"),
@@ -38,6 +44,9 @@ CASES = {
     "gqa_top2_tp2_sp_recompute": (GQA, 2, "full", "qwen3_moe"),
     "glm_top2": (GLM, 1, "none", "glm4_moe"),
     "glm_top2_tp2_sp": (GLM, 2, "none", "glm4_moe"),
+    "deepseek_top4_tp2_sp": (DEEPSEEK, 2, "none", "deepseek_v3"),
+    "deepseek_plain_query": (dict(DEEPSEEK, q_lora_rank=None, qk_rope_head_dim=8), 1, "none", "deepseek_v3"),
+    "deepseek_top4_tp2_sp_recompute": (DEEPSEEK, 2, "full", "deepseek_v3"),
 }
 TIMEOUT = 240
 

@@ -49,8 +49,15 @@ def glm_dir(tmp_path_factory) -> Path:
     return _random_checkpoint("tiny_glm4_moe", tmp_path_factory.mktemp("glm"), seed=0)
 
 
-def _model_dir(kind: str, moe_dir: Path, dense_dir: Path, glm_dir: Path) -> Path:
-    return {"moe": moe_dir, "dense": dense_dir, "glm": glm_dir}[kind]
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory) -> Path:
+    """DeepSeek-V3: multi-head latent attention (a compressed query, interleaved RoPE, value heads
+    narrower than query/key heads), group-limited sigmoid routing with an expert bias, a shared expert."""
+    return _random_checkpoint("tiny_deepseek_v3", tmp_path_factory.mktemp("deepseek"), seed=0)
+
+
+def _model_dir(kind: str, request) -> Path:
+    return request.getfixturevalue(f"{kind}_dir")
 
 
 def _requests(vocab: int, lengths=(3, 17, 1, 30, 9), **sampling) -> list[GenerationRequest]:
@@ -61,9 +68,9 @@ def _requests(vocab: int, lengths=(3, 17, 1, 30, 9), **sampling) -> list[Generat
             for i, length in enumerate(lengths)]
 
 
-@pytest.mark.parametrize("kind", ["moe", "dense", "glm"])
-def test_rollout_logprobs_and_routing_equal_a_teacher_forced_recompute(kind, moe_dir, dense_dir, glm_dir):
-    path = _model_dir(kind, moe_dir, dense_dir, glm_dir)
+@pytest.mark.parametrize("kind", ["moe", "dense", "glm", "deepseek"])
+def test_rollout_logprobs_and_routing_equal_a_teacher_forced_recompute(kind, request):
+    path = _model_dir(kind, request)
     engine = HFEngine(path, capture_routing=True)
     hf = HFModelConfig.load(path)
     assert engine.capabilities.captures_routing == hf.is_moe
@@ -158,9 +165,9 @@ def test_stop_tokens_end_a_response_and_max_new_tokens_bounds_it(moe_dir):
         engine.generate([GenerationRequest("long", prompt, SamplingParams(max_new_tokens=251))])
 
 
-@pytest.mark.parametrize("kind", ["moe", "dense", "glm"])
-def test_named_hf_weights_are_the_checkpoint_tensors(kind, moe_dir, dense_dir, glm_dir):
-    path = _model_dir(kind, moe_dir, dense_dir, glm_dir)
+@pytest.mark.parametrize("kind", ["moe", "dense", "glm", "deepseek"])
+def test_named_hf_weights_are_the_checkpoint_tensors(kind, request):
+    path = _model_dir(kind, request)
     on_disk = load_file(path / "model.safetensors")
     weights = dict(HFEngine(path, capture_routing=False).named_hf_weights())
     assert sorted(weights) == sorted(on_disk)

@@ -158,6 +158,7 @@ def _patch_targets() -> dict[str, Any]:
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
     import megatron.core.transformer.utils as transformer_utils
     from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     return {
@@ -178,6 +179,7 @@ def _patch_targets() -> dict[str, Any]:
         "clip_grads.multi_tensor_scale_impl": clip_grads.multi_tensor_scale_impl,
         "optimizer.multi_tensor_scale_impl": mcore_optimizer.multi_tensor_scale_impl,
         "rope_utils._apply_rotary_pos_emb_thd": rope_utils._apply_rotary_pos_emb_thd,
+        "multi_latent_attention.HAVE_TE": multi_latent_attention.HAVE_TE,
     }
 
 
@@ -261,12 +263,13 @@ def test_compat_is_a_no_op_with_cuda() -> None:
     assert out["needs_cpu_compat"] is False
     assert out["applied"] == ()
     assert out["changed"] == []
-    # without transformer-engine or apex three things show on GPUs too, and only they are mended:
-    # the 0.16 router bug (0.17 fixed it upstream), the per-tensor syncs of the grad norm and the
-    # packed RoPE's host reads
+    # without transformer-engine or apex four things show on GPUs too, and only they are mended:
+    # the 0.16 router bug (0.17 fixed it upstream), latent attention that cannot be built, the
+    # per-tensor syncs of the grad norm and the packed RoPE's host reads
     mended = ["clip_grads.l2_norm_impl", "clip_grads.multi_tensor_scale_impl", "optimizer.multi_tensor_scale_impl",
-                    "rope_utils._apply_rotary_pos_emb_thd"]
-    always = ("multi_tensor_ops_without_per_tensor_syncs", "packed_rotary_embedding_without_host_reads")
+              "rope_utils._apply_rotary_pos_emb_thd", "multi_latent_attention.HAVE_TE"]
+    always = ("latent_attention_without_te", "multi_tensor_ops_without_per_tensor_syncs",
+              "packed_rotary_embedding_without_host_reads")
     if compat.megatron_minor() == 16:
         assert out["fixed"] == ("define_te_general_gemm_without_te", *always)
         assert out["changed_by_fixes"] == ["moe_utils.te_general_gemm", *mended]

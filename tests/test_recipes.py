@@ -27,7 +27,9 @@ BASELINES = {  # the paper's hyper-parameters of each baseline (appendix, experi
 }
 DISAGGREGATED = CONFIGS / "qwen3_30b_a3b_bpo_disaggregated.yaml"
 GLM_AIR = CONFIGS / "glm4_5_air_bpo.yaml"  # the main setting on GLM-4.5-Air (tests/test_glm4_moe.py)
-RECIPES = [MAIN, DISAGGREGATED, ABLATION, *(CONFIGS / f"qwen3_30b_a3b_{b}.yaml" for b in BASELINES), GLM_AIR]
+MOONLIGHT = CONFIGS / "moonlight_16b_a3b_bpo.yaml"  # the main setting on Moonlight-16B-A3B (tests/test_deepseek_v3.py)
+RECIPES = [MAIN, DISAGGREGATED, ABLATION, *(CONFIGS / f"qwen3_30b_a3b_{b}.yaml" for b in BASELINES), GLM_AIR,
+           MOONLIGHT]
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)

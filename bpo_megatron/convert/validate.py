@@ -11,7 +11,7 @@ COMPARED_FIELDS: tuple[str, ...] = (
     "vocab_size", "rms_norm_eps", "rope_theta", "tie_word_embeddings", "norm_topk_prob",
     "decoder_sparse_step", "mlp_only_layers", "attention_bias", "qk_norm", "rotary_percent", "router_score",
     "router_expert_bias", "routed_scaling_factor", "n_group", "topk_group", "shared_expert_intermediate_size",
-    "first_k_dense_replace",
+    "first_k_dense_replace", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "yarn",
 )
 
 

@@ -156,6 +156,19 @@ def _define_te_general_gemm_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
+@_fix()
+def _latent_attention_without_te() -> None:
+    # Without transformer-engine, megatron.core.extensions.transformer_engine still imports (its TE
+    # names are mocks), so multi_latent_attention sets HAVE_TE=True and its constructor's
+    # `isinstance(self.linear_proj, TELinear)` raises TypeError: MLA cannot be built on the local
+    # spec. HAVE_TE=False there skips only that TE-specific fp8 setting.
+    if platform.has_transformer_engine():
+        return
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    mla.HAVE_TE = False
+
+
 def foreach_l2_norm(_chunk_size: int, _noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]],
                     _per_tensor: bool, *_args: Any) -> tuple[torch.Tensor, None]:
     """The L2 norm of every tensor of ``tensor_lists`` together, as a one-element fp32 tensor on

@@ -36,6 +36,8 @@ class ModelFamily:
     config.json fields for :meth:`HFModelConfig.to_hf_dict`. ``rotary_default`` is the
     ``partial_rotary_factor`` transformers assumes when config.json does not give one.
     ``embedded_decode``: whether the embedded engine's functional decode step reproduces it.
+    ``rope_scalings``: the ``rope_type`` values besides plain RoPE it takes (Megatron's latent
+    attention computes YaRN as transformers does).
     """
 
     model_type: str
@@ -48,6 +50,7 @@ class ModelFamily:
     hf_fields: Callable[[HFModelConfig], dict[str, Any]]
     rotary_default: float = 1.0
     embedded_decode: bool = True
+    rope_scalings: tuple[str, ...] = ()  # RoPE scalings (rope_type) the family's Megatron counterpart reproduces
 
 
 def _nonnegative_number(name: str, value: Any) -> None:
@@ -75,7 +78,8 @@ def _fixed(hf: HFModelConfig, **values: Any) -> None:
 
 # Qwen3 and Qwen3-MoE: QK-norm, softmax routing without bias, scale, groups or shared expert
 _QWEN3_FIXED = dict(qk_norm=True, router_score="softmax", router_expert_bias=False, routed_scaling_factor=1.0,
-                    n_group=1, topk_group=1, shared_expert_intermediate_size=0, first_k_dense_replace=0)
+                    n_group=1, topk_group=1, shared_expert_intermediate_size=0, first_k_dense_replace=0,
+                    kv_lora_rank=0)
 
 
 # ----------------------------------------------------------------------------------- Qwen3
@@ -125,8 +129,10 @@ def _qwen3_moe_fields(hf: HFModelConfig) -> dict[str, Any]:
             "router_aux_loss_coef": hf.router_aux_loss_coef}
 
 
-# ------------------------------------------------------------------------------- GLM-4.5 MoE
-def _glm4_moe_parse(raw: Mapping[str, Any]) -> dict[str, Any]:
+# ------------------------------------------------- DeepSeek-V3's MoE layers (also GLM-4.5 MoE's)
+def _sigmoid_moe_parse(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The MoE fields DeepSeek-V3 and GLM-4.5 share: a sigmoid router with an expert-score bias,
+    group limits and a scale, a shared expert, the first layers dense."""
     shared = raw["n_shared_experts"]
     moe_ffn = raw["moe_intermediate_size"]
     if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
@@ -139,24 +145,94 @@ def _glm4_moe_parse(raw: Mapping[str, Any]) -> dict[str, Any]:
         "first_k_dense_replace": raw["first_k_dense_replace"],
         "shared_expert_intermediate_size": moe_ffn * shared if isinstance(moe_ffn, int) else moe_ffn,
         "router_score": "sigmoid",
-        "router_expert_bias": True,  # e_score_correction_bias: every Glm4MoeTopkRouter has one
+        "router_expert_bias": True,  # e_score_correction_bias: every router of these families has one
         "routed_scaling_factor": raw["routed_scaling_factor"],
         "n_group": raw["n_group"],
         "topk_group": raw["topk_group"],
-        "qk_norm": raw.get("use_qk_norm", False),  # transformers' default
     }
 
 
-def _glm4_moe_check(hf: HFModelConfig) -> None:
+def _sigmoid_moe_check(hf: HFModelConfig) -> None:
     _fixed(hf, router_score="sigmoid", router_expert_bias=True, decoder_sparse_step=1, mlp_only_layers=())
     if not hf.norm_topk_prob:
         raise config_error("norm_topk_prob=false is not supported: Megatron's sigmoid router always "
-                           "renormalises the top-k scores (GLM-4.5 checkpoints set norm_topk_prob=true)")
+                           f"renormalises the top-k scores (released {hf.model_type} checkpoints set "
+                           "norm_topk_prob=true)")
     if not isinstance(hf.first_k_dense_replace, int) or isinstance(hf.first_k_dense_replace, bool) or not (
             0 <= hf.first_k_dense_replace < hf.num_hidden_layers):
         raise config_error(f"first_k_dense_replace={hf.first_k_dense_replace!r} must be an integer in "
                            f"[0, num_hidden_layers={hf.num_hidden_layers})")
     check_group_routing(hf)
+
+
+def _sigmoid_moe_layers(hf: HFModelConfig) -> tuple[int, ...]:
+    return tuple(range(hf.first_k_dense_replace, hf.num_hidden_layers)) if hf.num_experts > 0 else ()
+
+
+def _sigmoid_moe_fields(hf: HFModelConfig) -> dict[str, Any]:
+    shared = hf.shared_expert_intermediate_size // hf.moe_intermediate_size
+    return {"n_routed_experts": hf.num_experts, "num_experts_per_tok": hf.num_experts_per_tok,
+            "moe_intermediate_size": hf.moe_intermediate_size, "n_shared_experts": shared,
+            "norm_topk_prob": hf.norm_topk_prob, "first_k_dense_replace": hf.first_k_dense_replace,
+            "routed_scaling_factor": hf.routed_scaling_factor, "n_group": hf.n_group,
+            "topk_group": hf.topk_group,
+            # the multi-token-prediction layers transformers does not build; none are exported
+            "num_nextn_predict_layers": 0}
+
+
+_SIGMOID_MOE_REQUIRED = ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "n_shared_experts",
+                         "first_k_dense_replace", "routed_scaling_factor", "n_group", "topk_group")
+
+
+# ------------------------------------------------------------------------------- GLM-4.5 MoE
+def _glm4_moe_parse(raw: Mapping[str, Any]) -> dict[str, Any]:
+    return {**_sigmoid_moe_parse(raw), "qk_norm": raw.get("use_qk_norm", False)}  # transformers' default
+
+
+def _glm4_moe_check(hf: HFModelConfig) -> None:
+    _fixed(hf, kv_lora_rank=0)
+    _sigmoid_moe_check(hf)
+
+
+def _glm4_moe_fields(hf: HFModelConfig) -> dict[str, Any]:
+    return {**_sigmoid_moe_fields(hf), "use_qk_norm": hf.qk_norm}
+
+
+# ------------------------------------------------------------------------------- DeepSeek-V3
+_MLA_REQUIRED = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+
+
+def _deepseek_v3_parse(raw: Mapping[str, Any]) -> dict[str, Any]:
+    if raw.get("rope_interleave", True) is not True:
+        # Megatron's MLA rotates the RoPE dims as interleaved pairs (and refuses rotary_interleaved
+        # with MLA), so a checkpoint whose pairs are split in halves has no Megatron counterpart
+        raise config_error(f"rope_interleave={raw['rope_interleave']!r} is not supported: Megatron's latent "
+                           "attention rotates interleaved pairs only (DeepSeek-V3 checkpoints set true)")
+    for name, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if raw.get(name, want) != want:
+            raise config_error(f"{name}={raw[name]!r}: transformers' DeepseekV3 always routes as {name}="
+                               f"{want!r}, so this checkpoint's model would compute something else")
+    return {**_sigmoid_moe_parse(raw), "qk_norm": False,
+            # transformers takes head_dim to be the RoPE dims of a head
+            "head_dim": raw["qk_rope_head_dim"], "q_lora_rank": raw["q_lora_rank"],
+            "kv_lora_rank": raw["kv_lora_rank"], "qk_nope_head_dim": raw["qk_nope_head_dim"],
+            "v_head_dim": raw["v_head_dim"]}
+
+
+def _deepseek_v3_check(hf: HFModelConfig) -> None:
+    _fixed(hf, qk_norm=False, rotary_percent=1.0)
+    if hf.attention_bias:
+        raise config_error("attention_bias=True is not supported for deepseek_v3 (transformers puts it on the "
+                           "down projections and o_proj, where Megatron's latent attention has none)")
+    if not hf.multi_latent_attention:
+        raise config_error("kv_lora_rank must be positive: deepseek_v3 attention is latent attention")
+    _sigmoid_moe_check(hf)
+
+
+def _deepseek_v3_fields(hf: HFModelConfig) -> dict[str, Any]:
+    return {**_sigmoid_moe_fields(hf), "q_lora_rank": hf.q_lora_rank, "kv_lora_rank": hf.kv_lora_rank,
+            "qk_rope_head_dim": hf.head_dim, "qk_nope_head_dim": hf.qk_nope_head_dim,
+            "v_head_dim": hf.v_head_dim, "rope_interleave": True}
 
 
 def check_group_routing(hf: HFModelConfig) -> None:
@@ -180,21 +256,6 @@ def check_group_routing(hf: HFModelConfig) -> None:
             f"n_group={hf.n_group}, topk_group={hf.topk_group} with num_experts_per_tok="
             f"{hf.num_experts_per_tok}: transformers scores each group by its top-2 experts, Megatron by its "
             f"top num_experts_per_tok/topk_group; they agree only when num_experts_per_tok = 2 x topk_group")
-
-
-def _glm4_moe_layers(hf: HFModelConfig) -> tuple[int, ...]:
-    return tuple(range(hf.first_k_dense_replace, hf.num_hidden_layers)) if hf.num_experts > 0 else ()
-
-
-def _glm4_moe_fields(hf: HFModelConfig) -> dict[str, Any]:
-    shared = hf.shared_expert_intermediate_size // hf.moe_intermediate_size
-    return {"n_routed_experts": hf.num_experts, "num_experts_per_tok": hf.num_experts_per_tok,
-            "moe_intermediate_size": hf.moe_intermediate_size, "n_shared_experts": shared,
-            "norm_topk_prob": hf.norm_topk_prob, "first_k_dense_replace": hf.first_k_dense_replace,
-            "routed_scaling_factor": hf.routed_scaling_factor, "n_group": hf.n_group,
-            "topk_group": hf.topk_group, "use_qk_norm": hf.qk_norm,
-            # the multi-token-prediction layers transformers does not build; none are exported
-            "num_nextn_predict_layers": 0}
 
 
 def _alias(raw: Mapping[str, Any], name: str, alias: str) -> Any:
@@ -221,11 +282,14 @@ FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (
                 required=("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"),
                 parse=_qwen3_moe_parse, check=_qwen3_moe_check, moe_layers=_qwen3_moe_layers,
                 hf_fields=_qwen3_moe_fields),
-    ModelFamily("glm4_moe", "Glm4MoeForCausalLM", moe=True,
-                required=("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "n_shared_experts",
-                          "first_k_dense_replace", "routed_scaling_factor", "n_group", "topk_group"),
-                parse=_glm4_moe_parse, check=_glm4_moe_check, moe_layers=_glm4_moe_layers,
+    ModelFamily("glm4_moe", "Glm4MoeForCausalLM", moe=True, required=_SIGMOID_MOE_REQUIRED,
+                parse=_glm4_moe_parse, check=_glm4_moe_check, moe_layers=_sigmoid_moe_layers,
                 hf_fields=_glm4_moe_fields, rotary_default=0.5),
+    # the multi-token-prediction layers (num_nextn_predict_layers) are not part of the model: RL trains
+    # and samples the main model only, and transformers builds none either
+    ModelFamily("deepseek_v3", "DeepseekV3ForCausalLM", moe=True, required=_SIGMOID_MOE_REQUIRED + _MLA_REQUIRED,
+                parse=_deepseek_v3_parse, check=_deepseek_v3_check, moe_layers=_sigmoid_moe_layers,
+                hf_fields=_deepseek_v3_fields, rope_scalings=("yarn",)),
 )}
 
 

@@ -4,7 +4,7 @@ Only what the Megatron model needs is kept, in one vocabulary for every family
 (:mod:`bpo_megatron.models.families` maps each ``model_type`` onto it). Fields that fix the shape of
 the network (and ``norm_topk_prob``, whose transformers default differs from the released MoE
 checkpoints) are required; the others default the way transformers fills them in. Anything the
-Megatron model cannot reproduce exactly (RoPE scaling, sliding-window attention, biases Megatron
+Megatron model cannot reproduce exactly (RoPE scaling other than a family's YaRN, sliding-window attention, biases Megatron
 has no place for, other activations) is refused here, so a checkpoint never loads into a model that
 computes something else.
 """
@@ -33,6 +33,37 @@ _POSITIVE_INTS = (
 )
 _POSITIVE_MOE_INTS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 _error = config_error
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling in Megatron's terms (``rope_type="yarn"``): the inverse frequencies
+    interpolated by ``factor`` outside the correction range of ``beta_fast``/``beta_slow`` over
+    ``original_max_position_embeddings``, cos and sin scaled by mscale(factor, ``mscale``) /
+    mscale(factor, ``mscale_all_dim``) and the softmax scale by mscale(factor, ``mscale_all_dim``)²."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32
+    beta_slow: float = 1
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_positive("rope_scaling.factor", self.factor, integer=False)
+        _check_positive("rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings,
+                        integer=True)
+        for name in ("beta_fast", "beta_slow", "mscale"):
+            _check_positive(f"rope_scaling.{name}", getattr(self, name), integer=False)
+        if isinstance(self.mscale_all_dim, bool) or not isinstance(self.mscale_all_dim, (int, float)) \
+                or self.mscale_all_dim < 0:
+            raise _error(f"rope_scaling.mscale_all_dim={self.mscale_all_dim!r} must be a non-negative number")
+
+    def to_hf_dict(self, rope_theta: float) -> dict[str, Any]:
+        return {"rope_type": "yarn", "rope_theta": rope_theta, "factor": self.factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings,
+                "beta_fast": self.beta_fast, "beta_slow": self.beta_slow, "mscale": self.mscale,
+                "mscale_all_dim": self.mscale_all_dim}
 
 
 @dataclass(frozen=True)
@@ -74,6 +105,15 @@ class HFModelConfig:
     topk_group: int = 1
     shared_expert_intermediate_size: int = 0  # an always-on SwiGLU beside the routed experts (0: none)
     first_k_dense_replace: int = 0  # GLM/DeepSeek: the first k layers are dense
+    # Multi-head latent attention (DeepSeek-V3): keys and values come from one compressed latent of
+    # kv_lora_rank dims per token (0: ordinary attention), queries from one of q_lora_rank dims (None: a
+    # plain projection); each head's query and key are qk_nope_head_dim dims without RoPE then head_dim
+    # (transformers' qk_rope_head_dim) rotated ones, its value v_head_dim dims.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    yarn: YarnScaling | None = None  # YaRN RoPE scaling (None: plain RoPE)
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
     # The parsed config.json as read (None when constructed directly). It travels with
     # checkpoints so they can be exported back to Hugging Face with every field the original had
     # (token ids, dtype, ...); it takes no part in equality, hashing or validation.
@@ -95,6 +135,9 @@ class HFModelConfig:
             raise _error(f"num_key_value_heads={self.num_key_value_heads} must divide "
                          f"num_attention_heads={self.num_attention_heads}")
         self._check_rotary()
+        self._check_latent_attention()
+        if self.yarn is not None and "yarn" not in family.rope_scalings:
+            raise _error(f"YaRN RoPE scaling is not supported for {self.model_type}")
         if self.router_score not in ("softmax", "sigmoid"):
             raise _error(f"router scoring {self.router_score!r} must be 'softmax' or 'sigmoid'")
         if self.router_expert_bias and self.router_score != "sigmoid":
@@ -114,6 +157,35 @@ class HFModelConfig:
         if self.rotary_percent > 1 or rotary_dim % 2 or rotary_dim == 0:
             raise _error(f"partial_rotary_factor={self.rotary_percent!r} must be at most 1 and rotate an even, "
                          f"non-zero number of the head_dim={self.head_dim} dimensions (it rotates {rotary_dim})")
+
+    def _check_latent_attention(self) -> None:
+        if not isinstance(self.kv_lora_rank, int) or isinstance(self.kv_lora_rank, bool) or self.kv_lora_rank < 0:
+            raise _error(f"kv_lora_rank={self.kv_lora_rank!r} must be a non-negative integer")
+        if not self.kv_lora_rank:
+            for name in ("q_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+                if getattr(self, name) not in (None, 0):
+                    raise _error(f"{name}={getattr(self, name)!r} needs latent attention (kv_lora_rank > 0)")
+            return
+        for name in ("qk_nope_head_dim", "v_head_dim"):
+            _check_positive(name, getattr(self, name), integer=True)
+        if self.q_lora_rank is not None:
+            _check_positive("q_lora_rank", self.q_lora_rank, integer=True)
+
+    @property
+    def multi_latent_attention(self) -> bool:
+        """Whether attention is DeepSeek's multi-head latent attention (MLA)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def query_key_head_dim(self) -> int:
+        """The dims of one head's query and key: ``head_dim`` (for MLA the RoPE part, after the
+        ``qk_nope_head_dim`` without it)."""
+        return self.qk_nope_head_dim + self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        """The dims of one head's value (and of its attention output)."""
+        return self.v_head_dim if self.multi_latent_attention else self.head_dim
 
     @property
     def family(self) -> ModelFamily:
@@ -166,6 +238,8 @@ class HFModelConfig:
         if self.rotary_percent != 1.0 or self.family.rotary_default != 1.0:
             raw["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta,
                                       "partial_rotary_factor": self.rotary_percent}
+        if self.yarn is not None:
+            raw["rope_parameters"] = self.yarn.to_hf_dict(self.rope_theta)
         raw.update(self.family.hf_fields(self))
         return raw
 
@@ -197,22 +271,59 @@ def _model_type(raw: Mapping[str, Any]) -> str:
     return model_type
 
 
-def _rope_theta(raw: Mapping[str, Any]) -> float:
-    """The RoPE base, from ``rope_theta`` (transformers 4) or ``rope_parameters`` (5)."""
+def _rope(raw: Mapping[str, Any], family: ModelFamily) -> tuple[Any, YarnScaling | None]:
+    """The RoPE base, from ``rope_theta`` (transformers 4) or ``rope_parameters`` (5), and its YaRN
+    scaling where the family's Megatron counterpart reproduces it (``ModelFamily.rope_scalings``)."""
     scaling = raw.get("rope_scaling")
-    if scaling is not None and (not isinstance(scaling, Mapping)
-                                or scaling.get("rope_type", scaling.get("type")) != "default"):
-        raise _error(f"rope_scaling={scaling!r} is not supported (only plain RoPE)")
     parameters = raw.get("rope_parameters") or {}
-    if not isinstance(parameters, Mapping) or parameters.get("rope_type", "default") != "default":
-        raise _error(f"rope_parameters={parameters!r} is not supported (only plain RoPE)")
+    if scaling is not None and not isinstance(scaling, Mapping):
+        raise _error(f"rope_scaling={scaling!r} must be a mapping or null")
+    if not isinstance(parameters, Mapping):
+        raise _error(f"rope_parameters={parameters!r} must be a mapping")
+    yarn = None
+    for name, given in (("rope_scaling", scaling or {}), ("rope_parameters", parameters)):
+        kind = given.get("rope_type", given.get("type", "default"))
+        if kind == "default":
+            continue
+        if kind not in family.rope_scalings:
+            allowed = " or ".join(("plain RoPE",) + family.rope_scalings)
+            raise _error(f"{name}={dict(given)!r} is not supported for {family.model_type} (only {allowed})")
+        found = _yarn(name, given)
+        if yarn is not None and found != yarn:
+            raise _error(f"rope_scaling={dict(scaling)!r} disagrees with rope_parameters={dict(parameters)!r}")
+        yarn = found
     theta = raw.get("rope_theta", parameters.get("rope_theta"))
     if theta is None:
         raise _error("required field 'rope_theta' is missing")
     if "rope_theta" in parameters and parameters["rope_theta"] != theta:
         raise _error(f"rope_theta={theta!r} disagrees with "
                      f"rope_parameters.rope_theta={parameters['rope_theta']!r}")
-    return theta
+    return theta, yarn
+
+
+def _yarn(name: str, given: Mapping[str, Any]) -> YarnScaling:
+    """transformers' YaRN parameters as Megatron's, where Megatron computes the same: the inverse
+    frequencies and the attention factor on cos and sin, and the softmax scale's mscale²."""
+    for key in ("factor", "original_max_position_embeddings"):
+        if given.get(key) is None:
+            raise _error(f"{name}.{key} is required for YaRN RoPE")
+    if given.get("attention_factor") is not None:
+        raise _error(f"{name}.attention_factor={given['attention_factor']!r} is not supported: Megatron derives "
+                     "the attention factor from factor, mscale and mscale_all_dim")
+    if given.get("truncate", True) is not True:
+        raise _error(f"{name}.truncate={given['truncate']!r} is not supported: Megatron rounds the YaRN "
+                     "correction range to whole dimensions (truncate=true)")
+    mscale, mscale_all_dim = given.get("mscale"), given.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        scales = (float(mscale), float(mscale_all_dim))
+    elif mscale_all_dim:
+        raise _error(f"{name}.mscale_all_dim={mscale_all_dim!r} without mscale is not supported: transformers "
+                     "then scales cos and sin by the factor alone, which Megatron cannot combine with it")
+    else:
+        scales = (1.0, 0.0)  # transformers' attention factor from the factor alone, no softmax mscale
+    return YarnScaling(factor=given["factor"], original_max_position_embeddings=given["original_max_position_embeddings"],
+                       beta_fast=given.get("beta_fast") or 32, beta_slow=given.get("beta_slow") or 1,
+                       mscale=scales[0], mscale_all_dim=scales[1])
 
 
 def _rotary_percent(raw: Mapping[str, Any], default: float) -> Any:
@@ -259,10 +370,12 @@ def _from_dict(raw: Mapping[str, Any]) -> HFModelConfig:
             raise _error(f"required field {name!r} is missing")
     _check_attention_and_activation(raw)
     fields: dict[str, Any] = {name: raw[name] for name in _REQUIRED}
+    rope_theta, yarn = _rope(raw, family)
     fields.update(
         model_type=family.model_type,
         head_dim=_head_dim(raw),
-        rope_theta=_rope_theta(raw),
+        rope_theta=rope_theta,
+        yarn=yarn,
         rotary_percent=_rotary_percent(raw, family.rotary_default),
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         attention_bias=raw.get("attention_bias", False),

@@ -1,8 +1,11 @@
-"""The supported Hugging Face families (Qwen3, Qwen3-MoE, GLM-4.5 MoE) as Megatron-Core ``GPTModel``s.
+"""The supported Hugging Face families (Qwen3, Qwen3-MoE, GLM-4.5 MoE, DeepSeek-V3) as Megatron-Core
+``GPTModel``s.
 
 The mapping follows transformers' modeling code exactly: pre-norm RMSNorm blocks, grouped-query
 attention with optional RMSNorm on each query/key head (QK-norm), optional Q/K/V biases and RoPE on
-all or the leading part of each head, SwiGLU MLPs, and for MoE layers a softmax or sigmoid top-k
+all or the leading part of each head, or multi-head latent attention (Megatron's
+``MLASelfAttention``, with :mod:`~bpo_megatron.models.latent_attention` as its local core
+attention), SwiGLU MLPs, and for MoE layers a softmax or sigmoid top-k
 router (with a fixed expert bias, group limits and a scaling factor where the family has them) and an
 optional shared expert. It reads only :class:`HFModelConfig`'s family-neutral description
 (:mod:`bpo_megatron.models.families`). Megatron imports stay inside the
@@ -62,6 +65,7 @@ def transformer_config(
     an argument), so :func:`build_gpt_model` passes ``hf.rope_theta`` there.
     """
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     options = options.resolved()  # an unset dtype: this process's platform default
     parallel.validate_model(
@@ -71,16 +75,17 @@ def transformer_config(
         num_query_groups=hf.num_key_value_heads,
     )
     te = uses_transformer_engine()
-    return TransformerConfig(
+    config_class = MLATransformerConfig if hf.multi_latent_attention else TransformerConfig
+    return config_class(
         num_layers=hf.num_hidden_layers,
         hidden_size=hf.hidden_size,
         ffn_hidden_size=hf.intermediate_size,  # the dense MLPs (all layers, or mlp_only_layers)
         num_attention_heads=hf.num_attention_heads,
         num_query_groups=hf.num_key_value_heads,
-        kv_channels=hf.head_dim,  # Qwen3 sets head_dim independently of hidden/heads
+        kv_channels=hf.query_key_head_dim,  # Qwen3 sets head_dim independently of hidden/heads
         normalization="RMSNorm",
         layernorm_epsilon=hf.rms_norm_eps,
-        qk_layernorm=hf.qk_norm,
+        qk_layernorm=_qk_layernorm(hf),
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -107,11 +112,41 @@ def transformer_config(
         bias_activation_fusion=te,
         bias_dropout_fusion=te,
         masked_softmax_fusion=te,
-        apply_rope_fusion=te,
+        # Megatron's fused MLA RoPE takes YaRN only (HFModelConfig admits plain RoPE)
+        apply_rope_fusion=te and not hf.multi_latent_attention,
         persist_layer_norm=False,
+        **_latent_attention_fields(hf),
         **_recompute_fields(options),
         **_moe_fields(hf, options, te=te),
     )
+
+
+def _qk_layernorm(hf: HFModelConfig) -> bool:
+    """Megatron's ``qk_layernorm``: QK-norm, or with latent attention the RMSNorms of the query and
+    key/value latents (without it the local spec makes them identities)."""
+    return hf.qk_norm or hf.multi_latent_attention
+
+
+def _latent_attention_fields(hf: HFModelConfig) -> dict[str, object]:
+    if not hf.multi_latent_attention:
+        return {}
+    return {
+        "multi_latent_attention": True,
+        "q_lora_rank": hf.q_lora_rank,
+        "kv_lora_rank": hf.kv_lora_rank,
+        "qk_head_dim": hf.qk_nope_head_dim,
+        "qk_pos_emb_head_dim": hf.head_dim,
+        "v_head_dim": hf.v_head_dim,
+        # RoPE on the rotated dims, interleaved pairs as transformers' rope_interleave=True: plain
+        # (a scaling factor of 1 leaves the softmax scale at 1/sqrt(query-key head dims)) or YaRN
+        "rotary_base": hf.rope_theta,
+        **({"rope_type": "rope", "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+           if hf.yarn is None else
+           {"rope_type": "yarn", "rotary_scaling_factor": float(hf.yarn.factor),
+            "original_max_position_embeddings": hf.yarn.original_max_position_embeddings,
+            "beta_fast": float(hf.yarn.beta_fast), "beta_slow": float(hf.yarn.beta_slow),
+            "mscale": hf.yarn.mscale, "mscale_all_dim": hf.yarn.mscale_all_dim}),
+    }
 
 
 def _recompute_fields(options: ModelOptions) -> dict[str, object]:
@@ -197,7 +232,7 @@ def layer_spec(hf: HFModelConfig, config: TransformerConfig, *, attention: CoreA
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    if config.num_layers != hf.num_hidden_layers or config.qk_layernorm != hf.qk_norm:
+    if config.num_layers != hf.num_hidden_layers or config.qk_layernorm != _qk_layernorm(hf):
         raise ValueError("layer_spec: config was not made by transformer_config for this model")
     if experts not in ("grouped", "sequential"):
         raise ValueError(f"layer_spec: experts={experts!r} must be 'grouped' or 'sequential'")
@@ -214,7 +249,10 @@ def layer_spec(hf: HFModelConfig, config: TransformerConfig, *, attention: CoreA
         spec.layer_norm = WrappedTorchNorm
         # Megatron's local core attention refuses packed sequences (TE's takes them natively)
         # and keeps every score matrix; both replacements take packed rows
-        spec.layer_specs = [_with_core_attention(layer, attention) for layer in spec.layer_specs]
+        spec.layer_specs = [_with_core_attention(layer, attention, latent=hf.multi_latent_attention)
+                            for layer in spec.layer_specs]
+        if hf.multi_latent_attention:
+            spec.layer_specs = [_with_duplicated_latent_down_projections(layer) for layer in spec.layer_specs]
         if experts == "grouped":
             # SequentialMLP loops over the experts after a host sync; the same modules and
             # parameters run as two grouped GEMMs instead
@@ -283,24 +321,44 @@ def _built_class(spec: object) -> object:
     return spec.func if isinstance(spec, partial) else getattr(spec, "module", None)
 
 
-def _with_core_attention(layer: ModuleSpec, attention: CoreAttention) -> ModuleSpec:
+def _with_core_attention(layer: ModuleSpec, attention: CoreAttention, *, latent: bool) -> ModuleSpec:
     """``layer`` with the core attention ``attention`` names:
     :class:`~bpo_megatron.models.fused_attention.FusedDotProductAttention` (``"fused"``) or
     :class:`~bpo_megatron.models.packed_attention.PackedDotProductAttention` (``"unfused"``), both
-    Megatron's ``DotProductAttention`` taking packed sequences (copies: the specs Megatron returns
-    may be shared between layers)."""
+    Megatron's ``DotProductAttention`` taking packed sequences, or with ``latent`` attention their
+    variants for MLA's wider query/key than value heads
+    (:mod:`~bpo_megatron.models.latent_attention`). Copies: the specs Megatron returns may be
+    shared between layers."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from bpo_megatron.models.fused_attention import FusedDotProductAttention
+    from bpo_megatron.models.latent_attention import LatentDotProductAttention, LatentFusedDotProductAttention
     from bpo_megatron.models.packed_attention import PackedDotProductAttention
 
-    core = {"fused": FusedDotProductAttention, "unfused": PackedDotProductAttention}[attention]
+    core = ({"fused": LatentFusedDotProductAttention, "unfused": LatentDotProductAttention} if latent else
+            {"fused": FusedDotProductAttention, "unfused": PackedDotProductAttention})[attention]
     attention_spec = layer.submodules.self_attention
     if attention_spec.submodules.core_attention is not DotProductAttention:
         raise RuntimeError(f"the local layer spec's core attention is {attention_spec.submodules.core_attention!r}, "
                            f"not the DotProductAttention that {core.__name__} extends")
     attention_spec = replace(attention_spec, submodules=replace(attention_spec.submodules, core_attention=core))
     return replace(layer, submodules=replace(layer.submodules, self_attention=attention_spec))
+
+
+def _with_duplicated_latent_down_projections(layer: ModuleSpec) -> ModuleSpec:
+    """``layer`` with MLA's down projections (to the query and key/value latents) whole on every TP
+    rank, as transformer-engine's spec has them (``duplicated``), instead of the local spec's
+    column-parallel ones. Those gather their output over TP and leave the rotated key part whole on
+    every rank, whose gradient then holds only this rank's heads' share (Megatron-Core 0.16 sums it
+    over TP only on the duplicated path, where it is gathered from the sequence-parallel region).
+    Megatron's plain duplicated ``Linear`` (its weights' gradients summed over TP under sequence
+    parallelism, as TE's) is what ``MLASelfAttention`` takes besides the parallel ones."""
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    attention_spec = layer.submodules.self_attention
+    submodules = replace(attention_spec.submodules, linear_q_down_proj=Linear, linear_kv_down_proj=Linear)
+    return replace(layer, submodules=replace(layer.submodules,
+                                             self_attention=replace(attention_spec, submodules=submodules)))
 
 
 def _check_process_groups(parallel: ParallelConfig) -> None:
@@ -363,4 +421,7 @@ def build_gpt_model(
     for param in model.parameters():
         if param.dtype != options.torch_dtype:
             param.data = param.data.to(options.torch_dtype)
+    if hf.multi_latent_attention and not uses_transformer_engine() and platform.has_cuda():
+        # the local spec's duplicated down projections are torch Linears, made on the host
+        model.to(platform.device())
     return model

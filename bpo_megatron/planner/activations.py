@@ -55,6 +55,16 @@ MoE MLP     (b·h + 4E + 20k) / tp      the router's input, the fp32 probabiliti
             + b·5·S / tp               a shared expert of width S (GLM-4.5): a dense MLP whose
                                        input is the router's
 
+latent      (2h·b + 2·norm(h)          multi-head latent attention (DeepSeek-V3) instead of the
+attention    + b·h + b·r               attention above: the layer norms; the down projections' input
+             + 2b·c + norm(c)          and the shared key part RoPE rotates (r dims); the key/value
+             + 2b·c_q + norm(c_q)      latent (c = kv_lora_rank) and, with a compressed query, the
+             + heads·(4b·k + b·v + 4)) query latent (c_q), each as its norm's input and output; per
+              / tp                     head of query/key width k = nope + r and value width v: the
+            + 4·b·r                    query, the key, the value zero-padded to k, the padded output
+                                       (and its fp32 log-sum-exp), the output cut to v; RoPE's cos
+                                       and sin as above
+
 The tiny GLM-4.5 shape (no QK-norm, Q/K/V biases, RoPE over half of each head, a shared expert,
 sigmoid routing with a bias and a scale, the first layer dense) is measured as well.
 
@@ -73,7 +83,8 @@ mask of the vocab-parallel embedding under TP, 1 byte), the last stage's final n
 (``b·h + norm(h)``) and output layer's input (``b·h``), both ``/ tp``.
 
 Recompute ``full`` (one layer per checkpoint) keeps only each layer's input, ``b·h / tp`` per
-token, and the rotary angles ``[T, 1, 1, d]`` in fp32 once for all checkpoints, and rebuilds one
+token, and the rotary angles ``[T, 1, 1, d]`` in fp32 once for all checkpoints (latent attention
+computes its own inside each layer: none), and rebuilds one
 layer at a time in backward, so one layer's full set (with its stacked expert weights) is added
 once. The MoE dispatch adds the dispatched and the combined rows, ``2 · b · k · h / tp`` per
 token, live for one layer at a time (not kept for backward, so not measured).
@@ -130,6 +141,8 @@ def attention_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, act_b
                               ) -> float:
     """The attention half of a layer (with both layer norms), per token on one rank (module
     docstring)."""
+    if hf.multi_latent_attention:
+        return latent_attention_bytes_per_token(hf, parallel, act_bytes, gpu=gpu)
     h, d, tp, b = hf.hidden_size, hf.head_dim, parallel.tp, act_bytes
     q, kv = hf.num_attention_heads, hf.num_key_value_heads
     norms = 2 * (b * h + norm_kept_bytes(h, b, gpu=gpu))
@@ -157,6 +170,27 @@ def context_gather_bytes(hf: HFModelConfig, parallel: ParallelConfig, act_bytes:
         return 0.0
     per_token = act_bytes * 2 * hf.num_key_value_heads * hf.head_dim / parallel.tp
     return (parallel.cp - 1) * tokens * per_token * layers
+
+
+def latent_attention_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, act_bytes: int, *,
+                                     gpu: bool = True) -> float:
+    """Multi-head latent attention (with both layer norms), per token on one rank (module docstring)."""
+    h, tp, b, r = hf.hidden_size, parallel.tp, act_bytes, hf.head_dim
+    heads, qk, v = hf.num_attention_heads, hf.query_key_head_dim, hf.value_head_dim
+    norms = 2 * (b * h + norm_kept_bytes(h, b, gpu=gpu))
+    # the down projections' shared input (a sequence shard); each latent's norm input and what the
+    # norm keeps, and its output, the up projection's input; the shared key part RoPE rotates (split
+    # off the key/value latent's projection, saved as that sequence shard)
+    latents = b * h + b * hf.kv_lora_rank + norm_kept_bytes(hf.kv_lora_rank, b, gpu=gpu) + b * hf.kv_lora_rank \
+        + b * r
+    if hf.q_lora_rank is not None:
+        latents += 2 * b * hf.q_lora_rank + norm_kept_bytes(hf.q_lora_rank, b, gpu=gpu)
+    # per head: the query and key assembled from their parts, the value zero-padded to their width
+    # (the fused kernels take one head size), the padded attention output and its fp32
+    # log-sum-exp, the output cut to the value's width (the output projection's input)
+    heads_kept = heads * (4 * b * qk + b * v + FP32)
+    rope = 4 * b * r  # RoPE's cos and sin of the query's and the key's call, every TP rank the whole sequence
+    return (norms + latents + heads_kept) / tp + rope
 
 
 def mlp_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, layer: int, act_bytes: int) -> float:
@@ -209,7 +243,7 @@ def ends_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, act_bytes:
         kept += INT64 + (1 if tp > 1 else 0)
     if last:
         kept += (2 * b * h + norm_kept_bytes(h, b, gpu=gpu)) / tp
-    if recompute == "full":
+    if recompute == "full" and not hf.multi_latent_attention:  # latent attention makes its own angles per layer
         kept += FP32 * int(hf.head_dim * hf.rotary_percent)
     return kept
 

@@ -8,6 +8,11 @@ the norms into the following linear layer):
   ``(heads + 2·kv_heads)·head_dim / tp`` with ``attention_bias``), output projection
   ``[hidden, heads·head_dim / tp]``, the q/k RMSNorms over ``head_dim`` (with QK-norm) and the two
   layer norms over ``hidden`` (norms are replicated over TP: sequence parallelism keeps them whole);
+  with multi-head latent attention (DeepSeek-V3) instead: the down projections to the query latent
+  ``[q_lora, hidden]`` (or a plain query projection ``[heads·(nope + rope) / tp, hidden]``) and to the
+  key/value latent and shared rotated key ``[kv_lora + rope, hidden]`` (whole on every TP rank),
+  the latents' RMSNorms, the up projections ``[heads·(nope + rope) / tp, q_lora]`` and
+  ``[heads·(nope + v) / tp, kv_lora]``, and the output projection ``[hidden, heads·v / tp]``;
 * dense MLP: SwiGLU ``fc1 [2·ffn / tp, hidden]`` and ``fc2 [hidden, ffn / tp]``;
 * MoE MLP: the router ``[experts, hidden]`` (replicated, a dense parameter; its expert bias is a
   buffer, not a parameter), a shared expert where the family has one (a SwiGLU of
@@ -52,12 +57,26 @@ def stage_layers(hf: HFModelConfig, pp: int, stage: int) -> tuple[int, ...]:
 
 
 def _attention(hf: HFModelConfig, tp: int) -> int:
+    if hf.multi_latent_attention:
+        return _latent_attention(hf, tp)
     q_width = hf.num_attention_heads * hf.head_dim
     qkv_rows = (hf.num_attention_heads + 2 * hf.num_key_value_heads) * hf.head_dim // tp
     qkv = qkv_rows * hf.hidden_size + (qkv_rows if hf.attention_bias else 0)
     proj = hf.hidden_size * (q_width // tp)
     qk_norms = 2 * hf.head_dim if hf.qk_norm else 0
     return qkv + proj + qk_norms
+
+
+def _latent_attention(hf: HFModelConfig, tp: int) -> int:
+    heads, hidden = hf.num_attention_heads // tp, hf.hidden_size
+    query_rows = heads * hf.query_key_head_dim
+    if hf.q_lora_rank is None:
+        query = query_rows * hidden
+    else:
+        query = hf.q_lora_rank * hidden + hf.q_lora_rank + query_rows * hf.q_lora_rank
+    key_value = (hf.kv_lora_rank + hf.head_dim) * hidden + hf.kv_lora_rank \
+        + heads * (hf.qk_nope_head_dim + hf.v_head_dim) * hf.kv_lora_rank
+    return query + key_value + hidden * heads * hf.v_head_dim
 
 
 def _swiglu(hidden: int, ffn: int, split: int) -> int:

@@ -8,7 +8,9 @@ parallelism, the sequences it keeps resident and the share of a GPU it reserves 
 KV cache per GPU = 2 (K and V) × layers × KV heads per rank × head_dim × bytes × tokens, with
 tokens = sequences × (max prompt + max response) — the worst case, every sequence at full
 length. KV heads are split over the engine's TP ranks and replicated when there are fewer of
-them than ranks. Weights are split over TP (experts included). An engine that admits requests
+them than ranks. With multi-head latent attention (DeepSeek-V3) an engine caches per token and layer
+the compressed key/value latent and the rotated key shared by all heads (``kv_lora_rank +
+qk_rope_head_dim``, as SGLang and vLLM do), whole on every TP rank. Weights are split over TP (experts included). An engine that admits requests
 as its own KV pool allows (SGLang: the pool is ``mem_fraction_static`` of the GPU less the
 weights, requests beyond it wait in the server's queue) reserves that pool whatever the requests
 in flight; what counts is how many full-length sequences it holds at once.
@@ -58,6 +60,10 @@ class RolloutMemory:
 
 
 def kv_bytes_per_token(hf: HFModelConfig, tp: int, dtype_bytes: int = ENGINE_BYTES) -> float:
+    if hf.multi_latent_attention:
+        # the engines cache MLA's compressed latent and shared rotated key per token, whole on every
+        # TP rank, instead of per-head keys and values
+        return hf.num_hidden_layers * (hf.kv_lora_rank + hf.head_dim) * dtype_bytes
     kv_heads_per_rank = math.ceil(hf.num_key_value_heads / tp)
     return 2 * hf.num_hidden_layers * kv_heads_per_rank * hf.head_dim * dtype_bytes
 

@@ -12,7 +12,9 @@ import torch
 
 # Tiny configs: ``tiny_qwen3_moe`` (2 MoE layers, top-2 of 4 experts), ``tiny_qwen3`` (dense) and
 # ``tiny_glm4_moe`` (GLM-4.5: a dense first layer, then 2 MoE layers of top-2 of 8 experts + a shared
-# expert, sigmoid routing with an expert bias, Q/K/V biases, QK-norm, RoPE on half of each head)
+# expert, sigmoid routing with an expert bias, Q/K/V biases, QK-norm, RoPE on half of each head) and
+# ``tiny_deepseek_v3`` (DeepSeek-V3: latent attention, a dense first layer, then 2 MoE layers of
+# group-limited top-4 of 8 experts + a shared expert, sigmoid routing with an expert bias)
 MODEL_CONFIGS = Path(__file__).resolve().parent / "configs"
 TINY_MOE = MODEL_CONFIGS / "tiny_qwen3_moe" / "config.json"
 
@@ -48,12 +50,27 @@ def glm4_moe_config(**sizes: Any) -> dict[str, Any]:
     return config
 
 
+def deepseek_v3_config(**sizes: Any) -> dict[str, Any]:
+    """A DeepSeek-V3 ``config.json`` (as a dict) of the given sizes (``num_experts`` as
+    ``n_routed_experts``), the rest as the tests' tiny DeepSeek-V3 has it: latent attention, group-limited
+    sigmoid routing with a bias and a scale, one shared expert, the first layer dense."""
+    config = json.loads((MODEL_CONFIGS / "tiny_deepseek_v3" / "config.json").read_text())
+    if "num_experts" in sizes:
+        sizes = {**sizes, "n_routed_experts": sizes.pop("num_experts")}
+    config.update(sizes)
+    return config
+
+
+# the families whose dense layers come first (first_k_dense_replace), by their config maker
+_FIRST_DENSE = {"glm4_moe": glm4_moe_config, "deepseek_v3": deepseek_v3_config}
+
+
 def moe_config(model_type: str, sizes: dict[str, Any], *, layers: int, dense_layers: int) -> dict[str, Any]:
-    """A ``config.json`` of ``model_type`` (``qwen3_moe`` or ``glm4_moe``) with ``layers`` layers of
-    which ``dense_layers`` (0 or 1) are dense, where the family puts them: Qwen3-MoE the last
-    (``mlp_only_layers``), GLM the first (``first_k_dense_replace``)."""
-    if model_type == "glm4_moe":
-        return glm4_moe_config(**sizes, num_hidden_layers=layers, first_k_dense_replace=dense_layers)
+    """A ``config.json`` of ``model_type`` (``qwen3_moe``, ``glm4_moe`` or ``deepseek_v3``) with
+    ``layers`` layers of which ``dense_layers`` (0 or 1) are dense, where the family puts them:
+    Qwen3-MoE the last (``mlp_only_layers``), GLM and DeepSeek-V3 the first (``first_k_dense_replace``)."""
+    if model_type in _FIRST_DENSE:
+        return _FIRST_DENSE[model_type](**sizes, num_hidden_layers=layers, first_k_dense_replace=dense_layers)
     return qwen3_moe_config(**sizes, num_hidden_layers=layers, mlp_only_layers=list(range(layers))[layers - dense_layers:])
 
 

@@ -74,11 +74,13 @@ class CostModel:
     def of(cls, hf: HFModelConfig) -> CostModel:
         """The span of ``hf``: its active weights used in matrix products per token (every
         layer's attention projections, the chosen experts, the output layer; not the input
-        embedding, which is a lookup), over 2 · attention width · layers."""
+        embedding, which is a lookup), over the attention's products per query-key pair · layers (the
+        scores over the query/key head dims, the weighted values over the value head dims: 2 · attention
+        width when they are equal; latent attention's differ)."""
         _, active = parameter_counts(hf)
         matmul = active - (0 if hf.tie_word_embeddings else hf.vocab_size * hf.hidden_size)
-        width = hf.num_attention_heads * hf.head_dim
-        return cls(attention_span=matmul / (2 * width * hf.num_hidden_layers))
+        per_pair = hf.num_attention_heads * (hf.query_key_head_dim + hf.value_head_dim)
+        return cls(attention_span=matmul / (per_pair * hf.num_hidden_layers))
 
     def __call__(self, positions: int) -> float:
         return positions + positions * (positions + 1) / (2 * self.attention_span)

@@ -9,7 +9,8 @@ Each layout does two things:
 
 The layouts:
 
-* ``replicated`` — norms and the router: every TP rank holds the whole tensor, unchanged.
+* ``replicated`` — norms, the router and MLA's down projections to its latents: every TP rank holds
+  the whole tensor, unchanged.
 * ``row_parallel`` — attention output and MLP down projections: TP splits the input dimension
   (dim 1); the layout is the same as Hugging Face's.
 * ``qkv`` — Megatron fuses Q, K and V *per query group*: the rows are, for each of the
@@ -19,13 +20,15 @@ The layouts:
 * ``glu`` — ``linear_fc1`` holds gate and up projections stacked, ``[gate; up]``. TP splits
   *each* of them: rank t holds ``[gate_t; up_t]``, so the shards concatenated are not the TP=1
   tensor; each shard is split in half and the halves are concatenated separately.
+* ``column_parallel`` — one tensor whose output rows TP splits contiguously (MLA's up projections and
+  plain query projection: whole heads per rank).
 * ``vocab_rows`` — embedding and output layer: vocabulary rows split over TP, padded to a multiple
   of 128·TP; rows from ``vocab_size`` on are padding (dropped on export, zero on load).
 
-``qkv`` and ``glu`` are one rule, :class:`GroupInterleaved`: the Megatron tensor is a sequence of
-groups, each holding a block of rows of every HF tensor in turn, and TP gives each rank a
-contiguous run of groups. For ``qkv`` the groups are the query groups; for ``glu`` there is one
-group per TP rank.
+``qkv``, ``glu`` and ``column_parallel`` are one rule, :class:`GroupInterleaved`: the Megatron
+tensor is a sequence of groups, each holding a block of rows of every HF tensor in turn, and TP
+gives each rank a contiguous run of groups. For ``qkv`` the groups are the query groups; for
+``glu`` and ``column_parallel`` (one HF tensor) there is one group per TP rank.
 """
 
 from __future__ import annotations
@@ -181,5 +184,6 @@ LAYOUTS: dict[str, Layout] = {
     "row_parallel": RowParallel(),
     "qkv": GroupInterleaved(lambda ctx, num_shards: ctx.num_query_groups),
     "glu": GroupInterleaved(lambda ctx, num_shards: num_shards),
+    "column_parallel": GroupInterleaved(lambda ctx, num_shards: num_shards),
     "vocab_rows": VocabRows(),
 }

@@ -53,8 +53,13 @@ def local_weights(model: torch.nn.Module) -> list[LocalWeight]:
     coordinates = _tp_coordinates()
     resolved: list[LocalWeight] = []
     unknown: list[str] = []
-    weights = [(name, param, match_megatron_name(name), False) for name, param in model.named_parameters()]
-    weights += [(name, buffer, match_megatron_name(name), True) for name, buffer in model.named_buffers()]
+    latent = bool(model.config.multi_latent_attention)
+
+    def match(name: str) -> tuple[WeightRule, int, int] | None:
+        return match_megatron_name(name, latent_attention=latent)
+
+    weights = [(name, param, match(name), False) for name, param in model.named_parameters()]
+    weights += [(name, buffer, match(name), True) for name, buffer in model.named_buffers()]
     for name, param, found, is_buffer in weights:
         if found is None or found[0].buffer != is_buffer:
             if not is_buffer:

@@ -8,7 +8,7 @@ layer in one grouped module), the Hugging Face names it becomes (the names on di
 ``mlp.experts.{e}.gate_proj.weight``, even though transformers 5 fuses experts in memory), their
 shapes in terms of the config, and the name of the layout in :mod:`bpo_megatron.weights.layouts`.
 Weights only some architectures have (Q/K/V biases, QK-norms, shared experts, the router's expert
-bias) say so by a predicate on :class:`~bpo_megatron.models.hf_config.HFModelConfig`'s description,
+bias, the projections and latent norms of multi-head latent attention) say so by a predicate on :class:`~bpo_megatron.models.hf_config.HFModelConfig`'s description,
 never on the ``model_type``.
 
 A weight is identified across ranks by its :data:`WeightKey` ``(rule, global layer, global
@@ -52,6 +52,10 @@ class WeightRule:
     # A buffer, not a parameter (the router's fixed expert bias): converted and synced, never
     # trained, and exported in its own dtype (fp32, as transformers keeps and saves it in any model dtype)
     buffer: bool = False
+    # Only in models with (True) or without (False) multi-head latent attention; None: in both. Both
+    # attentions call a query norm ``q_layernorm`` (per head, or of the query latent), so a Megatron
+    # name is resolved within the model's kind of attention.
+    latent_attention: bool | None = None
     _patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -73,7 +77,10 @@ class WeightRule:
         return None
 
     def applies_to(self, hf: HFModelConfig) -> bool:
-        return self.present is None or self.present(hf)
+        return self.in_attention(hf.multi_latent_attention) and (self.present is None or self.present(hf))
+
+    def in_attention(self, latent: bool) -> bool:
+        return self.latent_attention is None or self.latent_attention == latent
 
     def hf_names(self, layer: int = -1, expert: int = -1) -> list[str]:
         return [t.format(layer=layer, expert=expert) for t in self.hf]
@@ -89,6 +96,10 @@ def _compile(template: str) -> re.Pattern[str]:
     return re.compile(pattern)
 
 
+def _compressed_query(hf: HFModelConfig) -> bool:
+    return hf.q_lora_rank is not None
+
+
 _L = "decoder.layers.{layer}."
 _H = "model.layers.{layer}."
 
@@ -101,18 +112,44 @@ RULES: tuple[WeightRule, ...] = (
     WeightRule("qkv", (_L + "self_attention.linear_qkv.weight",),
                (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight",
                 _H + "self_attn.v_proj.weight"),
-               (("q", "hidden"), ("kv", "hidden"), ("kv", "hidden")), "qkv", "layer"),
+               (("q", "hidden"), ("kv", "hidden"), ("kv", "hidden")), "qkv", "layer", latent_attention=False),
+    # multi-head latent attention: queries from hidden (or from a normed latent of q_lora dims), keys
+    # and values from one normed latent of kv_lora dims; the key's RoPE dims come with that latent
+    WeightRule("latent_q", (_L + "self_attention.linear_q_proj.weight",),
+               (_H + "self_attn.q_proj.weight",), (("latent_q", "hidden"),), "column_parallel", "layer",
+               present=lambda hf: hf.q_lora_rank is None,
+               latent_attention=True),
+    WeightRule("latent_q_down", (_L + "self_attention.linear_q_down_proj.weight",),
+               (_H + "self_attn.q_a_proj.weight",), (("q_lora", "hidden"),), "replicated", "layer",
+               present=_compressed_query, latent_attention=True),
+    WeightRule("latent_q_norm",
+               (_L + "self_attention.q_layernorm.weight", _L + "self_attention.linear_q_up_proj.layer_norm_weight"),
+               (_H + "self_attn.q_a_layernorm.weight",), (("q_lora",),), "replicated", "layer",
+               present=_compressed_query, latent_attention=True),
+    WeightRule("latent_q_up", (_L + "self_attention.linear_q_up_proj.weight",),
+               (_H + "self_attn.q_b_proj.weight",), (("latent_q", "q_lora"),), "column_parallel", "layer",
+               present=_compressed_query, latent_attention=True),
+    WeightRule("latent_kv_down", (_L + "self_attention.linear_kv_down_proj.weight",),
+               (_H + "self_attn.kv_a_proj_with_mqa.weight",), (("kv_lora_rope", "hidden"),), "replicated",
+               "layer", latent_attention=True),
+    WeightRule("latent_kv_norm",
+               (_L + "self_attention.kv_layernorm.weight", _L + "self_attention.linear_kv_up_proj.layer_norm_weight"),
+               (_H + "self_attn.kv_a_layernorm.weight",), (("kv_lora",),), "replicated", "layer", latent_attention=True),
+    WeightRule("latent_kv_up", (_L + "self_attention.linear_kv_up_proj.weight",),
+               (_H + "self_attn.kv_b_proj.weight",), (("latent_kv", "kv_lora"),), "column_parallel", "layer",
+               latent_attention=True),
     WeightRule("qkv_bias", (_L + "self_attention.linear_qkv.bias",),
                (_H + "self_attn.q_proj.bias", _H + "self_attn.k_proj.bias", _H + "self_attn.v_proj.bias"),
-               (("q",), ("kv",), ("kv",)), "qkv", "layer", present=lambda hf: hf.attention_bias),
+               (("q",), ("kv",), ("kv",)), "qkv", "layer",
+               present=lambda hf: hf.attention_bias, latent_attention=False),
     WeightRule("q_norm", (_L + "self_attention.q_layernorm.weight",),
                (_H + "self_attn.q_norm.weight",), (("head_dim",),), "replicated", "layer",
-               present=lambda hf: hf.qk_norm),
+               present=lambda hf: hf.qk_norm, latent_attention=False),
     WeightRule("k_norm", (_L + "self_attention.k_layernorm.weight",),
                (_H + "self_attn.k_norm.weight",), (("head_dim",),), "replicated", "layer",
-               present=lambda hf: hf.qk_norm),
+               present=lambda hf: hf.qk_norm, latent_attention=False),
     WeightRule("attention_out", (_L + "self_attention.linear_proj.weight",),
-               (_H + "self_attn.o_proj.weight",), (("hidden", "q"),), "row_parallel", "layer"),
+               (_H + "self_attn.o_proj.weight",), (("hidden", "values"),), "row_parallel", "layer"),
     WeightRule("post_attention_norm",
                (_L + "pre_mlp_layernorm.weight", _L + "mlp.linear_fc1.layer_norm_weight"),
                (_H + "post_attention_layernorm.weight",), (("hidden",),), "replicated", "layer"),
@@ -163,6 +200,12 @@ def model_dims(hf: HFModelConfig) -> dict[str, int]:
         "q": hf.num_attention_heads * hf.head_dim,
         "kv": hf.num_key_value_heads * hf.head_dim,
         "head_dim": hf.head_dim,
+        "values": hf.num_attention_heads * hf.value_head_dim,  # the attention output, all heads
+        "latent_q": hf.num_attention_heads * hf.query_key_head_dim,
+        "latent_kv": hf.num_attention_heads * (hf.qk_nope_head_dim + hf.v_head_dim),
+        "q_lora": hf.q_lora_rank or 0,
+        "kv_lora": hf.kv_lora_rank,
+        "kv_lora_rope": hf.kv_lora_rank + hf.head_dim,
         "ffn": hf.intermediate_size,
         "moe_ffn": hf.moe_intermediate_size,
         "shared_ffn": hf.shared_expert_intermediate_size,
@@ -170,10 +213,11 @@ def model_dims(hf: HFModelConfig) -> dict[str, int]:
     }
 
 
-def match_megatron_name(name: str) -> tuple[WeightRule, int, int] | None:
-    """The rule of a Megatron parameter and its local layer and local expert index (-1: none)."""
+def match_megatron_name(name: str, *, latent_attention: bool = False) -> tuple[WeightRule, int, int] | None:
+    """The rule of a Megatron parameter of a model with (or without) multi-head latent attention
+    and its local layer and local expert index (-1: none)."""
     for rule in RULES:
-        found = rule.match(name)
+        found = rule.match(name) if rule.in_attention(latent_attention) else None
         if found is not None:
             return rule, found[0], found[1]
     return None

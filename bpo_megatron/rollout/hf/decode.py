@@ -13,7 +13,14 @@ router's ``forward`` without its hooks), so an in-place weight update is seen by
 the numerics are transformers' own except where two kernels sum in another order. What differs
 between the families is read from the modules: QK-norms where the attention has them, RoPE over the
 leading dimensions the rotary table covers (GLM rotates half of each head), a shared expert where the
-MoE block has one.
+MoE block has one, and multi-head latent attention (DeepSeek-V3) where the attention has a ``kv_b_proj``.
+
+Latent attention caches what transformers' own cache holds for it (:func:`cache_layout`): per
+position the normed key/value latent (``kv_lora_rank`` dims) and the rotated key part shared by
+every head (``qk_rope_head_dim``), not per-head keys and values. Each step decompresses the slot's
+whole latent through ``kv_b_proj`` into per-head keys and values, as transformers' forward does,
+and attends with SDPA under the slot mask on every device (query/key heads are wider than value
+heads, which FlashAttention's kernel here does not take).
 
 
 * attention: on CUDA FlashAttention's variable-length kernel (native grouped-query attention, each
@@ -72,6 +79,21 @@ def check_supported(model: nn.Module) -> None:
                          "serve the model with rollout.engine=sglang or vllm")
 
 
+def is_latent_attention(attn: nn.Module) -> bool:
+    """Whether a transformers attention module is multi-head latent attention (DeepSeek-V3's)."""
+    return isinstance(getattr(attn, "kv_b_proj", None), nn.Module)
+
+
+def cache_layout(model: nn.Module) -> tuple[int, int, int]:
+    """``(heads, key dims, value dims)`` of one position of one layer in the KV cache: transformers'
+    cache entries, the keys and values of every KV head, or for latent attention one entry of the
+    normed latent (as "keys") and the rotated shared key (as "values")."""
+    attn = model.model.layers[0].self_attn
+    if is_latent_attention(attn):
+        return 1, attn.kv_lora_rank, attn.qk_rope_head_dim
+    return model.config.num_key_value_heads, attn.head_dim, attn.head_dim
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
@@ -84,6 +106,15 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
         return x * cos + _rotate_half(x) * sin
     rotated, kept = x[..., :width], x[..., width:]
     return torch.cat((rotated * cos + _rotate_half(rotated) * sin, kept), dim=-1)
+
+
+def _rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved pairs (DeepSeek's ``rope_interleave``): pair ``(x[2i], x[2i+1])`` rotates by
+    frequency i, and the result is laid out de-interleaved (evens then odds), as transformers does."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -142,6 +173,8 @@ class FunctionalDecoder:
         # torch.compile per layer (one compiled graph serves every layer of a kind: their modules
         # are its inputs) fuses the elementwise work between the GEMMs — norms, RoPE, residuals,
         # the KV write, routing bookkeeping — into a few kernels
+        self._latent = is_latent_attention(self._layers[0].self_attn)
+        self._rotate = _rope_interleaved if getattr(model.config, "rope_interleave", False) else _rope
         self._layer_step = torch.compile(self._layer, dynamic=False) if compile_layers else self._layer
         # cos/sin of every position, from the model's own rotary module: each entry is the same
         # product a forward at that position computes, so a table lookup changes no value
@@ -170,8 +203,8 @@ class FunctionalDecoder:
                routing: torch.Tensor | None, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
         """One decoder layer; everything that differs between layers is an argument."""
-        hidden = hidden + self._attend(layer.self_attn, keys, values, layer.input_layernorm(hidden), cos, sin,
-                                       positions)
+        attend = self._attend_latent if self._latent else self._attend
+        hidden = hidden + attend(layer.self_attn, keys, values, layer.input_layernorm(hidden), cos, sin, positions)
         return hidden + self._mlp(layer.mlp, moe, routing, layer.post_attention_layernorm(hidden))
 
     def _attend(self, attn: nn.Module, keys: torch.Tensor, values: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
@@ -190,6 +223,30 @@ class FunctionalDecoder:
             out = torch.nn.functional.scaled_dot_product_attention(
                 query[:, :, None], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
                 scale=attn.scaling, enable_gqa=True)[:, :, 0]
+        return attn.o_proj(out.reshape(slots, -1))
+
+    def _attend_latent(self, attn: nn.Module, latents: torch.Tensor, rotated_keys: torch.Tensor, x: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Multi-head latent attention over the slot's cached latents ``[slots, length, 1, kv_lora]``
+        and rotated shared keys ``[slots, length, 1, rope]``."""
+        slots, length = x.shape[0], latents.shape[1]
+        nope, rope, value_dim = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim
+        if attn.q_lora_rank is None:
+            query = attn.q_proj(x)
+        else:
+            query = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+        query_pass, query_rot = query.view(slots, -1, nope + rope).split([nope, rope], dim=-1)
+        latent, key_rot = attn.kv_a_proj_with_mqa(x).split([attn.kv_lora_rank, rope], dim=-1)
+        query = torch.cat((query_pass, self._rotate(query_rot, cos, sin)), dim=-1)
+        latents[self._slot_ids, positions] = attn.kv_a_layernorm(latent)[:, None]
+        rotated_keys[self._slot_ids, positions] = self._rotate(key_rot[:, None], cos, sin)
+        # every cached position decompressed into per-head keys (without RoPE) and values
+        key_pass, value = attn.kv_b_proj(latents[:, :, 0]).view(slots, length, -1, nope + value_dim).split(
+            [nope, value_dim], dim=-1)
+        key = torch.cat((key_pass, rotated_keys.expand(-1, -1, key_pass.shape[2], -1)), dim=-1)
+        mask = (self._mask_columns[None] <= positions[:, None])[:, None, None]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, None], key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask, scale=attn.scaling)[:, :, 0]
         return attn.o_proj(out.reshape(slots, -1))
 
     def _flash(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,

@@ -16,10 +16,13 @@ class SlotKVCache:
     """Static key/value buffers of ``slots`` rows × ``length`` positions for every layer."""
 
     def __init__(self, *, layers: int, slots: int, length: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, value_dim: int | None = None) -> None:
+        # value_dim: when values are narrower or wider than keys (latent attention caches its latent
+        # as keys and the rotated shared key as values: decode.cache_layout)
         shape = (slots, length, kv_heads, head_dim)
+        value_shape = (slots, length, kv_heads, head_dim if value_dim is None else value_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(value_shape, dtype=dtype, device=device) for _ in range(layers)]
         self.slots, self.length = slots, length
 
     def nbytes(self) -> int:

@@ -29,7 +29,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from bpo_megatron.rollout.hf.capture import RoutingCapture
-from bpo_megatron.rollout.hf.decode import Attention, FunctionalDecoder, routing_buffer
+from bpo_megatron.rollout.hf.decode import Attention, FunctionalDecoder, cache_layout, routing_buffer
 from bpo_megatron.rollout.hf.kv_cache import SlotKVCache
 from bpo_megatron.rollout.hf.sampling import SlotSampler
 from bpo_megatron.rollout.types import SamplingParams
@@ -146,9 +146,9 @@ class DecodeState:
         device = self.device = parameter.device
         self.shape = shape
         slots, length = shape.slots, shape.length
-        self.cache = SlotKVCache(layers=config.num_hidden_layers, slots=slots, length=length,
-                                 kv_heads=config.num_key_value_heads, head_dim=model.model.layers[0].self_attn.head_dim,
-                                 dtype=parameter.dtype, device=device)
+        kv_heads, key_dim, value_dim = cache_layout(model)
+        self.cache = SlotKVCache(layers=config.num_hidden_layers, slots=slots, length=length, kv_heads=kv_heads,
+                                 head_dim=key_dim, value_dim=value_dim, dtype=parameter.dtype, device=device)
         self.routing_out = routing_buffer(model, slots, device) if shape.routing else None
         self.decoder = FunctionalDecoder(model, self.cache, attention=attention, routing=self.routing_out,
                                          compile_layers=compile_layers)
