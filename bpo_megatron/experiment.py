@@ -188,6 +188,11 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
         # latent projections would reach an FP8 server unquantized
         raise ConfigError(f"rollout.{cfg.rollout.engine}.quantization=fp8 is not supported for {hf.architecture} "
                           "(multi-head latent attention): serve it unquantized")
+    if hf.multi_latent_attention and cfg.parallel.cp > 1:
+        # the context-parallel attention (models/context_attention.py) gathers grouped-query keys and
+        # values; latent attention's query/key and value widths differ and have no CP path yet
+        raise ConfigError(f"parallel.cp={cfg.parallel.cp} is not supported for {hf.architecture} (multi-head latent "
+                          "attention): set parallel.cp=1")
     _check_context_budget(cfg, hf)
 
 

@@ -535,12 +535,16 @@ def test_weight_sync_streams_every_hf_tensor_from_a_tp2_ep2_trainer(deepseek_mod
 
 
 
-def test_an_fp8_engine_is_refused_for_latent_attention(tmp_path, capsys) -> None:
+@pytest.mark.parametrize("override, refusal", [
+    ("rollout.sglang.quantization=fp8", "rollout.sglang.quantization=fp8 is not supported for DeepseekV3ForCausalLM"),
+    ("parallel.cp=2", "parallel.cp=2 is not supported for DeepseekV3ForCausalLM"),
+])
+def test_fp8_serving_and_context_parallelism_are_refused_for_latent_attention(override, refusal, capsys) -> None:
     from bpo_megatron.cli import main
 
-    code = main(["train", str(MOONLIGHT_RECIPE), "rollout.sglang.quantization=fp8", "--check"])
+    code = main(["train", str(MOONLIGHT_RECIPE), override, "--check"])
     assert code != 0
-    assert "rollout.sglang.quantization=fp8 is not supported for DeepseekV3ForCausalLM" in capsys.readouterr().err
+    assert refusal in capsys.readouterr().err
 
 
 def test_the_balancers_cost_counts_latent_attentions_products_per_query_key_pair() -> None:

@@ -63,7 +63,8 @@ def test_the_linear_layers_are_quantized_and_the_router_embeddings_and_norms_are
     assert all(fp8.quantized(f"model.layers.3.self_attn.{p}_proj.weight") for p in "qkvo")
     assert all(fp8.quantized(f"model.layers.0.mlp.{p}_proj.weight") for p in ("gate", "up", "down"))
     assert fp8.quantized("model.layers.1.mlp.experts.7.down_proj.weight")
-    for name in ("model.layers.0.mlp.gate.weight", "model.embed_tokens.weight", "lm_head.weight",
+    assert all(fp8.quantized(f"model.layers.1.mlp.shared_experts.{p}_proj.weight") for p in ("gate", "up", "down"))
+    for name in ("model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias", "model.embed_tokens.weight", "lm_head.weight",
                  "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_norm.weight", "model.norm.weight"):
         assert not fp8.quantized(name), name
 
@@ -73,16 +74,25 @@ def moe_dir(tmp_path_factory):
     return random_checkpoint(MODEL_CONFIGS / "tiny_qwen3_moe", tmp_path_factory.mktemp("moe"), seed=0)
 
 
-def test_an_fp8_engine_holds_rounded_linear_weights_and_reports_log_mu_of_them(moe_dir):
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory):
+    return random_checkpoint(MODEL_CONFIGS / "tiny_glm4_moe", tmp_path_factory.mktemp("glm"), seed=0)
+
+
+@pytest.mark.parametrize("checkpoint", ["moe_dir", "glm_dir"])
+def test_an_fp8_engine_holds_rounded_linear_weights_and_reports_log_mu_of_them(checkpoint, request):
     from bpo_megatron.rollout import GenerationRequest, SamplingParams
     from bpo_megatron.rollout.hf.engine import HFEngine
 
-    exact = HFEngine(moe_dir, capture_routing=True)
-    engine = HFEngine(moe_dir, capture_routing=True, quantization="fp8")
+    path = request.getfixturevalue(checkpoint)
+    exact = HFEngine(path, capture_routing=True)
+    engine = HFEngine(path, capture_routing=True, quantization="fp8")
     original = dict(exact.named_hf_weights())
     held = dict(engine.named_hf_weights())
     rounded = [name for name in held if fp8.quantized(name)]
     assert rounded and any(".experts." in name for name in rounded)
+    if checkpoint == "glm_dir":  # GLM-4.5's shared expert is served in FP8 like the routed ones
+        assert any(".shared_experts." in name for name in rounded)
     for name, tensor in held.items():
         want = fp8.round_through_fp8(original[name]) if fp8.quantized(name) else original[name]
         assert torch.equal(tensor, want), name
@@ -103,11 +113,11 @@ def test_an_fp8_engine_holds_rounded_linear_weights_and_reports_log_mu_of_them(m
     assert worst < 1e-5 and moved > 1e-4  # exact for its own weights; a real gap from the unrounded ones
     # the layers compute in block FP8: their inputs are rounded too (w8a8), not only their weights
     from bpo_megatron.rollout.hf.fp8_compute import Fp8Experts, Fp8Linear
-    layer = engine.model.model.layers[0]
+    layer = engine.model.model.layers[-1]  # an MoE layer (GLM-4.5 begins with a dense one)
     assert isinstance(layer.self_attn.q_proj, Fp8Linear) and isinstance(layer.mlp.experts, Fp8Experts)
     # the output layer and the router stay in the engine's precision
     assert not isinstance(engine.model.lm_head, Fp8Linear)
-    assert type(layer.mlp.gate) is type(exact.model.model.layers[0].mlp.gate)
+    assert type(layer.mlp.gate) is type(exact.model.model.layers[-1].mlp.gate)
     weights_only = exact.model
     with torch.no_grad():
         for name, view in exact.named_hf_weights():
@@ -118,7 +128,7 @@ def test_an_fp8_engine_holds_rounded_linear_weights_and_reports_log_mu_of_them(m
     inputs_rounded = (logprobs[prompt - 1:].gather(1, sample.response_tokens[:, None])[:, 0] - sample.rollout_logprobs)
     assert float(inputs_rounded.abs().max()) > 1e-4
     # a weight update arrives as sent, is held rounded, and the layer's e4m3 copy follows it in place
-    name = "model.layers.0.self_attn.q_proj.weight"
+    name = f"model.layers.{len(engine.model.model.layers) - 1}.self_attn.q_proj.weight"  # `layer`'s
     sent = original[name] * 1.5
     before = layer.self_attn.q_proj.fp8_weight.data_ptr()
     engine.begin_weight_update(1)

@@ -33,8 +33,10 @@ BLOCK = (128, 128)
 RELATIVE_ROUNDING = 2.0**-4
 SUBNORMAL_STEP = 2.0**-9
 
-# the Hugging Face names of the weights FP8 serving quantizes (a router's "mlp.gate.weight" is not one)
-_QUANTIZED = re.compile(r"\.(self_attn\.(q|k|v|o)_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)\.weight$")
+# the Hugging Face names of the weights FP8 serving quantizes: attention's projections, the MLPs',
+# the routed experts' and the shared experts' (GLM-4.5); a router's "mlp.gate.weight" is not one
+_QUANTIZED = re.compile(r"\.(self_attn\.(q|k|v|o)_proj|mlp\.(experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj)"
+                        r"\.weight$")
 
 
 # An FP8-serialized checkpoint (SGLang's --quantization fp8, block scales): each quantized weight
