@@ -372,3 +372,13 @@ def test_the_committed_tier_m_tables_rebuild_from_their_csv(tmp_path):
             "--out", str(tmp_path)]
     assert main(argv) == 0
     assert (tmp_path / "results.md").read_text() == (tier_m / "results.md").read_text()
+
+
+@pytest.mark.parametrize("stat", ["final-window", "auc", "heldout-peak"])
+def test_the_committed_tier_c_tables_rebuild_from_their_csvs(stat, tmp_path):
+    """experiments/tier_c/tables/<stat>/results.md is what experiments/tier_c/tables.sh's command
+    writes from the 20 committed CSVs alone, byte for byte."""
+    tier_c = TIER_B.parents[1] / "tier_c"
+    csvs = ",".join(str(tier_c / "main" / f"runs_s{seed}.csv") for seed in range(1, 21))
+    assert main(["compare", "--from-csv", csvs, "--primary", "grpo@main", "--stat", stat, "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "results.md").read_text() == (tier_c / "tables" / stat / "results.md").read_text()

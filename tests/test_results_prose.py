@@ -1,5 +1,6 @@
-"""The numbers in the prose of experiments/tier_b/README.md, experiments/multi_turn/README.md and
-experiments/tier_m/README.md (and its row of docs/results.md) are the committed CSVs' numbers.
+"""The numbers in the prose of experiments/tier_b/README.md, experiments/multi_turn/README.md,
+experiments/tier_c/README.md and experiments/tier_m/README.md (and their rows of docs/results.md)
+are the committed CSVs' numbers.
 
 Each is recomputed here with the csv module and closed-form statistics (Student t quantiles from
 tables), not by ``compare``, and the text must state it as written below: a sentence that drifts
@@ -20,7 +21,7 @@ TIER_B = ROOT / "experiments" / "tier_b"
 MULTI_TURN = ROOT / "experiments" / "multi_turn"
 TIER_M = ROOT / "experiments" / "tier_m"
 RESULTS = (TIER_B / "README.md").read_text() + "\n" + (MULTI_TURN / "README.md").read_text()
-T_975 = {2: 4.302653, 9: 2.262157}  # two-sided 95% Student t quantiles by degrees of freedom
+T_975 = {2: 4.302653, 9: 2.262157, 19: 2.093024}  # two-sided 95% Student t quantiles by degrees of freedom
 
 
 def _runs(path: Path) -> dict[tuple, list[dict]]:
@@ -259,3 +260,40 @@ def test_the_tier_m_diagnostics_and_exploratory_contrasts():
     for method, label in (("bpo_sc", "BPO + SC"), ("grpo_sc", "GRPO-CH + SC")):
         mean, _, low, high = interval(_versus_tis(method, reference="bpo"))
         assert f"{label} {'is ' if method == 'bpo_sc' else ''}{signed(mean)} [{signed(low)}, {signed(high)}]" in text
+
+
+# Tier C: BPO against GRPO-ClipHigher on the scratchpad task, seeds 1-20 (one CSV per seed)
+TIER_C = ROOT / "experiments" / "tier_c"
+
+
+def _tier_c_runs() -> dict[tuple, list[dict]]:
+    runs: dict[tuple, list[dict]] = {}
+    for seed in range(1, 21):
+        runs.update(_runs(TIER_C / "main" / f"runs_s{seed}.csv"))
+    return runs
+
+
+def test_the_tier_c_verdict_its_numbers_and_the_means_by_step():
+    runs, seeds = _tier_c_runs(), range(1, 21)
+    text = (TIER_C / "README.md").read_text()
+    flat = " ".join(text.split())
+    deltas = [final_window(runs[("bpo", s)]) - final_window(runs[("grpo", s)]) for s in seeds]
+    mean, sd, low, high = interval(deltas)
+    assert (f"Δ = BPO − GRPO-ClipHigher = {signed(mean)} points [{signed(low)}, {signed(high)}] (95% t-interval, "
+            f"19 degrees of freedom; paired t-test p < 0.001), n = 20 pairs, achieved σ_d = {sd:.1f} points") in flat
+    assert f"BPO ended ahead in {sum(d > 0 for d in deltas)} of the 20 seeds" in flat
+    # the pre-registered reading: supports if low > 0, refutes the scaled effect if high < +2, else cannot tell
+    reading = "supports" if low > 0 else "refutes the paper's effect scaled to this task" if high < 2 else "cannot tell"
+    assert f"**Reading (pre-registered): *{reading}***" in text
+    assert f"upper bound, {signed(high)}, is below +2 points" in flat
+    for method, label in (("bpo", "BPO"), ("grpo", "GRPO-ClipHigher")):
+        windows = [final_window(runs[(method, s)]) for s in seeds]
+        by_step = ", ".join(f"{statistics.fmean(_accuracy(runs[(method, s)])[step] for s in seeds):.1f}"
+                            for step in range(0, 121, 20))
+        assert f"| {label} | {statistics.fmean(windows):.1f} ± {statistics.stdev(windows):.1f} | {by_step} |" in text
+    starts = [start(rows) for rows in runs.values()]
+    assert f"({min(starts):.1f}–{max(starts):.1f}% across seeds)" in flat
+    row = (ROOT / "docs" / "results.md").read_text()
+    assert f"BPO − GRPO-ClipHigher = {signed(mean)} points [{signed(low)}, {signed(high)}], n = 20, σ_d = {sd:.1f}" in row
+    masked = {m: 100 * statistics.fmean(step_mean(runs[(m, s)], "clip_frac") for s in seeds) for m in ("bpo", "grpo")}
+    assert f"BPO masked {masked['bpo']:.2f}% of the tokens and GRPO-ClipHigher {masked['grpo']:.2f}%" in flat

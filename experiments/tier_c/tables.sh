@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Tier C's tables (README.md beside this file), from the committed CSVs of the primary runs alone:
+#   tables/final-window   the pre-registered primary contrast (GRPO-ClipHigher − BPO, the reverse of Δ;
+#                         written grpo@main/0 in the pre-registration: these runs record no staleness,
+#                         so compare names the contrast grpo@main)
+#   tables/auc, tables/heldout-peak   the same contrast in the secondary statistics (exploratory)
+#   bash experiments/tier_c/tables.sh         (from the repository root; seconds)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+csvs=$(printf 'experiments/tier_c/main/runs_s%d.csv,' $(seq 1 20))
+csvs=${csvs%,}
+for stat in final-window auc heldout-peak; do
+    mkdir -p "experiments/tier_c/tables/$stat"
+    .venv/bin/bpo-megatron compare --from-csv "$csvs" --primary grpo@main --stat "$stat" \
+        --out "experiments/tier_c/tables/$stat"
+done
