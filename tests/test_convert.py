@@ -80,6 +80,24 @@ def _hf_logits(directory: Path) -> torch.Tensor:
         return model(_batch(model.config.vocab_size)).logits
 
 
+def _hf_model(directory: Path):
+    """transformers' own model of a checkpoint directory, in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def _save(raw: dict[str, Any], out: Path, seed: int) -> tuple[Path, torch.Tensor]:
+    """A random checkpoint of the config.json dict ``raw`` in ``out`` (the test kit's initialisation)
+    and transformers' fp32 logits on the fixed batch."""
+    from bpo_megatron.testing.models import random_checkpoint, write_config
+
+    random_checkpoint(write_config(raw, out) / "config.json", out, seed=seed)
+    (out / "tokenizer.json").write_text('{"version": "1.0"}')  # stands in for a tokenizer
+    with torch.no_grad():
+        return out, _hf_model(out)(_batch(raw["vocab_size"])).logits
+
+
 def _assert_logits_close(got: torch.Tensor, ref: torch.Tensor) -> None:
     assert got.shape == ref.shape
     relative = ((got - ref).abs().max() / ref.abs().max()).item()

@@ -22,18 +22,20 @@ from test_glm4_moe import _engine_samples, _r3_rank
 
 from test_convert import (
     TIMEOUT,
-    _live_export,
     _batch,
     _check_export,
     _check_megatron_logits,
+    _hf_model,
+    _live_export,
     _safetensors,
+    _save,
 )
 
 from bpo_megatron.convert import convert_hf_to_mcore
 from bpo_megatron.models import HFModelConfig, ModelOptions
 from bpo_megatron.parallel import ParallelConfig
 from bpo_megatron.testing import MODEL_CONFIGS
-from bpo_megatron.testing.models import random_checkpoint, write_config
+from bpo_megatron.testing.models import write_config
 from bpo_megatron.weights import hf_tensor_shapes
 
 FIXTURE = MODEL_CONFIGS / "tiny_deepseek_v3" / "config.json"
@@ -47,20 +49,6 @@ def deepseek_dict(**overrides: Any) -> dict[str, Any]:
     raw = json.loads(FIXTURE.read_text())
     raw.update(overrides)
     return raw
-
-
-def _hf_model(directory: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-
-
-def _save(raw: dict[str, Any], out: Path, seed: int) -> tuple[Path, torch.Tensor]:
-    """A random DeepSeek-V3 checkpoint of ``raw`` in ``out`` and transformers' logits on the fixed batch."""
-    random_checkpoint(write_config(raw, out) / "config.json", out, seed=seed)
-    (out / "tokenizer.json").write_text('{"version": "1.0"}')
-    with torch.no_grad():
-        return out, _hf_model(out)(_batch(raw["vocab_size"])).logits
 
 
 @pytest.fixture(scope="module")
