@@ -21,6 +21,7 @@ from bpo_megatron.losses import PolicyLossConfig
 from bpo_megatron.loop.config import CheckpointConfig, LoopConfig
 from bpo_megatron.models.config import ModelConfig
 from bpo_megatron.models.hf_config import HFModelConfig
+from bpo_megatron.models.qwen3 import check_megatron_builds
 from bpo_megatron.observability.config import LoggingConfig
 from bpo_megatron.orchestration.config import ClusterConfig
 from bpo_megatron.parallel import ParallelConfig
@@ -188,6 +189,10 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
         # latent projections would reach an FP8 server unquantized
         raise ConfigError(f"rollout.{cfg.rollout.engine}.quantization=fp8 is not supported for {hf.architecture} "
                           "(multi-head latent attention): serve it unquantized")
+    try:
+        check_megatron_builds(hf)
+    except ValueError as exc:
+        raise ConfigError(f"model.path={cfg.model.path!r}: {exc}") from exc
     if hf.multi_latent_attention and cfg.parallel.cp > 1:
         # the context-parallel attention (models/context_attention.py) gathers grouped-query keys and
         # values; latent attention's query/key and value widths differ and have no CP path yet

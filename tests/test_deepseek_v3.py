@@ -522,3 +522,17 @@ def test_the_balancers_cost_counts_latent_attentions_products_per_query_key_pair
     hf = HFModelConfig.load(FIXTURE)
     _, active = parameter_counts(hf)
     assert CostModel.of(hf).attention_span == pytest.approx((active - 200 * 64) / (4 * (48 + 24) * 3), rel=1e-12)
+
+
+def test_latent_attention_is_refused_up_front_where_megatron_core_does_not_build_it(monkeypatch, capsys) -> None:
+    """megatron-core 0.19's MLA does not build on the local spec: refused at the config check,
+    naming the version, before any model (this CI's newest-megatron leg would otherwise fail at
+    the build)."""
+    from bpo_megatron.cli import main
+    from bpo_megatron.megatron import compat
+
+    monkeypatch.setattr(compat, "megatron_minor", lambda: 19)
+    monkeypatch.setattr(compat, "megatron_version", lambda: "0.19.2")
+    assert main(["train", str(MOONLIGHT_RECIPE), "--check"]) == 2
+    assert ("DeepseekV3ForCausalLM (multi-head latent attention) is built with megatron-core 0.16 only; "
+            "megatron-core 0.19.2 is installed") in capsys.readouterr().err

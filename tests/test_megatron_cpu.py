@@ -193,9 +193,11 @@ def _idempotency_rank() -> dict[str, Any]:
         "first": first,
         "second": second,
         "registered": [patch.name for patch in compat._PATCHES],
-        # 0.17+ define te_general_gemm themselves (the 0.16 fix is not applied there)
+        # 0.17+ define te_general_gemm themselves and set latent attention's HAVE_TE from TE (the
+        # 0.16 fixes are not applied there)
         "not_replaced": [name for name in before if before[name] is after_first[name]
-                         and not (name == "moe_utils.te_general_gemm" and compat.megatron_minor() > 16)],
+                         and not (name in ("moe_utils.te_general_gemm", "multi_latent_attention.HAVE_TE")
+                                  and compat.megatron_minor() > 16)],
         "changed_by_second_call": [
             name for name in after_first if after_first[name] is not after_second[name]
         ],
@@ -264,15 +266,14 @@ def test_compat_is_a_no_op_with_cuda() -> None:
     assert out["applied"] == ()
     assert out["changed"] == []
     # without transformer-engine or apex four things show on GPUs too, and only they are mended:
-    # the 0.16 router bug (0.17 fixed it upstream), latent attention that cannot be built, the
+    # the 0.16 router bug (0.17 fixed it upstream), latent attention that cannot be built (0.16), the
     # per-tensor syncs of the grad norm and the packed RoPE's host reads
     mended = ["clip_grads.l2_norm_impl", "clip_grads.multi_tensor_scale_impl", "optimizer.multi_tensor_scale_impl",
-              "rope_utils._apply_rotary_pos_emb_thd", "multi_latent_attention.HAVE_TE"]
-    always = ("latent_attention_without_te", "multi_tensor_ops_without_per_tensor_syncs",
-              "packed_rotary_embedding_without_host_reads")
+              "rope_utils._apply_rotary_pos_emb_thd"]
+    always = ("multi_tensor_ops_without_per_tensor_syncs", "packed_rotary_embedding_without_host_reads")
     if compat.megatron_minor() == 16:
-        assert out["fixed"] == ("define_te_general_gemm_without_te", *always)
-        assert out["changed_by_fixes"] == ["moe_utils.te_general_gemm", *mended]
+        assert out["fixed"] == ("define_te_general_gemm_without_te", "latent_attention_without_te", *always)
+        assert out["changed_by_fixes"] == ["moe_utils.te_general_gemm", *mended, "multi_latent_attention.HAVE_TE"]
         assert out["te_general_gemm"] is None
     else:
         assert out["fixed"] == always

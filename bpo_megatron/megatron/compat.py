@@ -156,7 +156,7 @@ def _define_te_general_gemm_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
-@_fix()
+@_fix(fixed_upstream_in=17)  # 0.19 sets HAVE_TE from TE itself (latent attention is built on 0.16 only)
 def _latent_attention_without_te() -> None:
     # Without transformer-engine, megatron.core.extensions.transformer_engine still imports (its TE
     # names are mocks), so multi_latent_attention sets HAVE_TE=True and its constructor's

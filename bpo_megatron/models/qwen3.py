@@ -56,6 +56,24 @@ def model_vocab_size(hf: HFModelConfig, parallel: ParallelConfig, options: Model
     return padded_vocab_size(hf.vocab_size, parallel.tp, options.make_vocab_size_divisible_by)
 
 
+# The megatron-core minor versions whose multi-head latent attention this package builds (its
+# conversion, logits and R3 checked against transformers): megatron-core 0.19 binds the plain
+# Linear MLA's down projections take only where transformer-engine imports, and refuses the query
+# norm a model without a query latent leaves unused, so its MLA does not build on the local spec.
+LATENT_ATTENTION_MEGATRON_MINORS = (16,)
+
+
+def check_megatron_builds(hf: HFModelConfig) -> None:
+    """Refuse, naming the version, an architecture the installed megatron-core does not build
+    here (multi-head latent attention outside :data:`LATENT_ATTENTION_MEGATRON_MINORS`). Reads
+    package metadata only: callable on a driver before any model or Ray starts."""
+    from bpo_megatron.megatron.compat import megatron_minor, megatron_version
+
+    if hf.multi_latent_attention and megatron_minor() not in LATENT_ATTENTION_MEGATRON_MINORS:
+        raise ValueError(f"{hf.architecture} (multi-head latent attention) is built with megatron-core 0.16 only; "
+                         f"megatron-core {megatron_version()} is installed: install megatron-core==0.16.1")
+
+
 def transformer_config(
     hf: HFModelConfig, parallel: ParallelConfig, options: ModelOptions
 ) -> TransformerConfig:
@@ -67,6 +85,7 @@ def transformer_config(
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+    check_megatron_builds(hf)
     options = options.resolved()  # an unset dtype: this process's platform default
     parallel.validate_model(
         num_layers=hf.num_hidden_layers,
