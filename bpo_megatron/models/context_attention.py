@@ -61,3 +61,10 @@ def without_context_parallelism(config):
     local = copy.copy(config)
     local.context_parallel_size = 1
     return local
+
+
+def refuse_unpacked(context_parallel_size: int) -> None:
+    """A local core attention under context parallelism given a padded batch: CP splits packed
+    rows only (the trainer packs whenever ``parallel.cp > 1``; this guards direct use)."""
+    if context_parallel_size > 1:
+        raise ValueError("context parallelism splits packed rows only: set trainer.max_tokens_per_micro_batch")

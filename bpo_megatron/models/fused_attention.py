@@ -32,7 +32,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from bpo_megatron.models.context_attention import context_parallel_attention, without_context_parallelism
+from bpo_megatron.models.context_attention import (context_parallel_attention, refuse_unpacked,
+                                                    without_context_parallelism)
 from bpo_megatron.models.packed_attention import check_packed_layout
 from bpo_megatron.models.varlen_attention import varlen_causal_attention
 
@@ -74,8 +75,7 @@ class FusedDotProductAttention(DotProductAttention):
                                           packed_seq_params.cu_seqlens_kv, packed_seq_params.max_seqlen_q,
                                           packed_seq_params.max_seqlen_kv, scale=self.softmax_scale)
             return out.reshape(out.shape[0], 1, -1)
-        if self.context_parallel_size > 1:
-            raise ValueError("context parallelism splits packed rows only: set trainer.max_tokens_per_micro_batch")
+        refuse_unpacked(self.context_parallel_size)
         if query.shape[0] != key.shape[0]:
             raise ValueError(f"causal self-attention needs as many queries as keys, got {query.shape[0]} and "
                              f"{key.shape[0]}")

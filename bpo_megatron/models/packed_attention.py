@@ -25,7 +25,8 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from bpo_megatron.models.context_attention import context_parallel_attention, without_context_parallelism
+from bpo_megatron.models.context_attention import (context_parallel_attention, refuse_unpacked,
+                                                    without_context_parallelism)
 
 
 class PackedDotProductAttention(DotProductAttention):
@@ -40,8 +41,7 @@ class PackedDotProductAttention(DotProductAttention):
                 attention_mask: torch.Tensor | None, attn_mask_type=None, attention_bias: torch.Tensor | None = None,
                 packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
         if packed_seq_params is None:
-            if self.context_parallel_size > 1:
-                raise ValueError("context parallelism splits packed rows only: set trainer.max_tokens_per_micro_batch")
+            refuse_unpacked(self.context_parallel_size)
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias)
         check_packed_layout(packed_seq_params)
