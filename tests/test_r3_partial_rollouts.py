@@ -5,6 +5,7 @@ they see prompt tokens. And what π_old is under train.async (the weights at the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -54,6 +55,19 @@ def test_tokens_sampled_with_other_routing_are_masked_and_counted_under_r3():
     # the synchronous loop's metrics stay what they were
     _, synchronous = training_samples(samples, rewards, 2, keep_routing=True, asynchronous=False)
     assert not any(key.startswith("async/") for key in synchronous)
+
+
+def test_the_entropy_proxy_is_the_mean_surprisal_of_the_models_own_tokens():
+    """rollout/neg_log_mu_mean: the mean −log μ over every sampled token of the batch (tokens, not
+    responses, weigh alike); a tool's tokens carry no μ and are left out."""
+    first = dataclasses.replace(_sample(2, [0, 0, 0], None), rollout_logprobs=torch.tensor([-0.5, -1.0, -2.5]))
+    second = dataclasses.replace(_sample(2, [0], None), rollout_logprobs=torch.tensor([-4.0]))
+    _, metrics = training_samples([first, second], torch.tensor([1.0, 0.0]), 2, keep_routing=False)
+    assert metrics["rollout/neg_log_mu_mean"] == pytest.approx((0.5 + 1.0 + 2.5 + 4.0) / 4)
+    with_tool = dataclasses.replace(first, rollout_logprobs=torch.tensor([-0.5, 0.0, -2.5]),
+                                    from_environment=torch.tensor([False, True, False]))
+    _, metrics = training_samples([with_tool, second], torch.tensor([1.0, 0.0]), 2, keep_routing=False)
+    assert metrics["rollout/neg_log_mu_mean"] == pytest.approx((0.5 + 2.5 + 4.0) / 3)
 
 
 # ------------------------------------------------------------------------------ the loss side

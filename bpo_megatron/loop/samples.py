@@ -25,6 +25,9 @@ def training_samples(samples: list[Sample], rewards: torch.Tensor, group_size: i
     Tokens the environment inserted into a multi-turn response (``Sample.from_environment``: a
     tool's output) are never trained on: the model did not sample them. Such steps also report
     ``agent/tool_calls_mean`` (environment turns per response) and ``agent/env_token_frac``.
+
+    ``rollout/neg_log_mu_mean``: the mean −log μ of the model's sampled tokens, an entropy proxy
+    (its expectation under μ is the sampling policy's entropy at the states visited).
     """
     advantages, metrics = group_advantages(rewards, group_size)
     train = [TrainSample(tokens=s.tokens, response_start=s.prompt_tokens.numel(),
@@ -37,6 +40,10 @@ def training_samples(samples: list[Sample], rewards: torch.Tensor, group_size: i
     metrics.update(response_length_mean=float(lengths.mean()), response_length_max=float(lengths.max()),
                    truncated_frac=sum(s.finish_reason == "length" for s in samples) / len(samples))
     model_tokens = sum(int(s.model_tokens.sum()) for s in samples)
+    # an entropy proxy: the mean surprisal −log μ of the tokens the model sampled (the environment's
+    # tokens have none). Its expectation under μ is the policy's entropy at the visited states.
+    surprisal = sum(float(-s.rollout_logprobs[s.model_tokens].double().sum()) for s in samples)
+    metrics["rollout/neg_log_mu_mean"] = surprisal / max(model_tokens, 1)
     if keep_routing:  # responses SGLang retracted for KV space: their routing is not what sampled them, masked
         metrics["rollout/retracted_frac"] = sum(s.retracted_for_space for s in samples) / len(samples)
     if keep_routing and asynchronous:
