@@ -175,8 +175,7 @@ class TrainActor:
                 logits, micro.targets, self._tp_group, temperature=self.trainer_cfg.temperature,
                 with_entropy=True, inplace=True, vocab_size=self.hf.vocab_size, kernel=self.trainer_cfg.logprob_kernel,
                 targets_checked=True)  # the share's token ids were checked on the host (_check_share)
-            return logp.sum() * 0.0, {"logp": micro.as_padded(logp), "entropy": micro.as_padded(entropy),
-                                      "micro": micro.padded}
+            return logp.sum() * 0.0, {"logp": micro.as_padded(logp), "entropy": micro.as_padded(entropy)}
 
         for module in self.ddp:
             module.eval()
