@@ -475,6 +475,45 @@ def test_bad_input_is_refused_naming_the_argument(mutate, match):
         compute_policy_loss(*mutate(_good()), CFG)
 
 
+BAD_VALUES = [  # (logprobs, rollout_logprobs, advantages, old_logprobs) of a bad call -> its error
+    (lambda a: (a[0].index_fill(1, torch.tensor([1]), float("nan")), *a[1:]), r"^logprobs has 2 non-finite .*\[0, 1\]"),
+    (lambda a: (a[0], a[1].index_fill(1, torch.tensor([2]), float("inf")), *a[2:]), "^rollout_logprobs has 2 non-finite"),
+    (lambda a: (a[0] + 1.0, *a[1:]), r"^logprobs has 6 values > 0 under loss_mask \(first at \[0, 0\]: 0.3069\)"),
+    (lambda a: (a[0], a[1] + 1.0, *a[2:]), "^rollout_logprobs has 6 values > 0"),
+    (lambda a: (a[0], a[1], torch.tensor([1.0, float("nan")]), a[3]), "^advantages has non-finite"),
+    (lambda a: (*a[:3], a[3] + 1.0), "^old_logprobs has 6 values > 0"),
+]
+
+
+@pytest.mark.parametrize("mutate, match", BAD_VALUES)
+def test_deferred_value_checks_read_once_and_raise_the_first_bad_calls_error(mutate, match):
+    """A trainer's micro-batches leave the value checks to one DeferredChecks: the loss calls read
+    nothing back from the device, and the one read before the update raises what the first bad
+    call would have raised at once."""
+    from bpo_megatron.bench.ops import _count
+    from bpo_megatron.losses import DeferredChecks, policy_loss
+
+    def good():
+        lp = torch.log(torch.full((2, 3), 0.5))
+        return lp, lp.clone(), torch.ones(2), lp.clone()
+
+    def call(args, deferred=None):
+        logprobs, rollout, advantages, old = args
+        return policy_loss(logprobs, rollout, advantages, torch.ones(2, 3, dtype=torch.bool), CFG,
+                           totals=BatchTotals(tokens=18.0, sequences=6.0), old_logprobs=old, deferred=deferred)
+
+    with pytest.raises(ValueError, match=match):
+        call(mutate(good()))  # at once, without deferring
+    deferred = DeferredChecks()
+    counts = _count(lambda: [call(args, deferred) for args in (good(), mutate(good()), good())])
+    assert counts["scalar_reads"] == counts["data_shaped"] == counts["tolist_cpu"] == 0
+    with pytest.raises(ValueError, match=match):
+        deferred.raise_first()
+    fine = DeferredChecks()
+    call(good(), fine)
+    assert _count(fine.raise_first)["scalar_reads"] == 1  # and no error
+
+
 def test_nonfinite_values_off_the_mask_are_ignored():
     lp, lq, adv, _ = _good()
     lp[0, 2] = float("nan")

@@ -174,9 +174,14 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     parser.add_argument("--micro-batches", type=int, default=2, help="k: micro-batches of the smaller step")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per sample (one sample per micro-batch)")
     parser.add_argument("--kit-layers", type=int, default=16, help="layer count to extrapolate to (the kit model's)")
+    parser.add_argument("--all-fast-paths-only", action="store_true",
+                        help="measure only the last row, every fast path on (two gloo worlds instead of eight)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     results = {}
-    for label, options in cumulative_variants().items():
+    variants = cumulative_variants()
+    if args.all_fast_paths_only:
+        variants = dict(list(variants.items())[-1:])
+    for label, options in variants.items():
         (base,) = run_gloo_world(_measure, 1, options, {**MODEL, "num_hidden_layers": args.layers},
                                  args.micro_batches, args.tokens, timeout=1200)
         (deeper,) = run_gloo_world(_measure, 1, options, {**MODEL, "num_hidden_layers": args.layers + 1},

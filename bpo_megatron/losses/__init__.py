@@ -13,6 +13,7 @@ from bpo_megatron.losses.core import compute_policy_loss, policy_loss
 from bpo_megatron.losses.registry import POLICY_LOSSES, PolicyLoss, register_policy_loss
 from bpo_megatron.losses.statistics import LossStatistics
 from bpo_megatron.losses.terms import TokenTerms
+from bpo_megatron.losses.validation import DeferredChecks
 
 __all__ = [
     "AGGREGATIONS",
@@ -21,6 +22,7 @@ __all__ = [
     "POLICY_LOSSES",
     "PolicyLoss",
     "CorrectionConfig",
+    "DeferredChecks",
     "PolicyLossConfig",
     "TokenTerms",
     "compute_policy_loss",

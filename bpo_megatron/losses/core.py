@@ -11,7 +11,13 @@ from bpo_megatron.losses.registry import POLICY_LOSSES
 from bpo_megatron.losses.score_centering import FOLLOWS_CORRECTION_MASK, centering_term
 from bpo_megatron.losses.statistics import LossStatistics
 from bpo_megatron.losses.terms import TokenTerms
-from bpo_megatron.losses.validation import check_logprobs, validate_policy_loss_inputs
+from bpo_megatron.losses.validation import (
+    DeferredChecks,
+    check_logprobs,
+    check_values,
+    refuses_logprobs,
+    validate_policy_loss_inputs,
+)
 
 
 def policy_loss(
@@ -25,10 +31,14 @@ def policy_loss(
     old_logprobs: torch.Tensor | None = None,
     head_logprobs: torch.Tensor | None = None,
     sampler_head_logprobs: torch.Tensor | None = None,
+    deferred: DeferredChecks | None = None,
 ) -> tuple[torch.Tensor, LossStatistics]:
     """Like :func:`compute_policy_loss`, but the statistics stay tensors (no host sync for them)
-    so a trainer can merge them over micro-batches and ranks before reading them."""
-    advantages, mask = validate_policy_loss_inputs(logprobs, rollout_logprobs, advantages, loss_mask)
+    so a trainer can merge them over micro-batches and ranks before reading them. With
+    ``deferred`` the checks of the input values are left to it (its one read before the update)
+    and the call reads nothing back from the device."""
+    advantages, mask = validate_policy_loss_inputs(logprobs, rollout_logprobs, advantages, loss_mask,
+                                                   deferred=deferred)
     if old_logprobs is None and cfg.correction.active:
         raise ValueError(f"loss.correction={cfg.correction.name} needs the trainer's recomputed log-probs of the behaviour "
                          "weights (old_logprobs): set train.recompute_old_logprobs=true")
@@ -51,7 +61,8 @@ def policy_loss(
         if old_logprobs.shape != logprobs.shape:
             raise ValueError(f"old_logprobs shape {tuple(old_logprobs.shape)} does not match logprobs "
                              f"{tuple(logprobs.shape)}")
-        check_logprobs("old_logprobs", old_logprobs.detach(), mask)
+        old = old_logprobs.detach()
+        check_values(lambda: check_logprobs("old_logprobs", old, mask), lambda: refuses_logprobs(old, mask), deferred)
         behaviour = terms_of(old_logprobs, rollout_logprobs)  # π_old against μ
     terms = terms_of(logprobs, rollout_logprobs if old_logprobs is None else old_logprobs)
     with torch.no_grad():

@@ -82,7 +82,8 @@ class LossStatistics:
         ).to(torch.float64)
         denominators = torch.stack([count, pos.sum(), neg.sum(), *[b.sum() for b in bins], count, count, count,
                                     *extra_counts]).to(torch.float64)
-        weight_max = w.max() if mask.any() else zero
+        # the masked-out cells of w are 0, the maximum of a mask without tokens
+        weight_max = w.max() if w.numel() else zero
         return LossStatistics(numerators, denominators, weight_max.reshape(1).to(torch.float64))
 
     def merge(self, other: "LossStatistics") -> "LossStatistics":
@@ -102,9 +103,20 @@ class LossStatistics:
         return LossStatistics(sums[:n], sums[n:], maxima)
 
     def as_metrics(self) -> dict[str, float]:
-        means = (self.numerators / self.denominators.clamp(min=1.0)).tolist()
-        metrics = {name: mean for name, mean, count in zip(MEAN_METRICS, means, self.denominators.tolist())
+        return self.metrics_of(self.packed().tolist())
+
+    def packed(self) -> torch.Tensor:
+        """Everything :meth:`metrics_of` needs in one float64 tensor (read to the host at once)."""
+        return torch.cat([self.numerators, self.denominators, self.maxima])
+
+    @staticmethod
+    def metrics_of(values: list[float]) -> dict[str, float]:
+        """The metrics from :meth:`packed`'s values on the host."""
+        n = len(MEAN_METRICS)
+        numerators, denominators, maxima = values[:n], values[n : 2 * n], values[2 * n :]
+        metrics = {name: numerator / max(count, 1.0)
+                   for name, numerator, count in zip(MEAN_METRICS, numerators, denominators, strict=True)
                    if count > 0 or name not in OPTIONAL_METRICS}
-        metrics.update(zip(MAX_METRICS, self.maxima.tolist()))
-        metrics["num_tokens"] = float(self.denominators[0])
+        metrics.update(zip(MAX_METRICS, maxima, strict=True))
+        metrics["num_tokens"] = denominators[0]
         return metrics

@@ -1,6 +1,13 @@
-"""Input checks of the policy loss: bad rollout data must fail loudly, before any update."""
+"""Input checks of the policy loss: bad rollout data must fail loudly, before any update.
+
+The value checks read the inputs back to the host. A trainer that computes the loss once per
+micro-batch defers them (:class:`DeferredChecks`): each call only adds to one device flag, read
+once before the optimizer step, and the same error is raised from the inputs kept for it.
+"""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -31,13 +38,55 @@ def check_logprobs(name: str, value: torch.Tensor, mask: torch.Tensor) -> None:
         )
 
 
+def refuses_logprobs(value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Whether :func:`check_logprobs` refuses ``value`` under ``mask``, as a device flag (no host read)."""
+    return (mask & (~torch.isfinite(value) | (value > LOGPROB_TOLERANCE))).any()
+
+
+class DeferredChecks:
+    """The value checks of many loss calls (a training step's micro-batches) with one host read.
+
+    Each check given to :meth:`add` comes with whether it would refuse, as a device flag; the flags
+    are OR-ed on the device and the inputs kept. :meth:`raise_first` reads the flag once and, if
+    it is set, runs the kept checks in the order they were added: the error is the one the first
+    bad call would have raised at once. Call it before anything is trained on the inputs.
+    """
+
+    def __init__(self) -> None:
+        self._refused: torch.Tensor | None = None
+        self._checks: list[Callable[[], None]] = []
+
+    def add(self, check: Callable[[], None], refuses: torch.Tensor) -> None:
+        self._refused = refuses if self._refused is None else self._refused | refuses
+        self._checks.append(check)
+
+    def raise_first(self) -> None:
+        if self._refused is None or not bool(self._refused):  # the one host read
+            return
+        for check in self._checks:
+            check()
+
+
+def check_values(check: Callable[[], None], refuses: Callable[[], torch.Tensor],
+                 deferred: DeferredChecks | None) -> None:
+    """Run ``check`` now, or, with ``deferred``, add it there with ``refuses()`` (the same
+    question as a device flag)."""
+    if deferred is None:
+        check()
+    else:
+        deferred.add(check, refuses())
+
+
 def validate_policy_loss_inputs(
     logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
+    *,
+    deferred: DeferredChecks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Check shapes and values; return (advantages broadcast to [B, T], loss_mask as bool)."""
+    """Check shapes and values (the values later with ``deferred``); return (advantages
+    broadcast to [B, T], loss_mask as bool)."""
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must have shape [B, T], got {tuple(logprobs.shape)}")
     shape = logprobs.shape
@@ -58,10 +107,16 @@ def validate_policy_loss_inputs(
         if bool(((loss_mask != 0) & (loss_mask != 1)).any()):
             raise ValueError("loss_mask must hold only 0/1 (or be bool)")
         loss_mask = loss_mask != 0
-    check_logprobs("logprobs", logprobs.detach(), loss_mask)
-    check_logprobs("rollout_logprobs", rollout_logprobs.detach(), loss_mask)
     if not advantages.is_floating_point():
         raise ValueError(f"advantages must be floating point, got {advantages.dtype}")
-    if bool((loss_mask & ~torch.isfinite(advantages)).any()):
-        raise ValueError("advantages has non-finite values under loss_mask")
+    current, rollout, mask = logprobs.detach(), rollout_logprobs.detach(), loss_mask
+
+    def check() -> None:
+        check_logprobs("logprobs", current, mask)
+        check_logprobs("rollout_logprobs", rollout, mask)
+        if bool((mask & ~torch.isfinite(advantages)).any()):
+            raise ValueError("advantages has non-finite values under loss_mask")
+
+    check_values(check, lambda: refuses_logprobs(current, mask) | refuses_logprobs(rollout, mask)
+                 | (mask & ~torch.isfinite(advantages)).any(), deferred)
     return advantages, loss_mask

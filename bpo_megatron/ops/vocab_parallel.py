@@ -196,6 +196,7 @@ def vocab_parallel_logprobs(
     inplace: bool = False,
     vocab_size: int | None = None,
     kernel: Kernel = "auto",
+    targets_checked: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log π(targets) from this rank's vocabulary shard of the logits.
 
@@ -217,6 +218,9 @@ def vocab_parallel_logprobs(
         kernel: ``"fused"``: triton kernels that read the logits once forward and once backward
             (CUDA logits and triton needed; ``chunk_size`` does not apply); ``"chunked"``: the
             PyTorch passes above, on any device; ``"auto"``: fused where it can run, else chunked.
+        targets_checked: the caller checked that the ids lie in ``[0, vocab_size)`` where it built
+            them (the trainer: ``trainer.samples.check_samples``, on the host), so they are not read
+            again here (reading device targets waits for the device, twice a call).
 
     Returns:
         fp32 log-probs shaped like ``targets`` (and the entropy when ``with_entropy``).
@@ -241,7 +245,7 @@ def vocab_parallel_logprobs(
     if vocab_size is not None and not 0 < vocab_size <= padded_vocab:
         raise ValueError(f"vocab_size={vocab_size} must be in [1, {padded_vocab}] (shard x TP)")
     vocab = vocab_size or padded_vocab
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
+    if not targets_checked and targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
         raise ValueError(
             f"targets must lie in [0, {vocab}) (vocab shard {logits.shape[-1]} x TP {world}"
             f"{'' if vocab_size is None else f', real vocabulary {vocab_size}'}), "

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from bpo_megatron import platform
-from bpo_megatron.losses import BatchTotals, PolicyLossConfig, policy_loss
+from bpo_megatron.losses import BatchTotals, DeferredChecks, LossStatistics, PolicyLossConfig, policy_loss
 from bpo_megatron.models import HFModelConfig, ModelOptions, build_gpt_model
 from bpo_megatron.models.routing import expert_id_dtype
 from bpo_megatron.ops import vocab_parallel_logprobs, vocab_parallel_logprobs_at
@@ -173,9 +173,9 @@ class TrainActor:
         def loss_func(micro: Batch, logits: torch.Tensor):
             logp, entropy = vocab_parallel_logprobs(
                 logits, micro.targets, self._tp_group, temperature=self.trainer_cfg.temperature,
-                with_entropy=True, inplace=True, vocab_size=self.hf.vocab_size, kernel=self.trainer_cfg.logprob_kernel)
-            return logp.sum() * 0.0, {"logp": micro.as_padded(logp), "entropy": micro.as_padded(entropy),
-                                      "micro": micro.padded}
+                with_entropy=True, inplace=True, vocab_size=self.hf.vocab_size, kernel=self.trainer_cfg.logprob_kernel,
+                targets_checked=True)  # the share's token ids were checked on the host (_check_share)
+            return logp.sum() * 0.0, {"logp": micro.as_padded(logp), "entropy": micro.as_padded(entropy)}
 
         for module in self.ddp:
             module.eval()
@@ -190,12 +190,14 @@ class TrainActor:
         logps: list[torch.Tensor] = [torch.empty(0)] * len(share)
         entropies: list[torch.Tensor] = [torch.empty(0)] * len(share)
         for out, group in zip(outputs, groups, strict=True):
-            micro = out["micro"]
-            for row, (index, n) in enumerate(zip(group, micro.lengths.tolist(), strict=True)):
-                start = int(micro.loss_mask[row].nonzero()[0])
-                # results leave the trainer as host tensors: a driver may have no GPU at all
-                logps[index] = out["logp"][row, start:n].to("cpu", copy=True)
-                entropies[index] = out["entropy"][row, start:n].to("cpu", copy=True)
+            # results leave the trainer as host tensors (a driver may have no GPU at all): one copy
+            # of each micro-batch, cut on the host where each sample's responses lie
+            logp, entropy = out["logp"].to("cpu"), out["entropy"].to("cpu")
+            for row, index in enumerate(group):
+                sample = share[index]
+                responses = slice(sample.response_start - 1, sample.tokens.numel() - 1)
+                logps[index] = logp[row, responses].clone()
+                entropies[index] = entropy[row, responses].clone()
         return ScoredSamples(logprobs=logps, entropies=entropies, routed_experts=routing)
 
     def train_step(self, minibatch: list[TrainSample]) -> dict[str, float]:
@@ -232,16 +234,21 @@ class TrainActor:
                     vocab_size=self.hf.vocab_size))
             logp = vocab_parallel_logprobs(
                 logits, micro.targets, self._tp_group, temperature=self.trainer_cfg.temperature,
-                inplace=not centring, vocab_size=self.hf.vocab_size, kernel=self.trainer_cfg.logprob_kernel)
+                inplace=not centring, vocab_size=self.hf.vocab_size, kernel=self.trainer_cfg.logprob_kernel,
+                targets_checked=True)  # the share's token ids were checked on the host (_check_share)
             # the padded layout whatever the model read: one loss, aggregation and statistics
             logp, view = micro.as_padded(logp), micro.padded
             loss, stats = policy_loss(logp, view.rollout_logprobs, view.advantages, view.train_mask,
                                       self.loss_cfg, totals=totals, old_logprobs=view.old_logprobs,
-                                      head_logprobs=head, sampler_head_logprobs=view.sampler_head_logprobs)
+                                      head_logprobs=head, sampler_head_logprobs=view.sampler_head_logprobs,
+                                      deferred=checks)
             return loss * scale, {"loss": loss.detach().clone(), "stats": stats}
 
+        # the loss inputs' values are checked once for the whole step, before the update
+        checks = DeferredChecks()
         zero_grad(self.ddp, self.optimizer)
         outputs = self._run(micro_batches, loss_func, forward_only=False)
+        checks.raise_first()
         update_ok, grad_norm, _ = self.optimizer.step()
         if not update_ok:
             raise FloatingPointError(f"optimizer step {self.step} skipped: non-finite gradients")
@@ -463,7 +470,8 @@ class TrainActor:
                 stats = stats.merge(out["stats"])
             dist.all_reduce(loss, group=self._dp_group)
             stats = stats.all_reduce(self._dp_group)
-            metrics = {"loss": float(loss), **stats.as_metrics()}
+            values = torch.cat([loss, stats.packed()]).tolist()  # the step's one read of its metrics
+            metrics = {"loss": values[0], **LossStatistics.metrics_of(values[1:])}
         if self.parallel.pp > 1:
             box = [metrics]
             last = dist.get_global_rank(self._pp_group, self.parallel.pp - 1)

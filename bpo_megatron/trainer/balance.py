@@ -220,7 +220,8 @@ def packs_in_lockstep(samples: list[TrainSample], budget: int, cost: CostModel, 
     agreed = torch.tensor([fewest, max(lengths), -len(samples)], device=platform.device())
     if group is not None:
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-    count, longest, least = int(agreed[0]), int(agreed[1]), -int(agreed[2])
+    count, longest, negated_least = agreed.tolist()  # one read of all three
+    least = -negated_least
     if longest > budget:
         check_fits(samples, budget, cp)  # the rank holding the sample names it
         raise ValueError(f"a sample of {longest} input positions on another data-parallel rank exceeds "

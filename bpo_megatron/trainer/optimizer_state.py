@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from bpo_megatron.trainer.optimizer import fuse_torch_adam
+
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 # What Megatron's distributed optimizer is asked for (its ``sharded_state_dict(metadata=...)``):
@@ -108,15 +110,17 @@ class OptimizerState:
         self.sharded = {"moments": tensors, "step": step}
 
     def restore(self, loaded: dict) -> None:
-        """Put what ``dist_checkpointing.load`` returned for :attr:`sharded` into the optimizer."""
+        """Put what ``dist_checkpointing.load`` returned for :attr:`sharded` into the optimizer,
+        its step counters where and as the fused Adam keeps them (:func:`fuse_torch_adam`)."""
         if not self.per_parameter:
             _restore_megatron_format(self.optimizer, loaded)
-            return
-        for key, target in self._targets.items():
-            target.copy_(loaded["moments"][key])
-        step = loaded["step"]
-        for state in self._params:
-            state["step"] = step.clone() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
+        else:
+            for key, target in self._targets.items():
+                target.copy_(loaded["moments"][key])
+            step = loaded["step"]
+            for state in self._params:
+                state["step"] = step.clone() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
+        fuse_torch_adam(self.optimizer)
 
 
 def compact_host_views(sharded: dict) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bpo_megatron.models.routing import check_expert_ids
+from bpo_megatron.models.routing import RoutingError, check_expert_ids
 from bpo_megatron.trainer.samples import MicroBatch, TrainSample
 
 CAPTURE_SETTING = "rollout.capture_routed_experts"
@@ -55,10 +55,15 @@ def check_routed_experts(samples: list[TrainSample], *, num_moe_layers: int, top
             )
         if experts.dtype.is_floating_point or experts.dtype == torch.bool:
             raise ValueError(f"sample {i}: routed experts must be integer ids, got {experts.dtype}")
-        if contents:
-            check_expert_ids(experts, num_experts=num_experts, where=f"sample {i}",
-                             hint=f"was {CAPTURE_SETTING} recorded with another model than the one trained with "
-                                  f"{REPLAY_SETTING}?")
+    if not contents:
+        return
+    hint = f"was {CAPTURE_SETTING} recorded with another model than the one trained with {REPLAY_SETTING}?"
+    try:  # every sample's ids at once (three host reads for the batch) ...
+        check_expert_ids(torch.cat([s.routed_experts for s in samples]), num_experts=num_experts, where="",
+                         hint=hint)
+    except RoutingError:  # ... and sample by sample only to name the sample holding a bad one
+        for i, s in enumerate(samples):
+            check_expert_ids(s.routed_experts, num_experts=num_experts, where=f"sample {i}", hint=hint)
 
 
 @dataclass

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bpo_megatron.losses.validation import LOGPROB_TOLERANCE
+
 
 @dataclass(frozen=True)
 class TrainSample:
@@ -54,45 +56,54 @@ class TrainSample:
 
 
 def check_samples(samples: list[TrainSample], *, vocab_size: int) -> None:
-    """Refuse malformed samples before any compute, naming the sample and the field."""
+    """Refuse malformed samples before any compute, naming the sample and the field.
+
+    Each sample's form (shapes, types, which optional fields it carries) is checked without
+    reading a tensor; the values of all samples (ids in the vocabulary, log-probabilities finite and
+    at most 0) at once, in one host read for the batch. Only a batch with a bad value is read
+    sample by sample, to name the first bad one."""
     if not samples:
         raise ValueError("got an empty list of samples")
     for i, s in enumerate(samples):
-        where = f"sample {i}"
-        if s.tokens.dim() != 1 or s.tokens.dtype.is_floating_point or s.tokens.dtype == torch.bool:
-            raise ValueError(f"{where}: tokens must be a 1-D integer tensor, got {s.tokens.dtype} {tuple(s.tokens.shape)}")
-        n = s.tokens.numel()
-        if not 1 <= s.response_start < n:
-            raise ValueError(
-                f"{where}: response_start={s.response_start} must leave at least one prompt and one "
-                f"response token in {n} tokens"
-            )
-        if n and (int(s.tokens.min()) < 0 or int(s.tokens.max()) >= vocab_size):
-            raise ValueError(f"{where}: token ids must lie in [0, {vocab_size}) (the model's vocabulary)")
-        if s.rollout_logprobs.shape != (n - s.response_start,):
-            raise ValueError(
-                f"{where}: rollout_logprobs has shape {tuple(s.rollout_logprobs.shape)}, expected "
-                f"({n - s.response_start},) = one per response token"
-            )
-        if not bool(torch.isfinite(s.rollout_logprobs).all()) or bool((s.rollout_logprobs > 1e-5).any()):
-            raise ValueError(f"{where}: rollout_logprobs must be finite log-probabilities (<= 0)")
-        if (s.old_logprobs is None) != (samples[0].old_logprobs is None):
-            raise ValueError(f"{where}: old_logprobs given for some samples and not others")
-        if s.old_logprobs is not None and (
-                s.old_logprobs.shape != s.rollout_logprobs.shape or not bool(torch.isfinite(s.old_logprobs).all())
-                or bool((s.old_logprobs > 1e-5).any())):
-            raise ValueError(f"{where}: old_logprobs must be finite log-probabilities (<= 0), one per response token "
-                             f"({n - s.response_start}), got shape {tuple(s.old_logprobs.shape)}")
-        if not math.isfinite(s.advantage):
-            raise ValueError(f"{where}: advantage must be finite, got {s.advantage}")
-        _check_head(where, s, samples[0], n - s.response_start, vocab_size)
-        if s.train_mask is not None and (s.train_mask.dtype != torch.bool
-                                         or s.train_mask.shape != (n - s.response_start,)):
-            raise ValueError(f"{where}: train_mask must be bool, one per response token ({n - s.response_start}), "
-                             f"got {s.train_mask.dtype} {tuple(s.train_mask.shape)}")
+        _check_form(f"sample {i}", s, samples[0])
+    if _any_bad_value(samples, vocab_size):
+        for i, s in enumerate(samples):
+            _check_values(f"sample {i}", s, vocab_size)
 
 
-def _check_head(where: str, s: TrainSample, first: TrainSample, responses: int, vocab_size: int) -> None:
+def _check_form(where: str, s: TrainSample, first: TrainSample) -> None:
+    if s.tokens.dim() != 1 or s.tokens.dtype.is_floating_point or s.tokens.dtype == torch.bool:
+        raise ValueError(f"{where}: tokens must be a 1-D integer tensor, got {s.tokens.dtype} {tuple(s.tokens.shape)}")
+    n = s.tokens.numel()
+    if not 1 <= s.response_start < n:
+        raise ValueError(
+            f"{where}: response_start={s.response_start} must leave at least one prompt and one "
+            f"response token in {n} tokens"
+        )
+    if s.rollout_logprobs.shape != (n - s.response_start,):
+        raise ValueError(
+            f"{where}: rollout_logprobs has shape {tuple(s.rollout_logprobs.shape)}, expected "
+            f"({n - s.response_start},) = one per response token"
+        )
+    if (s.old_logprobs is None) != (first.old_logprobs is None):
+        raise ValueError(f"{where}: old_logprobs given for some samples and not others")
+    if s.old_logprobs is not None and s.old_logprobs.shape != s.rollout_logprobs.shape:
+        raise ValueError(_old_logprobs_error(where, s))
+    if not math.isfinite(s.advantage):
+        raise ValueError(f"{where}: advantage must be finite, got {s.advantage}")
+    _check_head_form(where, s, first, n - s.response_start)
+    if s.train_mask is not None and (s.train_mask.dtype != torch.bool
+                                     or s.train_mask.shape != (n - s.response_start,)):
+        raise ValueError(f"{where}: train_mask must be bool, one per response token ({n - s.response_start}), "
+                         f"got {s.train_mask.dtype} {tuple(s.train_mask.shape)}")
+
+
+def _old_logprobs_error(where: str, s: TrainSample) -> str:
+    return (f"{where}: old_logprobs must be finite log-probabilities (<= 0), one per response token "
+            f"({s.num_response_tokens}), got shape {tuple(s.old_logprobs.shape)}")
+
+
+def _check_head_form(where: str, s: TrainSample, first: TrainSample, responses: int) -> None:
     """The sampler's top-k of each response token: on every sample or none, one k for all."""
     ids, logprobs = s.sampler_head_ids, s.sampler_head_logprobs
     if (ids is None) != (logprobs is None) or (ids is None) != (first.sampler_head_ids is None):
@@ -104,10 +115,47 @@ def _check_head(where: str, s: TrainSample, first: TrainSample, responses: int, 
         raise ValueError(f"{where}: sampler_head_ids (integer) and sampler_head_logprobs must be [{responses}, {k}] "
                          f"(one row of k per response token), got {ids.dtype} {tuple(ids.shape)} and "
                          f"{tuple(logprobs.shape)}")
-    if responses and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+
+
+def _any_bad_value(samples: list[TrainSample], vocab_size: int) -> bool:
+    """Whether any sample holds a value :func:`_check_values` refuses: every sample's tensors of a
+    field laid end to end (well-formed samples: :func:`_check_form`), one host read in all."""
+    def joined(field: str) -> torch.Tensor:
+        return torch.cat([getattr(s, field) for s in samples])
+
+    def outside_vocabulary(ids: torch.Tensor) -> torch.Tensor:
+        return ((ids < 0) | (ids >= vocab_size)).any()
+
+    def no_logprob(values: torch.Tensor) -> torch.Tensor:
+        return (~torch.isfinite(values) | (values > LOGPROB_TOLERANCE)).any()
+
+    bad = [outside_vocabulary(joined("tokens")), no_logprob(joined("rollout_logprobs"))]
+    if samples[0].old_logprobs is not None:
+        bad.append(no_logprob(joined("old_logprobs")))
+    if samples[0].sampler_head_ids is not None:
+        head_logprobs = joined("sampler_head_logprobs")
+        bad += [outside_vocabulary(joined("sampler_head_ids")),
+                (torch.isnan(head_logprobs) | (head_logprobs > LOGPROB_TOLERANCE)).any()]
+    return bool(torch.stack(bad).any())
+
+
+def _check_values(where: str, s: TrainSample, vocab_size: int) -> None:
+    """One well-formed sample's values, read one field at a time (only for a batch that holds a bad
+    one: :func:`_any_bad_value`)."""
+    if int(s.tokens.min()) < 0 or int(s.tokens.max()) >= vocab_size:
+        raise ValueError(f"{where}: token ids must lie in [0, {vocab_size}) (the model's vocabulary)")
+    if not bool(torch.isfinite(s.rollout_logprobs).all()) or bool((s.rollout_logprobs > LOGPROB_TOLERANCE).any()):
+        raise ValueError(f"{where}: rollout_logprobs must be finite log-probabilities (<= 0)")
+    if s.old_logprobs is not None and (not bool(torch.isfinite(s.old_logprobs).all())
+                                       or bool((s.old_logprobs > LOGPROB_TOLERANCE).any())):
+        raise ValueError(_old_logprobs_error(where, s))
+    ids, logprobs = s.sampler_head_ids, s.sampler_head_logprobs
+    if ids is None:
+        return
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         raise ValueError(f"{where}: sampler_head_ids must lie in [0, {vocab_size}) (the model's vocabulary)")
     # −inf is a token the sampler's filter left out (q = 0); NaN or a positive value is no log-probability
-    if bool(torch.isnan(logprobs).any()) or bool((logprobs > 1e-5).any()):
+    if bool(torch.isnan(logprobs).any()) or bool((logprobs > LOGPROB_TOLERANCE).any()):
         raise ValueError(f"{where}: sampler_head_logprobs must be log-probabilities (<= 0, -inf allowed)")
 
 

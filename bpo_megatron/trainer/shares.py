@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from bpo_megatron.losses import BatchTotals, PolicyLossConfig
 from bpo_megatron.models.hf_config import HFModelConfig
 from bpo_megatron.trainer.balance import CostModel, data_parallel_shares
@@ -38,7 +40,9 @@ def minibatch_totals(minibatch: list[TrainSample]) -> BatchTotals:
     """What the loss of a minibatch is normalised by, however it is split: the tokens it trains
     on and the responses holding one (tokens left out by a sample's ``train_mask`` count nowhere,
     as ``BatchTotals.of`` counts a mask)."""
-    trained = [s.num_train_tokens for s in minibatch]
+    masked = [s.train_mask.sum() for s in minibatch if s.train_mask is not None]
+    counts = iter(torch.stack(masked).tolist() if masked else [])  # one read for every masked sample
+    trained = [s.num_response_tokens if s.train_mask is None else next(counts) for s in minibatch]
     return BatchTotals(tokens=float(sum(trained)), sequences=float(sum(count > 0 for count in trained)))
 
 
