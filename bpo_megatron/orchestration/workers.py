@@ -87,6 +87,9 @@ class TrainWorker:
     def train_share(self, share, totals) -> dict[str, float]:
         return self.actor.train_share(share, totals)
 
+    def plan_offload(self, parts: str, keep_across_saves: bool) -> int:
+        return self.actor.plan_offload(parts, keep_across_saves=keep_across_saves)
+
     def offload(self) -> int:
         return self.actor.offload()
 

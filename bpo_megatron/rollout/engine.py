@@ -166,6 +166,9 @@ class EngineProfile:
     # the engine admits requests while its KV pool (pool_fraction, less the weights) holds them
     # and queues the rest itself (SGLang): the pool, not the sequences in flight, bounds its memory
     admits_by_pool: bool = False
+    # what release_memory hands back to a trainer sharing its devices: its weights' memory and its
+    # KV cache with the runtime around it (SGLang); the rest stays on the device meanwhile
+    released: tuple[str, ...] = ("weights", "kv_cache")
 
 
 def _no_check(_options: Any) -> None:

@@ -20,8 +20,9 @@ def _build(options: HFEngineOptions, context: EngineContext) -> RolloutEngine:
 
 
 def _profile(options: HFEngineOptions, requests: int, gpus_per_engine: float) -> EngineProfile:
-    # one device; rows decode together up to max_batch_rows (their KV cache lives at once)
-    return EngineProfile(tp=1, sequences=min(requests, options.max_batch_rows))
+    # one device; rows decode together up to max_batch_rows (their KV cache lives at once); a
+    # release drops the decode states (KV slots, buffers, graphs), the weights stay
+    return EngineProfile(tp=1, sequences=min(requests, options.max_batch_rows), released=("kv_cache",))
 
 
 SPEC = EngineSpec(

@@ -17,7 +17,8 @@ def _build(options: VLLMOptions, context: EngineContext) -> RolloutEngine:
 
 
 def _profile(options: VLLMOptions, requests: int, gpus_per_engine: float) -> EngineProfile:
-    return EngineProfile(tp=options.tensor_parallel_size, sequences=requests)
+    # it hands nothing back when released (no sleep mode here): colocated, it keeps all its memory
+    return EngineProfile(tp=options.tensor_parallel_size, sequences=requests, released=())
 
 
 SPEC = EngineSpec(
