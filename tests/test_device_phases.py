@@ -28,7 +28,7 @@ def colocated(ray_session, small_run, tmp_path):
     placement = run_placement(cfg)
     engines = EngineGroup(cfg, model_dir, placement=placement)
     trainer = None
-    transport = cfg.rollout.spec.weight_transport(cfg.rollout.options, True)
+    transport = cfg.weight_transport()
 
     def push(only, version):
         return sync_weights(trainer, engines, transport=transport, version=version, bucket_bytes=1 << 20,

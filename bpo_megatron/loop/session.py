@@ -97,7 +97,7 @@ class RunSession:
         """The trainer's weights, the ``version``-th update, to the rollout engines (``only``: those)."""
         cfg = self.cfg
         return sync_weights(self.trainer, self.engines,
-                            transport=cfg.rollout.spec.weight_transport(cfg.rollout.options, cfg.cluster.colocate),
+                            transport=cfg.weight_transport(),
                             version=version, bucket_bytes=cfg.weight_sync.bucket_bytes,
                             verify=cfg.weight_sync.verify, only=only, dtype=cfg.rollout.sync_dtype,
                             quantization=cfg.rollout.sync_quantization)

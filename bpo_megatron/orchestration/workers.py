@@ -243,6 +243,13 @@ class EngineWorker:
 
         return self.engine.update_weights(unpack(packed))
 
+    def update_weights_shared(self, shared) -> int:
+        """A bucket in the sender's device memory (a ``weights.shared_bucket.SharedBucket``, what
+        the embedded engine's ``cuda_ipc`` transport hands over): mapped, copied into the
+        engine's weights, let go before this returns."""
+        with shared.opened() as flat:
+            return self.engine.update_weights(flat)
+
     def fingerprints(self) -> dict[str, str]:
         from bpo_megatron.weights.checksums import fingerprints
 

@@ -200,9 +200,10 @@ class EngineSpec:
     options: type  # the dataclass of the rollout.<name> section
     build: Callable[[Any, EngineContext], RolloutEngine]
     profile: Callable[[Any, int, float], EngineProfile]
-    # the name of the weight transport it receives with, given its options and whether it shares
-    # the trainer's devices: one of its own ``transports`` or a generic one (weight_sync.TRANSPORTS)
-    transport: Callable[[Any, bool], str]
+    # the name of the weight transport it receives with, given its options, whether it shares the
+    # trainer's devices and whether it runs on GPUs: one of its own ``transports`` or a generic one
+    # (weight_sync.TRANSPORTS); the one place that decides how weights reach it
+    transport: Callable[[Any, bool, bool], str]
     # the transports it declares, name -> "module:Class" (they live in its folder)
     transports: Mapping[str, str] = field(default_factory=dict)
     # the package it imports in the process that hosts it (None: none besides this one's)
@@ -224,10 +225,10 @@ class EngineSpec:
     # (the one drawn from only when no filter is set)
     top_logprobs: TopLogprobs = "none"
 
-    def weight_transport(self, options: Any, colocated: bool) -> str:
+    def weight_transport(self, options: Any, colocated: bool, gpus: bool) -> str:
         """What the trainer's ranks build the transport from (``weight_sync.transport_class``):
         one of this engine's own as ``module:Class``, or a generic one by name."""
-        name = self.transport(options, colocated)
+        name = self.transport(options, colocated, gpus)
         return self.transports.get(name, name)
 
 
