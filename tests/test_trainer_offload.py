@@ -203,7 +203,7 @@ def test_the_actor_saves_only_onloaded_and_without_its_spare_host_buffers(tmp_pa
 def test_host_buffers_are_packed_into_power_of_two_chunks_without_overlap():
     """Torch's pinned allocator rounds every request up to a power of two: the reservation asks
     only for power-of-two chunks, each buffer page-aligned inside one, none overlapping."""
-    from bpo_megatron.trainer.offload import HOST_ALIGN, pack_chunks
+    from bpo_megatron.trainer.host_buffers import HOST_ALIGN, pack_chunks
 
     sizes = [3 * 2**20, 2**20 + 5, 40, 7 * 2**20, 4096, 2**20, 123_456, 2**20]
     chunks = pack_chunks(sizes)
@@ -223,7 +223,7 @@ def test_host_buffers_are_packed_into_power_of_two_chunks_without_overlap():
 
 
 def test_a_reservation_holds_a_buffer_of_each_size_once():
-    from bpo_megatron.trainer.offload import HostBuffers
+    from bpo_megatron.trainer.host_buffers import HostBuffers
 
     buffers = HostBuffers()
     assert buffers.reserve([40, 40, 12], pin=False) > 0

@@ -362,7 +362,7 @@ class TrainActor:
 
     @property
     def host_buffers(self):
-        """The offload's host buffers (``trainer.offload.HostBuffers``: what is held, what was allocated)."""
+        """The offload's host buffers (``trainer.host_buffers.HostBuffers``: what is held, what was allocated)."""
         return self._offload.buffers
 
     def offload(self) -> int:
