@@ -90,6 +90,14 @@ class ExperimentConfig:
     def hf_config(self) -> HFModelConfig:
         return HFModelConfig.load(self.model.path)
 
+    def weight_transport(self, *, evaluation: bool = False) -> str:
+        """How the trainer's weights reach the rollout engines (``evaluation``: the background
+        evaluation engines, always on devices of their own): the engine spec's transport for where
+        they sit, on the trainer's devices or their own, on GPUs (``cluster.gpus_per_engine``) or
+        not."""
+        return self.rollout.spec.weight_transport(self.rollout.options, self.cluster.colocate and not evaluation,
+                                                  self.cluster.gpus_per_engine > 0)
+
     def trainer_spec(self) -> TrainerSpec:
         """What each trainer rank is built from: the trainer's sections of this experiment (its
         log π at the engines' sampling temperature, the distribution log μ comes from)."""

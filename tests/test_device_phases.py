@@ -28,7 +28,7 @@ def colocated(ray_session, small_run, tmp_path):
     placement = run_placement(cfg)
     engines = EngineGroup(cfg, model_dir, placement=placement)
     trainer = None
-    transport = cfg.rollout.spec.weight_transport(cfg.rollout.options, True)
+    transport = cfg.weight_transport()
 
     def push(only, version):
         return sync_weights(trainer, engines, transport=transport, version=version, bucket_bytes=1 << 20,
@@ -97,3 +97,72 @@ def test_an_engine_killed_while_it_generates_is_replaced_and_resynced_in_the_rol
     # started while the trainer was offloaded (no offload needed), then one full sync: the trainer
     # onloads, frees its cached blocks, pushes to every engine, offloads again
     assert events == ["start [1]", "onload", "release_cached_memory", "push_weights", "offload"], events
+
+
+# ---------------------------------------------------------------- what moves, and when nothing does
+class _Engines:
+    """The engine group as the phases use it, recording the calls."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events, self.unsynced, self.start_hook = events, set(), None
+
+    def release_memory(self, only=None) -> None:
+        self.events.append("release")
+
+    def resume_memory(self, tags, only=None) -> None:
+        self.events.append(f"resume {tags}")
+
+
+class _Trainer:
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def __getattr__(self, method):
+        def call(*args):
+            self.events.append(method if method != "plan_offload" else f"plan_offload {args}")
+            return 1000 if method in ("offload", "plan_offload") else None
+        return call
+
+
+def _phases(offload: str, shared: bool = True):
+    from bpo_megatron.orchestration.phases import DevicePhases
+
+    events: list[str] = []
+
+    def push(only, version):
+        events.append(f"push {version}")
+        return {"sync_bytes": 64.0, "push_s": 0.25}
+
+    phases = DevicePhases(_Engines(events), push, shared=shared, offload=offload, keep_spares_across_saves=True)
+    phases.attach_trainer(_Trainer(events))
+    return phases, events
+
+
+def test_every_move_is_timed_apart_and_a_step_without_them_records_zeros():
+    from bpo_megatron.orchestration.phases import MOVE_KEYS
+
+    phases, events = _phases("optimizer")
+    assert events == ["release", "plan_offload ('optimizer', True)"]  # host buffers before the first step
+    phases.weights_changed(1)
+    phases.rollout()
+    phases.train()
+    assert events[2:] == ["release_cached_memory", "resume ('weights',)", "push 1", "offload", "resume ()", "release",
+                          "onload"]
+    moved = phases.take_moves()
+    assert set(moved) == {*MOVE_KEYS, "sync_bytes_per_s"}
+    assert (moved["sync_bytes"], moved["push_s"], moved["offload_bytes"], moved["sync_bytes_per_s"]) == (
+        64.0, 0.25, 1000.0, 256.0)
+    assert all(moved[key] > 0 for key in ("offload_s", "onload_s", "resume_s"))
+    assert phases.take_moves() == dict.fromkeys(moved, 0.0)  # nothing since: every key, zero
+
+
+def test_nothing_offloaded_keeps_trainer_and_engines_on_the_devices_as_if_apart():
+    phases, events = _phases("nothing")
+    phases.weights_changed(1)
+    phases.rollout()
+    phases.train()
+    phases.weights_changed(2)
+    phases.rollout()
+    assert events == ["push 1", "push 2"]  # no release, resume, offload or onload; no host buffers
+    moved = phases.take_moves()
+    assert moved["push_s"] == 0.5 and moved["offload_s"] == moved["onload_s"] == moved["resume_s"] == 0.0

@@ -330,6 +330,31 @@ def test_engines_whose_weights_cannot_be_mapped_get_them_through_the_object_stor
     assert group.call("weight_version") == [9, 9]
 
 
+CUDA_IPC = "bpo_megatron.rollout.hf.cuda_ipc:CudaIpc"  # what the embedded engine on the trainer's GPU takes
+
+
+def test_the_cuda_ipc_transport_loads_each_bucket_through_the_engines_actor(group, checkpoints, pushed_weights):
+    """The embedded engine's cuda_ipc path through its actor (``update_weights_shared``), the
+    buffers handed by value where a GPU would map them: the sync's fingerprints check proves the
+    engine holds exactly what was sent. The stand-in trainer is one rank: engine 0 sits beside it."""
+    from safetensors.torch import load_file
+
+    from bpo_megatron.rollout.hf.cuda_ipc import CudaIpc
+    from bpo_megatron.weight_sync.session import sync_weights
+    from bpo_megatron.weights.checksums import fingerprints
+    from bpo_megatron.weights.shared_bucket import by_value
+
+    start = list(load_file(Path(checkpoints[0]) / "model.safetensors").items())
+    for weights, version in ((start, 10), (pushed_weights, 11)):  # other weights, then back to the pushed ones
+        pusher = _WeightPusher(weights)
+        pusher.transports[CUDA_IPC] = CudaIpc(share=by_value)
+        report = sync_weights(pusher, group, transport=CUDA_IPC, version=version, bucket_bytes=1 << 16, verify=True,
+                              only=[0])
+        assert report["sync_bytes"] == sum(t.numel() * t.element_size() for _, t in weights) and report["push_s"] > 0
+        assert group.call("fingerprints")[0] == fingerprints(weights)
+        assert group.call("weight_version")[0] == version
+
+
 # ------------------------------------------------------------------------- stalls and concurrency
 STALL_S = 6.0  # the tests' rollout.stall_timeout_s (the default, 120 s, is for real engines)
 

@@ -66,20 +66,31 @@ def test_colocated_phases_offload_the_trainer_and_change_no_number(tmp_path, ray
     back to train; the run is metric for metric the run on separate devices."""
     _run(small_run(tmp_path / "apart", "train.steps=2", "cluster.colocate=false"))
     _run(small_run(tmp_path / "shared", "train.steps=2", "cluster.colocate=true"))
+    from bpo_megatron.orchestration.phases import MOVE_KEYS
+
     apart = {r["step"]: r for r in read_metrics(tmp_path / "apart")}
     shared = {r["step"]: r for r in read_metrics(tmp_path / "shared")}
     assert sorted(apart) == sorted(shared) and 2 in apart
+    moves = (*MOVE_KEYS, "sync_bytes_per_s")
     for step, record in apart.items():
         for key, value in record.items():
-            # clocks; syncs, which colocated engines repeat after every release of their memory;
-            # and transfer sizes, whose pickling metadata varies by a few bytes
-            if "time" in key or key.startswith(("sync_", "offload_", "driver/")):
+            # clocks; what the device phases moved (syncs, which colocated engines repeat after
+            # every release of their memory, offloads, onloads, resumes); and transfer sizes,
+            # whose pickling metadata varies by a few bytes
+            if "time" in key or key in moves or key.startswith("driver/"):
                 continue
             assert shared[step][key] == value, (step, key)
-    assert all(apart[step]["offload_bytes"] == 0 for step in (1, 2))
-    # every rollout phase moved the trainer's parameters, gradients and two Adam moments at least
+    # every step's record has every key of what moved, apart from the phase times; zero when not run
+    for records in (apart, shared):
+        assert all(set(moves) <= set(records[step]) and all(records[step][k] >= 0 for k in moves) for step in (1, 2))
+    assert all(apart[step][key] == 0 for step in (1, 2) for key in ("offload_bytes", "offload_s", "onload_s"))
+    # every rollout phase moved the trainer's parameters, gradients and two Adam moments at least,
+    # and every train phase brought them back (each step also evaluates: its sync and offload count)
     params = 4 * 1_000  # the demo model has far more than 1k fp32 parameters
-    assert all(shared[step]["offload_bytes"] > 4 * params for step in (1, 2))
+    for step in (1, 2):
+        assert apart[step]["push_s"] > 0 and apart[step]["sync_bytes"] > 0
+        assert shared[step]["offload_bytes"] > 4 * params
+        assert all(shared[step][key] > 0 for key in ("push_s", "offload_s", "onload_s", "resume_s")), shared[step]
 
 
 @pytest.mark.slow
@@ -124,7 +135,8 @@ SYNC_LOOP_METRICS = Path(__file__).parent / "fixtures" / "sync_loop_76ae75b_metr
 SYNC_RUN = ("loss.name=grpo", "train.steps=3", "train.sft_warmup_steps=40", "eval.every=3", "eval.limit=16",
             "checkpoint.every=3")  # GRPO: its warm start was already the one every method now has
 # clocks, and the driver's object-store bytes (samples now carry their weight versions: a few bytes)
-NOT_REPRODUCIBLE = ("time", "train_time_s", "sync_seconds", "sync_bytes_per_s", "driver/to_trainer_mb")
+NOT_REPRODUCIBLE = ("time", "train_time_s", "push_s", "sync_bytes_per_s", "driver/to_trainer_mb")
+RENAMED = {"sync_seconds": "push_s"}  # the record's names of what the loop now calls otherwise
 
 
 @pytest.mark.timeout(420)
@@ -148,6 +160,7 @@ def test_staleness_zero_reproduces_the_synchronous_loop(tmp_path, ray_session):
     compared = 0
     for old, new in zip(expected, records, strict=True):
         for key, value in old.items():
+            key = RENAMED.get(key, key)
             if key in NOT_REPRODUCIBLE or key.startswith("time/"):
                 continue
             if key == "offload_bytes":  # fp32 params + 2 Adam moments move; the dead gradients are freed since

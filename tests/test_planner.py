@@ -324,17 +324,22 @@ def test_host_memory_at_a_save_for_both_30b_recipes_closed_forms(capsys):
     hf = HFModelConfig.load(QWEN3_30B)
     # colocated, tp 4 ep 8 dp 8 (expert dp 4) on 4 nodes of 8: node 0 holds DP rank 0 of the dense
     # optimizer (ranks 0-3) and of the expert optimizer (ranks 0-7); all hold offload buffers of
-    # bf16 weights and their optimizer shard (12 B per owned parameter), gradients not moved
+    # their optimizer shard (12 B per owned parameter: cluster.offload=auto offloads the optimizer
+    # state alone, the bf16 weights stay beside the engines), gradients not moved
     plan = make_plan(_recipe(), hf)
     [stage] = plan.stages
     d, e = stage.params.dense, stage.params.expert
-    pinned = 2 * (d + e) + 12 * (math.ceil(d / 8) + math.ceil(e / 4))
-    assert pinned == stage.static.weights + stage.static.optimizer
+    pinned = 12 * (math.ceil(d / 8) + math.ceil(e / 4))
+    assert plan.offload.parts == "optimizer" and pinned == stage.static.optimizer
     host = plan.host
     assert sum(r.dense_writer for r in host.save_ranks) == 4 and all(r.expert_writer for r in host.save_ranks)
     assert host.at_save == pytest.approx(_host_closed_form([(d, e)] * 4 + [(0, e)] * 4, pinned), rel=1e-12)
     assert host.at_load == pytest.approx(8 * 12 * (d + e) * 1.1 + 64e9, rel=1e-12)
-    assert 700e9 < host.at_save < 800e9 and host.at_save <= 1000e9 and plan.fits
+    assert 650e9 < host.at_save < 750e9 and host.at_save <= 1000e9 and plan.fits
+    # offloading the weights too pins 2 B more per parameter of every rank
+    everything = make_plan(_recipe("cluster.offload=everything"), hf)
+    assert everything.host.at_save == pytest.approx(
+        _host_closed_form([(d, e)] * 4 + [(0, e)] * 4, pinned + 2 * (d + e)), rel=1e-12)
     # disaggregated, tp 4 pp 3 dp 2 ep 8 (expert dp 1), no offloading: every rank writes its experts,
     # the first 4 of a stage their dense parameters too; the busiest 8 are those of stages 0 and 2
     plan = make_plan(load_experiment(ROOT / "configs" / "qwen3_30b_a3b_bpo_disaggregated.yaml", check_model=False), hf)
@@ -357,9 +362,11 @@ def test_host_memory_at_a_save_for_both_30b_recipes_closed_forms(capsys):
         assert re.search(r"of it staged while a background save writes \(checkpoint.background: fp32 state \+ "
                          rf"weights written\) +{staged[recipe] / 1e9:.2f}\n", out), out
         assert "fits in 1000 GB per node (plan --host-memory-gb)" in out and "verdict: FITS" in out
-    assert main(["plan", str(RECIPE_30B), "--host-memory-gb", "700"]) == 1
+    assert main(["plan", str(RECIPE_30B), "--host-memory-gb", "650"]) == 1
     out = capsys.readouterr().out
-    assert "does NOT fit in 700 GB per node" in out
+    assert "does NOT fit in 650 GB per node" in out
+    assert "pinned offload buffers (cluster.offload: optimizer; allocated before step 1, dropped before each save, " \
+           "counted)" in out
     assert "verdict: DOES NOT FIT (host memory exceeds the node)" in out
 
 

@@ -69,7 +69,8 @@ def test_main_setting_in_both_placements():
     """Colocated (engines on the trainer's 32 GPUs, CUDA IPC) and disaggregated (3 nodes train, one
     serves, NCCL broadcast): the same algorithm and batch, only the layout differs."""
     shared, apart = load_experiment(MAIN), load_experiment(DISAGGREGATED)
-    transports = [cfg.rollout.spec.transport(cfg.rollout.options, cfg.cluster.colocate) for cfg in (shared, apart)]
+    transports = [cfg.rollout.spec.transport(cfg.rollout.options, cfg.cluster.colocate, cfg.cluster.gpus_per_engine > 0)
+                  for cfg in (shared, apart)]
     assert transports == ["cuda_ipc", "nccl_broadcast"]
     assert (apart.cluster.trainer_ranks, apart.rollout.num_engines * apart.cluster.gpus_per_engine) == (24, 8)
     assert shared.rollout.num_engines * shared.cluster.gpus_per_engine == shared.cluster.trainer_ranks == 32

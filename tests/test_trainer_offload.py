@@ -105,10 +105,10 @@ def test_onload_without_offload_and_double_offload_are_refused():
     offload.onload()
     assert all(torch.equal(a, b) for a, b in zip(tensors, keep))
     # later cycles reuse the host buffers of the first (pinned memory is slow to allocate)
-    first_buffers = [t.data_ptr() for t in offload._spare]
+    allocations, first_buffers = offload.buffers.allocations, offload.buffers.free_bytes
     tensors[0].add_(1.0)
     offload.offload()
-    assert [held.host.data_ptr() for held in offload._held] == first_buffers
+    assert offload.buffers.allocations == allocations == 2 and first_buffers == 10 * 4 + 3 * 2
     offload.onload()
     assert torch.equal(tensors[0], keep[0] + 1.0) and torch.equal(tensors[1], keep[1])
 
@@ -197,3 +197,108 @@ def test_the_actor_saves_only_onloaded_and_without_its_spare_host_buffers(tmp_pa
     assert "offloaded" in got["refused"] and "onload()" in got["refused"], got
     assert got["spare_before"] > 0 and got["spare_after"] == 0, got
     assert got["saved"].endswith("step-00000001"), got
+
+
+# ------------------------------------------------------------------ host buffers allocated ahead
+def test_host_buffers_are_packed_into_power_of_two_chunks_without_overlap():
+    """Torch's pinned allocator rounds every request up to a power of two: the reservation asks
+    only for power-of-two chunks, each buffer page-aligned inside one, none overlapping."""
+    from bpo_megatron.trainer.host_buffers import HOST_ALIGN, pack_chunks
+
+    sizes = [3 * 2**20, 2**20 + 5, 40, 7 * 2**20, 4096, 2**20, 123_456, 2**20]
+    chunks = pack_chunks(sizes)
+    placed = sorted(index for _, items in chunks for index, _ in items)
+    assert placed == list(range(len(sizes)))  # every buffer once
+    for chunk_bytes, items in chunks:
+        assert chunk_bytes & (chunk_bytes - 1) == 0  # a power of two
+        spans = sorted((offset, offset + sizes[index]) for index, offset in items)
+        assert all(offset % HOST_ALIGN == 0 for offset, _ in spans)
+        assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+        assert spans[-1][1] <= chunk_bytes
+    aligned = sum(-(-n // HOST_ALIGN) * HOST_ALIGN for n in sizes)
+    # 13.3 MiB of buffers in 8 + 4 + 1 + ... MiB chunks, not one 16 MiB chunk (or 8 rounded ones)
+    assert aligned <= sum(c for c, _ in chunks) <= aligned + 2 * 2**20, (aligned, [c for c, _ in chunks])
+    # a buffer larger than half of everything gets its own (rounded) chunk
+    assert [c for c, _ in pack_chunks([5 * 2**20, 2**20])] == [8 * 2**20]
+
+
+def test_a_reservation_holds_a_buffer_of_each_size_once():
+    from bpo_megatron.trainer.host_buffers import HostBuffers
+
+    buffers = HostBuffers()
+    assert buffers.reserve([40, 40, 12], pin=False) > 0
+    allocations = buffers.allocations
+    assert buffers.reserve([12, 40, 40], pin=False) == 0 and buffers.allocations == allocations  # held already
+    taken = [buffers.take(40, pin=False), buffers.take(40, pin=False), buffers.take(12, pin=False)]
+    assert buffers.fresh == 0 and buffers.free_bytes == 0 and len({t.data_ptr() for t in taken}) == 3
+    buffers.take(40, pin=False)  # none left of that size: a fresh one, counted
+    assert buffers.fresh == 1 and buffers.allocations == allocations + 1
+
+
+def _prepinned_cycles(root: str, parts: str, keep_across_saves: bool) -> dict:
+    """plan_offload before step 1, then the loop's cycles (offload, onload, train) with a save
+    between them; against a twin that never offloads."""
+    from bpo_megatron.trainer.offload import first_step_state_bytes
+
+    actor = th.build_actor(replay=True)
+    moments = sum(first_step_state_bytes(actor.optimizer))
+    reserved = actor.plan_offload(parts, keep_across_saves=keep_across_saves)
+    buffers = actor.host_buffers
+    allocations, held = buffers.allocations, buffers.free_bytes
+    param_storage = {n: p.untyped_storage() for n, p in actor.model.named_parameters()}
+    moved, params_left = [], []
+    for step, seed in enumerate((3, 4, 5)):
+        moved.append(actor.offload())  # the rollout phase
+        params_left.append(sum(s.nbytes() for s in param_storage.values()))
+        actor.onload()  # the train phase
+        actor.train_step(th.make_samples(8, seed=seed, routing=True))
+        if step == 1:
+            actor.save(root)
+    moved.append(actor.offload())
+    actor.onload()
+    out = {"reserved": reserved, "held": held, "moments": moments, "moved": moved, "params_left": params_left,
+           "new_allocations": buffers.allocations - allocations, "fresh": buffers.fresh,
+           "param_bytes": sum(p.numel() * p.element_size() for p in actor.model.parameters()),
+           "params": th.flat_params(actor), "state": _optimizer_state(actor)}
+    actor.close()
+    twin = th.build_actor(replay=True)
+    for seed in (3, 4, 5):
+        twin.train_step(th.make_samples(8, seed=seed, routing=True))
+    params, state = out.pop("params"), out.pop("state")
+    out.update(same_params=all(torch.equal(params[n], p) for n, p in th.flat_params(twin).items()),
+               same_state=all(torch.equal(state[k], v) for k, v in _optimizer_state(twin).items()))
+    twin.close()
+    return out
+
+
+@pytest.mark.parametrize("parts, keep_across_saves", [("everything", True), ("optimizer", False)])
+def test_the_first_offload_after_pre_pinning_allocates_no_host_memory(tmp_path, parts, keep_across_saves):
+    """plan_offload allocates (pins, on a GPU) host buffers for the whole state an offload moves
+    before step 1, the Adam moments the first step creates included; no offload after it
+    allocates host memory, also across a checkpoint save when the host budget keeps the buffers
+    (a save that may not keep them drops them, and the next offload allocates as it always did);
+    the state is restored bit for bit (the same three steps as a trainer that never offloaded)."""
+    [got] = run_gloo_world(_prepinned_cycles, 1, str(tmp_path), parts, keep_across_saves, timeout=TIMEOUT)
+    assert got["same_params"] and got["same_state"], got
+    params, moments = got["param_bytes"], got["moments"]
+    assert moments == 2 * params  # fp32 on a CPU: two Adam moments shaped like the parameters
+    if parts == "everything":
+        # the parameters move at every offload, the moments from the first step on
+        assert got["moved"] == [params, params + moments, params + moments, params + moments], got
+        assert got["params_left"] == [0, 0, 0], got
+    else:  # the optimizer state alone: the fp32 optimizer updates the model's own parameters, which stay
+        assert got["moved"] == [0, moments, moments, moments], got
+        assert got["params_left"] == [params] * 3, got
+    assert got["reserved"] >= got["moved"][-1]  # one buffer per storage moved, from before step 1
+    if keep_across_saves:
+        assert got["new_allocations"] == 0 and got["fresh"] == 0, got
+        assert got["held"] == got["moved"][-1], got
+    else:  # the offload after the save allocated its buffers afresh
+        assert got["fresh"] > 0 and got["new_allocations"] == got["fresh"], got
+
+
+def test_nothing_offloaded_moves_and_frees_nothing():
+    from bpo_megatron.trainer.offload import OFFLOAD_PARTS
+
+    assert set(OFFLOAD_PARTS) == {"everything", "optimizer", "nothing"}
+    assert list(OFFLOAD_PARTS["nothing"].kept(None, None)) == list(OFFLOAD_PARTS["nothing"].discarded(None, None)) == []

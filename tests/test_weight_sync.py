@@ -18,22 +18,44 @@ def _every_transport() -> list[str]:
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))
 @pytest.mark.parametrize("colocated", [False, True])
-def test_every_engine_receives_weights_over_a_transport_that_exists(engine, colocated):
+@pytest.mark.parametrize("gpus", [False, True])
+def test_every_engine_receives_weights_over_a_transport_that_exists(engine, colocated, gpus):
     spec = engine_spec(engine)
-    name = spec.transport(spec.options(), colocated)
-    ref = spec.weight_transport(spec.options(), colocated)
+    name = spec.transport(spec.options(), colocated, gpus)
+    ref = spec.weight_transport(spec.options(), colocated, gpus)
     sender = transport_class(ref)
     # its own, declared in its spec, or a generic one
     assert ref == spec.transports[name] if name in spec.transports else (ref == name and name in TRANSPORTS)
     assert sender.__module__.startswith(f"bpo_megatron.rollout.{engine}.") or name in TRANSPORTS
     # a transport that reaches engines on the trainer's GPUs never moves host tensors into them
-    assert not (engine == "sglang" and sender.host_tensors)
+    assert not ((engine == "sglang" or engine == "hf" and gpus) and colocated and sender.host_tensors)
 
 
 def test_sglang_transport_follows_the_placement():
     spec = engine_spec("sglang")
-    assert [spec.transport(spec.options(), colocated) for colocated in (False, True)] == ["nccl_broadcast",
-                                                                                           "cuda_ipc"]
+    assert [spec.transport(spec.options(), colocated, True) for colocated in (False, True)] == ["nccl_broadcast",
+                                                                                                 "cuda_ipc"]
+
+
+def test_the_embedded_engine_on_the_trainers_gpu_takes_its_weights_by_cuda_ipc():
+    """Sharing the trainer's GPU, the embedded engine maps the trainer's device buffers; on a CPU,
+    or on a GPU of its own, it takes them through shared memory (Ray's object store off the
+    trainer's node). The experiment chooses where the engines sit, once."""
+    from pathlib import Path
+
+    from bpo_megatron.experiment import load_experiment
+
+    spec = engine_spec("hf")
+    assert {(c, g): spec.transport(spec.options(), c, g) for c in (False, True) for g in (False, True)} == {
+        (False, False): "shared_memory", (True, False): "shared_memory", (False, True): "shared_memory",
+        (True, True): "cuda_ipc"}
+    one_gpu = Path(__file__).resolve().parents[1] / "configs" / "qwen3_moe_1gpu.yaml"
+    cfg = load_experiment(one_gpu, [])
+    assert cfg.weight_transport() == "bpo_megatron.rollout.hf.cuda_ipc:CudaIpc"
+    assert cfg.weight_transport(evaluation=True) == "bpo_megatron.rollout.hf.shared_memory:SharedMemory"
+    on_cpu = load_experiment(one_gpu, ["cluster.gpus_per_node=0", "cluster.gpus_per_trainer_rank=0",
+                                       "cluster.gpus_per_engine=0"])
+    assert on_cpu.weight_transport() == "bpo_megatron.rollout.hf.shared_memory:SharedMemory"
 
 
 def test_colocated_engine_tp_ranks_sit_beside_consecutive_trainer_ranks():

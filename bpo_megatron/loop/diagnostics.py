@@ -35,14 +35,3 @@ def routing_agreement(trainer, samples, cfg) -> dict[str, float]:
         equal = (engine == mine).all(dim=-1)
         same, total = same + int(equal.sum()), total + equal.numel()
     return {"routing_agreement": same / max(total, 1)}
-
-
-SYNC_KEYS = ("sync_bytes", "sync_seconds", "offload_bytes")
-
-
-def add_sync(first: dict[str, float], second: dict[str, float]) -> dict[str, float]:
-    """The weight syncs (and trainer offloads) of one step added up; every key present, zero
-    when nothing ran, so each step's record has the same fields."""
-    total = {key: first.get(key, 0.0) + second.get(key, 0.0) for key in SYNC_KEYS}
-    total["sync_bytes_per_s"] = total["sync_bytes"] / total["sync_seconds"] if total["sync_seconds"] else 0.0
-    return total

@@ -85,7 +85,7 @@ class Evaluations:
         from bpo_megatron.weight_sync.session import sync_weights
 
         cfg = plan.cfg
-        apart = cfg.rollout.spec.weight_transport(cfg.rollout.options, False)  # the evaluation engines' devices are theirs
+        apart = cfg.weight_transport(evaluation=True)  # the evaluation engines' devices are theirs
 
         def sync(version: int, only: list[int] | None = None) -> dict:
             phases.train()  # the weights are read where the trainer computes (colocated: it holds the devices)

@@ -29,6 +29,17 @@ from bpo_megatron.tasks.stream import PromptStream
 from bpo_megatron.trainer import checkpoint
 
 
+@dataclass(frozen=True)
+class ColocatedOffload:
+    """What a colocated trainer hands its engines for each rollout phase (``cluster.offload``,
+    ``auto`` resolved by the planner on the recipe's GPUs: a key of
+    ``trainer.offload.OFFLOAD_PARTS``) and whether its host buffers stay across checkpoint saves
+    (the node's host memory holds them beside a save's staging)."""
+
+    parts: str
+    keep_across_saves: bool
+
+
 @dataclass
 class RunPlan:
     cfg: Any
@@ -40,6 +51,7 @@ class RunPlan:
     changes: dict[str, tuple[Any, Any]]  # settings changed on resume (named by --override-resume)
     notes: list[str] = field(default_factory=list)  # what the user should know before it runs
     agent: Agent | None = None  # rollout.agent, loaded and checked (None: single-turn rollouts)
+    offload: ColocatedOffload | None = None  # engines on the trainer's devices: what it hands them
 
 
 def prompt_format(cfg, tokenizer) -> PromptFormat:
@@ -238,6 +250,29 @@ def check_pretrained_weights(cfg, hf) -> None:
         raise RunRefused(f"model.path={cfg.model.path}: {exc}") from exc
 
 
+def colocated_offload(cfg, hf) -> tuple[ColocatedOffload | None, list[str]]:
+    """What a colocated trainer offloads, by the plan of the recipe's allocation
+    (:mod:`bpo_megatron.planner.offload`), and whether the busiest trainer node's host memory
+    keeps the offload's buffers across checkpoint saves (:mod:`bpo_megatron.planner.host`); notes
+    saying so on GPUs. A setting that does not fit the GPUs is refused, naming cluster.offload."""
+    if not cfg.cluster.colocate:
+        return None, []
+    from bpo_megatron.planner.plan import make_plan
+
+    plan = make_plan(cfg, hf)
+    if (why := plan.offload.refusal()) is not None:
+        raise RunRefused(why)
+    keep = plan.host is None or plan.host.fits
+    notes = [plan.offload.describe()] if plan.offload.options else []
+    if not keep:
+        host = plan.host
+        notes.append(f"the offload's host buffers are dropped before each checkpoint save and allocated again after "
+                     f"it (slowly, pinned): with them a save needs {host.at_save / 1e9:.1f} GB of host memory on the "
+                     f"busiest trainer node, more than its {host.node_bytes / 1e9:.0f} GB (bpo-megatron plan, "
+                     "--host-memory-gb)")
+    return ColocatedOffload(plan.offload.parts, keep), notes
+
+
 def decoupled_anchor_note(cfg) -> str | None:
     """What π_old is under train.async: the weights at each step's start, not the sampling weights."""
     lag = cfg.train.asynchronous.max_staleness
@@ -268,6 +303,8 @@ def prepare(cfg, *, override_resume: tuple[str, ...] = ()) -> RunPlan:
         notes.append(anchor)
     if resume_from is None and cfg.model.init == "pretrained":
         check_pretrained_weights(cfg, hf)
+    offload, offload_notes = colocated_offload(cfg, hf)
+    notes += offload_notes
     tokenizer = load_run_tokenizer(cfg, hf)
     prompts, eval_sets = load_data(cfg, tokenizer, cursor=state.data_cursor)
     check_trackers(cfg)
@@ -283,7 +320,7 @@ def prepare(cfg, *, override_resume: tuple[str, ...] = ()) -> RunPlan:
         if eval_set.rejected:
             notes.append(f"data.on_bad_record=skip: {len(eval_set.rejected)} questions of {eval_set.name} left out "
                          f"(first: {eval_set.rejected[0]})")
-    return RunPlan(cfg, tokenizer, prompts, eval_sets, state, resume_from, changes, notes, agent)
+    return RunPlan(cfg, tokenizer, prompts, eval_sets, state, resume_from, changes, notes, agent, offload)
 
 
 def summary(plan: RunPlan) -> str:

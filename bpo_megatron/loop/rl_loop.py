@@ -62,7 +62,7 @@ def rl_step(run: RunSession, pipeline: RolloutPipeline, step: int) -> None:
     with timer.phase("rollout"):
         pipeline.settle()  # the batches under way finish (or pause) before new weights
     with timer.phase("sync"):
-        sync = run.phases.rollout()  # the engines get the weights of the last update
+        run.phases.rollout()  # the engines get the weights of the last update
     pipeline.plan(step)  # this step's batch and, asynchronously, those of the next max_staleness steps
     draw = StepDraw(run, pipeline, step, timer)  # prompts × G responses and their rewards
     shaping: dict[str, float] = {}
@@ -100,8 +100,6 @@ def rl_step(run: RunSession, pipeline: RolloutPipeline, step: int) -> None:
     metrics["driver/to_trainer_mb"] = run.trainer.take_sent_bytes() / 2**20  # this step's object-store writes
     metrics.update(timer.metrics())
     run.state.step, run.state.data_cursor = step, pipeline.resume_cursor()
-    evaluation, evaluation_sync = run.evaluate(step, pipeline)
-    metrics.update(evaluation)
-    metrics.update(diagnostics.add_sync(sync, evaluation_sync))
-    run.record(step, metrics)
+    metrics.update(run.evaluate(step, pipeline))
+    run.record(step, metrics)  # with what the device phases moved (push, offload, onload, resume)
     run.checkpoint(step)

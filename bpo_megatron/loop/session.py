@@ -80,7 +80,10 @@ class RunSession:
         self.engines = EngineGroup(cfg, self.hf_dir, placement=self.placement)
         # what generates: the engines, or conversations of theirs with rollout.agent's tool
         self.rollouts = with_agent(self.engines, self.plan.agent, self.tokenizer)
-        self.phases = DevicePhases(self.engines, self._push, shared=cfg.cluster.colocate)
+        offload = self.plan.offload  # colocated: what the trainer hands the engines (the planner's choice)
+        self.phases = DevicePhases(self.engines, self._push, shared=offload is not None,
+                                   offload=offload.parts if offload else "nothing",
+                                   keep_spares_across_saves=offload.keep_across_saves if offload else False)
         self.trainer = TrainerGroup(cfg, placement=self.placement)
         self.phases.attach_trainer(self.trainer)
         self.engines.on_restart = self.phases.resync
@@ -94,7 +97,7 @@ class RunSession:
         """The trainer's weights, the ``version``-th update, to the rollout engines (``only``: those)."""
         cfg = self.cfg
         return sync_weights(self.trainer, self.engines,
-                            transport=cfg.rollout.spec.weight_transport(cfg.rollout.options, cfg.cluster.colocate),
+                            transport=cfg.weight_transport(),
                             version=version, bucket_bytes=cfg.weight_sync.bucket_bytes,
                             verify=cfg.weight_sync.verify, only=only, dtype=cfg.rollout.sync_dtype,
                             quantization=cfg.rollout.sync_quantization)
@@ -126,24 +129,29 @@ class RunSession:
             else:
                 self.phases.rollout()
                 self.evaluations.inline(step, self.rollouts.generate, record=True)
+        # what the start moved (the weights and the trainer's memory for an evaluation before
+        # step 1) is the run's start-up, as Ray's and the engines' is: no step's
+        self.phases.take_moves()
 
     # -------------------------------------------------------------------- at a step's end
-    def evaluate(self, step: int, pipeline) -> tuple[dict[str, float], dict[str, float]]:
+    def evaluate(self, step: int, pipeline) -> dict[str, float]:
         """Step ``step``'s evaluation, when it has one: started in the background, or inline on the
         rollout engines (the batches under way settled, the engines given the step's weights). Its
-        metrics, and the weight sync it took."""
+        metrics."""
         cfg = self.cfg
         if not (cfg.eval.every and step % cfg.eval.every == 0):
-            return {}, {}
+            return {}
         if self.evaluations.background:  # weights version `step` to the evaluation engines; on we go
-            return self.evaluations.start(step), {}
+            return self.evaluations.start(step)
         pipeline.settle()
-        sync = self.phases.rollout()
-        return self.evaluations.inline(step, self.rollouts.generate), sync
+        self.phases.rollout()
+        return self.evaluations.inline(step, self.rollouts.generate)
 
     def record(self, step: int, metrics: dict[str, float]) -> None:
-        """The step's record written and echoed; a background evaluation that finished is recorded too."""
-        self.metrics_out.write(step, metrics)
+        """The step's record, with what the device phases moved since the last one (every key of
+        ``orchestration.phases.MOVE_KEYS``: push, offload, onload and resume seconds, zero when not
+        run), written and echoed; a background evaluation that finished is recorded too."""
+        self.metrics_out.write(step, {**metrics, **self.phases.take_moves()})
         self.echo(summary_line(step, self.cfg.train.steps, metrics, bar=self.cfg.logging.progress))
         self.evaluations.poll()
 

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bpo_megatron.trainer.offload import OFFLOAD_PARTS
+
 
 @dataclass(frozen=True)
 class ClusterConfig:
     """``ray_address`` None starts an embedded Ray on this machine (loopback only). The trainer
     world has ``trainer_ranks`` processes = tp × pp × dp. ``colocate`` puts engines on the
     trainer's devices (phases alternate; weights and KV caches are offloaded on GPU); see
-    :mod:`bpo_megatron.orchestration.placement` for where each actor runs.
+    :mod:`bpo_megatron.orchestration.placement` for where each actor runs. ``offload``: what a
+    colocated trainer hands the engines while they generate: ``everything`` (weights and optimizer
+    state to host memory), ``optimizer`` (the optimizer state alone), ``nothing`` (trainer and
+    engines hold the GPUs together), or ``auto``, the least of these that fits ``gpu_memory_gb``
+    by the planner (:mod:`bpo_megatron.planner.offload`; ``bpo-megatron plan`` shows it).
 
     ``nodes``, ``gpus_per_node`` and ``gpu_memory_gb`` describe the allocation the experiment is
     meant for: the launchers take them as their defaults and ``bpo-megatron plan`` checks the
@@ -23,6 +29,7 @@ class ClusterConfig:
     gpus_per_engine: float = 0.0
     cpus_per_actor: float = 1.0
     colocate: bool = True
+    offload: str = "auto"
     placement_timeout_s: float = 300.0  # how long Ray may take to place the actors (autoscaling included)
     object_store_mb: int = 512
     nodes: int = 1
@@ -41,3 +48,8 @@ class ClusterConfig:
             raise ValueError(f"cluster.placement_timeout_s must be > 0, got {self.placement_timeout_s}")
         if not self.gpu_memory_gb > 0:
             raise ValueError(f"cluster.gpu_memory_gb must be > 0, got {self.gpu_memory_gb}")
+        if self.offload not in ("auto", *OFFLOAD_PARTS):
+            raise ValueError(f"cluster.offload={self.offload!r}: choose auto or one of {sorted(OFFLOAD_PARTS)}")
+        if self.offload != "auto" and not self.colocate:
+            raise ValueError(f"cluster.offload={self.offload} chooses what a trainer sharing its devices with the "
+                             "engines hands them; with cluster.colocate=false nothing is shared: leave it auto")

@@ -165,9 +165,14 @@ class TrainerGroup:
     def set_learning_rate(self, lr: float) -> None:
         self.call("set_learning_rate", lr)
 
+    def plan_offload(self, parts: str, keep_across_saves: bool) -> int:
+        """What :meth:`offload` moves from now on (``cluster.offload``'s choice), its host
+        buffers allocated now on every rank; the bytes rank 0 allocated."""
+        return self.call("plan_offload", parts, keep_across_saves)[0]
+
     def offload(self) -> int:
-        """Hand the devices back (parameters, gradients, optimizer state to host memory); the
-        bytes rank 0 moved."""
+        """Hand the devices back (what :meth:`plan_offload` chose to host memory, gradients
+        freed); the bytes rank 0 moved."""
         return self.call("offload")[0]
 
     def onload(self) -> None:

@@ -8,11 +8,16 @@ every optimizer update.
   weights changed, so every generation sees the newest weights and a run that generates nothing
   after its last update syncs nothing.
 * **Devices** (``cluster.colocate``). Engines that share the trainer's devices get them in turns:
-  a rollout phase offloads the trainer (parameters, gradient buffers and optimizer state to host
-  memory, its device memory freed) and resumes the engines' memory; a train phase releases the
-  engines' memory (weights and KV cache) and onloads the trainer. A sync needs both sides'
-  weights on the device: the engines get their weights' memory back before it and their KV cache
-  only after the trainer has left. On separate devices nothing moves.
+  a rollout phase offloads the trainer (what ``cluster.offload`` chose: parameters and optimizer
+  state, or the optimizer state alone, to host memory, the gradient buffers freed) and resumes
+  the engines' memory; a train phase releases the engines' memory (weights and KV cache) and
+  onloads the trainer. A sync needs both sides' weights on the device: the engines get their
+  weights' memory back before it and their KV cache only after the trainer has left. On separate
+  devices, or when the plan says trainer and engines fit the devices together
+  (``cluster.offload: nothing``), nothing moves.
+* **What moved** (:meth:`DevicePhases.take_moves`, added to every step's record): the bytes and
+  seconds of the weight pushes, the trainer's offloads and onloads and the engines' memory
+  resumes since the last record (:data:`MOVE_KEYS`), each key present, zero when nothing ran.
 * **Replacements** (an engine that died or hung in any phase): started while the trainer is off
   the devices (it is offloaded for the moment it takes, if need be), released or resumed to what
   its peers hold, and given the current weights before its next request: at once on devices of
@@ -21,6 +26,7 @@ every optimizer update.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +34,11 @@ from typing import Any
 WEIGHTS = ("weights",)
 # What engines hold: everything, only their weights (during a colocated sync), nothing
 HELD, WEIGHTS_ONLY, RELEASED = "held", "weights", "released"
+# What the phases moved, in every step's record (the phase times, time/<phase>_s, hold them among
+# other work): the bytes the weight pushes sent and their seconds (a push's own: the engines'
+# update sessions, the trainer's export and send), the bytes the trainer offloaded, the seconds of
+# its offloads and onloads, and of the engines' memory resumes
+MOVE_KEYS = ("sync_bytes", "push_s", "offload_bytes", "offload_s", "onload_s", "resume_s")
 
 
 class DevicePhases:
@@ -37,61 +48,80 @@ class DevicePhases:
     shared devices only while the trainer is off them, and brought to its peers' memory state."""
 
     def __init__(self, engines: Any, push: Callable[[list[int] | None, int], dict[str, float]], *,
-                 shared: bool) -> None:
+                 shared: bool, offload: str = "everything", keep_spares_across_saves: bool = False) -> None:
+        """``push(only, version)``: a weight sync, returning its ``sync_bytes`` and ``push_s``.
+        ``shared``: the engines sit on the trainer's devices; ``offload``: what the trainer hands
+        them for a rollout phase (``cluster.offload``, resolved by the planner: ``everything``,
+        ``optimizer`` or ``nothing``, which keeps both on the devices as if apart), its host
+        buffers kept across checkpoint saves with ``keep_spares_across_saves``."""
         self._trainer: Any = None
         self.version = 0  # the trainer's weights: how many updates (RL steps) they have taken
         self._engines, self._push = engines, push
-        self.shared = shared
+        # the devices change hands between phases: engines beside a trainer that offloads (with
+        # cluster.offload=nothing both hold them throughout, as engines on devices of their own)
+        self.taking_turns = shared and offload != "nothing"
+        self.offload, self._keep_spares = offload, keep_spares_across_saves
+        self._moved = dict.fromkeys(MOVE_KEYS, 0.0)
         self._owner = "train"  # who holds the devices: the trainer ("train") or the engines ("rollout")
         self._stale = True  # the engines do not hold the trainer's current weights
         self._memory = HELD  # what the engines hold of their device memory
         engines.start_hook = self.starting_engines
-        if shared:
+        if self.taking_turns:
             self._engines_hold(RELEASED)
 
-    def attach_trainer(self, trainer: Any) -> None:
+    def attach_trainer(self, trainer: Any) -> int:
+        """The trainer whose devices the engines share; on shared devices it plans its offload
+        (its host buffers allocated now, before the first step). The bytes allocated."""
         self._trainer = trainer
+        if not self.taking_turns:
+            return 0
+        return trainer.plan_offload(self.offload, self._keep_spares)
+
+    def take_moves(self) -> dict[str, float]:
+        """What moved since the last call (:data:`MOVE_KEYS`, every key, zero when nothing ran)
+        and the pushes' bytes per second."""
+        moved, self._moved = self._moved, dict.fromkeys(MOVE_KEYS, 0.0)
+        moved["sync_bytes_per_s"] = moved["sync_bytes"] / moved["push_s"] if moved["push_s"] else 0.0
+        return moved
 
     def weights_changed(self, version: int) -> None:
         """The trainer's weights are now the ``version``-th update."""
         self.version, self._stale = version, True
 
-    def rollout(self) -> dict[str, float]:
+    def rollout(self) -> None:
         """Hand the devices to the engines, syncing the weights first if they changed (or if an
-        engine was replaced meanwhile); returns the sync's metrics (empty when none ran)."""
-        metrics: dict[str, float] = {}
+        engine was replaced meanwhile)."""
         while True:
             if self._stale or self._engines.unsynced:
-                full = self._stale or self.shared
-                if self.shared:
+                full = self._stale or self.taking_turns
+                if self.taking_turns:
                     self.train()  # a sync reads the trainer's weights where they live
                     # the trainer's allocator still caches the step's activations: free them
                     # before the engines take back their weights' memory beside it
                     self._trainer.release_cached_memory()
                     self._engines_hold(WEIGHTS_ONLY)
-                metrics.update(self._push(None if full else sorted(self._engines.unsynced), self.version))
+                self._pushed(None if full else sorted(self._engines.unsynced))
                 self._stale = False
-            if self.shared and self._owner == "train":
-                moved = self._trainer.offload()
+            if self.taking_turns and self._owner == "train":
+                self._offload_trainer()
                 self._owner = "rollout"
                 self._engines_hold(HELD)
-                metrics["offload_bytes"] = float(moved)
             if not (self._stale or self._engines.unsynced):  # an engine replaced meanwhile needs the weights
-                return metrics
+                return
 
     def train(self) -> None:
         """Hand the devices to the trainer. Engines that released their weights hold them no more
         (SGLang keeps no copy): they are synced again at the next rollout phase."""
-        if self.shared and self._owner == "rollout":
+        if self.taking_turns and self._owner == "rollout":
             self._engines_hold(RELEASED)
-            self._trainer.onload()
+            self._onload_trainer()
             self._owner, self._stale = "train", True
 
     def resync(self, indices: list[int]) -> None:
         """Give engines that were just replaced (they hold the initial weights) the current ones,
         in whatever phase the step is, before any of their requests is sent again."""
-        if not self.shared:
-            self._push(indices, self.version)
+        if not self.taking_turns:
+            self._pushed(indices)
             self._engines.unsynced.difference_update(indices)
             return
         self._stale = True  # the weights reach engines sharing the trainer's devices in a full sync only
@@ -102,16 +132,34 @@ class DevicePhases:
         """Run ``start()`` (new engines for ``indices``) when their devices are free, then leave
         them holding what their peers hold. A server that starts beside a trainer holding the
         devices would find no memory for its KV cache, or fail to start."""
-        trainer_on_device = self.shared and self._owner == "train" and self._trainer is not None
+        trainer_on_device = self.taking_turns and self._owner == "train" and self._trainer is not None
         if trainer_on_device:
-            self._trainer.offload()
+            self._offload_trainer()
         start()
-        if self.shared and self._memory != HELD:
+        if self.taking_turns and self._memory != HELD:
             self._engines.release_memory(only=indices)
             if self._memory == WEIGHTS_ONLY:
-                self._engines.resume_memory(WEIGHTS, only=indices)
+                self._timed("resume_s", self._engines.resume_memory, WEIGHTS, only=indices)
         if trainer_on_device:
-            self._trainer.onload()
+            self._onload_trainer()
+
+    def _pushed(self, only: list[int] | None) -> None:
+        report = self._push(only, self.version)
+        self._moved["sync_bytes"] += report["sync_bytes"]
+        self._moved["push_s"] += report["push_s"]
+
+    def _offload_trainer(self) -> None:
+        self._moved["offload_bytes"] += float(self._timed("offload_s", self._trainer.offload))
+
+    def _onload_trainer(self) -> None:
+        self._timed("onload_s", self._trainer.onload)
+
+    def _timed(self, key: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self._moved[key] += time.perf_counter() - start
 
     def _engines_hold(self, memory: str) -> None:
         """Every engine releases or resumes memory until it holds ``memory``: set first, so an
@@ -120,6 +168,6 @@ class DevicePhases:
         if memory == RELEASED:
             self._engines.release_memory()
         elif memory == WEIGHTS_ONLY:
-            self._engines.resume_memory(WEIGHTS)
+            self._timed("resume_s", self._engines.resume_memory, WEIGHTS)
         else:  # the rest of what they released (engines resume only what they released)
-            self._engines.resume_memory(())
+            self._timed("resume_s", self._engines.resume_memory, ())

@@ -87,6 +87,9 @@ class TrainWorker:
     def train_share(self, share, totals) -> dict[str, float]:
         return self.actor.train_share(share, totals)
 
+    def plan_offload(self, parts: str, keep_across_saves: bool) -> int:
+        return self.actor.plan_offload(parts, keep_across_saves=keep_across_saves)
+
     def offload(self) -> int:
         return self.actor.offload()
 
@@ -239,6 +242,13 @@ class EngineWorker:
         from bpo_megatron.weight_sync.object_store import unpack
 
         return self.engine.update_weights(unpack(packed))
+
+    def update_weights_shared(self, shared) -> int:
+        """A bucket in the sender's device memory (a ``weights.shared_bucket.SharedBucket``, what
+        the embedded engine's ``cuda_ipc`` transport hands over): mapped, copied into the
+        engine's weights, let go before this returns."""
+        with shared.opened() as flat:
+            return self.engine.update_weights(flat)
 
     def fingerprints(self) -> dict[str, str]:
         from bpo_megatron.weights.checksums import fingerprints

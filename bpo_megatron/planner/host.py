@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from bpo_megatron.planner.offload import RULES
+
 GiB = 2**30
 DRIVER_BASE_GIB = 16  # interpreter, Ray client, tokenizer, prompt datasets, metrics
 
@@ -44,11 +46,13 @@ def driver_memory_gib(cfg) -> int:
 #     (12 bytes × bucket × (1 + 1/dp)), the compaction copy (one 4-byte world tensor at a time,
 #     the largest part's), and the model weights it writes staged from the GPU (dtype bytes).
 # A rank that is DP rank 0 of neither only sends its shard of a bucket (12 bytes × bucket / dp).
-# Colocated ranks also hold their offload buffers (weights and optimizer shard, gradients are
-# not moved): the trainer drops them before a save, but they are counted, so the figure bounds
-# the node through the whole run (the rollout phase holds those buffers, a save its staging).
+# Colocated ranks also hold their offload buffers (what cluster.offload moves: weights and
+# optimizer shard, or the optimizer shard alone, or nothing; gradients are not moved), allocated
+# before the first step. They are counted at a save: the trainer keeps them across saves when the
+# node holds both (NodeHost.fits), and drops them before each save otherwise (then the figure is
+# what the node would need to keep them).
 # A background save (checkpoint.background) holds its staged copy, the fp32 state and the weights
-# the rank writes, while the next steps train beside it (colocated: with fresh offload buffers);
+# the rank writes, while the next steps train beside it (colocated: with its offload buffers);
 # that is never more than the save's own peak above, which is the bound either way.
 # At load (a resume, before any offload) every rank allocates the fp32 state of its whole shard.
 # The busiest node is taken to hold the ranks with the largest figures, a bound whatever the
@@ -174,8 +178,9 @@ def trainer_node_host(plan, node_memory_gb: float) -> NodeHost | None:
     dense_writers = per_stage // plan.optimizer_dp
     expert_writers = per_stage // plan.expert_dp if plan.hf.is_moe else 0
     ranks = []
+    parts = plan.offload.parts if plan.offload is not None else None
     for s in plan.stages:
-        offload = s.static.weights + s.static.optimizer if c.colocate else 0
+        offload = RULES[parts].moved(s.static) if parts is not None else 0
         ranks += [rank_host(s.params.dense, s.params.expert, stage=s.params.stage,
                             param_bytes=plan.precision.param_bytes, offload_bytes=offload, dp=plan.optimizer_dp,
                             expert_dp=plan.expert_dp, dense_writer=local < dense_writers,

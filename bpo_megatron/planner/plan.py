@@ -18,6 +18,7 @@ from bpo_megatron.trainer.balance import CostModel
 from bpo_megatron.trainer.packing import rank_positions
 from bpo_megatron.planner.host import NodeHost, trainer_node_host
 from bpo_megatron.planner.layout import Allocation, Check, layout_checks
+from bpo_megatron.planner.offload import OffloadPlan, offload_plan
 from bpo_megatron.planner.params import StageParams, rank_parameters
 from bpo_megatron.planner.precision import Precision, StaticMemory, static_memory
 from bpo_megatron.planner.rollout import RolloutMemory, TrainerResidual, rollout_memory, trainer_residual
@@ -69,6 +70,7 @@ class Plan:
     rollout: RolloutMemory | None  # None on a CPU allocation
     host: NodeHost | None = None  # the busiest trainer node's host memory; None on a CPU allocation
     batches: BatchEstimate | None = None  # micro-batch counts for a length distribution (make_plan's lengths)
+    offload: OffloadPlan | None = None  # what a colocated trainer offloads (cluster.offload); None apart
 
     @property
     def layout_ok(self) -> bool:
@@ -105,6 +107,16 @@ class Plan:
         return self.rollout.profile.pool_fraction * self.allocation.gpu_bytes
 
     @property
+    def engine_kept(self) -> float:
+        """What an engine keeps on a GPU it shares with the trainer while the trainer computes
+        (the parts of its memory its release does not hand back: ``EngineProfile.released``)."""
+        r = self.rollout
+        if r is None:
+            return 0.0
+        return ((r.weights if "weights" not in r.profile.released else 0.0)
+                + (r.kv_cache + RESERVED_BYTES if "kv_cache" not in r.profile.released else 0.0))
+
+    @property
     def memory_ok(self) -> bool:
         if not self.allocation.gpus_per_node:
             return True  # a CPU allocation has no per-GPU budget
@@ -112,6 +124,8 @@ class Plan:
         pool = self.rollout_pool
         in_pool = pool is None or (self.rollout.total <= pool + 1.0 and self.rollout.resident_sequences != 0
                                    and self.rollout_outside_pool <= cap - pool)
+        if self.offload is not None and self.offload.options:  # colocated: the phases of the offload chosen
+            return self.offload.fits and in_pool
         return self.train_peak <= cap and self.rollout_peak <= cap and in_pool
 
     @property
@@ -250,6 +264,12 @@ def make_plan(cfg: ExperimentConfig, hf: HFModelConfig, allocation: Allocation |
                 distributed_optimizer=distributed_optimizer, dp=dp, expert_dp=expert_dp,
                 tokens_per_micro_batch=tokens, micro_batches=micro_batches, stages=stages, rollout=rollout,
                 batches=batches)
+    if cfg.cluster.colocate:
+        residual = plan.trainer_residual
+        plan = dataclasses.replace(plan, offload=offload_plan(
+            cfg.cluster.offload, stages, engine=rollout.total + RESERVED_BYTES if rollout else None,
+            engine_kept=plan.engine_kept, residual=residual.total if residual else 0.0,
+            cap=allocation.gpu_bytes if allocation.gpus_per_node else None))
     return dataclasses.replace(plan, host=trainer_node_host(plan, allocation.host_memory_gb))
 
 

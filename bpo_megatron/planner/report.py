@@ -182,6 +182,25 @@ def _rollout(plan: Plan) -> list[str]:
     return lines
 
 
+# how each choice of cluster.offload reads in the report
+_OFFLOAD_NAMES = {"nothing": "nothing: trainer and engines hold the GPU together",
+                  "optimizer": "optimizer: its state to host memory, the weights stay",
+                  "everything": "everything: weights and optimizer state to host memory"}
+
+
+def _offload(plan: Plan) -> list[str]:
+    """The colocated trainer's choices of what to hand the engines (planner/offload.py)."""
+    offload = plan.offload
+    if offload is None or not offload.options:
+        return []
+    chosen = offload.chosen
+    rows = [[_OFFLOAD_NAMES[o.parts] + ("  ← chosen" if o is chosen else ""), gb(o.moved), gb(o.rollout_phase),
+             gb(o.train_phase)] for o in offload.options]
+    header = [f"colocated offload per GPU (GB; cluster.offload={offload.setting})", "moved each way",
+              "engines generate", "trainer computes"]
+    return [*_table(header, rows), f"  → {offload.describe()}"]
+
+
 def _pass_cells(stats) -> list[str]:
     if stats is None:
         return ["-", "-", "-"]
@@ -235,8 +254,11 @@ def _host(plan: Plan) -> list[str]:
         return []
     ranks = host.save_ranks
     counted = host.counted_at_save
-    pinned = "pinned offload buffers (weights + optimizer shards; dropped before a save, counted)" \
-        if plan.cfg.cluster.colocate else "pinned offload buffers (not colocated: none)"
+    if plan.offload is None:
+        pinned = "pinned offload buffers (not colocated: none)"
+    else:
+        kept = "kept across saves" if host.fits else "dropped before each save, counted"
+        pinned = f"pinned offload buffers (cluster.offload: {plan.offload.parts}; allocated before step 1, {kept})"
     rows = [
         [pinned, gb(sum(r.pinned for r in ranks))],
         ["fp32 master weights + 2 Adam moments gathered to write (12 B per parameter)",
@@ -286,6 +308,8 @@ def format_plan(plan: Plan) -> str:
         lines += ["", *_batches(plan)]
     if plan.rollout:
         lines += ["", *_rollout(plan)]
+    if plan.offload is not None and plan.offload.options:
+        lines += ["", *_offload(plan)]
     if plan.host:
         lines += ["", *_host(plan)]
     lines += ["", *_driver(plan), *_sync(plan)]

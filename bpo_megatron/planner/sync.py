@@ -58,7 +58,7 @@ GPU_TRANSPORTS = {"nccl_broadcast": _broadcast_parts, "cuda_ipc": _ipc_parts}
 
 def expected_sync(cfg, hf, total_params: int) -> SyncEstimate | None:
     """None for engines that do not sync over a GPU transport (the embedded engine, vLLM)."""
-    transport = cfg.rollout.spec.transport(cfg.rollout.options, cfg.cluster.colocate)
+    transport = cfg.rollout.spec.transport(cfg.rollout.options, cfg.cluster.colocate, cfg.cluster.gpus_per_engine > 0)
     parts_of = GPU_TRANSPORTS.get(transport)
     if parts_of is None or not cfg.cluster.gpus_per_node:
         return None

@@ -166,6 +166,9 @@ class EngineProfile:
     # the engine admits requests while its KV pool (pool_fraction, less the weights) holds them
     # and queues the rest itself (SGLang): the pool, not the sequences in flight, bounds its memory
     admits_by_pool: bool = False
+    # what release_memory hands back to a trainer sharing its devices: its weights' memory and its
+    # KV cache with the runtime around it (SGLang); the rest stays on the device meanwhile
+    released: tuple[str, ...] = ("weights", "kv_cache")
 
 
 def _no_check(_options: Any) -> None:
@@ -197,9 +200,10 @@ class EngineSpec:
     options: type  # the dataclass of the rollout.<name> section
     build: Callable[[Any, EngineContext], RolloutEngine]
     profile: Callable[[Any, int, float], EngineProfile]
-    # the name of the weight transport it receives with, given its options and whether it shares
-    # the trainer's devices: one of its own ``transports`` or a generic one (weight_sync.TRANSPORTS)
-    transport: Callable[[Any, bool], str]
+    # the name of the weight transport it receives with, given its options, whether it shares the
+    # trainer's devices and whether it runs on GPUs: one of its own ``transports`` or a generic one
+    # (weight_sync.TRANSPORTS); the one place that decides how weights reach it
+    transport: Callable[[Any, bool, bool], str]
     # the transports it declares, name -> "module:Class" (they live in its folder)
     transports: Mapping[str, str] = field(default_factory=dict)
     # the package it imports in the process that hosts it (None: none besides this one's)
@@ -221,10 +225,10 @@ class EngineSpec:
     # (the one drawn from only when no filter is set)
     top_logprobs: TopLogprobs = "none"
 
-    def weight_transport(self, options: Any, colocated: bool) -> str:
+    def weight_transport(self, options: Any, colocated: bool, gpus: bool) -> str:
         """What the trainer's ranks build the transport from (``weight_sync.transport_class``):
         one of this engine's own as ``module:Class``, or a generic one by name."""
-        name = self.transport(options, colocated)
+        name = self.transport(options, colocated, gpus)
         return self.transports.get(name, name)
 
 

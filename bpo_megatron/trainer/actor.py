@@ -23,7 +23,7 @@ from bpo_megatron.ops import vocab_parallel_logprobs, vocab_parallel_logprobs_at
 from bpo_megatron.parallel import ParallelConfig, initialize_parallel, layout_record
 from bpo_megatron.trainer import checkpoint
 from bpo_megatron.trainer.config import TrainerConfig
-from bpo_megatron.trainer.offload import MemoryOffload, gradient_tensors, release_host_cache, trainer_tensors
+from bpo_megatron.trainer.offload import release_host_cache, trainer_offload
 from bpo_megatron.trainer.optimizer import (
     OptimizerSettings,
     build_optimizer,
@@ -119,8 +119,7 @@ class TrainActor:
         # what a sample costs to run, for balancing packed work over ranks and micro-batches
         self.cost = CostModel.of(hf)
         self.step = 0
-        self._offload = MemoryOffload(lambda: trainer_tensors(self.ddp, self.optimizer),
-                                      discard=lambda: gradient_tensors(self.ddp, self.optimizer))
+        self._offload = trainer_offload("everything", self.ddp, self.optimizer)  # until plan_offload
         self._tp_group = ps.get_tensor_model_parallel_group()
         self._dp_group = ps.get_data_parallel_group()
         self._pp_group = ps.get_pipeline_model_parallel_group()
@@ -271,14 +270,15 @@ class TrainActor:
 
         The host buffers offloading keeps for its next round are dropped first, so the optimizer
         state the save gathers in host memory (``bpo_megatron.planner.host``) does not come on
-        top of them; the next offload pins fresh ones. Refused while offloaded.
+        top of them (the next offload pins fresh ones), unless :meth:`plan_offload` said the
+        node holds both. Refused while offloaded.
         """
         if self._offload.offloaded:
             raise RuntimeError("the trainer's memory is offloaded (engines hold the device): call onload() "
                                "before save()")
         # the HF config travels with the weights, so the checkpoint can be exported to HF alone
         state = {"actor_step": self.step, "hf_config": self.hf.to_hf_dict(), **(trainer_state or {})}
-        self._offload.drop_spares()
+        self._offload.before_save()
         if not background:
             self.saves.waited_s = self._timed_finish("a blocking save starts")
         try:
@@ -357,10 +357,26 @@ class TrainActor:
     def offloaded(self) -> bool:
         return self._offload.offloaded
 
+    def plan_offload(self, parts: str, *, keep_across_saves: bool = False) -> int:
+        """From now on :meth:`offload` moves ``parts`` (``cluster.offload``'s choice: a key of
+        ``trainer.offload.OFFLOAD_PARTS``) into host buffers allocated here, before the first step
+        (pinned with CUDA; the optimizer state its first step creates included), and kept across
+        checkpoint saves with ``keep_across_saves``; returns the bytes allocated. Refused while
+        offloaded."""
+        self._check_onloaded()
+        self._offload = trainer_offload(parts, self.ddp, self.optimizer, keep_across_saves=keep_across_saves)
+        return self._offload.reserve()
+
+    @property
+    def host_buffers(self):
+        """The offload's host buffers (``trainer.host_buffers.HostBuffers``: what is held, what was allocated)."""
+        return self._offload.buffers
+
     def offload(self) -> int:
-        """Move parameters and optimizer state to host memory and free the device memory they
-        and the gradient buffers held (colocated engines use it meanwhile; gradients are dead
-        between steps and come back zeroed); returns the bytes moved."""
+        """Move what :meth:`plan_offload` chose (until then everything: parameters and optimizer
+        state) to host memory and free the device memory it and the gradient buffers held
+        (colocated engines use it meanwhile; gradients are dead between steps and come back
+        zeroed); returns the bytes moved."""
         return self._offload.offload()
 
     def onload(self) -> int:

@@ -14,6 +14,13 @@ Gradients are not copied: the fp32 main-gradient buffers are dead between optimi
 zeroes them before its first backward pass), so offloading frees them and onloading re-allocates
 them zeroed. Moving them would cost 4 bytes per parameter of pinned host memory and two copies
 over the host link per step for values nobody reads.
+
+What is offloaded is ``cluster.offload``'s choice (:data:`OFFLOAD_PARTS`: everything, the
+optimizer state alone, or nothing), which the planner makes from what fits the devices. The host
+buffers are allocated once, before the first step (:meth:`MemoryOffload.reserve`: pinned with
+CUDA, including the Adam moments the optimizer's first step creates), and reused by every offload;
+:class:`~bpo_megatron.trainer.host_buffers.HostBuffers` counts every host allocation, so a test can show that no offload pins fresh
+memory.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from bpo_megatron import platform
+from bpo_megatron.trainer.host_buffers import HostBuffers
+from bpo_megatron.trainer.optimizer_state import MOMENTS
 
 
 @dataclass
@@ -68,18 +77,24 @@ class MemoryOffload:
 
     ``discard()`` names tensors whose values need not survive (gradient buffers): their storages
     are freed without a copy and come back zeroed. A storage that ``tensors()`` also names is
-    copied: values someone keeps win over values someone discards."""
+    copied: values someone keeps win over values someone discards. ``expected()`` gives the
+    bytes of storages ``tensors()`` will name that do not exist yet (the optimizer state its
+    first step creates), so that :meth:`reserve` can allocate their host buffers too."""
 
     def __init__(self, tensors: Callable[[], Iterable[torch.Tensor]],
-                 discard: Callable[[], Iterable[torch.Tensor]] = lambda: ()) -> None:
+                 discard: Callable[[], Iterable[torch.Tensor]] = lambda: (),
+                 expected: Callable[[], Iterable[int]] = lambda: (), *, keep_across_saves: bool = False) -> None:
         self._tensors = tensors
         self._discard = discard
+        self._expected = expected
         self._held: list[_Held] = []
-        # Host buffers are kept for the next offload: pinning fresh host memory runs at ~1 GB/s
-        # (measured on an H100 machine: 21.6 GB took 21.5 s the first time), copying into
-        # pinned memory at link speed. A checkpoint save drops them (drop_spares): it needs the
-        # host memory for its own staging.
-        self._spare: list[torch.Tensor] = []
+        # Host buffers are kept for the next offload (pinning fresh host memory is slow, copying
+        # into pinned memory runs at link speed): a reservation holds them from before the first
+        # offload; a checkpoint save drops them (:meth:`before_save`) unless the node's host
+        # memory holds them beside the save's own staging (``keep_across_saves``, the planner's
+        # host budget: bpo_megatron/planner/host.py).
+        self.buffers = HostBuffers()
+        self.keep_across_saves = keep_across_saves
 
     @property
     def offloaded(self) -> bool:
@@ -97,8 +112,17 @@ class MemoryOffload:
 
     @property
     def spare_bytes(self) -> int:
-        """Host buffers kept from the last offload for the next one."""
-        return sum(buffer.numel() for buffer in self._spare)
+        """Host buffers held for the next offload."""
+        return self.buffers.free_bytes
+
+    def reserve(self) -> int:
+        """Allocate now (pinned, with CUDA) a host buffer for every storage the offloads copy:
+        those ``tensors()`` names and those ``expected()`` announces; returns the bytes allocated
+        (none for buffers already held). Refused while offloaded."""
+        if self._held:
+            raise RuntimeError("the trainer's memory is offloaded; onload() it before reserving host buffers")
+        sizes = [storage.nbytes() for storage in _storages(self._tensors())] + list(self._expected())
+        return self.buffers.reserve(sizes, pin=platform.has_cuda())
 
     def offload(self) -> int:
         """Copy every kept storage to host memory, free it and every discarded one; returns the
@@ -108,12 +132,9 @@ class MemoryOffload:
         pin = platform.has_cuda()
         held = []
         kept = list(_storages(self._tensors()))
-        for index, storage in enumerate(kept):
+        for storage in kept:
             nbytes = storage.nbytes()
-            if index < len(self._spare) and self._spare[index].numel() == nbytes:
-                host = self._spare[index]
-            else:
-                host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin and storage.device.type == "cuda")
+            host = self.buffers.take(nbytes, pin=pin and storage.device.type == "cuda")
             host.copy_(_storage_bytes(storage), non_blocking=pin)
             held.append(_Held(storage, nbytes, host))
         kept_keys = {storage.data_ptr() for storage in kept}
@@ -124,7 +145,6 @@ class MemoryOffload:
         for item in held:
             item.storage.resize_(0)
         self._held = held
-        self._spare = []  # now in use; they come back as spares at onload
         if pin:
             torch.cuda.empty_cache()  # hand the freed blocks back to the device, not only the cache
         return self.host_bytes
@@ -144,35 +164,71 @@ class MemoryOffload:
             moved += item.nbytes
         if platform.has_cuda():
             torch.cuda.synchronize()  # the host buffers are written again by the next offload
-        self._spare = [item.host for item in self._held if item.host is not None]
+        for item in self._held:
+            if item.host is not None:
+                self.buffers.give(item.host)
         self._held = []
         return moved
 
+    def before_save(self) -> int:
+        """What a checkpoint save does first: drop the spare host buffers unless they are kept
+        across saves; returns the bytes dropped."""
+        return 0 if self.keep_across_saves else self.drop_spares()
+
     def drop_spares(self) -> int:
-        """Free the host buffers kept for the next offload (which then pins fresh ones) and hand
-        cached pinned memory back to the system; returns the bytes dropped. Refused while
+        """Free the host buffers kept for the next offload (which then allocates fresh ones) and
+        hand cached pinned memory back to the system; returns the bytes dropped. Refused while
         offloaded: those buffers hold the trainer's state."""
         if self._held:
             raise RuntimeError("the trainer's memory is offloaded; onload() it before dropping host buffers")
-        dropped = self.spare_bytes
-        self._spare = []
+        dropped = self.buffers.drop()
         release_host_cache()
         return dropped
 
 
-def trainer_tensors(model_chunks: Iterable[torch.nn.Module], optimizer) -> Iterator[torch.Tensor]:
-    """Every large tensor whose values a trainer keeps between steps: the parameters of the DDP
-    chunks (and their DDP parameter buffers), and the optimizer's own parameters (fp32 masters)
-    and state (Adam moments)."""
+def model_tensors(model_chunks: Iterable[torch.nn.Module]) -> Iterator[torch.Tensor]:
+    """The model's weights: the parameters of the DDP chunks and their DDP parameter buffers."""
     for chunk in model_chunks:
         for buffer in _ddp_buffers(chunk):
             yield buffer.param_data
         yield from chunk.parameters()
+
+
+def optimizer_tensors(model_chunks: Iterable[torch.nn.Module], optimizer) -> Iterator[torch.Tensor]:
+    """The optimizer's own tensors: its parameters where they are not the model's (the fp32
+    master copies of mixed precision; the fp32 optimizer updates the model's own) and its state
+    (Adam moments)."""
+    model = {storage.data_ptr() for storage in _storages(model_tensors(model_chunks))}
+    for inner in torch_optimizers(optimizer):
+        for group in inner.param_groups:
+            yield from (param for param in group["params"] if param.untyped_storage().data_ptr() not in model)
+        for state in inner.state.values():
+            yield from (value for value in state.values() if torch.is_tensor(value) and value.dim() > 0)
+
+
+def trainer_tensors(model_chunks: Iterable[torch.nn.Module], optimizer) -> Iterator[torch.Tensor]:
+    """Every large tensor whose values a trainer keeps between steps: the model's weights
+    (:func:`model_tensors`) and the optimizer's parameters (fp32 masters) and state (Adam
+    moments)."""
+    yield from model_tensors(model_chunks)
     for inner in torch_optimizers(optimizer):
         for group in inner.param_groups:
             yield from group["params"]
         for state in inner.state.values():
             yield from (value for value in state.values() if torch.is_tensor(value) and value.dim() > 0)
+
+
+def first_step_state_bytes(optimizer) -> list[int]:
+    """The bytes of each state tensor the optimizer's first step will create: AdamW's moments
+    (:data:`~bpo_megatron.trainer.optimizer_state.MOMENTS`), each shaped and typed like the
+    parameter it belongs to, for every parameter that has no state yet."""
+    sizes = []
+    for inner in torch_optimizers(optimizer):
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state.get(param):
+                    sizes += [param.numel() * param.element_size()] * len(MOMENTS)
+    return sizes
 
 
 def gradient_tensors(model_chunks: Iterable[torch.nn.Module], optimizer) -> Iterator[torch.Tensor]:
@@ -199,3 +255,41 @@ def torch_optimizers(optimizer) -> Iterator[torch.optim.Optimizer]:
         inner = getattr(part, "optimizer", None)
         if isinstance(inner, torch.optim.Optimizer):
             yield inner
+
+
+def _nothing(*_args) -> Iterator[torch.Tensor]:
+    return iter(())
+
+
+@dataclass(frozen=True)
+class OffloadParts:
+    """What an offload copies to host memory (``kept``) and frees without a copy (``discarded``),
+    and whether that includes the optimizer state its first step creates."""
+
+    kept: Callable[..., Iterable[torch.Tensor]]
+    discarded: Callable[..., Iterable[torch.Tensor]]
+    optimizer_state: bool
+
+
+# cluster.offload's choices, what each hands back while colocated engines generate: the weights
+# and optimizer state to host memory (gradients freed); the optimizer state alone (the weights
+# stay on the device); nothing (trainer and engines hold the device together). The planner
+# (bpo_megatron/planner/offload.py) says which fits a recipe's devices.
+OFFLOAD_PARTS = {
+    "everything": OffloadParts(trainer_tensors, gradient_tensors, optimizer_state=True),
+    "optimizer": OffloadParts(optimizer_tensors, gradient_tensors, optimizer_state=True),
+    "nothing": OffloadParts(_nothing, _nothing, optimizer_state=False),
+}
+
+
+def trainer_offload(parts: str, model_chunks: list[torch.nn.Module], optimizer, *,
+                    keep_across_saves: bool = False) -> MemoryOffload:
+    """The offload of ``parts`` (a key of :data:`OFFLOAD_PARTS`) of a trainer's DDP chunks and
+    optimizer; :meth:`MemoryOffload.reserve` allocates its host buffers."""
+    if parts not in OFFLOAD_PARTS:
+        raise ValueError(f"cluster.offload={parts!r}: choose one of {sorted(OFFLOAD_PARTS)} (or auto)")
+    chosen = OFFLOAD_PARTS[parts]
+    return MemoryOffload(lambda: chosen.kept(model_chunks, optimizer),
+                         discard=lambda: chosen.discarded(model_chunks, optimizer),
+                         expected=(lambda: first_step_state_bytes(optimizer)) if chosen.optimizer_state else (lambda: ()),
+                         keep_across_saves=keep_across_saves)

@@ -358,7 +358,7 @@ def test_trainer_rank_0_broadcasts_each_bucket_to_every_engine_rank_at_once(ray_
         "rollout.num_engines=2", "cluster.colocate=false", "data.max_prompt_tokens=16", "rollout.max_new_tokens=8",
         f"rollout.sglang.launcher=[{SGLANG_PYTHON}, {STANDIN}]", f"rollout.sglang.tp_size={TP}",
         "rollout.sglang.startup_timeout_s=300"], check_model=True)
-    transport = cfg.rollout.spec.weight_transport(cfg.rollout.options, cfg.cluster.colocate)
+    transport = cfg.weight_transport()
     engines = EngineGroup(cfg, str(served))
     trainer = TrainerGroup(cfg)
     try:
@@ -427,7 +427,7 @@ def test_colocated_engine_ranks_each_map_the_trainer_rank_beside_them(ray_sessio
         "rollout.num_engines=1", "cluster.colocate=true", "cluster.trainer_ranks=2", "data.max_prompt_tokens=16",
         "rollout.max_new_tokens=8", f"rollout.sglang.launcher=[{SGLANG_PYTHON}, {STANDIN}]",
         f"rollout.sglang.tp_size={TP}", "rollout.sglang.startup_timeout_s=300"], check_model=True)
-    transport = cfg.rollout.spec.weight_transport(cfg.rollout.options, cfg.cluster.colocate)
+    transport = cfg.weight_transport()
     engines = EngineGroup(cfg, str(served))
     trainer = TrainerGroup(cfg)
     try:

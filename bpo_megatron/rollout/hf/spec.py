@@ -20,8 +20,9 @@ def _build(options: HFEngineOptions, context: EngineContext) -> RolloutEngine:
 
 
 def _profile(options: HFEngineOptions, requests: int, gpus_per_engine: float) -> EngineProfile:
-    # one device; rows decode together up to max_batch_rows (their KV cache lives at once)
-    return EngineProfile(tp=1, sequences=min(requests, options.max_batch_rows))
+    # one device; rows decode together up to max_batch_rows (their KV cache lives at once); a
+    # release drops the decode states (KV slots, buffers, graphs), the weights stay
+    return EngineProfile(tp=1, sequences=min(requests, options.max_batch_rows), released=("kv_cache",))
 
 
 SPEC = EngineSpec(
@@ -29,9 +30,11 @@ SPEC = EngineSpec(
     options=HFEngineOptions,
     build=_build,
     profile=_profile,
-    # in place through shared memory on the trainer's node, Ray's object store elsewhere
-    transport=lambda options, colocated: "shared_memory",
-    transports={"shared_memory": "bpo_megatron.rollout.hf.shared_memory:SharedMemory"},
+    # on the trainer's GPU: the trainer's device buffers mapped by CUDA IPC; otherwise in place
+    # through shared memory on the trainer's node, Ray's object store elsewhere
+    transport=lambda options, colocated, gpus: "cuda_ipc" if colocated and gpus else "shared_memory",
+    transports={"shared_memory": "bpo_megatron.rollout.hf.shared_memory:SharedMemory",
+                "cuda_ipc": "bpo_megatron.rollout.hf.cuda_ipc:CudaIpc"},
     # weights are sent in the engine's own precision, so what it holds is exactly what was sent
     weight_dtype=lambda options: options.dtype,
     weight_quantization=lambda options: None if options.quantization == "none" else options.quantization,

@@ -43,7 +43,7 @@ SPEC = EngineSpec(
     build=_build,
     profile=_profile,
     # on the trainer's GPUs: CUDA IPC handles; on its own: one broadcast from the trainer's GPU
-    transport=lambda options, colocated: "cuda_ipc" if colocated else "nccl_broadcast",
+    transport=lambda options, colocated, gpus: "cuda_ipc" if colocated else "nccl_broadcast",
     transports={"cuda_ipc": "bpo_megatron.rollout.sglang.cuda_ipc:CudaIpc",
                 "nccl_broadcast": "bpo_megatron.rollout.sglang.nccl_broadcast:NcclBroadcast"},
     # the server captures routing wherever it runs (it may be attached by url from a CPU driver)

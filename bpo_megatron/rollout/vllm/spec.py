@@ -17,7 +17,8 @@ def _build(options: VLLMOptions, context: EngineContext) -> RolloutEngine:
 
 
 def _profile(options: VLLMOptions, requests: int, gpus_per_engine: float) -> EngineProfile:
-    return EngineProfile(tp=options.tensor_parallel_size, sequences=requests)
+    # it hands nothing back when released (no sleep mode here): colocated, it keeps all its memory
+    return EngineProfile(tp=options.tensor_parallel_size, sequences=requests, released=())
 
 
 SPEC = EngineSpec(
@@ -25,7 +26,7 @@ SPEC = EngineSpec(
     options=VLLMOptions,
     build=_build,
     profile=_profile,
-    transport=lambda options, colocated: "object_store",
+    transport=lambda options, colocated, gpus: "object_store",
     library="vllm",  # an in-process engine: vLLM's LLM runs in the engine actor
     captures_routing_without_gpu=False,  # routed-expert capture needs vLLM's GPU model runner
     # logprobs=k: its processed log-probs are the drawn distribution's only without top-k/top-p, its
