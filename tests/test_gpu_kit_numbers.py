@@ -228,7 +228,7 @@ def test_round_goals_hold_miss_or_are_not_measured():
               {"name": "rollout_decode", "error": "not run: 3 s left of --total 465 s", "numbers": {}}]
     rows = {row["number"]: row for row in judge_goals(checks)}
     assert list(rows) == [goal.key for goal in GOALS]
-    assert rows["steady_step_s"]["verdict"] == "misses: 2.98× the bound (8.90 s over)"
+    assert rows["steady_step_s"]["verdict"] == "misses: 2.98× the bound (8.9 s over)"
     assert rows["steady_tokens_per_s_per_device"]["verdict"] == "holds"
     assert rows["push_s"]["verdict"] == "not measured: not recorded"
     assert rows["train_mfu_32k"]["verdict"] == "holds, the stretch too" and rows["train_mfu_32k"]["measured"] == "31.0%"

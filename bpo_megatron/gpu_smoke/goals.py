@@ -31,7 +31,7 @@ class Goal:
             return f"{value:,.0f} tok/s"
         if self.unit == "×":
             return f"{value:.3f}×"
-        return f"{value:.2f} s"
+        return f"{value:.3g} s"
 
     def gap(self, difference: float) -> str:
         return f"{difference * 100:.1f} points" if self.unit == "%" else self.show(difference)

@@ -169,7 +169,7 @@ kit() {
     return
   fi
   timeout $((limit + 15)) "$PY" -m bpo_megatron.gpu_smoke --out "$OUT/$part" --workdir "$WORK/kit" --device "$DEVICE" \
-      --checks "$checks" --budgets "$KIT_BUDGETS" --total "$limit" 2>&1 | tee "$OUT/$part.txt" | grep "^\[gpu-smoke\]"
+      --checks "$checks" --budgets "$KIT_BUDGETS" --total "$limit" 2>&1 | tee "$OUT/$part.txt" | grep --line-buffered "^\[gpu-smoke\]"
   status=${PIPESTATUS[0]}
   record "$part" "$limit" $(($(date +%s) - start)) "$status" "$checks"
 }
@@ -214,7 +214,9 @@ fi
 files=$(find "$OUT" -maxdepth 1 -type f | wc -l)
 tar -czf "$WORK/compile-cache.tar.gz" -C "$CACHE" . 2>/dev/null
 size_mib=$(( $(stat -c %s "$WORK/compile-cache.tar.gz" 2>/dev/null || echo 0) / 1048576 ))
-if [ "$size_mib" -le "$CACHE_MAX_MIB" ] && [ $((files + 1)) -le "$MAX_FILES" ]; then
+if [ -z "$(find "$CACHE" -type f | head -1)" ]; then
+  echo "[round] compile caches: nothing was compiled"
+elif [ "$size_mib" -le "$CACHE_MAX_MIB" ] && [ $((files + 1)) -le "$MAX_FILES" ]; then
   mv "$WORK/compile-cache.tar.gz" "$OUT/compile-cache.tar.gz"
   echo "[round] compile caches: OUT/compile-cache.tar.gz (${size_mib} MiB; bring it along next time as $COMPILE_CACHE_IN)"
 else
