@@ -211,9 +211,10 @@ def analyse(events: list[dict[str, Any]]) -> Analysis:
         by_thread[op["tid"]].append(op)
     for thread in by_thread.values():
         thread.sort(key=lambda e: e["ts"])
+    thread_starts = {tid: [op["ts"] for op in thread] for tid, thread in by_thread.items()}
     for event in sorted(sync_events, key=lambda e: e["ts"]):
         thread = by_thread.get(event["tid"], [])
-        i = bisect.bisect_right([op["ts"] for op in thread], event["ts"]) - 1
+        i = bisect.bisect_right(thread_starts.get(event["tid"], []), event["ts"]) - 1
         around = thread[i] if i >= 0 and _end(thread[i]) >= event["ts"] else None
         caller = around["name"] if around is not None else "(no operator)"
         phase = phase_of(event["ts"])
