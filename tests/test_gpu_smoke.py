@@ -1,6 +1,7 @@
 """The GPU validation kit in its CPU mode (so it does not rot between GPU runs), the RL loop's
 check and its one-GPU recipe included, and its parts: per-check budgets, the report, the round's
-report, the payload search, the flattened bucket, the FLOP count, the bundle's pins."""
+report, the payload search, the flattened bucket, the bundle's pins (the numbers the kit reads:
+tests/test_gpu_kit_numbers.py)."""
 
 from __future__ import annotations
 
@@ -45,12 +46,16 @@ def test_cpu_smoke_run_passes_every_check_with_its_numbers(tmp_path):
     assert all(decode[f"eager_{rows}_tokens_per_s"] > 0 for rows in (4, 8))
     assert not any(key.startswith(("transformers_", "static_", "cuda_graph_")) for key in decode)
     assert any("Not required here" in note for note in checks["rollout_decode"]["notes"])
-    # the RL loop through Ray: the recipe's one-device layout on the CPU demo's model, two steps
+    # the RL loop through Ray: the recipe's one-device layout on the CPU demo's model, four steps
     loop = numbers["rl_loop"]
-    assert loop["steps"] == 2 and loop["exit_status"] == 0 and loop["engine_device"] == "cpu"
+    assert loop["steps"] == 4 and loop["exit_status"] == 0 and loop["engine_device"] == "cpu"
     assert loop["routing_agreement_min"] == 1.0 and loop["abs_logp_diff_mean_max"] <= 1e-4
     assert loop["last_tokens_per_s_per_device"] > 0 and loop["offload_gb"] > 0
-    assert [row["step"] for row in checks["rl_loop"]["tables"]["per step"]] == [1, 2]
+    per_step = checks["rl_loop"]["tables"]["per step"]
+    assert [row["step"] for row in per_step] == [1, 2, 3, 4] and loop["steady_steps"] == "3,4"
+    assert loop["steady_step_s"] == pytest.approx((per_step[2]["step_s"] + per_step[3]["step_s"]) / 2)
+    assert loop["steady_tokens_per_s_per_device"] > 0 and "push_s" in loop and "offload_s" in loop
+    assert any("sum to its time" in line for line in checks["rl_loop"]["criteria"])
     # packed and padded micro-batches score the same long-tailed samples alike (fp32)
     assert numbers["rl_throughput"]["packed_logp_max_abs_diff"] <= 1e-5
     assert 0 < numbers["rl_throughput"]["varied_positions"] < 4 * 2 * (8 + 24)
@@ -62,11 +67,19 @@ def test_cpu_smoke_run_passes_every_check_with_its_numbers(tmp_path):
     assert [row["variant"] for row in rows] == list(variants()) and len(rows) >= 3
     assert all(abs(row["loss"] / rows[-1]["loss"] - 1) <= 1e-6 for row in rows)
     assert all(abs(row["grad_norm"] / rows[-1]["grad_norm"] - 1) <= 1e-6 for row in rows)
-    assert rows[0]["aten_ops"] > 0 and rows[0]["host_syncs"] >= 0 and rows[0]["kernels"] == 0  # no GPU here
-    trace = tmp_path / "work" / "traces" / "train_micro_batch.json.gz"
+    # the MFU rows at both micro-batch sizes and the 30B slice's shape (no peak on a CPU: NaN), each profiled
+    mfu = checks["train_fast_paths"]["tables"]["training MFU, every fast path on"]
+    assert [(row["case"], row["label"]) for row in mfu] == [("kit", "4k"), ("kit", "32k"), ("30b_slice", "32k")]
+    assert [row["micro_batch_positions"] for row in mfu] == [128, 256, 256]
+    assert all(row["micro_batches"] == 2 and row["train_s"] > 0 and row["half_depth_train_s"] > 0 for row in mfu)
+    assert all(row["kernels"] == 0 and row["host_syncs"] > 0 for row in mfu)  # no GPU here: scalar reads
+    fast = numbers["train_fast_paths"]
+    assert all(key in fast for key in ("train_mfu_32k", "busy_mfu_32k", "layer_mfu_32k", "layer_mfu_30b_slice"))
     import gzip
 
-    assert json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    for name in ("train-kit-4k", "train-kit-32k", "train-30b_slice-32k"):
+        trace = tmp_path / "work" / "traces" / f"{name}.json.gz"
+        assert json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     markdown = (tmp_path / "report" / "report.md").read_text()
     assert all(f"## {name}: pass" in markdown for name in CHECKS)
 
@@ -154,23 +167,6 @@ def test_flattened_bucket_round_trips_mixed_dtypes_exactly():
     for (_, want), (_, got) in zip(named, back):
         assert got.dtype == want.dtype and torch.equal(got, want)
     assert back[1][1].data_ptr() == flat.data_ptr() + entries[1].start_idx  # views, not copies
-
-
-def test_flops_count_matches_a_per_position_sum():
-    from bpo_megatron.gpu_smoke.checks.rl_throughput import forward_flops
-    from bpo_megatron.gpu_smoke.profiles import GPU
-    from bpo_megatron.models import HFModelConfig
-    from bpo_megatron.weights.names import parameter_counts
-
-    hf = HFModelConfig.load(GPU.large_model)
-    _, active = parameter_counts(hf)
-    width = hf.num_attention_heads * hf.head_dim
-    n = 37
-    # position i attends to i + 1 keys: QKᵀ and AV cost 2·width FLOPs per key each, in every layer
-    by_position = sum(2 * (active - hf.vocab_size * hf.hidden_size) + 4 * width * hf.num_hidden_layers * (i + 1)
-                      for i in range(n))
-    assert forward_flops(hf, [n], active) == pytest.approx(by_position, rel=1e-12)
-    assert forward_flops(hf, [n, 5], active) == pytest.approx(by_position + forward_flops(hf, [5], active))
 
 
 def test_peak_flops_by_device_name():
@@ -305,9 +301,13 @@ def test_round_report_gathers_the_parts_into_one_file_named_for_the_device(tmp_p
     out = tmp_path / "round"
     passed = Outcome("trainer_step", numbers={"loss": 1.5}, criteria=["PASS: finite"]).finish()
     skipped = Outcome("rl_loop", error="not run: Ray not staged. ...")
-    write(out / "kit", {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0"}, [passed, skipped], profile="cuda")
+    slow = Outcome("train_fast_paths", numbers={"train_mfu_32k": 0.05}, criteria=["PASS: finite"]).finish()
+    env = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0"}
+    write(out / "kit", env, [skipped, slow], profile="cuda")  # the goals' part, then the rest's
+    write(out / "kit-rest", env, [passed], profile="cuda")
     (out / "parts.tsv").write_text("part\tlimit_s\tseconds\tstatus\tnote\ninstall\t60\t21\t0\t12 wheels\n"
-                                   "cuda_tests\t75\t75\t124\tpytest -k cuda\n")
+                                   "kit\t400\t300\t1\trl_loop,train_fast_paths\n"
+                                   "cuda_tests\t75\t75\t124\tpytest -k cuda\nkit-rest\t0\t0\tnot run\tno time\n")
     from bpo_megatron.gpu_smoke.round_report import CHECKOUT
 
     (out / "cuda_tests.txt").write_text(f"..\n  {CHECKOUT}/tests/test_x.py:24: UserWarning: a warning\n"
@@ -317,10 +317,14 @@ def test_round_report_gathers_the_parts_into_one_file_named_for_the_device(tmp_p
     [md] = out.glob("h100-*.md")
     report = json.loads(md.with_suffix(".json").read_text())
     assert report["round"]["slug"] == "h100" and not report["round"]["passed"]
-    assert report["round"]["cuda_tests"]["timed_out"] and report["round"]["seconds"] == 96
-    assert [c["name"] for c in report["checks"]] == ["trainer_step", "rl_loop"]
+    assert report["round"]["cuda_tests"]["timed_out"] and report["round"]["seconds"] == 396
+    assert [c["name"] for c in report["checks"]] == ["rl_loop", "train_fast_paths", "trainer_step"]
+    goals = {g["number"]: g["verdict"] for g in report["round"]["goals"]}
+    assert goals["steady_step_s"] == "not measured: rl_loop has no steady_step_s (it did not run)"
+    assert goals["train_mfu_32k"] == "misses: 20% of the bound (20.0 points short)"
     text = md.read_text()
-    assert "| cuda_tests | 75 | 75 | **cut at its limit** |" in text
+    assert text.index("## Goals") < text.index("| part |") and "0 of 8 hold, 1 miss, 7 not measured." in text
+    assert "| cuda_tests | 75 | 75 | **cut at its limit** |" in text and "| kit-rest | 0 | 0 | not run |" in text
     assert "| rl_loop | not run |" in text and "### trainer_step: pass" in text
     # the report names files as the repository does, not where the machine held the checkout
     assert "  tests/test_x.py:24: UserWarning" in text and str(CHECKOUT) not in text + md.with_suffix(".json").read_text()

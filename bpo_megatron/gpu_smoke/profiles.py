@@ -40,6 +40,9 @@ class Profile:
     dtype: str  # the trainer's and engines' precision: "bf16" on a GPU, "fp32" on a CPU
     small_model: dict[str, Any]  # correctness checks
     large_model: dict[str, Any]  # throughput (~1B parameters on a GPU)
+    # training MFU of a model of Qwen3-30B-A3B's exact layer shapes with few layers and its vocabulary
+    slice_model: dict[str, Any]
+    recipe_micro_batch_positions: int  # configs/qwen3_moe_1gpu.yaml's trainer.max_tokens_per_micro_batch
     kernel_tokens: tuple[int, ...]
     kernel_vocab: int
     kernel_repeats: int
@@ -55,8 +58,8 @@ class Profile:
     decode_prompt_tokens: int
     decode_new_tokens: int
     ipc_bytes: int  # size of the raw buffer the IPC bandwidth is measured with
-    # rl_loop: RL steps of configs/qwen3_moe_1gpu.yaml through `bpo-megatron train`, with these
-    # overrides ({models}: the recipes' model directory, configs/models)
+    # rl_loop: RL steps of configs/qwen3_moe_1gpu.yaml through `bpo-megatron train` (the steady state is
+    # the median of steps ≥ 3: at least 4), with these overrides ({models}: the recipes' model directory)
     loop_steps: int
     loop_overrides: tuple[str, ...]
     loop_routing_min: float  # the trainer's own routing equals the engine's on at least this share
@@ -76,12 +79,19 @@ GPU = Profile(
                            num_attention_heads=16, num_key_value_heads=4, head_dim=128,
                            num_hidden_layers=16, num_experts=32, num_experts_per_tok=4,
                            vocab_size=151936, max_position_embeddings=4096),
+    # Qwen3-30B-A3B (config.json of Qwen/Qwen3-30B-A3B) but 4 of its 48 layers: ≈ 3.1 B parameters;
+    # `bpo-megatron plan` puts its training at 32,768 positions a micro-batch at 98.9 GB (fits an H200)
+    slice_model=qwen3_moe_config(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                 num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                 num_hidden_layers=4, num_experts=128, num_experts_per_tok=8,
+                                 vocab_size=151936, max_position_embeddings=40960),
+    recipe_micro_batch_positions=32768,
     kernel_tokens=(4096, 16384), kernel_vocab=151936, kernel_repeats=5,
     engine_prompts=8, engine_n=4, engine_new_tokens=128,
     rl_prompts=16, rl_n=4, rl_prompt_tokens=64, rl_new_tokens=1024, rl_micro_batch=4,
     decode_sequences=(64, 256), decode_prompt_tokens=64, decode_new_tokens=256,
     ipc_bytes=2 * 2**30,
-    loop_steps=2, loop_overrides=(),  # the recipe as written: the kit's throughput model, bf16
+    loop_steps=4, loop_overrides=(),  # the recipe as written: the kit's throughput model, bf16
     # a capture misaligned by a token or a layer agrees on ~0% of (token, layer) pairs; bf16 near-ties
     # flipped 2.5% of them between engine and trainer in engine_replay (H100), random weights more
     loop_routing_min=0.9,
@@ -100,12 +110,17 @@ CPU = Profile(
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                            num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
                            vocab_size=1024, max_position_embeddings=256),
+    slice_model=qwen3_moe_config(hidden_size=64, intermediate_size=128, moe_intermediate_size=24,
+                                 num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                                 num_hidden_layers=2, num_experts=16, num_experts_per_tok=4,
+                                 vocab_size=2048, max_position_embeddings=256),
+    recipe_micro_batch_positions=256,
     kernel_tokens=(256,), kernel_vocab=8192, kernel_repeats=2,
     engine_prompts=4, engine_n=2, engine_new_tokens=12,
     rl_prompts=4, rl_n=2, rl_prompt_tokens=8, rl_new_tokens=24, rl_micro_batch=4,
     decode_sequences=(4, 8), decode_prompt_tokens=8, decode_new_tokens=16,
     ipc_bytes=16 * 2**20,
-    loop_steps=2,
+    loop_steps=4,
     loop_overrides=(  # the CPU demo's model in fp32, no GPU, short responses, one engine thread
         "model.path={models}/tiny_qwen3_moe", "model.params_dtype=fp32", "cluster.gpus_per_node=0",
         "cluster.gpus_per_trainer_rank=0", "cluster.gpus_per_engine=0", "rollout.hf.dtype=fp32",

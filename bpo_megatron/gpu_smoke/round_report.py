@@ -4,8 +4,9 @@ visit (``tools/gpu/round.sh``), written as ``OUT/<device>-<date>.md`` and ``.jso
 
 It gathers what the round left in ``OUT``: ``parts.tsv`` (each part's limit, time and exit
 status), ``gpu.txt`` (nvidia-smi), ``install.txt``, ``cuda_tests.txt`` (pytest's output: its
-counts, failures and skips) and ``kit/report.json`` (the kit's checks). Whatever is missing (a part
-cut short) is reported as missing.
+counts, failures and skips) and the kit's reports of the round's kit parts (``kit/report.json``,
+``kit-rest/report.json``: the checks, in the order they ran). Whatever is missing (a part cut
+short) is reported as missing. It states which goals hold (:mod:`bpo_megatron.gpu_smoke.goals`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from bpo_megatron.gpu_smoke.goals import goal_lines, judge_goals
 from bpo_megatron.gpu_smoke.report import Outcome, markdown
 
 # The checkout the round ran in: its path is left out of the report (a report names files as the
@@ -63,12 +65,30 @@ def _part_result(part: dict[str, str]) -> str:
         return "ok"
     if status == "124":
         return "**cut at its limit**"
+    if status == "not run":
+        return "not run"
     return f"exit {status}"
 
 
+def _kit_reports(out: Path, parts: list[dict[str, str]]) -> dict[str, Any]:
+    """The kit's reports of the round's kit parts (``kit``, ``kit-rest``) merged: their checks in the
+    order they ran, the first one's environment."""
+    names = [p["part"] for p in parts if p.get("part", "").startswith("kit")] or ["kit"]
+    merged: dict[str, Any] = {"environment": {}, "checks": []}
+    for name in names:
+        path = out / name / "report.json"
+        if path.is_file():
+            kit = json.loads(path.read_text())
+            merged["environment"] = merged["environment"] or kit.get("environment", {})
+            merged["profile"] = merged.get("profile") or kit.get("profile")
+            merged["checks"] += kit.get("checks", [])
+    merged["passed"] = bool(merged["checks"]) and all(c["passed"] for c in merged["checks"])
+    return merged
+
+
 def gather(out: Path, device: str) -> dict[str, Any]:
-    kit_path = out / "kit" / "report.json"
-    kit = json.loads(kit_path.read_text()) if kit_path.is_file() else {"environment": {}, "checks": [], "passed": False}
+    parts = _parts(out)
+    kit = _kit_reports(out, parts)
     gpu = (out / "gpu.txt").read_text().strip() if (out / "gpu.txt").is_file() else ""
     name = kit["environment"].get("device") or (gpu.split(",")[0] if gpu and device == "cuda" else device)
     tests_text = (out / "cuda_tests.txt").read_text(errors="replace") if (out / "cuda_tests.txt").is_file() else ""
@@ -78,7 +98,6 @@ def gather(out: Path, device: str) -> dict[str, Any]:
     tests["tail"] = tests_text.splitlines()[-TAIL_LINES:]
     if device == "cpu":
         tests["note"] = "CUDA hidden (a dry run): every CUDA test skips"
-    parts = _parts(out)
     checks = kit.get("checks", [])
     return {
         "round": {"device": device, "device_name": name, "slug": device_slug("cpu" if device == "cpu" else name),
@@ -87,6 +106,7 @@ def gather(out: Path, device: str) -> dict[str, Any]:
                   "install": (out / "install.txt").read_text(errors="replace")[-2000:]
                   if (out / "install.txt").is_file() else "",
                   "cuda_tests": tests,
+                  "goals": judge_goals(checks),
                   "passed": bool(checks) and all(c["passed"] for c in checks)
                   and not tests["counts"].get("failed") and not tests["counts"].get("errors")
                   and not tests["timed_out"]},
@@ -103,6 +123,7 @@ def to_markdown(report: dict[str, Any]) -> str:
              ""]
     if r["nvidia_smi"]:
         lines += [f"nvidia-smi: {r['nvidia_smi']}", ""]
+    lines += goal_lines(r["goals"], dry_run=r["device"] == "cpu") + [""]
     lines += ["| part | limit (s) | seconds | result | note |", "|---|---|---|---|---|"]
     lines += [f"| {p.get('part')} | {p.get('limit_s')} | {p.get('seconds')} | {_part_result(p)} | "
               f"{p.get('note', '').replace('|', '/')} |" for p in r["parts"]]

@@ -4,12 +4,14 @@ packed micro-batches, the weight sync, a checkpoint), in a subprocess with a bou
 from what the run writes: its ``metrics.jsonl`` and its checkpoint.
 
 On a GPU the recipe runs as written (the kit's throughput model, bf16); on a CPU (the CPU profile)
-with the CPU demo's tiny model in fp32. Reported per step: the time of each phase
-(``time/<phase>_s``: rollout, sync, train, and the driver's own), generated tokens per second per
-device (end to end, and the rollout phase's), the routing agreement (the trainer's own routing
-against the engine's recorded one on a few responses: what R3 replaces) and the mean
-|log π − log μ| of the step's update (trainer against engine: one minibatch per step, so the
-update's weights are those that sampled the batch).
+with the CPU demo's tiny model in fp32. Reported per step (:mod:`bpo_megatron.gpu_smoke.loop_steps`):
+the time of each phase (``time/<phase>_s``: rollout, sync, train, and the driver's own; together
+they must make up the step) and, apart from them, the weight push, the trainer's offload and onload
+and the engines' resume; generated tokens per second per device (end to end, and the rollout
+phase's), the routing agreement (the trainer's own routing against the engine's recorded one on a
+few responses: what R3 replaces) and the mean |log π − log μ| of the step's update (trainer against
+engine: one minibatch per step, so the update's weights are those that sampled the batch). The
+steady state: the median of the steps from the third on.
 
 Where the engine runs is found first, as the loop builds it (the recipe's engine options through
 the hf engine's spec, ``rollout/hf/spec.py``, on a tiny model): on a GPU it must be the GPU, with
@@ -18,7 +20,6 @@ the decode path the recipe asks for.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import shutil
@@ -28,7 +29,8 @@ import time
 from pathlib import Path
 
 from bpo_megatron.gpu_smoke.cli import BUDGET_ENV  # the check's limit, set by the kit
-from bpo_megatron.gpu_smoke.profiles import Profile, finite
+from bpo_megatron.gpu_smoke.loop_steps import judge, step_rows
+from bpo_megatron.gpu_smoke.profiles import Profile
 from bpo_megatron.gpu_smoke.report import Outcome
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -37,7 +39,6 @@ MODELS = ROOT / "configs" / "models"
 LOG_TAIL = 6000  # characters of the run's output kept in the report when it fails
 REPORT_MARGIN_S = 20.0  # of the check's limit, kept for reading the run and writing the outcome
 RAY_STAGE_ENV = "BPO_RAY_STAGE"  # "missing": tools/gpu/round.sh found no staged Ray wheel
-PHASES = ("rollout", "sync", "train", "driver")
 
 
 def ray_missing() -> str | None:
@@ -146,55 +147,25 @@ def run(profile: Profile, workdir: Path) -> Outcome:
     status, wall = _train(overrides, log, limit)
     out.numbers.update(recipe=str(RECIPE.relative_to(ROOT)), overrides=" ".join(overrides[:-2]) or "-",
                        exit_status="killed at the limit" if status is None else status, wall_s=wall)
-    records = [r for r in (read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else [])
-               if "time/step_s" in r]
+    records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
     devices = cfg.cluster.trainer_ranks if cfg.cluster.colocate else (
         cfg.cluster.trainer_ranks + cfg.rollout.num_engines * max(1, int(cfg.cluster.gpus_per_engine)))
     responses = cfg.train.prompts_per_step * cfg.rollout.group_size
-    table = []
-    for r in records:
-        generated = responses * r.get("response_length_mean", float("nan"))
-        table.append({"step": int(r["step"]), **{f"{p}_s": r.get(f"time/{p}_s", float("nan")) for p in PHASES},
-                      "step_s": r["time/step_s"], "generated_tokens": generated,
-                      "tokens_per_s_per_device": generated / r["time/step_s"] / devices,
-                      "rollout_tokens_per_s": generated / r.get("time/rollout_s", float("nan")),
-                      "routing_agreement": r.get("routing_agreement", float("nan")),
-                      "abs_logp_diff_mean": r.get("abs_logp_diff_mean", float("nan")),
-                      "loss": r.get("loss", float("nan")), "grad_norm": r.get("grad_norm", float("nan")),
-                      "offload_gb": r.get("offload_bytes", 0.0) / 1e9, "sync_gb": r.get("sync_bytes", 0.0) / 1e9,
-                      "sync_s": r.get("sync_seconds", 0.0)})
+    table = step_rows(records, responses=responses, devices=devices)
     out.tables["per step"] = table
     chosen = None
     try:
         chosen = checkpoint.select(run_dir / "checkpoints").path
     except (OSError, ValueError) as exc:  # DamagedCheckpoint is a ValueError
         out.notes.append(f"checkpoint: {exc}")
-    if status != 0 or len(records) < profile.loop_steps:
+    if status != 0 or len(table) < profile.loop_steps:
         ended = f"did not finish within {limit:.0f} s" if status is None else f"exited with status {status}"
-        out.error = (f"`bpo-megatron train` {ended} after {len(records)} of {profile.loop_steps} steps; the tail of "
+        out.error = (f"`bpo-megatron train` {ended} after {len(table)} of {profile.loop_steps} steps; the tail of "
                      f"its output ({log}):\n{_tail(log)}")
-    last = table[-1] if table else {}
     if table:
-        agreement = min(row["routing_agreement"] for row in table)
-        gap = max(row["abs_logp_diff_mean"] for row in table)
-        out.numbers.update(
-            steps=len(table), devices=devices, responses_per_step=responses,
-            **{f"last_step_{p}_s": last[f"{p}_s"] for p in PHASES}, last_step_s=last["step_s"],
-            first_step_s=table[0]["step_s"], last_tokens_per_s_per_device=last["tokens_per_s_per_device"],
-            last_rollout_tokens_per_s=last["rollout_tokens_per_s"],
-            routing_agreement_min=agreement, abs_logp_diff_mean_max=gap,
-            offload_gb=max(row["offload_gb"] for row in table), sync_gb=last["sync_gb"])
-        out.require(len(table) >= profile.loop_steps and status == 0,
-                    f"{len(table)} of {profile.loop_steps} steps recorded and the run exited 0 (status {status})")
-        out.require(all(finite(row["loss"], row["grad_norm"], row["step_s"], row["abs_logp_diff_mean"])
-                        for row in table), "every step's loss, grad norm, |Δ log p| and time are finite")
-        out.require(math.isfinite(agreement) and agreement >= profile.loop_routing_min,
-                    f"routing agreement (trainer's own vs the engine's, the pairs R3 replays) ≥ "
-                    f"{profile.loop_routing_min:g} at every step (min {agreement:.4f})")
-        out.require(gap <= profile.logp_mean_tol,
-                    f"mean |log π − log μ| (the {cfg.model.options.params_dtype} trainer with R3 against the "
-                    f"{cfg.rollout.options.dtype} engine) ≤ "
-                    f"{profile.logp_mean_tol:g} at every step (max {gap:.2e})")
+        judge(out, table, profile, exited=status, devices=devices, responses=responses,
+              precision=f"the {cfg.model.options.params_dtype} trainer with R3 against the "
+                        f"{cfg.rollout.options.dtype} engine")
     saves = [(float(gb), float(seconds)) for gb, seconds in SAVED.findall(log.read_text(errors="replace"))] \
         if log.is_file() else []
     if saves:  # where a run's wall time goes beyond its steps: the saves, and the rest (start-up, shutdown)

@@ -9,8 +9,8 @@ samples), on the same weights: both tokens per second, and the packed log-probs 
 padded ones.
 
 Throughput is tokens per second; model FLOPs utilisation counts the matrix products a token
-needs (2 FLOPs per active weight, the output layer included, the input embedding excluded) plus
-causal attention, ×3 for forward + backward, against the device's data-sheet bf16 peak.
+needs and causal attention (:mod:`bpo_megatron.gpu_smoke.flops`, the kit's one count), ×3 for
+forward + backward, against the device's data-sheet bf16 peak.
 """
 
 from __future__ import annotations
@@ -22,20 +22,10 @@ import torch
 
 from bpo_megatron import platform
 from bpo_megatron.gpu_smoke.common import build_actor, device_name, single_rank_world, timed
+from bpo_megatron.gpu_smoke.flops import forward_flops, train_flops
 from bpo_megatron.testing import long_tailed, random_tokens, train_samples, write_config
 from bpo_megatron.gpu_smoke.profiles import Profile, bf16_peak_flops, finite
 from bpo_megatron.gpu_smoke.report import Outcome
-
-
-def forward_flops(hf, input_positions: list[int], active_params: int) -> float:
-    """Forward FLOPs of sequences with these numbers of input positions (causal attention)."""
-    matmul_params = active_params - hf.vocab_size * hf.hidden_size  # the input embedding is a lookup
-    attention_width = hf.num_attention_heads * hf.head_dim
-    total = 0.0
-    for n in input_positions:
-        # QKᵀ and AV: 2·2·width FLOPs per (query, key) pair, n(n+1)/2 pairs under the causal mask
-        total += 2.0 * matmul_params * n + 4.0 * attention_width * hf.num_hidden_layers * n * (n + 1) / 2
-    return total
 
 
 def _engine(profile: Profile, model_dir: Path):
@@ -76,8 +66,8 @@ def run(profile: Profile, workdir: Path) -> Outcome:
     generated = sum(s.response_tokens.numel() for s in samples)
     prompt_tokens = sum(s.prompt_tokens.numel() for s in samples)
     # prefill: every prompt once per response (the engine does not share prefixes); decode: per token
-    rollout_flops = sum(forward_flops(hf, [s.prompt_tokens.numel() + s.response_tokens.numel() - 1], active_params)
-                        for s in samples)
+    rollout_flops = forward_flops(hf, [s.prompt_tokens.numel() + s.response_tokens.numel() - 1
+                                       for s in samples]).total
     train = train_samples(samples, torch.randn(len(samples), generator=torch.Generator().manual_seed(0)))
     positions = [s.tokens.numel() - 1 for s in train]
 
@@ -119,8 +109,8 @@ def run(profile: Profile, workdir: Path) -> Outcome:
 
     varied_positions = sum(s.tokens.numel() - 1 for s in varied)
     packed_gap = max(float((p - q).abs().max()) for p, q in zip(scored["packed"].logprobs, scored["padded"].logprobs))
-    train_flops = 3.0 * forward_flops(hf, positions, active_params)
-    logprob_flops = forward_flops(hf, positions, active_params)
+    step_flops = train_flops(hf, positions).total
+    logprob_flops = forward_flops(hf, positions).total
     mfu = (lambda flops, seconds: flops / seconds / peak) if peak else (lambda flops, seconds: float("nan"))
     out.numbers.update(
         model=f"{hf.num_hidden_layers} layers, hidden {hf.hidden_size}, {hf.num_experts} experts top-{hf.num_experts_per_tok}, "
@@ -133,7 +123,7 @@ def run(profile: Profile, workdir: Path) -> Outcome:
         logprobs_s=times["logprobs_s"], logprobs_tokens_per_s=sum(positions) / times["logprobs_s"],
         logprobs_mfu=mfu(logprob_flops, times["logprobs_s"]),
         train_s=times["train_s"], train_tokens_per_s=sum(positions) / times["train_s"],
-        train_mfu=mfu(train_flops, times["train_s"]), train_peak_allocated_gib=peak_train / 2**30,
+        train_mfu=mfu(step_flops, times["train_s"]), train_peak_allocated_gib=peak_train / 2**30,
         micro_batches=metrics["num_micro_batches"], loss=metrics["loss"], grad_norm=metrics["grad_norm"],
         varied_positions=varied_positions,
         padded_train_tokens_per_s=varied_positions / times["padded_train_s"],
