@@ -176,7 +176,7 @@ def test_the_colocated_trainers_residual_and_the_engine_runtime_fit_outside_the_
             in out)
     assert "→ outside the pool 7.20 GB within the (1 − 0.8) × 80 GB = 16.00 GB it leaves" in out
     # apart, the trainer leaves the engines' GPUs alone; a pool that leaves too little does not fit
-    assert make_plan(_recipe("cluster.colocate=false", "cluster.nodes=8"), hf).trainer_residual is None
+    assert make_plan(_recipe("cluster.colocate=false", "cluster.offload=auto", "cluster.nodes=8"), hf).trainer_residual is None
     tight = make_plan(_recipe("rollout.sglang.mem_fraction_static=0.95"), hf)
     assert not tight.fits and tight.rollout_outside_pool > 0.05 * tight.allocation.gpu_bytes
     assert main(["plan", str(RECIPE_30B), "rollout.sglang.mem_fraction_static=0.95"]) == 1
@@ -205,7 +205,7 @@ def test_checks_name_what_to_change():
         (["parallel.pp=5", "cluster.trainer_ranks=160"], "parallel.pp=5 must divide the model's 48 layers"),
         (["parallel.ep=256", "parallel.tp=1", "cluster.trainer_ranks=256"],
          "parallel.ep=256 must divide the model's 128 experts"),
-        (["cluster.colocate=false"], "trainer 32 + engines 32 GPUs ≤ 32"),
+        (["cluster.colocate=false", "cluster.offload=auto"], "trainer 32 + engines 32 GPUs ≤ 32"),
         (["eval.mode=background", "eval.engines=2"], "colocated: trainer 32 and engines 32 GPUs each + evaluation "
                                                      "engines 8 GPUs ≤ 32 (cluster.trainer_ranks, rollout.num_engines, "
                                                      "cluster.gpus_per_engine, eval.mode, eval.engines)"),
@@ -324,9 +324,10 @@ def test_host_memory_at_a_save_for_both_30b_recipes_closed_forms(capsys):
     hf = HFModelConfig.load(QWEN3_30B)
     # colocated, tp 4 ep 8 dp 8 (expert dp 4) on 4 nodes of 8: node 0 holds DP rank 0 of the dense
     # optimizer (ranks 0-3) and of the expert optimizer (ranks 0-7); all hold offload buffers of
-    # their optimizer shard (12 B per owned parameter: cluster.offload=auto offloads the optimizer
-    # state alone, the bf16 weights stay beside the engines), gradients not moved
-    plan = make_plan(_recipe(), hf)
+    # their optimizer shard (12 B per owned parameter: cluster.offload=optimizer, what auto would
+    # choose, offloads the optimizer state alone, the bf16 weights stay beside the engines),
+    # gradients not moved
+    plan = make_plan(_recipe("cluster.offload=optimizer"), hf)
     [stage] = plan.stages
     d, e = stage.params.dense, stage.params.expert
     pinned = 12 * (math.ceil(d / 8) + math.ceil(e / 4))
@@ -336,8 +337,9 @@ def test_host_memory_at_a_save_for_both_30b_recipes_closed_forms(capsys):
     assert host.at_save == pytest.approx(_host_closed_form([(d, e)] * 4 + [(0, e)] * 4, pinned), rel=1e-12)
     assert host.at_load == pytest.approx(8 * 12 * (d + e) * 1.1 + 64e9, rel=1e-12)
     assert 650e9 < host.at_save < 750e9 and host.at_save <= 1000e9 and plan.fits
-    # offloading the weights too pins 2 B more per parameter of every rank
-    everything = make_plan(_recipe("cluster.offload=everything"), hf)
+    # offloading the weights too (the recipe's choice) pins 2 B more per parameter of every rank
+    everything = make_plan(_recipe(), hf)
+    assert everything.offload.parts == "everything"
     assert everything.host.at_save == pytest.approx(
         _host_closed_form([(d, e)] * 4 + [(0, e)] * 4, pinned + 2 * (d + e)), rel=1e-12)
     # disaggregated, tp 4 pp 3 dp 2 ep 8 (expert dp 1), no offloading: every rank writes its experts,
@@ -354,7 +356,8 @@ def test_host_memory_at_a_save_for_both_30b_recipes_closed_forms(capsys):
     staged = {"qwen3_30b_a3b_bpo.yaml": 14 * (4 * (d + stage.params.expert) + 4 * stage.params.expert),
               "qwen3_30b_a3b_bpo_disaggregated.yaml": 14 * (4 * (first.params.dense + e) + 4 * (last.params.dense + e))}
     for recipe, at_save in (("qwen3_30b_a3b_bpo.yaml", _host_closed_form([(d, stage.params.expert)] * 4
-                                                                           + [(0, stage.params.expert)] * 4, pinned)),
+                                                                           + [(0, stage.params.expert)] * 4,
+                                                                           pinned + 2 * (d + stage.params.expert))),
                             ("qwen3_30b_a3b_bpo_disaggregated.yaml", expected)):
         assert main(["plan", str(ROOT / "configs" / recipe)]) == 0
         out = capsys.readouterr().out
@@ -365,7 +368,7 @@ def test_host_memory_at_a_save_for_both_30b_recipes_closed_forms(capsys):
     assert main(["plan", str(RECIPE_30B), "--host-memory-gb", "650"]) == 1
     out = capsys.readouterr().out
     assert "does NOT fit in 650 GB per node" in out
-    assert "pinned offload buffers (cluster.offload: optimizer; allocated before step 1, dropped before each save, " \
+    assert "pinned offload buffers (cluster.offload: everything; allocated before step 1, dropped before each save, " \
            "counted)" in out
     assert "verdict: DOES NOT FIT (host memory exceeds the node)" in out
 

@@ -75,7 +75,8 @@ def test_main_setting_in_both_placements():
     assert (apart.cluster.trainer_ranks, apart.rollout.num_engines * apart.cluster.gpus_per_engine) == (24, 8)
     assert shared.rollout.num_engines * shared.cluster.gpus_per_engine == shared.cluster.trainer_ranks == 32
     one, other = to_dict(shared), to_dict(apart)
-    for setting in ("name", "cluster.trainer_ranks", "cluster.colocate", "parallel.pp", "rollout.num_engines"):
+    for setting in ("name", "cluster.trainer_ranks", "cluster.colocate", "cluster.offload", "parallel.pp",
+                    "rollout.num_engines"):
         section, _, key = setting.rpartition(".")
         for cfg in (one, other):
             (cfg[section] if section else cfg).pop(key)
