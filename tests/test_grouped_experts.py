@@ -108,9 +108,11 @@ def _check(results: list[dict], name: str, *, skip_expert: int | None = None) ->
             assert got["grp_metrics"]["num_tokens"] == got["seq_metrics"]["num_tokens"], where
             for key, seq in got["seq_params"].items():
                 grp = got["grp_params"][key]
-                # Adam's first step moves every weight by ~lr, so compare the update itself
+                # Adam's first step moves every weight by ~lr, so compare the update itself, up to
+                # the rounding of the updated weight (one ulp of a norm weight near 1 is 1.2e-4 lr)
                 scale = (seq - got["initial"][key]).abs().max().clamp_min(1e-12)
-                err = (grp - seq).abs().max() / scale
+                ulp = torch.finfo(seq.dtype).eps * seq.abs().max()
+                err = ((grp - seq).abs().max() - ulp).clamp_min(0) / scale
                 assert err <= 1e-5, (where, key, float(err))
                 torch.testing.assert_close(grp, seq, rtol=RTOL, atol=1e-7, msg=f"{where} {key}")
                 # the grouped model's checkpoint, loaded into SequentialMLP: bit for bit
@@ -162,7 +164,6 @@ def _build_with_bias() -> str:
     from dataclasses import replace
 
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer.moe.experts import SequentialMLP
 
     from bpo_megatron.models import ModelOptions
     from bpo_megatron.models.grouped_experts import GroupedSequentialMLP
@@ -177,7 +178,7 @@ def _build_with_bias() -> str:
         mlp = spec.layer_specs[0].submodules.mlp  # a ModuleSpec (Megatron 0.16) or a partial (0.19)
         experts = (mlp.keywords["submodules"] if hasattr(mlp, "keywords") else mlp.submodules).experts
         built = experts.func if hasattr(experts, "keywords") else experts.module
-        assert built is GroupedSequentialMLP and issubclass(built, SequentialMLP)
+        assert built is GroupedSequentialMLP
         submodules = experts.keywords["submodules"] if hasattr(experts, "keywords") else experts.submodules
         config = replace(config, add_bias_linear=True)
         try:
