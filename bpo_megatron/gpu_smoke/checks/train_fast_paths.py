@@ -56,9 +56,11 @@ def _samples(profile: Profile, hf) -> list[TrainSample]:
 
 def _fingerprint(actor) -> float:
     """A weighted sum of every parameter (same weights, same number; a different layout or init
-    would differ)."""
+    would differ), the grouped experts' stacked ones expert by expert as SequentialMLP holds them."""
+    from bpo_megatron.testing.trainer import flat_params
+
     total = 0.0
-    for i, (_, param) in enumerate(sorted(actor.model.named_parameters())):
+    for i, (_, param) in enumerate(sorted(flat_params(actor).items())):
         total += (i + 1) * float(param.detach().double().sum())
     return total
 
