@@ -41,3 +41,13 @@ def flat_params(actor) -> dict[str, torch.Tensor]:
     from bpo_megatron.models.grouped_experts import per_expert
 
     return {name: p.detach().clone() for name, p in per_expert(actor.model)}
+
+
+def set_flat_params(actor, params: dict[str, torch.Tensor]) -> None:
+    """Set every parameter of ``actor``'s model from ``params`` (as :func:`flat_params` names
+    them: the stacked experts expert by expert)."""
+    from bpo_megatron.models.grouped_experts import per_expert
+
+    with torch.no_grad():
+        for name, tensor in per_expert(actor.model):
+            tensor.copy_(params[name])
