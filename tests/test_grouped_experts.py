@@ -96,6 +96,34 @@ def _export(actor) -> list[tuple[str, str]]:
     return [(name, fingerprint(tensor)) for bucket in actor.export_weights(1 << 16) for name, tensor in bucket]
 
 
+def _gradient_reduction(actor) -> dict[str, tuple]:
+    """Per parameter (the stacked experts' expert by expert, under SequentialMLP's names): the
+    attributes Megatron's DDP, optimizer, grad norm and TP code read (tensors and DDP's own
+    bookkeeping aside; a stacked parameter's ``partition_dim`` counted without its expert axis),
+    whether DDP keeps its gradient with the expert-parallel buffers, and the ranks it is reduced over."""
+    import torch.distributed as dist
+
+    from bpo_megatron.models.grouped_experts import per_expert
+
+    reduced = {}
+    for chunk in actor.ddp:
+        for expert, groups in ((False, chunk.bucket_groups), (True, chunk.expert_parallel_bucket_groups)):
+            for group in groups:
+                ranks = tuple(dist.get_process_group_ranks(group.data_parallel_group))
+                reduced.update({param: (expert, ranks) for param in group.params})
+    records = []
+    for name, param in actor.model.named_parameters():
+        attributes = {k: v for k, v in vars(param).items()
+                      if not torch.is_tensor(v) and k not in ("grad_added_to_main_grad",)}
+        if param.dim() == 3:  # stacked: [experts, out, in]
+            attributes["partition_dim"] -= 1
+        records.append((sorted(attributes.items()), *reduced[param]))
+    # each parameter's record index, spread over its experts' names like the parameter itself
+    index = [(name, torch.full((param.shape[0] if param.dim() == 3 else 1,), i))
+             for i, (name, param) in enumerate(actor.model.named_parameters())]
+    return {name: records[int(i.flatten()[0])] for name, i in per_expert(actor.model, index)}
+
+
 def _both_ways(directory: str, layout: dict, losses: list[str], max_tokens: int, skip_expert: int | None) -> dict:
     """On every rank: per loss, SequentialMLP steps from fresh weights (saved first), the grouped
     experts load them and step, SequentialMLP loads the grouped model's checkpoint. Returns both
@@ -116,6 +144,7 @@ def _both_ways(directory: str, layout: dict, losses: list[str], max_tokens: int,
         assert kinds <= {SequentialMLP}, kinds
         if first:
             got["seq_layout"] = _sharded_layout(actor)
+            got["seq_reduction"] = _gradient_reduction(actor)
         actor.save(f"{directory}/{loss}-initial")
         got["initial"] = th.flat_params(actor)
         got["seq_metrics"] = actor.train_step(samples)
@@ -129,6 +158,7 @@ def _both_ways(directory: str, layout: dict, losses: list[str], max_tokens: int,
         got["grouped_modules"] = sum(isinstance(m, GroupedSequentialMLP) for m in actor.model.modules())
         if first:
             got["grp_layout"] = _sharded_layout(actor)  # fresh, from the same seed
+            got["grp_reduction"] = _gradient_reduction(actor)
         actor.load(f"{directory}/{loss}-initial")
         got["grouped_initial"] = th.flat_params(actor)
         got["grp_metrics"] = actor.train_step(samples)
@@ -191,6 +221,8 @@ def _check(results: list[dict], name: str, *, skip_expert: int | None = None) ->
                 # the sharded state dict is SequentialMLP's entry for entry (keys, shapes, offsets,
                 # replica ids, the data of the same seed's weights), plain and singleton
                 assert got["grp_layout"] == got["seq_layout"], where
+                # the same attributes, gradient buffers and reduction groups, expert by expert
+                assert got["grp_reduction"] == got["seq_reduction"], where
                 # checkpoints with Adam's moments load bit for bit both ways
                 _equal(got["grp_from_seq"][0], got["seq_params"], f"{where} sequential -> grouped")
                 _equal(got["grp_from_seq"][1], got["seq_moments"], f"{where} sequential -> grouped moments")
@@ -233,6 +265,28 @@ def test_grouped_experts_every_loss_and_an_idle_expert(tmp_path):
     assert {"bpo", "grpo"} <= set(losses)
     results = run_gloo_world(_both_ways, 1, str(tmp_path), {}, losses, 24, 3, timeout=TIMEOUT)
     _check(results, "world1", skip_expert=3)
+
+
+def _reductions(layout: dict) -> dict:
+    """This rank's :func:`_gradient_reduction` of both expert modules, freshly built."""
+    out = {}
+    for gemm in ("sequential", "grouped"):
+        actor = _actor(gemm, layout, "bpo", 24)
+        out[gemm] = _gradient_reduction(actor)
+        actor.close()
+    return out
+
+
+def test_expert_gradients_reduce_over_the_expert_data_parallel_group_as_before():
+    """World 4 at EP=2 (expert data parallelism 2, which the two-rank layouts above lack): every
+    stacked parameter carries its experts' attributes and sits in DDP's expert-parallel buffers,
+    reduced over the same expert-data-parallel ranks as SequentialMLP's weights; dense ones over
+    all four."""
+    ranks = run_gloo_world(_reductions, 4, dict(ep=2), timeout=TIMEOUT)
+    for rank, got in enumerate(ranks):
+        assert got["grouped"] == got["sequential"], rank
+        experts = {record[1:] for name, record in got["grouped"].items() if ".local_experts." in name}
+        assert experts == {(True, (rank % 2, rank % 2 + 2))}, (rank, experts)
 
 
 def test_unsupported_configurations_are_refused():
