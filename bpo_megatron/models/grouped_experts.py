@@ -31,7 +31,9 @@ computation, other linear modules) is refused when the module is built.
 
 ``_grouped_mm`` saves the stacked parameters themselves for its backward (no copy) and the int32
 group offsets. ``torch._grouped_mm`` takes any float dtype on CPU; on CUDA it has a bf16 kernel on
-sm90+ and loops over the groups otherwise.
+sm90+ and loops over the groups otherwise, and wants its operands 16-byte aligned: a parameter's
+own allocation is, and so is its place in DDP's parameter buffer (the distributed optimizer starts
+every parameter at a multiple of 64 elements).
 """
 
 from __future__ import annotations
