@@ -2,7 +2,7 @@
 actually saves: one forward of the train actor's model (the local spec, fused attention, fp32, on
 CPU) measured by ``bpo_megatron.testing.activations`` at two lengths and three layer counts, which
 separates the per-token bytes of a MoE layer and of a dense layer, the per-layer constant (the
-grouped experts' stacked weight copy) and the model's ends. Three shapes: grouped-query attention
+grouped experts' int32 group offsets) and the model's ends. Three shapes: grouped-query attention
 (4 query heads on 2 KV heads: the query is copied out of the fused QKV output) with top-2 of 8
 experts; multi-query attention (one KV head: the query is a view) with top-3 of 6 experts at another
 width; and the first at TP=2 with sequence parallelism (expert TP 2). Also with full recompute,
@@ -74,15 +74,15 @@ def _planned_model(sizes: dict, model_type: str) -> tuple[HFModelConfig, int, in
 @pytest.mark.parametrize("case", [name for name, (_, _, recompute, _) in CASES.items() if recompute == "none"])
 def test_layer_terms_are_what_autograd_saves(measured, case):
     """Per token: a MoE layer and a dense layer as the planner counts them for a CPU; per layer:
-    the MoE layer's stacked expert weights (and group offsets), none for a dense layer; the ends
+    the MoE layer's group offsets (its stacked expert weights are parameters), none for a dense layer; the ends
     (token ids, final norm, output layer's input)."""
     sizes, tp, _, model_type = CASES[case]
     (hf, moe, dense), parallel, got = _planned_model(sizes, model_type), ParallelConfig(tp=tp), measured[case]
     assert got.moe_layer_per_token == pytest.approx(layer_bytes_per_token(hf, parallel, moe, FP32, gpu=False), rel=REL)
     assert got.dense_layer_per_token == pytest.approx(layer_bytes_per_token(hf, parallel, dense, FP32, gpu=False),
                                                       rel=REL)
-    assert got.moe_layer_constant == pytest.approx(layer_constant_bytes(hf, parallel, moe, FP32), rel=REL)
-    assert got.dense_layer_constant == layer_constant_bytes(hf, parallel, dense, FP32) == 0
+    assert got.moe_layer_constant == pytest.approx(layer_constant_bytes(hf, parallel, moe), rel=REL)
+    assert got.dense_layer_constant == layer_constant_bytes(hf, parallel, dense) == 0
     assert got.ends_per_token == pytest.approx(
         ends_bytes_per_token(hf, parallel, FP32, first=True, last=True, recompute="none", gpu=False), rel=REL)
     assert got.ends_constant == 0
@@ -95,10 +95,10 @@ def test_a_moe_layer_of_the_grouped_query_shape_byte_for_byte(measured):
     norms' rstd and x·rstd (4 + 2) · 132; RoPE's cos and sin 512; the rotated q and k 768; the
     attention output 512; its log-sum-exp 16) and the MoE half 4,720 (the router's input 512; its
     probabilities, top-k ids and weights 72; two routed rows of 4 · (128 + 6 · 64) + 20); per layer
-    and micro-batch, the 8 experts' stacked weights, 3 · 128 · 64 fp32 each, and 8 int32 offsets."""
+    and micro-batch, the 8 experts' int32 group offsets (the stacked weights are parameters, no copy)."""
     got = measured["gqa_top2"]
     assert got.moe_layer_per_token == 6_704 + 4_720 == 11_424
-    assert got.moe_layer_constant == 8 * (3 * 128 * 64 * 4 + 4) == 786_464
+    assert got.moe_layer_constant == 8 * 4
 
 
 @pytest.mark.parametrize("case", [name for name, (_, _, recompute, _) in CASES.items() if recompute == "full"])
@@ -108,7 +108,7 @@ def test_full_recompute_keeps_each_layers_input_and_the_rotary_angles_once(measu
     kept = checkpoint_bytes_per_token(hf, parallel, FP32)
     assert got.moe_layer_per_token == pytest.approx(kept, rel=REL)
     assert got.dense_layer_per_token == pytest.approx(kept, rel=REL)
-    assert got.moe_layer_constant == got.dense_layer_constant == 0  # the checkpointed forward keeps no stack
+    assert got.moe_layer_constant == got.dense_layer_constant == 0  # the checkpointed forward keeps no offsets
     assert got.ends_per_token == pytest.approx(
         ends_bytes_per_token(hf, parallel, FP32, first=True, last=True, recompute="full", gpu=False), rel=REL)
 

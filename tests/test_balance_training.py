@@ -50,9 +50,7 @@ def _train_both_ways(layout: dict) -> dict:
                                max_tokens_per_micro_batch=budget, **layout)
         if initial is None:
             initial = th.flat_params(actor)
-        with torch.no_grad():
-            for name, p in actor.model.named_parameters():
-                p.copy_(initial[name])
+        th.set_flat_params(actor, initial)
         shares = data_parallel_shares(samples, 2, budget=budget, cost=actor.cost)
         scored = actor.compute_logprobs(samples)
         free = actor.compute_logprobs(samples, record_routing=True)

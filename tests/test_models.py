@@ -377,8 +377,9 @@ def test_moe_layer_shapes(summaries) -> None:
     shapes = summaries["moe"]["shapes"]
     mlp = "decoder.layers.1.mlp"
     assert shapes[f"{mlp}.router.weight"] == (4, 64)
-    assert shapes[f"{mlp}.experts.local_experts.3.linear_fc1.weight"] == (2 * 32, 64)  # gate+up
-    assert shapes[f"{mlp}.experts.local_experts.3.linear_fc2.weight"] == (64, 32)
+    # the grouped experts (the default): one stacked parameter per projection, [experts, out, in]
+    assert shapes[f"{mlp}.experts.fc1_weight"] == (4, 2 * 32, 64)  # gate+up
+    assert shapes[f"{mlp}.experts.fc2_weight"] == (4, 64, 32)
     assert shapes["output_layer.weight"] == (256, 64)  # untied, padded vocabulary
     assert summaries["moe"]["mlp_kinds"] == ["SortedDispatchMoELayer"] * 2  # Megatron's MoELayer, sorted dispatch
     assert summaries["dense"]["mlp_kinds"] == ["MLP", "MLP"]

@@ -110,9 +110,7 @@ def _loss_by_sample(loss: PolicyLossConfig, logprobs: list[torch.Tensor], with_o
 
 
 def _set_params(actor, params: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for name, p in actor.model.named_parameters():
-            p.copy_(params[name])
+    th.set_flat_params(actor, params)
     actor.reload_optimizer_params()
 
 

@@ -57,9 +57,7 @@ def _steps(model_dir, tp: int):
         initial = th.flat_params(actor)
         for name, perturb, centring in (("plain", 0.0, False), ("same", 0.0, True), ("moved", 0.8, True),
                                         ("moved-plain", 0.8, False)):
-            with torch.no_grad():
-                for param_name, p in actor.model.named_parameters():
-                    p.copy_(initial[param_name])
+            th.set_flat_params(actor, initial)
             actor.set_loss(PolicyLossConfig(score_centering=centring, score_centering_top_k=K))
             metrics = actor.train_step(_samples(model_dir, perturb=perturb))
             grads = {n: p.main_grad.detach().clone() for n, p in actor.model.named_parameters()}

@@ -17,7 +17,10 @@ data (``nonzero``, ``masked_select``, boolean-mask ``index``/``index_put_``, ``u
 ``Tensor.cpu`` / ``Tensor.numpy`` calls (device-to-host copies on a GPU; free and invisible to the
 dispatcher on CPU). Per micro-batch: the difference between a step of ``2k`` and a step of ``k``
 identical-shaped micro-batches, divided by ``k``; per step: what a step of ``k`` micro-batches
-costs beyond ``k`` micro-batches (optimizer, gradient reductions, batch preparation).
+costs beyond ``k`` micro-batches (optimizer, gradient reductions, batch preparation). Beside the
+counts, ``parameters``: the parameter tensors of the model on the rank (each has its own gradient
+hook and optimizer entry, host work per step that grows with their number, not with their size);
+per layer, what one more layer adds.
 """
 
 from __future__ import annotations
@@ -133,13 +136,25 @@ def _measure(options: dict[str, str], model: dict, micro_batches: int, tokens: i
     two = samples(2 * micro_batches)
     small = _count(lambda: actor.train_step(one))
     large = _count(lambda: actor.train_step(two))
+    parameters = {"parameters": float(len(list(actor.model.parameters())))}
     actor.close()
     per_mb = {k: (large[k] - small[k]) / micro_batches for k in small}
     per_step = {k: small[k] - micro_batches * per_mb[k] for k in small}
-    return {"micro_batch": per_mb, "step_overhead": per_step, "step": {k: float(v) for k, v in small.items()}}
+    return {"micro_batch": {**per_mb, **parameters}, "step_overhead": {**per_step, **parameters},
+            "step": {**{k: float(v) for k, v in small.items()}, **parameters}}
 
 
-COLUMNS = ("ops", "mm", "grouped_mm", "scalar_reads", "data_shaped", "tolist_cpu")
+def measure_with_layer(options: dict[str, str], model: dict, micro_batches: int, tokens: int
+                       ) -> dict[str, dict[str, float]]:
+    """:func:`_measure` of ``model`` and of the model one layer deeper (on this rank, one after the
+    other), with ``"layer"``: what the extra layer adds per micro-batch."""
+    base = _measure(options, model, micro_batches, tokens)
+    deeper = _measure(options, {**model, "num_hidden_layers": model["num_hidden_layers"] + 1}, micro_batches, tokens)
+    base["layer"] = {k: deeper["micro_batch"][k] - v for k, v in base["micro_batch"].items()}
+    return base
+
+
+COLUMNS = ("ops", "mm", "grouped_mm", "scalar_reads", "data_shaped", "tolist_cpu", "parameters")
 
 
 def cumulative_variants() -> dict[str, dict[str, str]]:
@@ -175,19 +190,15 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     parser.add_argument("--tokens", type=int, default=128, help="tokens per sample (one sample per micro-batch)")
     parser.add_argument("--kit-layers", type=int, default=16, help="layer count to extrapolate to (the kit model's)")
     parser.add_argument("--all-fast-paths-only", action="store_true",
-                        help="measure only the last row, every fast path on (two gloo worlds instead of eight)")
+                        help="measure only the last row, every fast path on (one gloo world instead of four)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     results = {}
     variants = cumulative_variants()
     if args.all_fast_paths_only:
         variants = dict(list(variants.items())[-1:])
     for label, options in variants.items():
-        (base,) = run_gloo_world(_measure, 1, options, {**MODEL, "num_hidden_layers": args.layers},
-                                 args.micro_batches, args.tokens, timeout=1200)
-        (deeper,) = run_gloo_world(_measure, 1, options, {**MODEL, "num_hidden_layers": args.layers + 1},
-                                   args.micro_batches, args.tokens, timeout=1200)
-        base["layer"] = {k: deeper["micro_batch"][k] - v for k, v in base["micro_batch"].items()}
-        results[label] = base
+        (results[label],) = run_gloo_world(measure_with_layer, 1, options, {**MODEL, "num_hidden_layers": args.layers},
+                                           args.micro_batches, args.tokens, timeout=1200)
     print(f"model: {args.layers} layers (and {args.layers + 1} for the per-layer row), {MODEL['num_experts']} experts "
           f"top-{MODEL['num_experts_per_tok']}, {MODEL['num_attention_heads']}/{MODEL['num_key_value_heads']} heads, "
           f"hidden {MODEL['hidden_size']}; one packed sample of {args.tokens} tokens per micro-batch; fp32 CPU, "
@@ -198,7 +209,7 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         at_kit = {k: mb[k] + (args.kit_layers - args.layers) * layer[k] for k in COLUMNS}
         print(f"{label}: at {args.kit_layers} layers (extrapolated) {at_kit['ops']:,.0f} ops, {at_kit['mm']:,.0f} mm, "
               f"{at_kit['scalar_reads']:,.0f} scalar reads, {at_kit['data_shaped']:,.0f} data-shaped, "
-              f"{at_kit['tolist_cpu']:,.0f} tolist/cpu per micro-batch")
+              f"{at_kit['tolist_cpu']:,.0f} tolist/cpu per micro-batch; {at_kit['parameters']:,.0f} parameters")
     return 0
 
 

@@ -74,9 +74,9 @@ composes it of elementwise ops, which also keep ``x·rstd``, ``b·w`` more (``gp
 measurement runs there). The plan counts what the ranks of its allocation run.
 
 Per layer and micro-batch, whatever its length: the grouped experts (``model.expert_gemm:
-grouped``, more than one local expert) stack the layer's ``E/ep`` local expert weights for one
-``torch._grouped_mm`` each, and autograd keeps that copy, ``b·3·h·I/etp`` per expert, plus the int32
-group offsets, until the micro-batch's backward: one copy per MoE layer and micro-batch in flight.
+grouped``) keep the int32 group offsets of their two ``torch._grouped_mm`` calls, 4 bytes per
+local expert, until the micro-batch's backward; the layer's expert weights are saved as the
+stacked parameters they are (no copy).
 
 The ends of the model, per token: the first stage's int64 token ids (and the boolean vocabulary
 mask of the vocab-parallel embedding under TP, 1 byte), the last stage's final norm
@@ -84,15 +84,15 @@ mask of the vocab-parallel embedding under TP, 1 byte), the last stage's final n
 
 Recompute ``full`` (one layer per checkpoint) keeps only each layer's input, ``b·h / tp`` per
 token, and the rotary angles ``[T, 1, 1, d]`` in fp32 once for all checkpoints (latent attention
-computes its own inside each layer: none), and rebuilds one
-layer at a time in backward, so one layer's full set (with its stacked expert weights) is added
-once. The MoE dispatch adds the dispatched and the combined rows, ``2 · b · k · h / tp`` per
-token, live for one layer at a time (not kept for backward, so not measured).
+computes its own inside each layer: none), and rebuilds one layer at a time in backward, so one
+layer's full set is added once. The MoE dispatch adds the dispatched and the combined rows,
+``2 · b · k · h / tp`` per token, live for one layer at a time (not kept for backward, so not
+measured).
 
 Transformer-engine (the spec on GPUs with TE) is assumed to keep no more than this: its norms are
 fused into the following linear (input, rstd and the normalised output it multiplies), its fused
 RoPE keeps no cos and sin, its attention keeps q, k, v, the output and the log-sum-exp as flash
-attention does here, and its grouped experts stack no weight copy; the plan's figure is an upper
+attention does here, and its grouped experts keep no weight copy; the plan's figure is an upper
 bound there. ``model.attention: unfused`` (Megatron's reference, the CPU default) keeps every
 head's ``[s, s]`` probabilities, which is not modelled: the plan assumes the fused attention.
 
@@ -214,16 +214,15 @@ def layer_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, layer: in
                                                                                              act_bytes)
 
 
-def layer_constant_bytes(hf: HFModelConfig, parallel: ParallelConfig, layer: int, act_bytes: int, *,
+def layer_constant_bytes(hf: HFModelConfig, parallel: ParallelConfig, layer: int, *,
                          expert_gemm: ExpertGemm = "grouped") -> float:
     """Bytes one decoder layer keeps per micro-batch whatever its length: the grouped experts'
-    stacked copy of the layer's local expert weights and their int32 group offsets (nothing for a
-    dense layer, Megatron's sequential experts or a single local expert, which runs unstacked)."""
-    local_experts = hf.num_experts // parallel.ep
-    if layer not in set(hf.moe_layers) or expert_gemm != "grouped" or local_experts < 2:
+    int32 group offsets, one per local expert (their stacked weights are parameters, which
+    ``torch._grouped_mm`` saves without a copy); nothing for a dense layer or Megatron's sequential
+    experts."""
+    if layer not in set(hf.moe_layers) or expert_gemm != "grouped":
         return 0.0
-    weights = 3 * hf.hidden_size * hf.moe_intermediate_size // parallel.expert_tp
-    return local_experts * (act_bytes * weights + INT32)
+    return hf.num_experts // parallel.ep * INT32
 
 
 def checkpoint_bytes_per_token(hf: HFModelConfig, parallel: ParallelConfig, act_bytes: int) -> float:
@@ -265,7 +264,7 @@ def stage_activation_bytes(hf: HFModelConfig, parallel: ParallelConfig, layers: 
     stage: with the model's ends), ``in_flight`` micro-batches of ``tokens`` tokens each, on a GPU
     or (``gpu=False``) a CPU."""
     per_layer = [tokens * layer_bytes_per_token(hf, parallel, layer, act_bytes, gpu=gpu)
-                 + layer_constant_bytes(hf, parallel, layer, act_bytes, expert_gemm=expert_gemm) for layer in layers]
+                 + layer_constant_bytes(hf, parallel, layer, expert_gemm=expert_gemm) for layer in layers]
     if recompute == "full":
         kept = len(layers) * tokens * checkpoint_bytes_per_token(hf, parallel, act_bytes)
         rebuilt_once = max(per_layer, default=0.0)
@@ -325,11 +324,11 @@ def stage_replay_bytes(hf: HFModelConfig, parallel: ParallelConfig, layers: tupl
 def forward_only_activation_bytes(hf: HFModelConfig, parallel: ParallelConfig, layers: tuple[int, ...], *,
                                   tokens: int, act_bytes: int, expert_gemm: ExpertGemm = "grouped",
                                   gpu: bool = True) -> float:
-    """A forward-only pass (no autograd): one layer's activations live at a time (its stacked
-    expert weights with them), plus the MoE dispatch buffers."""
+    """A forward-only pass (no autograd): one layer's activations live at a time, plus the MoE
+    dispatch buffers."""
     if not layers:
         return 0.0
     per_layer = max(tokens * layer_bytes_per_token(hf, parallel, layer, act_bytes, gpu=gpu)
-                    + layer_constant_bytes(hf, parallel, layer, act_bytes, expert_gemm=expert_gemm)
+                    + layer_constant_bytes(hf, parallel, layer, expert_gemm=expert_gemm)
                     for layer in layers)
     return per_layer + tokens * dispatch_bytes_per_token(hf, parallel, act_bytes)

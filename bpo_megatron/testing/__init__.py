@@ -16,11 +16,11 @@ from bpo_megatron.testing.samples import (
     samples_of_lengths,
     train_samples,
 )
-from bpo_megatron.testing.trainer import build_actor, flat_params
+from bpo_megatron.testing.trainer import build_actor, flat_params, set_flat_params
 
 __all__ = [
     "MODEL_CONFIGS", "TINY_MOE", "DispatchRecorder", "MeasuredActivations", "build_actor", "flat_params",
     "long_tailed", "make_samples", "measure_activations", "random_checkpoint", "random_model_dir", "random_routing",
-    "random_tokens", "same_expert_sets", "samples_of_lengths", "saved_activation_bytes", "tiny_moe", "train_samples",
-    "write_config",
+    "random_tokens", "same_expert_sets", "samples_of_lengths", "saved_activation_bytes", "set_flat_params", "tiny_moe",
+    "train_samples", "write_config",
 ]

@@ -60,7 +60,7 @@ class MeasuredActivations:
     sees all of its tokens, each keeping its share) and per micro-batch whatever its length."""
 
     moe_layer_per_token: float
-    moe_layer_constant: float  # the grouped experts' stacked weight copy and group offsets
+    moe_layer_constant: float  # the grouped experts' group offsets
     dense_layer_per_token: float
     dense_layer_constant: float
     ends_per_token: float  # embedding, final norm, output layer's input

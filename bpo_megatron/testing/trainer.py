@@ -36,5 +36,18 @@ def build_actor(hf=None, *, tp=1, pp=1, ep=1, etp=None, cp=1, replay=False, reco
 
 
 def flat_params(actor) -> dict[str, torch.Tensor]:
-    """A copy of every parameter of ``actor``'s model by name."""
-    return {name: p.detach().clone() for name, p in actor.model.named_parameters()}
+    """A copy of every parameter of ``actor``'s model by name, the grouped experts' stacked
+    parameters expert by expert under ``SequentialMLP``'s names (so either expert module compares)."""
+    from bpo_megatron.models.grouped_experts import per_expert
+
+    return {name: p.detach().clone() for name, p in per_expert(actor.model)}
+
+
+def set_flat_params(actor, params: dict[str, torch.Tensor]) -> None:
+    """Set every parameter of ``actor``'s model from ``params`` (as :func:`flat_params` names
+    them: the stacked experts expert by expert)."""
+    from bpo_megatron.models.grouped_experts import per_expert
+
+    with torch.no_grad():
+        for name, tensor in per_expert(actor.model):
+            tensor.copy_(params[name])

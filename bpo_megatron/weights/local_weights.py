@@ -4,7 +4,10 @@ weight: which rule, which global layer and expert, and which tensor-parallel sha
 Global indices come from the modules themselves (``layer_number`` carries the pipeline offset,
 ``MoELayer.local_expert_indices`` the expert-parallel offset), so any pipeline split and any
 expert-parallel size resolve the same way. Dense weights are split over the tensor-parallel group,
-expert weights over the expert-tensor-parallel group.
+expert weights over the expert-tensor-parallel group. The grouped experts' stacked parameters are
+resolved expert by expert, as views under ``SequentialMLP``'s names
+(:func:`~bpo_megatron.models.grouped_experts.per_expert`), so both expert modules export and load
+alike.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bpo_megatron.models.grouped_experts import per_expert
 from bpo_megatron.weights.layouts import LAYOUTS
 from bpo_megatron.weights.names import WeightKey, WeightRule, match_megatron_name
 
@@ -24,7 +28,8 @@ class LocalWeight:
     key: WeightKey
     shard: int  # index of this rank's piece among num_shards (0 of 1 when not split)
     num_shards: int
-    param: torch.Tensor  # a parameter, or a buffer of a rule that names one (``WeightRule.buffer``)
+    # a parameter (one expert's view of a stacked one), or a buffer of a rule that names one (``WeightRule.buffer``)
+    param: torch.Tensor
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -58,7 +63,7 @@ def local_weights(model: torch.nn.Module) -> list[LocalWeight]:
     def match(name: str) -> tuple[WeightRule, int, int] | None:
         return match_megatron_name(name, latent_attention=latent)
 
-    weights = [(name, param, match(name), False) for name, param in model.named_parameters()]
+    weights = [(name, param, match(name), False) for name, param in per_expert(model)]
     weights += [(name, buffer, match(name), True) for name, buffer in model.named_buffers()]
     for name, param, found, is_buffer in weights:
         if found is None or found[0].buffer != is_buffer:

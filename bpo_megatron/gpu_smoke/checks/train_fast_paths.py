@@ -48,9 +48,11 @@ def variants() -> dict[str, dict[str, Any]]:
 
 def _fingerprint(actor) -> float:
     """A weighted sum of every parameter (same weights, same number; a different layout or init
-    would differ)."""
+    would differ), the grouped experts' stacked ones expert by expert as SequentialMLP holds them."""
+    from bpo_megatron.testing.trainer import flat_params
+
     total = 0.0
-    for i, (_, param) in enumerate(sorted(actor.model.named_parameters())):
+    for i, (_, param) in enumerate(sorted(flat_params(actor).items())):
         total += (i + 1) * float(param.detach().double().sum())
     return total
 
