@@ -144,10 +144,13 @@ def test_staleness_zero_reproduces_the_synchronous_loop(tmp_path, ray_session):
     """train.async.max_staleness=0 goes through the rollout pipeline yet writes the metrics file the
     synchronous loop wrote: warm start, rewards, losses, clip and mask fractions, gradient norms,
     routing agreement, weight-sync bytes and evaluation, record for record. The record is from
-    76ae75b; since then the embedded engine's one decode loop and the trainer's grouped experts
-    and foreach grad norm add in another order (a loss moves by ~5e-8 relative, log μ by ~1e-6),
-    so values agree to 1e-5 relative (1e-7 absolute for the near-zero mismatch metrics): still far
-    below what any change of sample, order or update moves."""
+    76ae75b; since then the embedded engine's one decode loop, the trainer's grouped experts (now
+    stacked parameters), its foreach grad norm and torch's fused AdamW (tests/test_fused_adam.py)
+    add in another order. One update moves by ~1e-7 relative; over the warm start's and RL's 19
+    updates the differences grow to ~2e-4 relative in a grad norm and ~1e-3 in k3 (a difference
+    of near-equal log-probabilities), so values agree to 2e-3 relative (1e-6 absolute for the
+    near-zero mismatch metrics), while the samples, rewards and evaluations are the same: still
+    far below what any change of sample, order or update moves."""
     import json
 
     from bpo_megatron.experiment import load_experiment
@@ -166,7 +169,7 @@ def test_staleness_zero_reproduces_the_synchronous_loop(tmp_path, ray_session):
             if key == "offload_bytes":  # fp32 params + 2 Adam moments move; the dead gradients are freed since
                 assert new[key] == value * 3 / 4, (old["step"], key)
                 continue
-            assert new.get(key) == pytest.approx(value, rel=1e-5, abs=1e-7), (old["step"], key, new.get(key), value)
+            assert new.get(key) == pytest.approx(value, rel=2e-3, abs=1e-6), (old["step"], key, new.get(key), value)
             compared += 1
     assert compared > 150 and any(r.get("reward_mean", 0) > 0 for r in expected)
 
