@@ -1,0 +1,237 @@
+"""The fused sampler (``bpo_megatron/rollout/hf/fused_sampling.py``) against the torch sampler it
+replaces on a GPU (``sampling.draw``): the same token for the same uniform and the same log μ, on
+bf16 and fp16 logits, unfiltered and filtered (top-k, top-p, both, neither; settings mixed per row),
+with ties (equal logits, and distinct logits whose log-probabilities round to the same value) and
+with uniforms placed at and beside the boundaries between two tokens.
+
+"The same token" means: exactly the reference's token wherever the uniform's target lies farther
+from a boundary between two tokens than floating-point summation order can move it (the kernels sum
+the same probabilities in another order: blocks, a parallel cumulative sum); at a boundary itself,
+one of the two tokens it separates — as the reference's own token may be. The same holds for the
+top-p threshold: where top_p · c_k equals a prefix's mass up to rounding (exactly tied
+probabilities with top_k · top_p an integer: 20 tokens at 0.8 keep 16 or 17), rounding decides
+whether one more token stays, in torch's sampler as in the kernel; the tied cases below avoid such
+ratios. log μ within 1e-5 (fp32, another order of the same sum). Ties break by token id in both.
+
+Triton's interpreter runs the kernels on CPU tensors in a child process (``TRITON_INTERPRET=1``,
+as tests/test_fused_logprobs.py does); the references are computed here. Compiling the kernels for
+a Hopper GPU is checked too (no GPU needed: triton compiles to a cubin offline); their speed is the
+GPU kit's (``rollout_decode``). Needs triton importable (``.ci/run`` puts ``.megatron-newest`` on
+``PYTHONPATH``); without triton these tests skip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bpo_megatron.rollout.hf.sampling import CODES, draw
+
+HERE = Path(__file__).resolve().parent
+VOCAB = 3001  # not a multiple of any block
+# (top_k, top_p, temperature) per row: every filter alone, both, neither, k past the vocabulary, k = 1
+MIXED = [(0, 1.0, 1.0), (5, 1.0, 0.7), (0, 0.9, 1.0), (20, 0.83, 1.3), (1, 1.0, 1.0), (VOCAB + 10, 0.5, 2.0),
+         (0, 0.05, 1.0), (300, 0.987, 0.6), (2, 0.3, 1.0), (0, 1.0, 0.5)]
+SMALL_LAUNCH = dict(block=16, chunk=32)  # several blocks and histogram chunks on a small row
+
+
+def _settings(rows: list[tuple[int, float, float]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    top_k = torch.tensor([r[0] for r in rows])
+    top_p = torch.tensor([r[1] for r in rows], dtype=torch.float32)
+    temperature = torch.tensor([r[2] for r in rows], dtype=torch.float32)
+    return temperature, top_k, top_p
+
+
+def _spread_logits(rows: int, dtype=torch.bfloat16, seed: int = 0) -> torch.Tensor:
+    """~N(0, 2²), as the kit's model's: many tokens share a 16-bit value."""
+    return (torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 2).to(dtype)
+
+
+def _tied_logits(rows: int) -> torch.Tensor:
+    """Integers −4 … 3: hundreds of tokens per value, so every cut and draw lands inside a tie."""
+    return torch.randint(-4, 4, (rows, VOCAB), generator=torch.Generator().manual_seed(1)).bfloat16()
+
+
+def _collapsed_logits() -> torch.Tensor:
+    """Distinct 16-bit logits whose log-probabilities are equal in fp32: next to a largest logit of
+    1.0, (z − 1) − log Σ rounds ±0 and |z| < 3e-8 to one value. They hold most of the mass here, so
+    the draw lands among them and must order them by id, not by value."""
+    row = torch.full((VOCAB,), -6.0)
+    row[7] = 1.0
+    tiny = torch.tensor([0.0, -0.0, 1e-9, -2e-9, 5e-10, 2.9e-8, -2.9e-8, 1e-12, -1e-12])
+    positions = torch.randperm(VOCAB - 8, generator=torch.Generator().manual_seed(2))[:900] + 8
+    row[positions] = tiny.repeat(100)[:900]
+    return row[None].repeat(8, 1).bfloat16()
+
+
+def _uniforms(rows: int, seed: int) -> torch.Tensor:
+    return torch.rand(rows, generator=torch.Generator().manual_seed(seed))
+
+
+def _boundary_uniforms(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                       filtered: bool, offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, a uniform whose target lies ``offset`` (a fraction of the smaller of the two tokens'
+    probabilities) after the boundary between two consecutive tokens of the reference's order, both
+    of probability ≥ 1e-4 (a uniform is fp32: it places a target to ~1e-7 of the total), and the two
+    tokens: the one ending there and the one starting there."""
+    uniforms, pairs = [], []
+    for i in range(logits.shape[0]):
+        logprobs = torch.log_softmax(logits[i].double() / float(temperature[i]), -1)
+        order = logprobs.sort(descending=True, stable=True).indices if filtered else torch.arange(VOCAB)
+        probs = logprobs[order].exp()
+        if filtered:
+            k = int(top_k[i]) if 0 < int(top_k[i]) < VOCAB else VOCAB
+            probs[k:] = 0
+            before = probs.cumsum(0) - probs
+            probs = torch.where(before < float(top_p[i]) * probs.sum(), probs, 0.0)
+        live = (probs > 0).nonzero()[:, 0]
+        likely = [j for j in range(1, live.numel()) if live[j] == live[j - 1] + 1
+                  and min(probs[live[j - 1]], probs[live[j]]) >= 1e-4]
+        if not likely:  # one kept token (top_k = 1): any uniform draws it
+            uniforms.append(0.5)
+            pairs.append((int(order[live[0]]),) * 2)
+            continue
+        a, b = live[likely[len(likely) // 2] - 1], live[likely[len(likely) // 2]]
+        boundary = probs[:b].sum()
+        step = offset * min(probs[a], probs[b])
+        uniforms.append(float((boundary + step) / probs.sum()))
+        pairs.append((int(order[a]), int(order[b])))
+    return torch.tensor(uniforms, dtype=torch.float32), torch.tensor(pairs)
+
+
+def _cases() -> dict[str, dict]:
+    """Inputs of every case (the child draws them with the kernels, this process with the reference)."""
+    temperature, top_k, top_p = _settings(MIXED)
+    rows = len(MIXED)
+    spread = _spread_logits(rows)
+    cases = {
+        "spread": dict(logits=spread, uniforms=_uniforms(rows, 3)),
+        "spread_fp16": dict(logits=_spread_logits(rows, torch.float16, seed=4), uniforms=_uniforms(rows, 5)),
+        "ties": dict(logits=_tied_logits(rows), uniforms=_uniforms(rows, 6)),
+        "ties_small_launch": dict(logits=_tied_logits(rows), uniforms=_uniforms(rows, 7), launch=SMALL_LAUNCH),
+        "collapsed": dict(logits=_collapsed_logits(), uniforms=_uniforms(8, 8), settings=_settings(
+            [(0, 1.0, 1.0), (0, 0.9, 1.0), (50, 1.0, 1.0), (400, 0.7, 1.0), (0, 1.0, 1.0), (5, 1.0, 1.0),
+             (0, 0.5, 1.0), (1, 1.0, 1.0)])),
+    }
+    for case in list(cases.values()):
+        case.setdefault("settings", (temperature, top_k, top_p))
+    for filtered in (False, True):
+        for offset in (0.1, -0.1, 0.0):  # beside the boundary on either side, and on it
+            uniforms, pairs = _boundary_uniforms(spread.float(), temperature, top_k, top_p, filtered, offset)
+            cases[f"boundary_{filtered}_{offset}"] = dict(logits=spread, uniforms=uniforms, pairs=pairs,
+                                                          settings=(temperature, top_k, top_p), only=filtered)
+    return cases
+
+
+# ---- run in the interpreter's child process ----
+
+def interpret_all(out: str) -> None:
+    from bpo_megatron.rollout.hf import fused_sampling
+
+    results = {}
+    for name, case in _cases().items():
+        temperature, top_k, top_p = case["settings"]
+        logits, uniforms = case["logits"], case["uniforms"]
+        rows = logits.shape[0]
+        for filtered in (False, True):
+            if case.get("only", filtered) != filtered:
+                continue
+            tokens = torch.full((rows,), -7, dtype=torch.long)
+            logprobs = torch.full((rows,), float("nan"))
+            counts = torch.zeros(rows + 2, CODES, dtype=torch.int32)  # rows past the batch stay untouched
+            if filtered:
+                fused_sampling.filtered_draw(logits, temperature, top_k, top_p, uniforms, counts, tokens, logprobs,
+                                             **case.get("launch", {}))
+            else:
+                fused_sampling.plain_draw(logits, temperature, uniforms, tokens, logprobs,
+                                          **{k: v for k, v in case.get("launch", {}).items() if k == "block"})
+            results[(name, filtered)] = dict(tokens=tokens, logprobs=logprobs, counts_left=int(counts.abs().sum()))
+    torch.save(results, out)
+
+
+# ---- this process: the references and the comparisons ----
+
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="triton is not installed: .ci/run runs this file with .megatron-newest (bash tools/setup.sh "
+           "--megatron-newest, which brings triton) first on PYTHONPATH")
+
+
+@pytest.fixture(scope="module")
+def fused(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fused_sampling") / "results.pt"
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_fused_sampling as t; "
+            "t.interpret_all(sys.argv[1])")
+    done = subprocess.run([sys.executable, "-c", code, str(out)], env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return torch.load(out)
+
+
+def _reference(case: dict, filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    temperature, top_k, top_p = case["settings"]
+    tokens, logprobs, _ = draw(case["logits"], temperature, top_k, top_p, case["uniforms"], filtered)
+    return tokens, logprobs
+
+
+CASES = _cases()
+DRAWN = [(name, filtered) for name, case in CASES.items() if not name.startswith("boundary")
+         for filtered in (False, True)]
+
+
+@needs_triton
+@pytest.mark.parametrize("name, filtered", DRAWN)
+def test_the_fused_draw_is_the_torch_draw(fused, name, filtered):
+    got = fused[(name, filtered)]
+    tokens, logprobs = _reference(CASES[name], filtered)
+    assert torch.equal(got["tokens"], tokens), (got["tokens"], tokens)
+    torch.testing.assert_close(got["logprobs"], logprobs, rtol=0, atol=1e-5)
+    assert got["counts_left"] == 0, "the filtered draw leaves its histogram scratch zeroed"
+
+
+@needs_triton
+@pytest.mark.parametrize("filtered", [False, True])
+@pytest.mark.parametrize("offset", [0.1, -0.1])
+def test_a_target_beside_a_boundary_draws_the_token_on_its_side(fused, filtered, offset):
+    case = CASES[f"boundary_{filtered}_{offset}"]
+    got = fused[(f"boundary_{filtered}_{offset}", filtered)]["tokens"]
+    expected = case["pairs"][:, 1 if offset > 0 else 0]
+    reference, _ = _reference(case, filtered)
+    assert torch.equal(reference, expected)
+    assert torch.equal(got, expected)
+
+
+@needs_triton
+@pytest.mark.parametrize("filtered", [False, True])
+def test_a_target_on_a_boundary_draws_one_of_the_two_tokens_it_separates(fused, filtered):
+    case = CASES[f"boundary_{filtered}_0.0"]
+    got = fused[(f"boundary_{filtered}_0.0", filtered)]["tokens"]
+    reference, _ = _reference(case, filtered)
+    pairs = case["pairs"]
+    assert all(int(g) in pairs[i].tolist() and int(r) in pairs[i].tolist()
+               for i, (g, r) in enumerate(zip(got, reference)))
+
+
+@needs_triton
+def test_the_kernels_compile_for_a_hopper_gpu():
+    """Triton's compiler without a GPU: what the interpreter accepts but the GPU compiler would
+    refuse (types carried around loops, globals, scalar conditions) fails here, not on a GPU visit."""
+    code = ("from bpo_megatron.rollout.hf import fused_sampling as f; import triton; "
+            "from triton.backends.compiler import GPUTarget; from triton.compiler import ASTSource\n"
+            "common = dict(logits_ptr='*bf16', stride='i32', vocab='i32', temperature_ptr='*fp32', uniform_ptr='*fp32', "
+            "token_ptr='*i64', logprob_ptr='*fp32', BLOCK='constexpr')\n"
+            "for fn, extra, constants in ((f._plain_kernel, dict(BLOCKS='constexpr'), dict(BLOCK=f.BLOCK, BLOCKS=128)), "
+            "(f._filtered_kernel, dict(top_k_ptr='*i64', top_p_ptr='*fp32', counts_ptr='*i32', counts_stride='i32', "
+            "CHUNK='constexpr'), dict(BLOCK=f.BLOCK, CHUNK=f.CHUNK))):\n"
+            "    triton.compile(ASTSource(fn=fn, signature=common | extra, constexprs=constants), "
+            "target=GPUTarget('cuda', 90, 32), options=dict(num_warps=f.NUM_WARPS))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env=os.environ | {"TRITON_DEFAULT_FP_FUSION": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
