@@ -92,10 +92,11 @@ FUSED_DTYPES = (torch.bfloat16, torch.float16)  # the fused draw reads 16-bit lo
 CODES = 1 << 16  # a filtered fused draw's histogram bins per row: every 16-bit pattern
 
 
-def fused_applies(device: torch.device, head: int) -> bool:
-    """Whether a sampler on ``device`` draws with the fused kernels (for 16-bit logits): a GPU with
-    triton, and no sampler head asked (score centering's top tokens come from the torch draw)."""
-    return platform.runs_triton(device) and head == 0
+def fused_applies(device: torch.device) -> bool:
+    """Whether samplers on ``device`` draw with the fused kernels: a GPU with triton. A sampler then
+    does so for 16-bit logits when it reports no head (score centering's top tokens come from the
+    torch draw)."""
+    return platform.runs_triton(device)
 
 
 @torch.library.custom_op("bpo_megatron::fused_plain_draw", mutates_args=())
