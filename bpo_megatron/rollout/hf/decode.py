@@ -128,13 +128,14 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def expert_slots(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Counting sort of the (token, k) pairs of ``experts`` ``[tokens, k]`` by expert: each pair's
-    row in expert order (an expert's pairs in pair order: the order a stable sort gives) and each
-    expert's end row (int32, the grouped GEMM's offsets). No sort kernel, no host read: a pair's
-    rank among its expert's pairs is a cumulative count over a one-hot ``[pairs, E]``."""
+def expert_slots(experts: torch.Tensor, expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counting sort of the (token, k) pairs of ``experts`` ``[tokens, k]`` by expert (``expert_ids``:
+    ``arange(E)``): each pair's row in expert order (an expert's pairs in pair order: the order a
+    stable sort gives) and each expert's end row (int32, the grouped GEMM's offsets). No sort
+    kernel, no host read: a pair's rank among its expert's pairs is a cumulative count over a
+    one-hot ``[pairs, E]``."""
     flat = experts.reshape(-1).long()
-    hits = flat[:, None] == torch.arange(num_experts, device=flat.device)
+    hits = flat[:, None] == expert_ids
     through = hits.cumsum(0, dtype=torch.int32)  # per expert: its pairs up to and including this one
     counts = through[-1]
     ends = counts.cumsum(0, dtype=torch.int32)
@@ -158,20 +159,24 @@ def _(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tenso
 
 def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor, act: nn.Module,
-                    round_inputs: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                    round_inputs: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                    expert_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Σ_k weights[:, k] · down_e(act(gate_e(x)) · up_e(x)) with e = experts[:, k], for fused expert
     weights ``gate_up`` ``[E, 2I, H]`` (gate rows then up rows) and ``down`` ``[E, H, I]``;
-    ``round_inputs`` (an FP8 engine's, :mod:`fp8_compute`) applied to each GEMM's input.
+    ``round_inputs`` (an FP8 engine's, :mod:`fp8_compute`) applied to each GEMM's input;
+    ``expert_ids``: ``arange(E)`` kept by the caller (made here when None).
 
     Static shapes and no host sync: the pairs are put in expert order by :func:`expert_slots`, each
     expert's rows multiplied by one grouped GEMM, and the pairs' outputs gathered back by their rows
     (no scatter) and summed over k in a fixed order.
     """
     tokens, topk = experts.shape
-    slots, ends = expert_slots(experts, gate_up.shape[0])
+    if expert_ids is None:
+        expert_ids = torch.arange(gate_up.shape[0], device=x.device)
+    slots, ends = expert_slots(experts, expert_ids)
     same = (lambda t: t) if round_inputs is None else round_inputs
-    pairs = same(x)[:, None].expand(tokens, topk, x.shape[-1]).reshape(tokens * topk, x.shape[-1])
-    ordered = torch.empty_like(pairs).index_copy_(0, slots, pairs)
+    ordered = x.new_empty(tokens * topk, x.shape[-1])
+    ordered[slots.view(tokens, topk)] = same(x)[:, None]  # each token to its k rows, in one write
     gate, up = _grouped_gemm(ordered, gate_up, ends).chunk(2, dim=-1)
     out = _grouped_gemm(same(act(gate) * up), down, ends)
     return (out[slots].view(tokens, topk, -1) * weights[..., None].to(out.dtype)).sum(dim=1)
@@ -215,6 +220,8 @@ class FunctionalDecoder:
         # each slot a segment of `length` keys in the flattened cache (FlashAttention's varlen form)
         self._cu_queries = torch.arange(slots + 1, dtype=torch.int32, device=device)
         self._cu_keys = self._cu_queries * cache.length
+        routed = num_routed_experts(routers) if routers else 0
+        self._expert_ids = torch.arange(routed, device=device)  # the experts' counting sort compares with it
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits ``[slots, vocab]`` of the next token of every slot; ``tokens`` and ``positions``
@@ -302,7 +309,7 @@ class FunctionalDecoder:
             routing.copy_(experts.to(routing.dtype))
         fused = mlp.experts
         out = grouped_experts(x, experts, weights, fused.gate_up_proj, fused.down_proj, fused.act_fn,
-                              round_inputs=getattr(fused, "round_inputs", None))
+                              round_inputs=getattr(fused, "round_inputs", None), expert_ids=self._expert_ids)
         shared = getattr(mlp, "shared_experts", None)
         return out if shared is None else out + shared(x)
 
