@@ -18,9 +18,11 @@ throughput model (random weights), and its step timed at set contexts.
    recompute runs SDPA and would favour neither path; its numbers are reported beside. Eager and
    graphed steps run the same kernels (FlashAttention on a GPU in bf16, graphed or not:
    ``decode.attention_for``), so the graph must agree with the recompute as often as the eager loop
-   does — capture changes no number. (Until 2026-11 the eager loop ran SDPA, whose math kernel on a
-   GPU computes bf16 attention in fp32, and the paths were scored on different prompts: the H200's
-   93.3% graphed vs 94.9% eager measured the attention kernels and the prompts, not the capture.)
+   does — capture changes no number. (Until 2026-11 the eager loop ran SDPA over the whole slot with
+   a mask — for a masked grouped-query call torch picks another kernel than FlashAttention, and its
+   math kernel computes bf16 attention in fp32 — and the compiled step was scored on other prompts
+   than the two others: the H200's 93.3% graphed vs 94.9% eager compared attention kernels, not the
+   capture.)
 3. Decode points (:mod:`bpo_megatron.gpu_smoke.decode_steps`): at the largest size, the step replayed
    with every row at each context of ``decode_points`` (today's 192 and RL-shaped 576 and 1,088 on a
    GPU), with plain sampling and with top-k/top-p on (rows alternating top-p 0.95 and top-k 50), on
