@@ -152,7 +152,38 @@ def interpret_all(out: str) -> None:
                 fused_sampling.plain_draw(logits, temperature, uniforms, tokens, logprobs,
                                           **{k: v for k, v in case.get("launch", {}).items() if k == "block"})
             results[(name, filtered)] = dict(tokens=tokens, logprobs=logprobs, counts_left=int(counts.abs().sum()))
+    results["session"] = {fused: _session(fused) for fused in (False, True)}
     torch.save(results, out)
+
+
+def _session(fused: bool) -> list:
+    """A bf16 slot session (6 rows through 3 slots, refilled; top-k/top-p rows and plain ones) on the
+    decode step captured as a graph (capture faked as in tests/test_hf_decode_path.py), sampled by
+    the fused kernels or by torch."""
+    import tempfile
+
+    from test_hf_decode_path import _cpu_graph_capture
+
+    from bpo_megatron.rollout import SamplingParams
+    from bpo_megatron.rollout.hf.engine import HFEngine
+    from bpo_megatron.rollout.hf.slots import DecodeState, SlotRow, SlotSession, SlotSettings, StateShape
+    from bpo_megatron.testing import MODEL_CONFIGS
+    from bpo_megatron.testing.models import random_checkpoint
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as monkeypatch:
+        path = random_checkpoint(MODEL_CONFIGS / "tiny_qwen3_moe", Path(tmp), seed=0)
+        engine = HFEngine(path, capture_routing=True, dtype=torch.bfloat16)
+        rows = [SlotRow(tuple(range(3, 3 + 2 * i)), SamplingParams(
+            temperature=0.8, top_k=(0, 7, 0)[i % 3], top_p=(1.0, 1.0, 0.9)[i % 3], max_new_tokens=6 + i, seed=i), i, True)
+            for i in range(1, 7)]
+        settings = SlotSettings(slots=3, refill_every=2, attention="sdpa", cuda_graph=True, fused_sampler=fused)
+        shape = StateShape.of(rows, settings, capture=True)
+        with _cpu_graph_capture(monkeypatch), torch.inference_mode():
+            state = DecodeState(engine.model, shape, "sdpa", cuda_graph=True, fused_sampler=fused)
+            assert state.sampler.fused is fused
+            outputs = SlotSession(engine.model, rows, settings, state, engine._capture, lambda forward: forward(0)).run()
+    return [dict(tokens=o.tokens, logprobs=o.logprobs, routing=o.routing) for o in outputs]  # what torch.load takes
 
 
 # ---- this process: the references and the comparisons ----
@@ -217,6 +248,17 @@ def test_a_target_on_a_boundary_draws_one_of_the_two_tokens_it_separates(fused, 
     pairs = case["pairs"]
     assert all(int(g) in pairs[i].tolist() and int(r) in pairs[i].tolist()
                for i, (g, r) in enumerate(zip(got, reference)))
+
+
+@needs_triton
+def test_the_decode_step_samples_with_the_fused_kernels_as_with_torch(fused):
+    """The fused sampler inside the (faked) captured step and in the prefill's first draw, on a
+    bf16 model's logits, over refilled slots with top-k, top-p and plain rows mixed: the tokens and
+    routing the torch sampler gives, log μ within 1e-5."""
+    reference, got = fused["session"][False], fused["session"][True]
+    for a, b in zip(reference, got, strict=True):
+        assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["routing"], b["routing"])
+        torch.testing.assert_close(a["logprobs"], b["logprobs"], rtol=0, atol=1e-5)
 
 
 @needs_triton

@@ -134,6 +134,8 @@ def fused_draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     filtered draw's scratch, ``[≥ b, CODES]`` int32, all zeros (and left so)."""
     if logits.dtype not in FUSED_DTYPES:
         raise ValueError(f"the fused sampler reads 16-bit logits ({FUSED_DTYPES}), got {logits.dtype}")
+    if logits.stride(-1) != 1:  # the kernels walk a row with unit stride
+        logits = logits.contiguous()
     if not filtered:
         return _fused_plain_draw(logits, temperature, uniforms)
     if counts is None or counts.shape[0] < logits.shape[0] or counts.shape[1] != CODES or counts.dtype != torch.int32:
