@@ -35,6 +35,16 @@ def hbm_peak_bytes_per_s(device_name: str) -> float | None:
 
 
 @dataclass(frozen=True)
+class DecodePoint:
+    """A context at which ``rollout_decode`` times the replayed decode step: ``label`` names its
+    numbers (the GPU's context: ``ctx576``), ``context`` the keys and values each row attends over
+    (the label's on a GPU, scaled down on a CPU)."""
+
+    label: str
+    context: int
+
+
+@dataclass(frozen=True)
 class Profile:
     device: str  # "cuda" or "cpu"
     dtype: str  # the trainer's and engines' precision: "bf16" on a GPU, "fp32" on a CPU
@@ -57,6 +67,9 @@ class Profile:
     decode_sequences: tuple[int, ...]  # rows decoded together, each size timed on both decode paths
     decode_prompt_tokens: int
     decode_new_tokens: int
+    decode_scored_tokens: int  # the eager loop's responses, and the tokens of each path scored against a recompute
+    decode_points: tuple[DecodePoint, ...]  # contexts the replayed step is timed at (largest size)
+    decode_point_steps: int  # replays timed at each point
     ipc_bytes: int  # size of the raw buffer the IPC bandwidth is measured with
     # rl_loop: RL steps of configs/qwen3_moe_1gpu.yaml through `bpo-megatron train` (the steady state is
     # the median of steps ≥ 3: at least 4), with these overrides ({models}: the recipes' model directory)
@@ -89,7 +102,11 @@ GPU = Profile(
     kernel_tokens=(4096, 16384), kernel_vocab=151936, kernel_repeats=5,
     engine_prompts=8, engine_n=4, engine_new_tokens=128,
     rl_prompts=16, rl_n=4, rl_prompt_tokens=64, rl_new_tokens=1024, rl_micro_batch=4,
-    decode_sequences=(64, 256), decode_prompt_tokens=64, decode_new_tokens=256,
+    decode_sequences=(64, 256), decode_prompt_tokens=64, decode_new_tokens=256, decode_scored_tokens=64,
+    # today's rollout (64 prompt + 256 new tokens: 192 on average) and RL-shaped ones (512 or 1,024
+    # prompt tokens + 128 new)
+    decode_points=(DecodePoint("ctx192", 192), DecodePoint("ctx576", 576), DecodePoint("ctx1088", 1088)),
+    decode_point_steps=32,
     ipc_bytes=2 * 2**30,
     loop_steps=4, loop_overrides=(),  # the recipe as written: the kit's throughput model, bf16
     # a capture misaligned by a token or a layer agrees on ~0% of (token, layer) pairs; bf16 near-ties
@@ -118,7 +135,9 @@ CPU = Profile(
     kernel_tokens=(256,), kernel_vocab=8192, kernel_repeats=2,
     engine_prompts=4, engine_n=2, engine_new_tokens=12,
     rl_prompts=4, rl_n=2, rl_prompt_tokens=8, rl_new_tokens=24, rl_micro_batch=4,
-    decode_sequences=(4, 8), decode_prompt_tokens=8, decode_new_tokens=16,
+    decode_sequences=(4, 8), decode_prompt_tokens=8, decode_new_tokens=16, decode_scored_tokens=12,
+    decode_points=(DecodePoint("ctx192", 12), DecodePoint("ctx576", 36), DecodePoint("ctx1088", 68)),
+    decode_point_steps=4,
     ipc_bytes=16 * 2**20,
     loop_steps=4,
     loop_overrides=(  # the CPU demo's model in fp32, no GPU, short responses, one engine thread

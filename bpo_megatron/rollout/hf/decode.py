@@ -23,11 +23,15 @@ and attends with SDPA under the slot mask on every device (query/key heads are w
 heads, which FlashAttention's kernel here does not take).
 
 
-* attention: on CUDA FlashAttention's variable-length kernel (native grouped-query attention, each
-  slot limited to its tokens by ``seqused_k``); elsewhere SDPA over the whole slot with a mask;
-* experts: token–expert pairs sorted by expert and multiplied by ``torch._grouped_mm`` (bf16 on
-  CUDA, any float dtype on a CPU), instead of transformers' loop over the experts hit (which syncs
-  with the host to find them).
+* attention: on CUDA in bf16 FlashAttention's variable-length kernel (native grouped-query
+  attention, each slot limited to its tokens by ``seqused_k``), graphed or not; elsewhere SDPA over
+  the whole slot with a mask;
+* queries, keys and values: one GEMM over the stacked projections and one RMSNorm and RoPE over the
+  query and key heads together where the engine installed them (:mod:`fused_qkv`);
+* experts: token–expert pairs put in expert order by a counting sort (no sort kernel, no host read)
+  and multiplied by ``torch._grouped_mm`` (bf16 on CUDA, any float dtype on a CPU), instead of
+  transformers' loop over the experts hit (which syncs with the host to find them); a compiled
+  layer is one graph, the GEMMs opaque ops in it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from torch import nn
 from bpo_megatron.models.families import FAMILIES
 from bpo_megatron.models.routing import expert_id_dtype
 from bpo_megatron.rollout.hf.capture import moe_routers, num_routed_experts
+from bpo_megatron.rollout.hf.fused_qkv import ATTRIBUTE as FUSED_QKV, rms_norm
 from bpo_megatron.rollout.hf.kv_cache import SlotKVCache
 
 Attention = Literal["flash", "sdpa"]
@@ -64,8 +69,10 @@ def resolve_path(decode: str, device: torch.device, dtype: torch.dtype) -> Resol
     return decode
 
 
-def attention_for(path: ResolvedPath) -> Attention:
-    return "flash" if path == "cuda_graph" else "sdpa"
+def attention_for(device: torch.device, dtype: torch.dtype) -> Attention:
+    """FlashAttention's kernel wherever it runs (CUDA, bf16), graphed or not: the eager step is then
+    the graphed step op by op, so the two differ only by the capture; SDPA elsewhere."""
+    return "flash" if device.type == "cuda" and dtype == torch.bfloat16 else "sdpa"
 
 
 def check_supported(model: nn.Module) -> None:
@@ -121,33 +128,58 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-# outside a compiled layer: torch._grouped_mm's meta kernel (which compiling needs) takes bf16 only,
-# and the GEMMs it runs are one kernel each already
-@torch.compiler.disable
+def expert_slots(experts: torch.Tensor, expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counting sort of the (token, k) pairs of ``experts`` ``[tokens, k]`` by expert (``expert_ids``:
+    ``arange(E)``): each pair's row in expert order (an expert's pairs in pair order: the order a
+    stable sort gives) and each expert's end row (int32, the grouped GEMM's offsets). No sort
+    kernel, no host read: a pair's rank among its expert's pairs is a cumulative count over a
+    one-hot ``[pairs, E]``."""
+    flat = experts.reshape(-1).long()
+    hits = flat[:, None] == expert_ids
+    through = hits.cumsum(0, dtype=torch.int32)  # per expert: its pairs up to and including this one
+    counts = through[-1]
+    ends = counts.cumsum(0, dtype=torch.int32)
+    rank = (through * hits).sum(1)  # 1-based rank among its expert's pairs
+    return (ends - counts)[flat] + rank - 1, ends
+
+
+# An opaque op to torch.compile (torch._grouped_mm's own meta kernel, which tracing needs, takes bf16
+# only): a compiled layer traces through it without a graph break — one graph per layer kind, the
+# dispatch, activation and combine fused around the GEMMs — and runs it as the kernel it is.
+@torch.library.custom_op("bpo_megatron::grouped_gemm", mutates_args=())
+def _grouped_gemm(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows ``x[ends[e-1]:ends[e]]`` times ``weights[e]ᵀ`` (``weights`` ``[E, out, in]``)."""
+    return torch._grouped_mm(x, weights.transpose(-2, -1), offs=ends)
+
+
+@_grouped_gemm.register_fake
+def _(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weights.shape[1])
+
+
 def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor, act: nn.Module,
-                    round_inputs: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                    round_inputs: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                    expert_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Σ_k weights[:, k] · down_e(act(gate_e(x)) · up_e(x)) with e = experts[:, k], for fused expert
     weights ``gate_up`` ``[E, 2I, H]`` (gate rows then up rows) and ``down`` ``[E, H, I]``;
-    ``round_inputs`` (an FP8 engine's, :mod:`fp8_compute`) applied to each GEMM's input.
+    ``round_inputs`` (an FP8 engine's, :mod:`fp8_compute`) applied to each GEMM's input;
+    ``expert_ids``: ``arange(E)`` kept by the caller (made here when None).
 
-    Static shapes and no host sync: the pairs are sorted by expert, per-expert counts come from a
-    scatter-add (``bincount`` would read its maximum back to the host), and the result is summed
-    over k in a fixed order.
+    Static shapes and no host sync: the pairs are put in expert order by :func:`expert_slots`, each
+    expert's rows multiplied by one grouped GEMM, and the pairs' outputs gathered back by their rows
+    (no scatter) and summed over k in a fixed order.
     """
     tokens, topk = experts.shape
-    flat = experts.reshape(-1).long()
-    order = flat.argsort(stable=True)
-    counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offsets = counts.cumsum(0, dtype=torch.int32)
+    if expert_ids is None:
+        expert_ids = torch.arange(gate_up.shape[0], device=x.device)
+    slots, ends = expert_slots(experts, expert_ids)
     same = (lambda t: t) if round_inputs is None else round_inputs
-    pairs = same(x)[order // topk]
-    gate, up = torch._grouped_mm(pairs, gate_up.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
-    out = torch._grouped_mm(same(act(gate) * up), down.transpose(-2, -1), offs=offsets)
-    unsorted = torch.empty_like(out)
-    unsorted[order] = out
-    return (unsorted.view(tokens, topk, -1) * weights[..., None].to(out.dtype)).sum(dim=1)
+    ordered = x.new_empty(tokens * topk, x.shape[-1])
+    ordered[slots.view(tokens, topk)] = same(x)[:, None]  # each token to its k rows, in one write
+    gate, up = _grouped_gemm(ordered, gate_up, ends).chunk(2, dim=-1)
+    out = _grouped_gemm(same(act(gate) * up), down, ends)
+    return (out[slots].view(tokens, topk, -1) * weights[..., None].to(out.dtype)).sum(dim=1)
 
 
 class FunctionalDecoder:
@@ -188,6 +220,8 @@ class FunctionalDecoder:
         # each slot a segment of `length` keys in the flattened cache (FlashAttention's varlen form)
         self._cu_queries = torch.arange(slots + 1, dtype=torch.int32, device=device)
         self._cu_keys = self._cu_queries * cache.length
+        routed = num_routed_experts(routers) if routers else 0
+        self._expert_ids = torch.arange(routed, device=device)  # the experts' counting sort compares with it
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits ``[slots, vocab]`` of the next token of every slot; ``tokens`` and ``positions``
@@ -210,10 +244,19 @@ class FunctionalDecoder:
     def _attend(self, attn: nn.Module, keys: torch.Tensor, values: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         slots, head_dim = x.shape[0], attn.head_dim
-        query = getattr(attn, "q_norm", _identity)(attn.q_proj(x).view(slots, -1, head_dim))
-        key = getattr(attn, "k_norm", _identity)(attn.k_proj(x).view(slots, -1, head_dim))
-        value = attn.v_proj(x).view(slots, -1, head_dim)
-        query, key = _rope(query, cos, sin), _rope(key, cos, sin)
+        fused = getattr(attn, FUSED_QKV, None)
+        if fused is None:
+            query = getattr(attn, "q_norm", _identity)(attn.q_proj(x).view(slots, -1, head_dim))
+            key = getattr(attn, "k_norm", _identity)(attn.k_proj(x).view(slots, -1, head_dim))
+            value = attn.v_proj(x).view(slots, -1, head_dim)
+            query, key = _rope(query, cos, sin), _rope(key, cos, sin)
+        else:  # one GEMM, then the query and key heads normed and rotated together
+            qkv = torch.nn.functional.linear(x, fused.weight, fused.bias).view(slots, -1, head_dim)
+            rotated, value = qkv[:, :fused.rotated_heads], qkv[:, fused.rotated_heads:]
+            if fused.norm_weight is not None:
+                rotated = rms_norm(rotated, fused.norm_weight, fused.eps)
+            rotated = _rope(rotated, cos, sin)
+            query, key = rotated[:, :fused.query_heads], rotated[:, fused.query_heads:]
         keys[self._slot_ids, positions] = key
         values[self._slot_ids, positions] = value
         if self._attention == "flash":
@@ -266,7 +309,7 @@ class FunctionalDecoder:
             routing.copy_(experts.to(routing.dtype))
         fused = mlp.experts
         out = grouped_experts(x, experts, weights, fused.gate_up_proj, fused.down_proj, fused.act_fn,
-                              round_inputs=getattr(fused, "round_inputs", None))
+                              round_inputs=getattr(fused, "round_inputs", None), expert_ids=self._expert_ids)
         shared = getattr(mlp, "shared_experts", None)
         return out if shared is None else out + shared(x)
 

@@ -35,12 +35,13 @@ from transformers import AutoModelForCausalLM
 from bpo_megatron import platform
 from bpo_megatron.rollout.engine import EngineCapabilities, Finished, RolloutEngine, as_finished
 from bpo_megatron.rollout.hf.capture import RoutingCapture, moe_routers, num_routed_experts
-from bpo_megatron.rollout.hf import fp8_compute
+from bpo_megatron.rollout.hf import fp8_compute, fused_qkv
 from bpo_megatron.rollout.hf.decode import attention_for, check_supported, resolve_path
 from bpo_megatron.rollout.hf.options import check_decode
-from bpo_megatron.rollout.hf.sampling import row_seeds
+from bpo_megatron.rollout.hf.sampling import fused_applies, row_seeds
 from bpo_megatron.rollout.hf.shared_weights import SegmentLayout, SharedWeights
-from bpo_megatron.rollout.hf.slots import DecodeStates, RowOutput, SlotRow, SlotSession, SlotSettings, StateShape
+from bpo_megatron.rollout.hf.slots import (DecodeState, DecodeStates, RowOutput, SlotRow, SlotSession, SlotSettings,
+                                            StateShape)
 from bpo_megatron.rollout.hf.weights import HFWeights
 from bpo_megatron.rollout.types import EngineHealth, GenerationRequest, Sample
 from bpo_megatron.weights import fp8
@@ -85,7 +86,8 @@ class HFEngine(RolloutEngine):
         self._model: nn.Module | None = model.eval()
         self._device = next(model.parameters()).device
         self._max_batch_rows = max_batch_rows
-        self._decode_path = resolve_path(decode, self._device, next(model.parameters()).dtype)
+        self._dtype = next(model.parameters()).dtype
+        self._decode_path = resolve_path(decode, self._device, self._dtype)
         check_supported(model)
         self._states = DecodeStates()
         self._refill_every = refill_every
@@ -104,6 +106,8 @@ class HFEngine(RolloutEngine):
                     if fp8.quantized(name):
                         view.copy_(fp8.round_through_fp8(view))
             self._fp8_layers = fp8_compute.install(model)
+        # the decode step's stacked query/key/value projections, copies refreshed after every update
+        self._fused_qkv = fused_qkv.install(model)
         routers = moe_routers(model)
         self._capture = (RoutingCapture(routers, topk=model.config.num_experts_per_tok,
                                         num_experts=num_routed_experts(routers))
@@ -131,6 +135,11 @@ class HFEngine(RolloutEngine):
         """How the decode step runs on this device: ``eager`` or ``cuda_graph``."""
         return self._decode_path
 
+    def decode_states(self) -> list[DecodeState]:
+        """The decode states kept between generations (least recently used first), to inspect or
+        profile a step (``DecodeState.run_step``) between generations."""
+        return self._states.kept()
+
     # -- lifecycle -------------------------------------------------------------------------------
 
     def begin_weight_update(self, version: int) -> None:
@@ -146,6 +155,7 @@ class HFEngine(RolloutEngine):
         with self._gate:
             for layer in self._fp8_layers:  # what update_weights or shared memory wrote, once
                 layer.refresh()
+            self._refresh_fused_qkv()
             self._paused, self.weight_version = False, self._pending_version
             self._gate.notify_all()
 
@@ -216,7 +226,14 @@ class HFEngine(RolloutEngine):
             # that did not (same dtype and shape: the bytes are those received)
             # (their e4m3 copies follow at end_weight_update, which closes every update)
             round_ = fp8.round_named if self._fp8 else (lambda name, tensor: tensor)
-            return sum(self._weights.load(name, round_(name, tensor)) for name, tensor in named_tensors)
+            received = sum(self._weights.load(name, round_(name, tensor)) for name, tensor in named_tensors)
+            self._refresh_fused_qkv()  # a call outside begin/end_weight_update decodes with its weights too
+            return received
+
+    def _refresh_fused_qkv(self) -> None:
+        with torch.no_grad():
+            for holder in self._fused_qkv:
+                holder.refresh()
 
     def weight_details(self) -> SegmentLayout | None:
         """What ``shared_memory`` writes into: where the shared weights lie (None: not shared)."""
@@ -268,9 +285,10 @@ class HFEngine(RolloutEngine):
         order = sorted(range(len(rows)), key=lambda i: len(rows[i].request.prompt_tokens))
         with self._generating, torch.inference_mode():
             settings = SlotSettings(slots=self._max_batch_rows, refill_every=self._refill_every,
-                                    attention=attention_for(self._decode_path),
+                                    attention=attention_for(self._device, self._dtype),
                                     cuda_graph=self._decode_path == "cuda_graph",
-                                    compile_layers=self._compile_layers)
+                                    compile_layers=self._compile_layers,
+                                    fused_sampler=fused_applies(self._device))
             queued = [SlotRow(rows[i].request.prompt_tokens, rows[i].request.sampling, rows[i].seed,
                               rows[i].request.capture_routing) for i in order]
             shape = StateShape.of(queued, settings, capture=self._capture is not None

@@ -2,7 +2,13 @@
 
 Semantics (fixed here, so the trainer can recompute them): the logits are cast to fp32 and divided
 by the temperature; their log-softmax gives log μ of the sampled token. Top-k, then top-p on the
-renormalised top-k distribution, only shape the distribution sampled from.
+renormalised top-k distribution, only shape the distribution sampled from. The filtered draw walks
+the distribution in descending order of probability, equal probabilities in order of token id.
+
+Two implementations of one draw: :func:`draw` (torch, every device: the reference) and, on a GPU
+with triton and 16-bit logits, :func:`fused_draw` (:mod:`fused_sampling`: the bf16 logits read in
+place, no fp32 copy, no sort), chosen by :func:`fused_applies`; they draw the same token for the
+same uniform up to floating-point summation order (see :mod:`fused_sampling`).
 
 Randomness: each row owns a ``torch.Generator`` seeded from its request's seed and its index among
 the request's ``n`` samples, and draws one uniform per step (in fixed blocks) that picks a token by
@@ -15,6 +21,7 @@ import os
 
 import torch
 
+from bpo_megatron import platform
 from bpo_megatron.rollout.types import SamplingParams
 
 UNIFORM_BLOCK = 64  # uniforms a row draws at a time; part of what a seed means, do not change lightly
@@ -42,7 +49,7 @@ def _sample_filtered(logprobs: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
                      uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k then top-p, in descending-probability order, as one masked pass over the batch: the
     tokens, and the kept (unnormalised) probabilities in that order with the order itself."""
-    sorted_logprobs, order = logprobs.sort(dim=-1, descending=True)
+    sorted_logprobs, order = logprobs.sort(dim=-1, descending=True, stable=True)  # ties: the lower id first
     probs = sorted_logprobs.exp()
     rank = torch.arange(probs.shape[-1], device=probs.device)
     top_k = torch.where(top_k > 0, top_k, probs.shape[-1])
@@ -81,6 +88,61 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0], top
 
 
+FUSED_DTYPES = (torch.bfloat16, torch.float16)  # the fused draw reads 16-bit logits (their bit patterns)
+CODES = 1 << 16  # a filtered fused draw's histogram bins per row: every 16-bit pattern
+
+
+def fused_applies(device: torch.device) -> bool:
+    """Whether samplers on ``device`` draw with the fused kernels: a GPU with triton. A sampler then
+    does so for 16-bit logits when it reports no head (score centering's top tokens come from the
+    torch draw)."""
+    return platform.runs_triton(device)
+
+
+@torch.library.custom_op("bpo_megatron::fused_plain_draw", mutates_args=())
+def _fused_plain_draw(logits: torch.Tensor, temperature: torch.Tensor,
+                      uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from bpo_megatron.rollout.hf import fused_sampling
+
+    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    logprobs = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    fused_sampling.plain_draw(logits, temperature, uniforms, tokens, logprobs)
+    return tokens, logprobs
+
+
+@torch.library.custom_op("bpo_megatron::fused_filtered_draw", mutates_args=("counts",))
+def _fused_filtered_draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                         uniforms: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from bpo_megatron.rollout.hf import fused_sampling
+
+    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    logprobs = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    fused_sampling.filtered_draw(logits, temperature, top_k, top_p, uniforms, counts, tokens, logprobs)
+    return tokens, logprobs
+
+
+@_fused_plain_draw.register_fake
+@_fused_filtered_draw.register_fake
+def _(logits: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:  # shapes only (meta, compile)
+    rows = logits.shape[0]
+    return logits.new_empty(rows, dtype=torch.long), logits.new_empty(rows, dtype=torch.float32)
+
+
+def fused_draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+               uniforms: torch.Tensor, filtered: bool, counts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`draw` without a head, by the fused kernels: 16-bit logits ``[b, V]``; ``counts``: the
+    filtered draw's scratch, ``[≥ b, CODES]`` int32, all zeros (and left so)."""
+    if logits.dtype not in FUSED_DTYPES:
+        raise ValueError(f"the fused sampler reads 16-bit logits ({FUSED_DTYPES}), got {logits.dtype}")
+    if logits.stride(-1) != 1:  # the kernels walk a row with unit stride
+        logits = logits.contiguous()
+    if not filtered:
+        return _fused_plain_draw(logits, temperature, uniforms)
+    if counts is None or counts.shape[0] < logits.shape[0] or counts.shape[1] != CODES or counts.dtype != torch.int32:
+        raise ValueError(f"the fused filtered draw needs a zeroed int32 scratch [≥ {logits.shape[0]}, {CODES}]")
+    return _fused_filtered_draw(logits, temperature, top_k, top_p, uniforms, counts)
+
+
 class SlotSampler:
     """Sampling settings and random streams of the rows held in fixed decoding slots; a slot takes
     a new row when its row is done (:mod:`bpo_megatron.rollout.hf.slots`).
@@ -99,10 +161,15 @@ class SlotSampler:
     token for the same uniform than the unfiltered draw).
     """
 
-    def __init__(self, slots: int, filtered: bool, stop_width: int, device: torch.device, head: int = 0) -> None:
+    def __init__(self, slots: int, filtered: bool, stop_width: int, device: torch.device, head: int = 0,
+                 fused: bool = False) -> None:
         self._device = device
         self.filtered = filtered
         self.head = head  # the sampler's most likely tokens reported per step (0: none)
+        # fused kernels (:func:`fused_applies`) for 16-bit logits; the filtered draw's histogram scratch
+        self.fused = fused and head == 0
+        self._counts = (torch.zeros(slots, CODES, dtype=torch.int32, device=device)
+                        if self.fused and filtered else None)
         self.temperature = torch.ones(slots, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(slots, dtype=torch.long, device=device)
         self.top_p = torch.ones(slots, dtype=torch.float32, device=device)
@@ -159,10 +226,11 @@ class SlotSampler:
         None: every slot, in order); ``count`` holds each of those slots' tokens sampled so far."""
         index = self._slot_ids if slots is None else slots
         uniforms = self._ring[index, (count // UNIFORM_BLOCK) % 2, count % UNIFORM_BLOCK]
-        if slots is None:
-            return draw(logits, self.temperature, self.top_k, self.top_p, uniforms, self.filtered, self.head)
-        return draw(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], uniforms, self.filtered,
-                    self.head)
+        settings = ((self.temperature, self.top_k, self.top_p) if slots is None
+                    else (self.temperature[slots], self.top_k[slots], self.top_p[slots]))
+        if self.fused and logits.dtype in FUSED_DTYPES:
+            return (*fused_draw(logits, *settings, uniforms, self.filtered, self._counts), None)
+        return draw(logits, *settings, uniforms, self.filtered, self.head)
 
     def is_stop(self, tokens: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         """Which of ``tokens`` (one per slot of ``slots``; None: every slot) end their row."""

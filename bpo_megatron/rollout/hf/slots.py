@@ -51,14 +51,16 @@ def bucket(value: int, smallest: int, cap: int | None = None) -> int:
 @dataclass(frozen=True)
 class SlotSettings:
     """How a session decodes: at most ``slots`` rows at once, the host looks every ``refill_every``
-    steps, which attention kernel the step uses, whether it is replayed as a CUDA graph and whether
-    its layers go through ``torch.compile``."""
+    steps, which attention kernel the step uses, whether it is replayed as a CUDA graph, whether
+    its layers go through ``torch.compile`` and whether it samples with the fused kernels
+    (:func:`~bpo_megatron.rollout.hf.sampling.fused_applies`)."""
 
     slots: int
     refill_every: int
     attention: Attention
     cuda_graph: bool
     compile_layers: bool = False
+    fused_sampler: bool = False
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,7 @@ class DecodeState:
     """
 
     def __init__(self, model: nn.Module, shape: StateShape, attention: Attention, cuda_graph: bool,
-                 compile_layers: bool = False) -> None:
+                 compile_layers: bool = False, fused_sampler: bool = False) -> None:
         config = model.config
         parameter = next(model.parameters())
         device = self.device = parameter.device
@@ -152,7 +154,8 @@ class DecodeState:
         self.routing_out = routing_buffer(model, slots, device) if shape.routing else None
         self.decoder = FunctionalDecoder(model, self.cache, attention=attention, routing=self.routing_out,
                                          compile_layers=compile_layers)
-        self.sampler = SlotSampler(slots, shape.filtered, shape.stop_width, device, head=shape.head)
+        self.sampler = SlotSampler(slots, shape.filtered, shape.stop_width, device, head=shape.head,
+                                   fused=fused_sampler)
         self.ids = torch.arange(slots, device=device)
         # the step's inputs and bookkeeping: static tensors, written in place
         self.feed = torch.zeros(slots, dtype=torch.long, device=device)  # the token each slot feeds
@@ -232,7 +235,7 @@ class DecodeStates:
         self._states: OrderedDict[tuple, DecodeState] = OrderedDict()
 
     def get(self, model: nn.Module, shape: StateShape, settings: SlotSettings) -> DecodeState:
-        how = (settings.attention, settings.cuda_graph, settings.compile_layers)
+        how = (settings.attention, settings.cuda_graph, settings.compile_layers, settings.fused_sampler)
         serving = [key for key, state in self._states.items() if key[1:] == how and state.shape.serves(shape)]
         if serving:
             key = min(serving, key=lambda k: self._states[k].shape.length)
@@ -241,12 +244,16 @@ class DecodeStates:
             while len(self._states) >= self._keep:
                 self._states.popitem(last=False)
             key, state = (shape, *how), DecodeState(model, shape, settings.attention, settings.cuda_graph,
-                                                    settings.compile_layers)
+                                                    settings.compile_layers, settings.fused_sampler)
         self._states[key] = state
         return state
 
     def clear(self) -> None:
         self._states.clear()
+
+    def kept(self) -> list[DecodeState]:
+        """The states kept, least recently used first."""
+        return list(self._states.values())
 
     def __len__(self) -> int:
         return len(self._states)
