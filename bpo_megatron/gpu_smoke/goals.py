@@ -54,7 +54,8 @@ GOALS = (
          0.40, False, "%", stretch=0.50),
     Goal("rollout_decode", "best_graph_hbm_fraction_ctx192", "decode at 256 rows, context 192: share of HBM",
          0.33, False, "%"),
-    Goal("rollout_decode", "top_p_step_cost_ratio", "decode step with top-p/top-k on against plain", 1.10, True, "×"),
+    Goal("rollout_decode", "filtered_step_ratio_ctx576", "decode step with top-p/top-k on against plain (context ≈ 576)",
+         1.10, True, "×"),
 )
 
 
