@@ -17,10 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,8 +25,8 @@ from test_vocab_parallel import SHAPE, VOCAB, full_logits
 
 from bpo_megatron.ops import vocab_parallel_logprobs
 from bpo_megatron.parallel.local_world import run_gloo_world
+from bpo_megatron.testing.triton_interpreter import interpreted_results
 
-HERE = Path(__file__).resolve().parent
 # (block, programs): one block per split and several splits; several blocks in one program (the
 # online rescale); one block with lanes past the row's end
 LAUNCHES = [(16, 63), (16, 1), (128, 1024)]
@@ -109,14 +105,7 @@ needs_triton = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def fused(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fused") / "results.pt"
-    env = os.environ | {"TRITON_INTERPRET": "1"}
-    code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_fused_logprobs as t; "
-            "t.interpret_all(sys.argv[1])")
-    done = subprocess.run([sys.executable, "-c", code, str(out)], env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return torch.load(out)
+    return interpreted_results(__file__, tmp_path_factory.mktemp("fused") / "results.pt", timeout=900)
 
 
 def _reference(temperature, logits, real_vocab=None):

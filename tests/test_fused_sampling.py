@@ -32,8 +32,8 @@ import pytest
 import torch
 
 from bpo_megatron.rollout.hf.sampling import CODES, draw
+from bpo_megatron.testing.triton_interpreter import interpreted_results
 
-HERE = Path(__file__).resolve().parent
 VOCAB = 3001  # not a multiple of any block
 # (top_k, top_p, temperature) per row: every filter alone, both, neither, k past the vocabulary, k = 1
 MIXED = [(0, 1.0, 1.0), (5, 1.0, 0.7), (0, 0.9, 1.0), (20, 0.83, 1.3), (1, 1.0, 1.0), (VOCAB + 10, 0.5, 2.0),
@@ -196,14 +196,7 @@ needs_triton = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def fused(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fused_sampling") / "results.pt"
-    env = os.environ | {"TRITON_INTERPRET": "1"}
-    code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_fused_sampling as t; "
-            "t.interpret_all(sys.argv[1])")
-    done = subprocess.run([sys.executable, "-c", code, str(out)], env=env, capture_output=True, text=True,
-                          timeout=1200)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return torch.load(out)
+    return interpreted_results(__file__, tmp_path_factory.mktemp("fused_sampling") / "results.pt", timeout=1200)
 
 
 def _reference(case: dict, filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
