@@ -76,7 +76,7 @@ def profile_step(state: DecodeState, trace: Path) -> dict[str, float]:
     busy, the replay's span; the trace gzipped to ``trace``."""
     import torch.profiler
 
-    from bpo_megatron.gpu_smoke.checks.train_fast_paths import covered_length
+    from bpo_megatron.gpu_smoke.trace import covered_length
 
     cuda = platform.has_cuda()
     activity = torch.profiler.ProfilerActivity
