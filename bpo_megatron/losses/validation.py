@@ -60,11 +60,26 @@ class DeferredChecks:
         self._refused = refuses if self._refused is None else self._refused | refuses
         self._checks.append(check)
 
-    def raise_first(self) -> None:
-        if self._refused is None or not bool(self._refused):  # the one host read
+    def raise_first(self, group=None, device: torch.device | str = "cpu") -> None:
+        """Raise the first kept check's error if any check would refuse. With ``group`` (a
+        ``torch.distributed`` group; ``device``: where its collectives run) the flags of every
+        member are OR-ed first (one collective, the same one read), so every member refuses the
+        step together: a rank whose own inputs were fine names the refusal of another, instead of
+        stepping on gradients its peers' bad inputs reached through the gradient reduction."""
+        refused = self._refused
+        if group is not None:
+            import torch.distributed as dist
+
+            mine = (torch.zeros((), dtype=torch.int32, device=device) if refused is None
+                    else refused.to(device=device, dtype=torch.int32))
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+            refused = mine
+        if refused is None or not bool(refused):  # the one host read
             return
         for check in self._checks:
             check()
+        raise ValueError("another trainer rank refused this step's loss inputs (its error names the input); "
+                         "nothing was updated")
 
 
 def check_values(check: Callable[[], None], refuses: Callable[[], torch.Tensor],

@@ -247,7 +247,7 @@ class TrainActor:
         checks = DeferredChecks()
         zero_grad(self.ddp, self.optimizer)
         outputs = self._run(micro_batches, loss_func, forward_only=False)
-        checks.raise_first()
+        checks.raise_first(group=dist.group.WORLD, device=platform.device())  # every rank refuses together
         update_ok, grad_norm, _ = self.optimizer.step()
         if not update_ok:
             raise FloatingPointError(f"optimizer step {self.step} skipped: non-finite gradients")
