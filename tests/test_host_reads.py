@@ -35,17 +35,21 @@ def test_a_step_reads_the_device_a_few_times_and_a_micro_batch_never():
     assert counts[4]["step"]["scalar_reads"] == counts[8]["step"]["scalar_reads"]
 
 
-def _step_on_nan_logprobs() -> dict:
-    """A train step whose model yields NaN log-probs (its final norm's weights NaN)."""
+def _step_on_nan_logprobs(nan_ranks: tuple[int, ...] = (0,)) -> dict:
+    """A train step whose model yields NaN log-probs on the ranks ``nan_ranks`` (their final norm's
+    weights NaN); under data parallelism the others' inputs are fine, but the gradient reduction
+    hands them the NaN gradients."""
     import torch
+    import torch.distributed as dist
 
     from bpo_megatron import testing as th
     from bpo_megatron.trainer import optimizer_state
 
     actor = th.build_actor()
-    norm = next(p for name, p in actor.model.named_parameters() if "final_layernorm" in name)
-    with torch.no_grad():
-        norm.fill_(float("nan"))
+    if dist.get_rank() in nan_ranks:
+        norm = next(p for name, p in actor.model.named_parameters() if "final_layernorm" in name)
+        with torch.no_grad():
+            norm.fill_(float("nan"))
     before = th.flat_params(actor)
     try:
         actor.train_step(th.make_samples(4, seed=1))
@@ -67,35 +71,10 @@ def test_a_step_on_bad_loss_inputs_is_refused_before_the_update():
     assert got["unchanged"] and got["step"] == 0 and not got["optimizer_state"]
 
 
-def _step_with_nan_on_rank_one() -> dict:
-    """DP = 2: only rank 1's model yields NaN log-probs (its final norm's weights NaN); rank 0's
-    inputs are fine, but the gradient reduction hands it rank 1's NaN gradients."""
-    import torch
-    import torch.distributed as dist
-
-    from bpo_megatron import testing as th
-
-    actor = th.build_actor()
-    if dist.get_rank() == 1:
-        norm = next(p for name, p in actor.model.named_parameters() if "final_layernorm" in name)
-        with torch.no_grad():
-            norm.fill_(float("nan"))
-    before = th.flat_params(actor)
-    try:
-        actor.train_step(th.make_samples(4, seed=1))
-        error = None
-    except ValueError as exc:
-        error = str(exc)
-    unchanged = all(torch.equal(before[name].nan_to_num(), p.nan_to_num()) for name, p in th.flat_params(actor).items())
-    result = {"error": error, "unchanged": unchanged, "step": actor.step}
-    actor.close()
-    return result
-
-
 def test_every_data_parallel_rank_refuses_a_step_one_rank_refuses():
     """The loss inputs' refusal is agreed over the trainer world in the same one read: the rank
     with bad inputs names them, the others say another rank refused, and no rank updates."""
-    first, second = run_gloo_world(_step_with_nan_on_rank_one, 2, timeout=300)
+    first, second = run_gloo_world(_step_on_nan_logprobs, 2, (1,), timeout=300)  # DP = 2, rank 1's NaN
     assert second["error"] is not None and second["error"].startswith("logprobs has ")
     assert first["error"] is not None and first["error"].startswith("another trainer rank refused")
-    assert all(got["unchanged"] and got["step"] == 0 for got in (first, second))
+    assert all(got["unchanged"] and got["step"] == 0 and not got["optimizer_state"] for got in (first, second))
