@@ -33,7 +33,7 @@ def test_every_choice_is_a_part_the_trainer_can_offload():
 
 
 def test_the_one_gpu_recipe_needs_nothing_offloaded_and_each_choice_has_its_closed_form():
-    """On its 80 GB the trainer's training peak (≈ 71 GB) and the embedded engine (weights, KV
+    """On its 80 GB the trainer's training peak (≈ 69 GB) and the embedded engine (weights, KV
     cache, runtime: ≈ 8.6 GB) fit together: auto offloads nothing."""
     plan = _plan()
     [stage] = plan.stages
@@ -50,7 +50,7 @@ def test_the_one_gpu_recipe_needs_nothing_offloaded_and_each_choice_has_its_clos
     assert everything.moved == static.weights + static.optimizer and everything.rollout_phase == plan.rollout_peak
     assert optimizer.train_phase == everything.train_phase == stage.total + r.weights
     assert plan.offload.chosen is nothing and plan.offload.parts == "nothing" and plan.fits
-    assert 70e9 < stage.total < 72e9 and 8e9 < engine < 9e9 and nothing.peak <= 80e9
+    assert 69e9 < stage.total < 70e9 and 8e9 < engine < 9e9 and nothing.peak <= 80e9
     # nothing offloaded: no host buffers to pin
     assert plan.host.save_ranks[0].pinned == 0
 
@@ -59,30 +59,30 @@ def test_auto_takes_the_least_offload_that_fits_and_a_choice_that_does_not_is_re
     from bpo_megatron.loop.preflight import colocated_offload
     from bpo_megatron.loop.run_dir import RunRefused
 
-    # 78 GB: the engine no longer fits beside the training peak; beside the weights it does
-    plan = _plan("cluster.gpu_memory_gb=78")
+    # 77 GB: the engine no longer fits beside the training peak; beside the weights it does
+    plan = _plan("cluster.gpu_memory_gb=77")
     assert plan.offload.parts == "optimizer" and plan.fits
-    # 74 GB: the training peak and the engine's weights only
-    assert _plan("cluster.gpu_memory_gb=74").offload.parts == "optimizer"
-    assert _plan("cluster.gpu_memory_gb=73").offload.chosen is None and not _plan("cluster.gpu_memory_gb=73").fits
+    # 72 GB: the training peak and the engine's weights only
+    assert _plan("cluster.gpu_memory_gb=72").offload.parts == "optimizer"
+    assert _plan("cluster.gpu_memory_gb=71").offload.chosen is None and not _plan("cluster.gpu_memory_gb=71").fits
     # a choice that does not fit: refused, naming the setting and what fits instead
-    tight = _plan("cluster.gpu_memory_gb=78", "cluster.offload=nothing")
+    tight = _plan("cluster.gpu_memory_gb=77", "cluster.offload=nothing")
     assert not tight.fits and tight.offload.parts == "nothing"
     assert tight.offload.refusal() == (
-        "cluster.offload=nothing does not fit: 79.47 GB while the engines generate and 79.47 GB while the trainer "
-        "computes, on GPUs of 78.00 GB; cluster.offload=optimizer fits (auto takes the least offload that fits)")
-    cfg = load_experiment(ONE_GPU, ["cluster.gpu_memory_gb=78", "cluster.offload=nothing"])
+        "cluster.offload=nothing does not fit: 77.86 GB while the engines generate and 77.86 GB while the trainer "
+        "computes, on GPUs of 77.00 GB; cluster.offload=optimizer fits (auto takes the least offload that fits)")
+    cfg = load_experiment(ONE_GPU, ["cluster.gpu_memory_gb=77", "cluster.offload=nothing"])
     with pytest.raises(RunRefused, match=r"^cluster.offload=nothing does not fit: "):
         colocated_offload(cfg, cfg.hf_config())
     none_fits = _plan("cluster.gpu_memory_gb=60")
     assert none_fits.offload.refusal().startswith("cluster.offload=auto: no choice fits 60.00 GB per GPU (even "
-                                                  "everything, offloading the most, needs 73.26 GB)")
+                                                  "everything, offloading the most, needs 71.65 GB)")
     # what the run takes, and the note it prints
-    cfg = load_experiment(ONE_GPU, ["cluster.gpu_memory_gb=78"])
+    cfg = load_experiment(ONE_GPU, ["cluster.gpu_memory_gb=77"])
     offload, notes = colocated_offload(cfg, cfg.hf_config())
     assert (offload.parts, offload.keep_across_saves) == ("optimizer", True)
     assert notes == ["cluster.offload=auto: the trainer offloads optimizer for each rollout phase (the least offload "
-                     "that fits, 14.41 GB to host memory and back each step; peak 73.26 of 78.00 GB per GPU)"]
+                     "that fits, 14.41 GB to host memory and back each step; peak 71.65 of 77.00 GB per GPU)"]
 
 
 def test_plan_prints_every_choice_and_marks_the_chosen_one(capsys):
@@ -92,9 +92,9 @@ def test_plan_prints_every_choice_and_marks_the_chosen_one(capsys):
     out = capsys.readouterr().out
     assert "nothing: trainer and engines hold the GPU together  ← chosen" in out
     assert ("→ cluster.offload=auto: the trainer offloads nothing for each rollout phase (the least offload that "
-            "fits; peak 79.47 of 80.00 GB per GPU)") in out
+            "fits; peak 77.86 of 80.00 GB per GPU)") in out
     assert "pinned offload buffers (cluster.offload: nothing; allocated before step 1, kept across saves)" in out
-    assert main(["plan", str(ONE_GPU), "cluster.offload=nothing", "--gpu-memory-gb", "78"]) == 1
+    assert main(["plan", str(ONE_GPU), "cluster.offload=nothing", "--gpu-memory-gb", "77"]) == 1
     out = capsys.readouterr().out
     assert "→ cluster.offload=nothing does not fit" in out and "verdict: DOES NOT FIT (memory exceeds the GPU)" in out
 
