@@ -21,7 +21,9 @@ TIER_B = ROOT / "experiments" / "tier_b"
 MULTI_TURN = ROOT / "experiments" / "multi_turn"
 TIER_M = ROOT / "experiments" / "tier_m"
 RESULTS = (TIER_B / "README.md").read_text() + "\n" + (MULTI_TURN / "README.md").read_text()
-T_975 = {2: 4.302653, 9: 2.262157, 19: 2.093024}  # two-sided 95% Student t quantiles by degrees of freedom
+T_975 = {1: 12.706205, 2: 4.302653, 3: 3.182446, 4: 2.776445, 5: 2.570582, 6: 2.446912, 7: 2.364624, 8: 2.306004,
+         9: 2.262157, 10: 2.228139, 11: 2.200985, 12: 2.178813, 13: 2.160369, 14: 2.144787, 15: 2.131450,
+         16: 2.119905, 17: 2.109816, 18: 2.100922, 19: 2.093024}  # two-sided 95% Student t quantiles by df
 
 
 def _runs(path: Path) -> dict[tuple, list[dict]]:
@@ -297,3 +299,54 @@ def test_the_tier_c_verdict_its_numbers_and_the_means_by_step():
     assert f"BPO − GRPO-ClipHigher = {signed(mean)} points [{signed(low)}, {signed(high)}], n = 20, σ_d = {sd:.1f}" in row
     masked = {m: 100 * statistics.fmean(step_mean(runs[(m, s)], "clip_frac") for s in seeds) for m in ("bpo", "grpo")}
     assert f"BPO masked {masked['bpo']:.2f}% of the tokens and GRPO-ClipHigher {masked['grpo']:.2f}%" in flat
+
+
+def _lr_followup_table(capsys) -> tuple[str, list[int]]:
+    """The follow-up's table as its script prints it, and the seeds it pairs (those with both
+    methods at both rates)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lr_followup", TIER_C / "lr_followup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main()
+    table = capsys.readouterr().out
+    seeds = [s for s in range(1, 21) if (TIER_C / "lr1e-4" / f"runs_s{s}.csv").exists()]
+    return table, seeds
+
+
+def test_the_lr_followup_table_is_the_hand_computation(capsys):
+    """experiments/tier_c/lr_followup.py against the same statistics computed here from the CSVs:
+    Δ₁ at 1e-4, the interaction with the primary runs' Δ₂, each method's change, the drops."""
+    table, seeds = _lr_followup_table(capsys)
+    if len(seeds) < 2:
+        pytest.skip("fewer than two lr-1e-4 seeds committed")
+    low_rate, high_rate = {}, _tier_c_runs()
+    for seed in seeds:
+        low_rate.update(_runs(TIER_C / "lr1e-4" / f"runs_s{seed}.csv"))
+    assert f"Pairs: {len(seeds)} seeds with both methods at both rates" in table
+    fw = {(rate, m, s): final_window(runs[(m, s)]) for rate, runs in (("1", low_rate), ("2", high_rate))
+          for m in ("bpo", "grpo") for s in seeds}
+    delta_1 = [fw["1", "bpo", s] - fw["1", "grpo", s] for s in seeds]
+    delta_2 = [fw["2", "bpo", s] - fw["2", "grpo", s] for s in seeds]
+    for label, values in (("Δ₁ = BPO − GRPO-ClipHigher at 1e-4", delta_1),
+                          ("I = Δ₁ − Δ₂ (Δ₂: the same at 2e-4)", [a - b for a, b in zip(delta_1, delta_2)])):
+        mean, sd = statistics.fmean(values), statistics.stdev(values)
+        row = next(line for line in table.splitlines() if line.startswith(f"| {label} |"))
+        assert row.startswith(f"| {label} | {signed(mean)} | ") and f"| {sd:.1f} |" in row
+        half = T_975[len(values) - 1] * sd / math.sqrt(len(values))
+        assert f"| [{signed(mean - half)}, {signed(mean + half)}] |" in row
+        if len(seeds) == 20:  # t(0.9875, 19): the 97.5% interval of the registered family
+            half = 2.433440 * sd / math.sqrt(20)
+            assert f"[{signed(mean - half)}, {signed(mean + half)}] | {sd:.1f} |" in row
+    for method, name in (("bpo", "BPO"), ("grpo", "GRPO-ClipHigher")):
+        change = statistics.fmean(fw["1", method, s] - fw["2", method, s] for s in seeds)
+        assert f"| {name} | {signed(change)} | [" in table
+        for rate, runs, key in (("1e-4", low_rate, "1"), ("2e-4", high_rate, "2")):
+            drops = 0
+            for s in seeds:
+                curve = [a for _, a in sorted(_accuracy(runs[(method, s)]).items())]
+                drops += max(a - b for a, b in zip(curve, curve[1:])) > 5.0
+            values = [fw[key, method, s] for s in seeds]
+            assert (f"| {name} | {rate} | {len(seeds)} | {statistics.fmean(values):.1f} ± "
+                    f"{statistics.stdev(values):.1f} | {drops} of {len(seeds)} |") in table

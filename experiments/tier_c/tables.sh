@@ -4,6 +4,8 @@
 #                         written grpo@main/0 in the pre-registration: these runs record no staleness,
 #                         so compare names the contrast grpo@main)
 #   tables/auc, tables/heldout-peak   the same contrast in the secondary statistics (exploratory)
+#   tables/lr1e-4         the learning-rate follow-up's contrasts and descriptors (lr_followup.py),
+#                         from the primary CSVs and lr1e-4/runs_s*.csv
 #   bash experiments/tier_c/tables.sh         (from the repository root; seconds)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -14,3 +16,5 @@ for stat in final-window auc heldout-peak; do
     .venv/bin/bpo-megatron compare --from-csv "$csvs" --primary grpo@main --stat "$stat" \
         --out "experiments/tier_c/tables/$stat"
 done
+mkdir -p experiments/tier_c/tables/lr1e-4
+.venv/bin/python experiments/tier_c/lr_followup.py > experiments/tier_c/tables/lr1e-4/results.md
