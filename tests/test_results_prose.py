@@ -350,3 +350,14 @@ def test_the_lr_followup_table_is_the_hand_computation(capsys):
             values = [fw[key, method, s] for s in seeds]
             assert (f"| {name} | {rate} | {len(seeds)} | {statistics.fmean(values):.1f} ± "
                     f"{statistics.stdev(values):.1f} | {drops} of {len(seeds)} |") in table
+
+
+def test_the_tier_b_learning_rate_pilots_accuracy():
+    """Tier B's pilot (seed 101): the final windows at 3e-4 and 2e-4 and BPO's drop at 3e-4."""
+    flat = " ".join((TIER_B / "README.md").read_text().split())
+    pilot = {lr: _runs(TIER_B / "pilot" / f"runs_lr{lr}.csv") for lr in ("0.0002", "0.0003")}
+    fw = {(lr, m): final_window(runs[(m, 101)]) for lr, runs in pilot.items() for m in ("bpo", "grpo")}
+    curve = [a for _, a in sorted(_accuracy(pilot["0.0003"][("bpo", 101)]).items())]
+    assert (f"BPO reached {fw['0.0003', 'bpo']:.1f}% at 3e-4 — falling {curve[-2] - curve[-1]:.1f} points between "
+            f"steps 30 and 40 — against GRPO-ClipHigher's {fw['0.0003', 'grpo']:.1f}%, and "
+            f"{fw['0.0002', 'bpo']:.1f}% against {fw['0.0002', 'grpo']:.1f}% at 2e-4") in flat
