@@ -361,3 +361,45 @@ def test_the_tier_b_learning_rate_pilots_accuracy():
     assert (f"BPO reached {fw['0.0003', 'bpo']:.1f}% at 3e-4 — falling {curve[-2] - curve[-1]:.1f} points between "
             f"steps 30 and 40 — against GRPO-ClipHigher's {fw['0.0003', 'grpo']:.1f}%, and "
             f"{fw['0.0002', 'bpo']:.1f}% against {fw['0.0002', 'grpo']:.1f}% at 2e-4") in flat
+
+
+def test_the_fp8_engines_effect_on_bpo_across_experiments():
+    """Tier M's BPO (FP8 engine) against Tier B's r3/0 BPO (fp32 engine; the same config, base,
+    task and seeds), paired by seed: in Tier M's prose and its row of docs/results.md."""
+    mean, _, low, high = interval([final_window(TIER_M_RUNS[("bpo", s)]) - final_window(CONDITIONS["r3/0"][("bpo", s)])
+                                   for s in SEEDS])
+    text = " ".join(TIER_M_TEXT.split())
+    assert f"the FP8 engine moved BPO's final window by {signed(mean)} points [{signed(low)}, {signed(high)}]" in text
+    row = (ROOT / "docs" / "results.md").read_text()
+    assert f"the FP8 engine moved BPO by {signed(mean)} [{signed(low)}, {signed(high)}] against Tier B's fp32" in row
+
+
+def test_the_tier_c_conditions_instability_and_masked_shares():
+    """Tier C's verdict is stated at its learning rate with the runs that fail the pilot rule's
+    stability test, the step-20 gap, the stable runs' gap and the μ-bin masked shares."""
+    runs, seeds = _tier_c_runs(), range(1, 21)
+    flat = " ".join((TIER_C / "README.md").read_text().split())
+    row = (ROOT / "docs" / "results.md").read_text()
+
+    def dropped(rows):
+        curve = [a for _, a in sorted(_accuracy(rows).items())]
+        return max(a - b for a, b in zip(curve, curve[1:])) > 5.0
+
+    drops = {m: sum(dropped(runs[(m, s)]) for s in seeds) for m in ("bpo", "grpo")}
+    assert (f"{drops['bpo']} of the 20 BPO runs and {drops['grpo']} of the 20 GRPO-ClipHigher runs fail at 2e-4"
+            in flat)
+    assert f"unstable for BPO in {drops['bpo']} of 20 runs" in flat
+    assert (f"{drops['bpo']} of its 20 runs ({drops['grpo']} of 20 "
+            f"GRPO-ClipHigher runs) dropped more than 5 points" in row and "20 seeds, lr 2e-4" in row
+            and "at lr 2e-4, *refutes the paper's effect scaled to this task*" in row)
+    mean, _, low, high = interval([_accuracy(runs[("bpo", s)])[20] - _accuracy(runs[("grpo", s)])[20] for s in seeds])
+    assert f"BPO was already behind at step 20, {signed(mean)} points [{signed(low)}, {signed(high)}]" in flat
+    stable = [s for s in seeds if not dropped(runs[("bpo", s)])]
+    gap = statistics.fmean(final_window(runs[("grpo", s)]) - final_window(runs[("bpo", s)]) for s in stable)
+    assert f"the {len(stable)} BPO runs without a drop ended {gap:.1f} points behind" in flat
+    share = {(m, k): 100 * statistics.fmean(step_mean(runs[(m, s)], k) for s in seeds)
+             for m in ("bpo", "grpo") for k in ("clip_frac_pos_mu_mid", "clip_frac_neg_mu_low")}
+    assert (f"BPO masks {share['bpo', 'clip_frac_pos_mu_mid']:.1f}% of the positive-advantage tokens with 0.2 ≤ μ < 0.9 "
+            f"against GRPO-ClipHigher's {share['grpo', 'clip_frac_pos_mu_mid']:.1f}%, and "
+            f"{share['bpo', 'clip_frac_neg_mu_low']:.1f}% of the negative-advantage tokens with μ < 0.2 against "
+            f"{share['grpo', 'clip_frac_neg_mu_low']:.1f}%") in flat
