@@ -403,3 +403,41 @@ def test_the_tier_c_conditions_instability_and_masked_shares():
             f"against GRPO-ClipHigher's {share['grpo', 'clip_frac_pos_mu_mid']:.1f}%, and "
             f"{share['bpo', 'clip_frac_neg_mu_low']:.1f}% of the negative-advantage tokens with μ < 0.2 against "
             f"{share['grpo', 'clip_frac_neg_mu_low']:.1f}%") in flat
+
+
+def _auc(rows: list[dict]) -> float:
+    """The area under the accuracy-by-step curve (trapezoids) over the steps it spans."""
+    points = sorted(_accuracy(rows).items())
+    area = sum((s1 - s0) * (a0 + a1) / 2 for (s0, a0), (s1, a1) in zip(points, points[1:]))
+    return area / (points[-1][0] - points[0][0])
+
+
+def _heldout_peak(rows: list[dict]) -> float:
+    """The accuracy on the odd-position questions at the step of the best even-position accuracy
+    (the earlier step on ties)."""
+    half = {int(r["step"]): (int(r["even_correct"]) / int(r["even_total"]), int(r["odd_correct"]) / int(r["odd_total"]))
+            for r in rows}
+    best = max(even for even, _ in half.values())
+    return 100 * half[min(step for step, (even, _) in half.items() if even == best)][1]
+
+
+def test_the_secondary_statistics_of_tier_c_and_tier_m():
+    """Tier C's AUC and held-out-peak contrasts and Tier M's AUC differences and centering ρ, each
+    recomputed from the CSVs."""
+    runs, seeds = _tier_c_runs(), range(1, 21)
+    flat = " ".join((TIER_C / "README.md").read_text().split())
+    auc = interval([_auc(runs[("bpo", s)]) - _auc(runs[("grpo", s)]) for s in seeds])
+    peak = interval([_heldout_peak(runs[("bpo", s)]) - _heldout_peak(runs[("grpo", s)]) for s in seeds])
+    assert (f"in AUC Δ = {signed(auc[0])} [{signed(auc[2])}, {signed(auc[3])}]; in held-out peak Δ = "
+            f"{signed(peak[0])} [{signed(peak[2])}, {signed(peak[3])}]") in flat
+    text = " ".join(TIER_M_TEXT.split())
+    differences = []
+    for method, _ in TIER_M_METHODS:
+        mean, _, low, high = interval([_auc(TIER_M_RUNS[(method, s)]) - _auc(TIER_M_RUNS[("grpo_tis", s)]) for s in SEEDS])
+        assert high < 0, method
+        differences.append(signed(mean))
+    assert (f"the three differences from GRPO-CH + TIS are {differences[0]}, {differences[1]} and {differences[2]} "
+            "points, each interval below zero") in text
+    rho = {m: statistics.fmean(step_mean(TIER_M_RUNS[(m, s)], "score_centering_rho") for s in SEEDS)
+           for m in ("grpo_sc", "bpo_sc")}
+    assert f"({rho['grpo_sc']:.3f} with GRPO-CH, {rho['bpo_sc']:.3f} with BPO)" in text
