@@ -441,3 +441,31 @@ def test_the_secondary_statistics_of_tier_c_and_tier_m():
     rho = {m: statistics.fmean(step_mean(TIER_M_RUNS[(m, s)], "score_centering_rho") for s in SEEDS)
            for m in ("grpo_sc", "bpo_sc")}
     assert f"({rho['grpo_sc']:.3f} with GRPO-CH, {rho['bpo_sc']:.3f} with BPO)" in text
+
+
+def test_where_the_tier_c_base_first_goes_wrong():
+    """The "Why" section's shares of the base's wrong responses by first departure are those of
+    experiments/tier_c/base/first_error.md (recomputed from its counts), whose evaluation is the one
+    the seed-1 runs recorded at step 0 (their CSV's correct and total responses)."""
+    table = (TIER_C / "base" / "first_error.md").read_text()
+    counts = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 4 and cells[1].isdigit():
+            counts[cells[0]] = int(cells[1])
+    wrong = counts.pop("all wrong")
+    assert sum(counts.values()) == wrong
+    share = {kind: f"{100 * n / wrong:.1f}%" for kind, n in counts.items()}
+    for kind, n in counts.items():
+        assert f"| {kind} | {n} | {share[kind]} |" in table
+    step0 = next(r for r in _tier_c_runs()[("bpo", 1)] if r["step"] == "0")
+    right, total = int(step0["correct"]), int(step0["total"])
+    assert f"Avg@4 = {100 * right / total:.1f}% ({right} of {total} responses right" in table
+    assert f"{total - right} of {total} responses scored wrong" in table
+    flat = " ".join((TIER_C / "README.md").read_text().split())
+    assert (f"(seed 1's: {total - right} of {total:,}, Avg@4 {100 * right / total:.1f}%), {share['operand digit']} "
+            f"first depart from the correct scratchpad at a copied operand digit, {share['missing/extra column']} at "
+            f"a missing or extra column, {share['column sum digit']} at a column's sum digit, "
+            f"{share['final answer']} in the final answer after a correct scratchpad, {share['carry digit']} at a "
+            f"carry digit and {share['structural']} at another `+`, `=`, `c` or `;`") in flat
+    assert counts["carry-in"] == counts["truncated before departing"] == 0  # the classes the sentence leaves out
