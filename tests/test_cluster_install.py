@@ -19,7 +19,8 @@ from bpo_megatron.megatron import compat
 from bpo_megatron.models.qwen3 import LATENT_ATTENTION_MEGATRON_MINORS
 
 ROOT = Path(__file__).resolve().parents[1]
-CLUSTER_FILES = (ROOT / "tools" / "gpu" / "requirements-cluster.txt", ROOT / "tools" / "gpu" / "constraints-cluster.txt")
+CLUSTER_FILES = (ROOT / "tools" / "gpu" / "requirements-cluster.txt",
+                 ROOT / "tools" / "gpu" / "constraints-cluster.txt")
 MOONLIGHT_RECIPE = ROOT / "configs" / "moonlight_16b_a3b_bpo.yaml"
 NEWEST_IN_WINDOW = "0.19.2"  # what the window resolves to on Python 3.12 without a pin
 

@@ -60,7 +60,8 @@ def _check_buckets(stream, planned: list[list[str]], max_bytes: int, first_cut: 
         assert sum(nbytes[n] for n in bucket) - joined <= max_bytes or len(bucket) == 1
     # the first cut lands where the greedy one would, unless that splits a group: then after it
     cut = first_cut
-    while cut < len(order) and load_group(order[cut]) is not None and load_group(order[cut]) == load_group(order[cut - 1]):
+    while cut < len(order) and load_group(order[cut]) is not None \
+            and load_group(order[cut]) == load_group(order[cut - 1]):
         cut += 1
     assert len(planned[0]) == cut
 

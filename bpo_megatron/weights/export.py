@@ -24,8 +24,8 @@ def export_weights(model, hf: HFModelConfig | None, bucket_bytes: int, *, dtype:
                    host: bool = False, all_ranks: bool = False, views: bool = False, plan: ExportPlan | None = None,
                    staging: HostStaging | None = None) -> Iterator[list[tuple[str, torch.Tensor]] | FlatBucket]:
     """Buckets of at most ``bucket_bytes`` of ``model`` under Hugging Face on-disk names, in
-    ``dtype`` when given, a load group's tensors in one bucket (:mod:`~bpo_megatron.weights.buckets`). Every rank must iterate (each takes part in gathering the shards onto
-    global rank 0); only rank 0 gets buckets, or every rank with ``all_ranks``: each bucket is then
+    ``dtype`` when given, a load group's tensors in one bucket (:mod:`~bpo_megatron.weights.buckets`).
+    Every rank must iterate (each takes part in gathering the shards onto global rank 0); only rank 0 gets buckets, or every rank with ``all_ranks``: each bucket is then
     a :class:`~bpo_megatron.weights.flat_bucket.FlatBucket` on the model's device, packed by
     rank 0 and broadcast to the others in one buffer (:func:`broadcast_bucket`), which a transport
     hands on without copying it again. ``host`` copies them to host memory through ``staging`` (a

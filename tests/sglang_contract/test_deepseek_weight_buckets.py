@@ -155,5 +155,6 @@ def test_no_bucket_size_leaves_a_deepseek_layer_on_its_old_weights(tmp_path):
         plan = plans["greedy"][position - 1]
         split = sorted({int(name.split(".")[2]) for bucket in plan for name in (bucket[0],)
                         if "kv_a_proj_with_mqa" in name})
-        assert stale == [f"model.layers.{layer}.self_attn.fused_qkv_a_proj_with_mqa.weight" for layer in split], position
+        fused = [f"model.layers.{layer}.self_attn.fused_qkv_a_proj_with_mqa.weight" for layer in split]
+        assert stale == fused, position
     assert sum(bool(stale) for stale in out["stale"]["greedy"]) >= hf.num_hidden_layers
