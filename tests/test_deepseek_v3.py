@@ -498,6 +498,11 @@ def test_weight_sync_streams_every_hf_tensor_from_a_tp2_ep2_trainer(deepseek_mod
     for rank in ranks:
         assert sorted(rank["names"]) == sorted(original)
         assert all(torch.equal(tensor, original[name]) for name, tensor in rank["tensors"].items())
+        # a layer's latent down projections come one after the other (a load group: SGLang fuses them
+        # only when one load call brings both, tests/test_weight_load_groups.py)
+        for layer in range(HFModelConfig.load(hf_dir).num_hidden_layers):
+            q_a = rank["names"].index(f"model.layers.{layer}.self_attn.q_a_proj.weight")
+            assert rank["names"][q_a + 1] == f"model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight"
 
 
 

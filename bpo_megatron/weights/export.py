@@ -24,8 +24,8 @@ def export_weights(model, hf: HFModelConfig | None, bucket_bytes: int, *, dtype:
                    host: bool = False, all_ranks: bool = False, views: bool = False, plan: ExportPlan | None = None,
                    staging: HostStaging | None = None) -> Iterator[list[tuple[str, torch.Tensor]] | FlatBucket]:
     """Buckets of at most ``bucket_bytes`` of ``model`` under Hugging Face on-disk names, in
-    ``dtype`` when given. Every rank must iterate (each takes part in gathering the shards onto
-    global rank 0); only rank 0 gets buckets, or every rank with ``all_ranks``: each bucket is then
+    ``dtype`` when given, a load group's tensors in one bucket (:mod:`~bpo_megatron.weights.buckets`).
+    Every rank must iterate (each takes part in gathering the shards onto global rank 0); only rank 0 gets buckets, or every rank with ``all_ranks``: each bucket is then
     a :class:`~bpo_megatron.weights.flat_bucket.FlatBucket` on the model's device, packed by
     rank 0 and broadcast to the others in one buffer (:func:`broadcast_bucket`), which a transport
     hands on without copying it again. ``host`` copies them to host memory through ``staging`` (a
@@ -36,7 +36,7 @@ def export_weights(model, hf: HFModelConfig | None, bucket_bytes: int, *, dtype:
     stream = weight_stream(model, hf, dst=0, dtype=dtype, plan=plan, views=views)
     if all_ranks:
         device = next(unwrap(model).parameters()).device
-        for bucket in buckets(stream, bucket_bytes, size=lambda item: item.nbytes):
+        for bucket in buckets(stream, bucket_bytes, size=lambda item: item.nbytes, name=lambda item: item.name):
             yield broadcast_bucket(bucket, device)
         return
     named = ((item.name, item.tensor) for item in stream if item.tensor is not None)

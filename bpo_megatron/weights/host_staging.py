@@ -5,8 +5,9 @@ Each device tensor is copied as soon as it arrives, asynchronously on a side str
 place in one pinned buffer the size of a bucket, which is reused bucket after bucket; a bucket is
 handed over once its copies are complete. So the device→host copies of a bucket overlap the
 gathers of the tensors after them, and host memory stays bounded by one bucket. A tensor larger
-than a bucket is a bucket of its own, copied synchronously. Host tensors (a CPU trainer) pass
-through without a copy.
+than a bucket is a bucket of its own, copied synchronously, as is a load group's tensor that does not
+fit in the buffer after the group's first (:func:`~bpo_megatron.weights.buckets.buckets` cuts the same
+way). Host tensors (a CPU trainer) pass through without a copy.
 
 A bucket's tensors are valid until the next bucket is asked for (the buffer is then written
 again): a consumer copies or sends them before.
@@ -18,7 +19,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from bpo_megatron.weights.buckets import tensor_bytes
+from bpo_megatron.weights.buckets import may_cut_between, tensor_bytes
 
 _ALIGN = 256  # bytes: every tensor's place starts where any dtype's view may begin
 
@@ -37,13 +38,13 @@ class HostStaging:
         for name, tensor in named_tensors:
             tensor = tensor.detach()
             nbytes = tensor_bytes(tensor)
-            if bucket and offset + nbytes > max_bytes:
+            if bucket and offset + nbytes > max_bytes and may_cut_between(bucket[-1][0], name):
                 self._wait()
                 yield bucket
                 bucket, offset = [], 0
             if tensor.device.type == "cpu":
                 bucket.append((name, tensor))
-            elif nbytes > max_bytes:
+            elif offset + nbytes > max_bytes:  # larger than a bucket, or past its end in a load group
                 bucket.append((name, tensor.to("cpu")))
             else:
                 bucket.append((name, self._copy(tensor, offset, max_bytes)))

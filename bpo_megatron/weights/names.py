@@ -56,6 +56,13 @@ class WeightRule:
     # attentions call a query norm ``q_layernorm`` (per head, or of the query latent), so a Megatron
     # name is resolved within the model's kind of attention.
     latent_attention: bool | None = None
+    # Weights an engine joins across rules into one parameter and writes only once every part has
+    # arrived in the same load call: SGLang's DeepSeek loader concatenates a layer's q_a_proj and
+    # kv_a_proj_with_mqa into fused_qkv_a_proj_with_mqa and drops a part that arrives alone when the
+    # call ends (the layer then keeps its old weights). The rules of one load group stand next to each
+    # other in RULES, so their tensors of a layer come one after the other in the export, and a
+    # weight-sync bucket is never cut between them (:func:`load_group`).
+    load_group: str | None = None
     _patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -121,7 +128,10 @@ RULES: tuple[WeightRule, ...] = (
                latent_attention=True),
     WeightRule("latent_q_down", (_L + "self_attention.linear_q_down_proj.weight",),
                (_H + "self_attn.q_a_proj.weight",), (("q_lora", "hidden"),), "replicated", "layer",
-               present=_compressed_query, latent_attention=True),
+               present=_compressed_query, latent_attention=True, load_group="latent_down"),
+    WeightRule("latent_kv_down", (_L + "self_attention.linear_kv_down_proj.weight",),
+               (_H + "self_attn.kv_a_proj_with_mqa.weight",), (("kv_lora_rope", "hidden"),), "replicated",
+               "layer", latent_attention=True, load_group="latent_down"),
     WeightRule("latent_q_norm",
                (_L + "self_attention.q_layernorm.weight", _L + "self_attention.linear_q_up_proj.layer_norm_weight"),
                (_H + "self_attn.q_a_layernorm.weight",), (("q_lora",),), "replicated", "layer",
@@ -129,9 +139,6 @@ RULES: tuple[WeightRule, ...] = (
     WeightRule("latent_q_up", (_L + "self_attention.linear_q_up_proj.weight",),
                (_H + "self_attn.q_b_proj.weight",), (("latent_q", "q_lora"),), "column_parallel", "layer",
                present=_compressed_query, latent_attention=True),
-    WeightRule("latent_kv_down", (_L + "self_attention.linear_kv_down_proj.weight",),
-               (_H + "self_attn.kv_a_proj_with_mqa.weight",), (("kv_lora_rope", "hidden"),), "replicated",
-               "layer", latent_attention=True),
     WeightRule("latent_kv_norm",
                (_L + "self_attention.kv_layernorm.weight", _L + "self_attention.linear_kv_up_proj.layer_norm_weight"),
                (_H + "self_attn.kv_a_layernorm.weight",), (("kv_lora",),), "replicated", "layer", latent_attention=True),
@@ -190,6 +197,37 @@ RULES: tuple[WeightRule, ...] = (
 
 RULES_BY_NAME: dict[str, WeightRule] = {rule.name: rule for rule in RULES}
 _RULE_INDEX: dict[str, int] = {rule.name: i for i, rule in enumerate(RULES)}
+
+
+def _load_group_modules() -> tuple[tuple[re.Pattern[str], str], ...]:
+    """Each load group's Hugging Face modules (a tensor name up to its last dot), any layer and
+    expert; a module's every tensor (weight, FP8 scales, bias) belongs to its group. Checks that a
+    group's rules stand next to each other in RULES and hold no experts, so that its tensors of a
+    layer are consecutive in the export (experts come rule by rule, each rule's over all experts)."""
+    modules = []
+    for group in dict.fromkeys(rule.load_group for rule in RULES if rule.load_group):
+        where = [i for i, rule in enumerate(RULES) if rule.load_group == group]
+        if where != list(range(where[0], where[-1] + 1)) or any(RULES[i].is_expert for i in where):
+            raise RuntimeError(f"load group {group!r}: its rules {[RULES[i].name for i in where]} must stand "
+                               "next to each other in RULES and hold no experts")
+        modules += [(_compile(template.rsplit(".", 1)[0] + "."), group) for i in where for template in RULES[i].hf]
+    return tuple(modules)
+
+
+_LOAD_GROUP_MODULES = _load_group_modules()
+
+
+def load_group(hf_name: str) -> tuple[str, int, int] | None:
+    """``(load group, layer, expert)`` of a Hugging Face tensor whose rule has a ``load_group``
+    (see :class:`WeightRule`), else None. Tensors with the same answer must reach an engine in one
+    load call; they are consecutive in the export, and :func:`~bpo_megatron.weights.buckets.buckets`
+    never cuts between two neighbours that share one."""
+    for pattern, group in _LOAD_GROUP_MODULES:
+        found = pattern.match(hf_name)
+        if found:
+            groups = found.groupdict()
+            return group, int(groups.get("layer") or -1), int(groups.get("expert") or -1)
+    return None
 
 
 def model_dims(hf: HFModelConfig) -> dict[str, int]:
