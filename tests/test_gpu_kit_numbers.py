@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RECORDS = ROOT / "docs" / "gpu-validation" / "records"
+RECORDS = ROOT / "tools" / "gpu" / "records"
 
 
 # ------------------------------------------------------------------ FLOPs

@@ -22,7 +22,7 @@
 # What comes back, flat in OUT (at most MAX_FILES = 8 files, what a device run returns): <stem>.md and
 # .json (the report, <stem> = <device>-<date>, e.g. h200-2026-12-01), <stem>-raw.tar.gz (the parts'
 # own outputs and the kit's reports), <stem>-<trace>.json.gz (each profiler trace the checks wrote),
-# compile-cache.tar.gz. The .md goes to docs/gpu-validation/, the rest to docs/gpu-validation/records/
+# compile-cache.tar.gz. The .md goes to docs/gpu-validation/, the rest to tools/gpu/records/
 # (the cache to the repository root as .gpu-compile-cache.tar.gz, never committed).
 #
 # A visit to a GPU machine without a package registry is two runs there, one right after the other

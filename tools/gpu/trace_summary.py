@@ -1,6 +1,6 @@
 """Where a training step's time goes, read from a torch.profiler Chrome trace (``.json`` or
 ``.json.gz``, e.g. ``train_fast_paths``' ``traces/*.json.gz`` or a committed one under
-``docs/gpu-validation/records/``), on any machine (no GPU needed).
+``tools/gpu/records/``), on any machine (no GPU needed).
 
 Prints the traced span and the GPU's busy time (the union of its kernels), the phase table
 (before the first kernel, each forward and backward, gradients finished and clipped, the
