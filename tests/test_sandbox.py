@@ -182,7 +182,9 @@ def test_system_v_objects_end_with_the_call(confined):
             f"shm = libc.shmget({key}, 1 << 20, 0o1600)\nqueue = libc.msgget({key + 1}, 0o1600)\n"
             f"semaphores = libc.semget({key + 2}, 1, 0o1600)\n"
             "print(shm >= 0, queue >= 0, semaphores >= 0, ctypes.get_errno())")
-    assert run_python(code, timeout_s=20) == "True True True 0"
+    made = run_python(code, timeout_s=20)
+    # made inside, or (where the kernel does not let the namespace bound its System V memory) refused
+    assert made in ("True True True 0", f"False False True {EPERM}"), made
 
     def listed(kind: str) -> list[str]:
         with open(f"/proc/sysvipc/{kind}") as f:

@@ -16,12 +16,13 @@ network, IPC, UTS and mount namespaces, set up by :mod:`bpo_megatron.rollout.age
 * a seccomp filter (libseccomp through ``pyseccomp``) refuses new processes, new namespaces,
   mounts, ptrace, ``memfd_create`` and io_uring: the code is one process with threads.
 * one memory bound for the whole call: the address space of that one process (``memory_mb``,
-  shared by all its threads) plus its ``/tmp`` (``tmp_mb``; ``/dev/shm`` is the same place) and
-  System V memory limited to ``memory_mb`` in its IPC namespace; tasks (threads) bounded by
-  ``threads``, by the PID namespace's own ``pid_max`` on Linux >= 6.14, otherwise by
-  ``RLIMIT_NPROC`` in its own user namespace (Linux >= 5.14; the kernel does not enforce it for the
-  host's root); limits on CPU time, file size and open files; past its time every process it
-  started is killed, and none outlives the call.
+  shared by all its threads), its ``/tmp`` (``tmp_mb``; ``/dev/shm`` is the same place) and 16 MB
+  of System V shared memory in its IPC namespace (where the kernel lets the namespace set that;
+  otherwise ``shmget`` and ``msgget`` are refused): at most ``memory_mb + tmp_mb + 16`` MB. Its
+  tasks (threads) are bounded by ``threads``, by the PID namespace's own ``pid_max`` on Linux >=
+  6.14, otherwise by ``RLIMIT_NPROC`` in its own user namespace (Linux >= 5.14; the kernel does
+  not enforce it for the host's root); limits on CPU time, file size and open files; past its
+  time every process it started is killed, and none outlives the call.
 * an environment of ``PATH``, ``HOME`` and ``LANG`` only.
 
 The driver reads what the program prints with a cap (``output_kb`` of stdout's head and of

@@ -15,8 +15,8 @@ Set-up, in order:
   bound, the next PID set past the reserved ones: the program's tasks get PIDs from a range of
   exactly ``tasks``); otherwise ``RLIMIT_NPROC`` in the program's own user namespace (counted per
   user namespace since Linux 5.14; not enforced for the host's root). The caller chose which.
-* The IPC namespace's System V limits (shared memory within the memory bound, 16 message queues);
-  where the kernel does not let this namespace set them, ``shmget``/``msgget`` are refused instead.
+* The IPC namespace's System V limits (16 MB of shared memory, 16 message queues of 16 kB); where
+  the kernel does not let this namespace set them, ``shmget``/``msgget`` are refused instead.
 * The file system: a fresh root holding only what ``spec["view"]`` lists (bound read-only: the
   Python installation, the system's libraries), a size-limited tmpfs on ``/tmp`` (the one writable
   place), a fresh read-only ``/proc`` of this PID namespace, ``/dev`` with ``null``, ``zero``,
@@ -59,6 +59,7 @@ KEPT = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 
 PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 4, 38
 RESERVED_PIDS = 300  # the kernel's: once a namespace's PIDs pass it, new ones come from [300, pid_max)
 DEVICES = ("null", "zero", "full", "random", "urandom")
+SYSV_SHM_BYTES = 16 << 20  # System V shared memory of the whole namespace (it outlives a detach)
 MESSAGE_QUEUES = 16  # of 16 kB each (msgmnb's default)
 # refused for the program (EPERM): each opens a way around the confinement or the memory bound
 DENIED_SYSCALLS = (
@@ -127,13 +128,13 @@ def _bound_tasks(spec: dict) -> None:
     _write("/proc/sys/kernel/ns_last_pid", str(RESERVED_PIDS))
 
 
-def _limit_ipc(spec: dict) -> bool:
-    """System V memory of this IPC namespace within the memory bound; False where the kernel does
-    not let the namespace's root set its limits (then shmget/msgget are refused)."""
-    pages = spec["limits"]["memory_bytes"] // os.sysconf("SC_PAGE_SIZE")
+def _limit_ipc() -> bool:
+    """This IPC namespace's System V memory bounded (:data:`SYSV_SHM_BYTES`, :data:`MESSAGE_QUEUES`);
+    False where the kernel does not let the namespace's root set its limits (then shmget/msgget are
+    refused)."""
     try:
-        _write("/proc/sys/kernel/shmall", str(pages))
-        _write("/proc/sys/kernel/shmmax", str(spec["limits"]["memory_bytes"]))
+        _write("/proc/sys/kernel/shmall", str(SYSV_SHM_BYTES // os.sysconf("SC_PAGE_SIZE")))
+        _write("/proc/sys/kernel/shmmax", str(SYSV_SHM_BYTES))
         _write("/proc/sys/kernel/msgmni", str(MESSAGE_QUEUES))
     except OSError:
         return False
@@ -273,7 +274,7 @@ def main() -> int:
             raise SetupError(f"seccomp is not available ({exc}): install libseccomp2 (the system's) and the "
                              "Python package pyseccomp") from exc
         _bound_tasks(spec)
-        ipc_limited = _limit_ipc(spec)
+        ipc_limited = _limit_ipc()
         proc = _build_root(spec)
     except (OSError, SetupError) as exc:
         _report(status_fd, f"setup: {exc}")
