@@ -9,7 +9,8 @@ caller on which this process says ``started`` first and, where it cannot confine
 (the program never holds that pipe: the caller tells a refused setup from the program's own exit).
 Nothing of the spec is on the command line, where ``/proc/1/cmdline`` would show it to the program.
 
-Set-up, in order:
+Set-up, in order (this process is made not dumpable first: the program cannot read its memory,
+descriptors or environment):
 
 * The task bound: on Linux >= 6.14 the PID namespace's own ``pid_max`` (``RESERVED_PIDS`` + the
   bound, the next PID set past the reserved ones: the program's tasks get PIDs from a range of
@@ -29,7 +30,8 @@ Set-up, in order:
   io_uring. This process waits for it, past the timeout exits, and the kernel kills every process
   of the namespace with it.
 
-Exit status: the program's, 124 (timeout) or 126 (the sandbox could not be set up).
+Exit status: the program's, 124 (timeout, also said on the status pipe) or 126 (the sandbox could
+not be set up).
 """
 
 from __future__ import annotations
