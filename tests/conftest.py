@@ -15,6 +15,9 @@
   bound to loopback, never joining a cluster this machine may know of. A loop run inside it
   leaves it running (``run`` stops only a Ray it started itself).
 * ``small_run``: the CPU demo experiment cut to a few small steps, in a given run directory.
+* ``confinable``: the tool sandbox runs here; skipped, saying why, only where the host lacks what
+  it needs (``unshare``, user namespaces, libseccomp2, a way to bound threads, an unmasked
+  ``/proc``) — a sandbox that fails on a host that has all of it fails the test.
 * Megatron-Core's import-time warnings (apex and transformer-engine absent on CPU) are
   silenced once here; gloo ranks silence them in their fork server
   (``bpo_megatron.parallel.local_world``).
@@ -59,6 +62,35 @@ def ray_session():
             yield
         finally:
             stop_ray()
+
+
+@pytest.fixture(scope="session")
+def confinable():
+    import ctypes.util
+    import shutil
+    import subprocess
+
+    from bpo_megatron.rollout.agents.sandbox import SandboxConfig, SandboxUnavailable, check_confinement, task_bound
+
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("the tool sandbox needs util-linux's unshare, which this host lacks")
+    done = subprocess.run([unshare, "--user", "--map-root-user", "--pid", "--fork", "--mount", "--mount-proc", "true"],
+                          capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        pytest.skip(f"this host lets no user namespace be made: {done.stderr.strip()[-200:]}")
+    if ctypes.util.find_library("seccomp") is None:
+        pytest.skip("the tool sandbox needs the system's libseccomp2, which this host lacks")
+    try:
+        task_bound()
+    except SandboxUnavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        check_confinement(SandboxConfig())
+    except SandboxUnavailable as exc:  # a masked /proc is the host's; anything else is the sandbox's fault
+        if "a fresh /proc cannot be mounted" not in str(exc):
+            raise
+        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="session")

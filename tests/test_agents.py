@@ -349,7 +349,7 @@ def test_the_calculator_answers_what_follows_the_last_bracket():
     assert calculator(reply="<{output}>", call_token=")").respond("x", [Turn("[5*5)")]) == "<25>"
 
 
-def test_the_python_tool_runs_code_apart_and_bounded():
+def test_the_python_tool_runs_code_apart_and_bounded(confinable):
     assert run_python("print(6 * 7)", timeout_s=30) == "42"
     assert run_python("import sys; sys.exit(3)", timeout_s=30) == "exit status 3"
     assert run_python("1 / 0", timeout_s=30) == "ZeroDivisionError: division by zero"

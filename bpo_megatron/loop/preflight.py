@@ -150,7 +150,7 @@ def check_agent(cfg, tokenizer, problem: Problem, what: str = "the first trainin
     confinement = None
     if agent.executes_model_output:  # the code must be confinable here, or the run says it will not be
         try:
-            confinement = check_confinement(settings.sandbox)
+            confinement = check_confinement(settings.sandbox, run_dir=cfg.run_dir)
         except SandboxUnavailable as exc:
             raise RunRefused(f"rollout.agent.name={settings.name}: {exc}") from exc
     try:

@@ -42,7 +42,7 @@ class Agent(abc.ABC):
     # True for a tool that executes what the model wrote: a run checks first that it can be
     # confined (rollout.agent.sandbox), and such a tool runs it through run_confined
     executes_model_output: ClassVar[bool] = False
-    run_dir: Path | None = None  # the run's directory, hidden from model-written code
+    run_dir: Path | None = None  # the run's directory, which model-written code must not see
 
     def __init__(self, settings: AgentConfig) -> None:
         self.settings = settings
