@@ -17,10 +17,10 @@ class LoggingConfig:
     # false turns TensorBoard off when `trackers` is null, and contradicts a `trackers` naming it.
     tensorboard: bool = True
     progress: bool = True  # a progress bar and one line per step on the terminal
-    wandb_project: str = "bpo-megatron"
+    wandb_project: str = "bpo-megatron"  # the Weights & Biases project of the run
     # null: a file store in <run_dir>/mlflow; any MLflow tracking URI otherwise (sqlite:///..., http://...)
     mlflow_uri: str | None = None
-    mlflow_experiment: str = "bpo-megatron"
+    mlflow_experiment: str = "bpo-megatron"  # the MLflow experiment the run is recorded under
 
     def __post_init__(self) -> None:
         from bpo_megatron.observability.trackers import TRACKERS  # a registry of names: imports no tracker

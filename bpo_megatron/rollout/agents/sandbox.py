@@ -47,11 +47,11 @@ class SandboxConfig:
     sandbox's own first process), the size of any file it writes and of its ``/tmp``."""
 
     mode: Literal["confined", "none"] = "confined"
-    memory_mb: int = 1024
-    processes: int = 16
-    file_mb: int = 64
-    tmp_mb: int = 64
-    open_files: int = 256
+    memory_mb: int = 1024  # the address space of one call
+    processes: int = 16  # processes one call may start besides the sandbox's first
+    file_mb: int = 64  # the largest file one call may write
+    tmp_mb: int = 64  # the size of its /tmp
+    open_files: int = 256  # files one process may hold open
 
     def __post_init__(self) -> None:
         for name in ("memory_mb", "processes", "file_mb", "tmp_mb", "open_files"):
