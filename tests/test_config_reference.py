@@ -109,3 +109,16 @@ def test_types_and_defaults_read_as_yaml():
     assert reference.value_text((0.9, 0.98)) == "[0.9, 0.98]"
     assert reference.value_text({"a": None, "b": True}) == "{a: null, b: true}"
     assert reference.prose("``x`` and :class:`~a.b.C` and :mod:`a.b`") == "`x` and `C` and `a.b`"
+    assert reference.prose("<run>/x or ``<run>/y``") == "&lt;run>/x or `<run>/y`"
+
+
+def test_a_key_nothing_documents_is_named():
+    fields, comments = {f.name: f for f in dataclasses.fields(_Documented)}, reference.field_comments(_Documented)
+    keys = [reference.Key(f"x.{name}", fields[name], int, _Documented, comments[name])
+            for name in ("above", "by_docstring", "run_b", "run_c", "nowhere")]
+    assert reference.undocumented([reference.Section("x.", _Documented, False, keys)]) == ["x.run_c", "x.nowhere"]
+
+    class Bare:  # a section without a docstring of its own is named too
+        pass
+
+    assert reference.undocumented([reference.Section("y.", Bare, False, [])]) == ["y (the section's docstring)"]

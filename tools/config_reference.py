@@ -102,9 +102,15 @@ def field_comments(cls: type) -> dict[str, str]:
     return out
 
 
+def own_docstring(cls: type) -> str:
+    """``cls``'s docstring, cleaned; "" for none (the signature ``dataclass`` writes in its place)."""
+    doc = inspect.cleandoc(cls.__doc__ or "")
+    return "" if doc.startswith(cls.__name__ + "(") else doc
+
+
 def named_in_docstring(cls: type, name: str) -> bool:
     """Whether ``cls``'s docstring names ``name`` inside double backquotes (``name``, ``name: x``)."""
-    doc = cls.__doc__ or ""
+    doc = own_docstring(cls)
     return any(re.search(rf"(?<![\w.]){re.escape(name)}\b", span) for span in re.findall(r"``(.+?)``", doc, re.S))
 
 
@@ -166,7 +172,7 @@ def undocumented(all_sections: list[Section] | None = None) -> list[str]:
     """The dotted keys (and sections) nothing in the code documents."""
     missing: list[str] = []
     for section in all_sections if all_sections is not None else sections():
-        if section.prefix and not section.inline and not (section.cls.__doc__ or "").strip():
+        if section.prefix and not section.inline and not own_docstring(section.cls):
             missing.append(section.prefix.rstrip(".") + " (the section's docstring)")
         for key in section.keys:
             if not key.documentation and not named_in_docstring(key.owner, key.field.name):
@@ -220,10 +226,12 @@ def default_text(key: Key) -> str:
 
 
 def prose(text: str) -> str:
-    """reStructuredText markup of the docstrings as Markdown: ``x`` -> `x`, :class:`~a.B` -> `B`."""
+    """reStructuredText markup of the docstrings as Markdown: ``x`` -> `x`, :class:`~a.B` -> `B`; a
+    ``<`` outside code (``<run>/initial_hf.fp8``) written as an entity, not read as an HTML tag."""
     text = re.sub(r":(?:class|mod|func|meth|data|attr):`~?([^`]+)`",
                   lambda m: f"`{m.group(1).rsplit('.', 1)[-1] if m.group(0).find('~') >= 0 else m.group(1)}`", text)
-    return text.replace("``", "`")
+    parts = text.replace("``", "`").split("`")
+    return "`".join(part if i % 2 else part.replace("<", "&lt;") for i, part in enumerate(parts))
 
 
 def render(all_sections: list[Section] | None = None) -> str:
@@ -246,11 +254,10 @@ def render(all_sections: list[Section] | None = None) -> str:
         heading = f"## `{title}`" if section.prefix else "## The top level"
         if section.inline:
             heading = f"### `{title}` (its keys written at `{title}`'s level)"
-        elif not section.keys and not section.cls.__doc__:
+        elif not section.keys and not own_docstring(section.cls):
             continue
         lines += [heading, "", f"`{where}`" + ("" if section.keys else " (sections only)"), ""]
-        doc = inspect.cleandoc(section.cls.__doc__ or "")
-        if doc and not doc.startswith(section.cls.__name__ + "("):  # dataclasses' generated signature
+        if doc := own_docstring(section.cls):
             lines += [prose(doc), ""]
         first_with: dict[str, str] = {}  # a comment shared by a run of keys -> the first of them
         for key in section.keys:

@@ -73,6 +73,9 @@ class LoopConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
+    """When the trainer's state is saved under the run directory's ``checkpoints/``, how many saves
+    are kept, and whether a run continues from the newest one."""
+
     every: int = 10  # steps; 0 saves only at the end
     keep_last: int | None = 3  # newest checkpoints kept, besides the best evaluated one; null: all
     resume: bool = True  # continue from the newest checkpoint in the run directory

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LoggingConfig:
+    """Where a run writes its record (``run_dir``: config.yaml, metrics.jsonl, checkpoints), which
+    experiment trackers mirror its metrics, and the terminal's progress report."""
+
     run_dir: str = "runs/{name}"  # {name} is the experiment name
     # Experiment trackers that mirror metrics.jsonl, any of bpo_megatron.observability.trackers.TRACKERS
     # (tensorboard, wandb, mlflow). null: TensorBoard alone unless tensorboard=false, what runs did
