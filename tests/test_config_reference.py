@@ -36,7 +36,8 @@ def test_every_config_key_has_documentation(sections):
 def test_the_reference_page_is_current(sections):
     assert reference.PAGE.is_file(), f"docs/config-reference.md is missing: {REGENERATE}"
     page = reference.PAGE.read_text()
-    assert page == reference.render(sections), f"docs/config-reference.md is stale (a config field changed): {REGENERATE}"
+    assert page == reference.render(sections), \
+        f"docs/config-reference.md is stale (a config field or its documentation changed): {REGENERATE}"
 
 
 def _flat(tree: dict, prefix: str = "") -> set[str]:
