@@ -25,7 +25,7 @@ class EvalConfig:
     """
 
     every: int = 10  # steps; 0 disables evaluation
-    datasets: tuple[str, ...] = ("aime24", "aime25", "aime26")  # evaluation sets, each as data.train names one
+    datasets: tuple[str, ...] = ("aime24", "aime25", "aime26")  # evaluation sets: names, files or procedural:<task>
     k: int = 32  # samples per question
     temperature: float = 1.0  # the evaluation's sampling temperature
     top_p: float = 1.0  # the evaluation's nucleus sampling (1.0: off; no top-k)
