@@ -294,4 +294,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # the package of this checkout, not another one installed in the environment
     sys.exit(main())
