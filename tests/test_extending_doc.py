@@ -61,6 +61,16 @@ def test_every_registry_of_the_package_has_a_section():
     assert not missing, f"registries docs/extending.md has no section for: {missing} (add one: files, line, tests)"
 
 
+def test_each_section_names_its_registry_line_and_its_contract_tests():
+    sections = [part for part in re.split(r"^## ", TEXT, flags=re.M)[1:] if "**Registry:**" in part]
+    assert len(sections) >= 11
+    for section in sections:
+        title = section.splitlines()[0]
+        assert "**Contract tests.**" in section or "`tests/test_" in section, f"{title}: no contract tests named"
+        assert re.search(r"`tests/test_\w+\.py`", section), f"{title}: no test module named"
+        assert "```python" in section or "one line" in section, f"{title}: no registry line"
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_each_named_file_is_in_the_repository(path):
     target = ROOT / path
