@@ -50,7 +50,7 @@ class ExperimentConfig:
         "loss.icepop_high": "loss.correction.icepop_high",
     }
 
-    name: str = "experiment"
+    name: str = "experiment"  # the run's name: {name} in logging.run_dir (default runs/{name})
     seed: int = 1234
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path="."))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

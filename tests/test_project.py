@@ -28,7 +28,8 @@ def test_ci_runs_the_readme_test_command_verbatim():
 
 
 # ------------------------------------------------------------------------------ documents
-DOCUMENTS = ("README.md", "docs/guide.md", "docs/internals.md", "docs/results.md")
+DOCUMENTS = ("README.md", "docs/guide.md", "docs/internals.md", "docs/results.md", "docs/extending.md",
+             "docs/config-reference.md")
 
 
 def _anchors(markdown: str) -> set[str]:
@@ -53,7 +54,8 @@ def test_the_readme_is_short_and_every_link_of_the_documents_resolves():
                 broken.append(f"{name}: {target}")
     assert not broken, broken
     readme = (ROOT / "README.md").read_text()
-    for moved in ("docs/guide.md", "docs/internals.md", "docs/results.md"):
+    for moved in ("docs/guide.md", "docs/internals.md", "docs/results.md", "docs/extending.md",
+                  "docs/config-reference.md"):
         assert f"]({moved}" in readme
 
 

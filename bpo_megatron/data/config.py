@@ -56,10 +56,11 @@ class DataConfig:
 
     train: str = "gsm8k_train"
     root: str = ""
+    # the prompt template: a name of data.tokenizer.TEMPLATES (math-boxed, math-answer-line, plain)
     template: str = "math-boxed"
     reward: str = "math"
     max_prompt_tokens: int = 2048
-    seed: int = 1234
+    seed: int = 1234  # the training prompts' order: each epoch shuffled (a procedural task generated) from seed + epoch
     fields: dict[str, str] = field(default_factory=dict)
     on_bad_record: Literal["error", "skip"] = "error"
     truncated_reward: float = 0.0

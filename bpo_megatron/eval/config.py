@@ -25,10 +25,10 @@ class EvalConfig:
     """
 
     every: int = 10  # steps; 0 disables evaluation
-    datasets: tuple[str, ...] = ("aime24", "aime25", "aime26")
+    datasets: tuple[str, ...] = ("aime24", "aime25", "aime26")  # evaluation sets: names, files or procedural:<task>
     k: int = 32  # samples per question
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # the evaluation's sampling temperature
+    top_p: float = 1.0  # the evaluation's nucleus sampling (1.0: off; no top-k)
     max_new_tokens: int | None = None  # None: the rollout limit
     # Questions per dataset (None: all). A procedural:<task> set is generated with exactly this
     # many (its first questions are the same whatever the count: one seeded sequence); a dataset

@@ -34,7 +34,7 @@ class LoopConfig:
     prompts_per_step: int = 256
     minibatches_per_step: int = 8
     sft_warmup_steps: int = 0  # supervised steps on reference answers before RL (CPU demos)
-    sft_batch_size: int = 64
+    sft_batch_size: int = 64  # reference answers per warm-start step
     sft_lr: float | None = None  # learning rate of the warm start (None: optimizer.lr)
     routing_agreement_samples: int = 8  # responses per step re-routed by the trainer to measure agreement
     # Before the step's updates, the trainer recomputes log π_old of every response under the
@@ -43,10 +43,11 @@ class LoopConfig:
     # correction. Those weights sampled the batch in the synchronous loop; under train.async they
     # are newer (decoupled PPO), so ρ = π_old/μ carries the responses' staleness too.
     recompute_old_logprobs: bool = False
-    # DAPO batch shaping (loop/batch_shaping.py): drop groups whose rewards do not vary and draw
-    # more prompts, in at most this many rounds; and the soft overlong punishment over the last
-    # overlong_buffer tokens before rollout.max_new_tokens (0: off), reaching -overlong_penalty.
     asynchronous: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
+    # DAPO batch shaping (loop/batch_shaping.py): dynamic_sampling drops groups whose rewards do not
+    # vary and draws more prompts, in at most dynamic_sampling_max_rounds rounds; and the soft
+    # overlong punishment over the last overlong_buffer tokens before rollout.max_new_tokens (0:
+    # off), reaching -overlong_penalty.
     dynamic_sampling: bool = False
     dynamic_sampling_max_rounds: int = 4
     overlong_buffer: int = 0
@@ -72,8 +73,11 @@ class LoopConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
+    """When the trainer's state is saved under the run directory's ``checkpoints/``, how many saves
+    are kept, and whether a run continues from the newest one."""
+
     every: int = 10  # steps; 0 saves only at the end
-    keep_last: int | None = 3
+    keep_last: int | None = 3  # newest checkpoints kept, besides the best evaluated one; null: all
     resume: bool = True  # continue from the newest checkpoint in the run directory
     # true: a step waits only while the state is staged (host memory: `bpo-megatron plan` prints
     # it) and a background process writes it, published once whole; false: the step waits for the

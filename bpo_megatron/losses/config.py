@@ -21,10 +21,10 @@ class CorrectionConfig:
     SHORTHAND: ClassVar[str] = "name"
 
     name: str = "none"
-    tis_cap: float = 2.0
-    mis_cap: float = 2.0
-    icepop_low: float = 0.5
-    icepop_high: float = 5.0
+    tis_cap: float = 2.0  # tis: each token's weight min(ρ_t, tis_cap)
+    mis_cap: float = 2.0  # mis: a response whose sequence ratio ρ_seq exceeds this is dropped
+    icepop_low: float = 0.5  # icepop: tokens with ρ_t below this are dropped
+    icepop_high: float = 5.0  # icepop: tokens with ρ_t above this are dropped
 
     def __post_init__(self) -> None:
         if self.name not in CORRECTIONS:
@@ -53,22 +53,23 @@ class PolicyLossConfig:
     SAPO paper's settings).
     """
 
-    name: str = "bpo"
-    eps_low: float = 0.2
+    name: str = "bpo"  # the policy loss: a name of losses.registry.POLICY_LOSSES (docs/guide.md#policy-losses)
+    eps_low: float = 0.2  # GRPO-ClipHigher's clip interval [1 - eps_low, 1 + eps_high], also BPO's mask
     eps_high: float = 0.28
-    bpo_eps: float = 0.1
-    bpo_cap: float = 3.0
-    cispo_cap: float = 3.0
-    dppo_delta: float = 0.1
-    dppo_ratio_cap: float = 10.0
-    gspo_eps_low: float = 3e-3
+    bpo_eps: float = 0.1  # BPO's ε, the smoothing of its mismatch weight ω
+    bpo_cap: float = 3.0  # BPO's C, the cap of its weight min(ω, C) (>= 1)
+    cispo_cap: float = 3.0  # CISPO's cap of the importance weight
+    dppo_delta: float = 0.1  # DPPO's trust region δ (total variation or KL)
+    dppo_ratio_cap: float = 10.0  # DPPO's c, the cap of its weight min(r, c)
+    gspo_eps_low: float = 3e-3  # GSPO's clip interval of the sequence ratio [1 - gspo_eps_low, 1 + gspo_eps_high]
     gspo_eps_high: float = 5e-3
     # grpo_dualclip: a negative-advantage token whose ratio exceeds this is dropped as well.
     dual_clip_c: float = 3.0
-    # sapo: temperature of the sigmoid gate for Â>0 and for Â<0 tokens (a larger τ narrows the gate).
+    # sapo: temperature of the sigmoid gate for Â>0 (sapo_tau_pos) and for Â<0 tokens (sapo_tau_neg;
+    # a larger τ narrows the gate).
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
-    agg: str = "seq-mean-token-mean"
+    agg: str = "seq-mean-token-mean"  # how token losses make the loss: a name of losses.aggregation.AGGREGATIONS
     # Constant divisor of each sequence's token sum for ``seq-mean-token-sum-norm`` (set it to
     # the maximum response length so it does not vary between micro-batches); None uses the
     # padded length T of the call.

@@ -73,7 +73,10 @@ class ModelOptions:
     routing_replay: bool = False  # R3: replay the rollout engine's expert choices (MoE only)
     moe_aux_loss_coeff: float = 0.0
     recompute: Recompute = "none"  # "full": recompute every layer in backward (1 layer per unit)
+    # Megatron's MoE token dispatcher type (moe_dispatch=sorted covers alltoall, and allgather at EP=1)
     moe_token_dispatcher: TokenDispatcher = "alltoall"
+    # the embedding and output rows are padded to a multiple of this × parallel.tp (padding rows are
+    # never a token: log-probs exclude them)
     make_vocab_size_divisible_by: int = 128
     # the local spec's MoE experts (no transformer-engine): "grouped": two torch._grouped_mm calls
     # per layer; "sequential": Megatron's SequentialMLP, one expert at a time after a host sync.

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LoggingConfig:
+    """Where a run writes its record (``run_dir``: config.yaml, metrics.jsonl, checkpoints), which
+    experiment trackers mirror its metrics, and the terminal's progress report."""
+
     run_dir: str = "runs/{name}"  # {name} is the experiment name
     # Experiment trackers that mirror metrics.jsonl, any of bpo_megatron.observability.trackers.TRACKERS
     # (tensorboard, wandb, mlflow). null: TensorBoard alone unless tensorboard=false, what runs did
@@ -17,10 +20,10 @@ class LoggingConfig:
     # false turns TensorBoard off when `trackers` is null, and contradicts a `trackers` naming it.
     tensorboard: bool = True
     progress: bool = True  # a progress bar and one line per step on the terminal
-    wandb_project: str = "bpo-megatron"
+    wandb_project: str = "bpo-megatron"  # the Weights & Biases project of the run
     # null: a file store in <run_dir>/mlflow; any MLflow tracking URI otherwise (sqlite:///..., http://...)
     mlflow_uri: str | None = None
-    mlflow_experiment: str = "bpo-megatron"
+    mlflow_experiment: str = "bpo-megatron"  # the MLflow experiment the run is recorded under
 
     def __post_init__(self) -> None:
         from bpo_megatron.observability.trackers import TRACKERS  # a registry of names: imports no tracker

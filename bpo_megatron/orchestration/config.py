@@ -25,13 +25,13 @@ class ClusterConfig:
 
     ray_address: str | None = None
     trainer_ranks: int = 1
-    gpus_per_trainer_rank: float = 0.0
-    gpus_per_engine: float = 0.0
-    cpus_per_actor: float = 1.0
+    gpus_per_trainer_rank: float = 0.0  # 1 on a GPU cluster (a rank drives one GPU), 0 on CPUs
+    gpus_per_engine: float = 0.0  # GPUs one engine spans (a whole number; its tensor parallelism), 0 on CPUs
+    cpus_per_actor: float = 1.0  # CPUs of each placement bundle (one per device), shared when colocated
     colocate: bool = True
     offload: str = "auto"
     placement_timeout_s: float = 300.0  # how long Ray may take to place the actors (autoscaling included)
-    object_store_mb: int = 512
+    object_store_mb: int = 512  # the embedded Ray's object store (weights pass through it to engines that load from it)
     nodes: int = 1
     gpus_per_node: int = 0
     gpu_memory_gb: float = 80.0

@@ -28,15 +28,15 @@ class RolloutConfig:
     """
 
     engine: EngineName = "hf"
-    num_engines: int = 1
-    group_size: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 16384
+    num_engines: int = 1  # rollout engines; each generates its share of a step's requests
+    group_size: int = 16  # responses per prompt (G), the group its advantages are computed in
+    temperature: float = 1.0  # sampling temperature; the trainer's log π is computed at the same one
+    top_p: float = 1.0  # nucleus sampling (1.0: off)
+    top_k: int = 0  # top-k sampling (0: off)
+    max_new_tokens: int = 16384  # response length limit (a response cut there is truncated: data.truncated_reward)
     stop_token_ids: tuple[int, ...] = ()  # added to the tokenizer's end-of-sequence and end-of-turn tokens
     capture_routed_experts: bool = True
-    seed: int = 0
+    seed: int = 0  # the sampling seeds' base: a step's requests draw from seeds derived from seed + step
     threads_per_engine: int = 1  # torch threads of the embedded engine
     # An engine that dies, does not answer a generate call within generate_timeout_s (None: no
     # limit), makes no progress for stall_timeout_s while it has requests (no decoding step, or no

@@ -52,10 +52,10 @@ class OptimizerSettings:
     clipping; the norm is still computed and reported).
     """
 
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.98)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    lr: float = 1e-6  # the learning rate (constant)
+    betas: tuple[float, float] = (0.9, 0.98)  # AdamW's β1, β2
+    eps: float = 1e-8  # AdamW's ε
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay
     grad_clip: float = 1.0
 
     def __post_init__(self) -> None:

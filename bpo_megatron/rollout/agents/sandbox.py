@@ -72,12 +72,12 @@ class SandboxConfig:
     how much of its stdout (the head) and stderr (the tail) the driver keeps, in either mode."""
 
     mode: Literal["confined", "none"] = "confined"
-    memory_mb: int = 1024
-    threads: int = 64
-    file_mb: int = 64
-    tmp_mb: int = 64
-    open_files: int = 256
-    output_kb: int = 64
+    memory_mb: int = 1024  # the address space of the call's one process, all its threads together
+    threads: int = 64  # threads one call may run, its main one included
+    file_mb: int = 64  # the largest file one call may write
+    tmp_mb: int = 64  # the size of its /tmp
+    open_files: int = 256  # files it may hold open
+    output_kb: int = 64  # how much of its stdout (the head) and stderr (the tail) the driver keeps
 
     def __post_init__(self) -> None:
         for name in ("memory_mb", "threads", "file_mb", "tmp_mb", "open_files", "output_kb"):

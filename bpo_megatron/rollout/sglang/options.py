@@ -25,7 +25,9 @@ class SGLangOptions:
     url: str | None = None
     host: str | None = None
     port: int | None = None
-    tp_size: int = 1
+    tp_size: int = 1  # GPUs (tensor-parallel ranks) one server spans
+    # the share of each GPU the server reserves for weights and KV cache (--mem-fraction-static);
+    # None: SGLang's own choice
     mem_fraction_static: float | None = None
     extra_args: tuple[str, ...] = ()  # passed to sglang.launch_server verbatim
     # none: the weights as the trainer holds them; fp8: served in block FP8 (--quantization fp8 on a
@@ -35,8 +37,10 @@ class SGLangOptions:
     # where the block-FP8 copy of the run's weights is made for fp8 (None: beside them, e.g.
     # <run>/initial_hf.fp8 or <model.path>.fp8)
     fp8_checkpoint_dir: str | None = None
+    # the command that starts a server, its first element the server's Python (default: this
+    # interpreter, -m sglang.launch_server); the engine appends the model, address and options
     launcher: tuple[str, ...] = field(default_factory=lambda: (sys.executable, "-m", "sglang.launch_server"))
-    startup_timeout_s: float = 900.0
+    startup_timeout_s: float = 900.0  # how long a started server may take to answer its health check
     # A generation request's own deadline. None (the default): none — a request waits in SGLang's
     # queue as long as the queue is long (a deadline would count that wait, and a retry restarts
     # the response from token 0 at the back of the queue); a server that stops making progress is

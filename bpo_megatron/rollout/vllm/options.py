@@ -19,14 +19,16 @@ class VLLMOptions:
     """How to build each ``vllm.LLM`` (``rollout.vllm``). ``engine_args`` go to it verbatim, over
     the ones derived here."""
 
-    tensor_parallel_size: int = 1
-    dtype: str = "auto"
-    gpu_memory_utilization: float = 0.85
-    max_model_len: int | None = None
-    enforce_eager: bool = False
+    tensor_parallel_size: int = 1  # GPUs one engine spans
+    dtype: str = "auto"  # vLLM's dtype of the weights and activations ("auto": the checkpoint's)
+    gpu_memory_utilization: float = 0.85  # the share of each GPU vLLM may take (weights and KV cache)
+    max_model_len: int | None = None  # the longest sequence it serves; None: the model's limit
+    enforce_eager: bool = False  # true: no CUDA graphs
+    # which distribution its log-probs come from: processed_logprobs (after temperature and top-k/top-p;
+    # exact without top-k/top-p) or raw_logprobs (before temperature; exact at temperature 1)
     logprobs_mode: LogprobsMode = "processed_logprobs"
-    seed: int = 0
-    weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    seed: int = 0  # vllm.LLM's own seed (each request brings its sampling seeds)
+    weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES  # tensors loaded per weight-update call
     engine_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,125 @@
+"""Every config key is documented where users read it: docs/config-reference.md, generated from the
+config dataclasses by tools/config_reference.py, lists each key with its type, default and the
+docstring or comment that documents it; a key nothing documents, or a page older than the code,
+fails here."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("config_reference", ROOT / "tools" / "config_reference.py")
+reference = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = reference  # dataclasses look their module up by name
+_spec.loader.exec_module(reference)
+
+REGENERATE = f"run `{reference.COMMAND}` and commit docs/config-reference.md"
+
+
+@pytest.fixture(scope="module")
+def sections():
+    return reference.sections()
+
+
+def test_every_config_key_has_documentation(sections):
+    missing = reference.undocumented(sections)
+    assert not missing, (
+        f"{len(missing)} config key(s) documented nowhere: {', '.join(missing)}. Add a comment above the field (or "
+        f"at the end of its line), or name it in ``double backquotes`` in its section's docstring; then {REGENERATE}")
+
+
+def test_the_reference_page_is_current(sections):
+    assert reference.PAGE.is_file(), f"docs/config-reference.md is missing: {REGENERATE}"
+    page = reference.PAGE.read_text()
+    assert page == reference.render(sections), \
+        f"docs/config-reference.md is stale (a config field or its documentation changed): {REGENERATE}"
+
+
+def _flat(tree: dict, prefix: str = "") -> set[str]:
+    keys: set[str] = set()
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            keys |= _flat(value, f"{prefix}{key}.")
+        else:
+            keys.add(f"{prefix}{key}")
+    return keys
+
+
+def test_the_page_lists_exactly_the_keys_a_resolved_config_holds(sections):
+    """Independent of the walk: the keys of a default experiment as the loader writes config.yaml."""
+    from bpo_megatron.config import to_dict
+    from bpo_megatron.experiment import ExperimentConfig
+
+    written = _flat(to_dict(ExperimentConfig()))
+    listed = {key.dotted for section in sections for key in section.keys}
+    assert listed == written, (f"only in the page: {sorted(listed - written)}; only in config.yaml: "
+                               f"{sorted(written - listed)}")
+    page = reference.PAGE.read_text()
+    assert all(f"**`{key}`**" in page for key in written)
+    assert len(written) >= 150  # every section, not a part of one
+
+
+@dataclasses.dataclass(frozen=True)
+class _Documented:
+    """``by_docstring`` is named here, the last field is not."""
+
+    # above: one line
+    # and a second
+    above: int = 1
+    trailing: float = 2.0  # at the end of its line; names trailing_partner too
+    trailing_partner: float = 3.0
+    # the run's comment names run_b only
+    run_a: bool = True
+    run_b: bool = False
+    run_c: bool = False
+
+    after_a_blank_line: str = "x"
+    by_docstring: int = 0
+    nowhere: int = 0
+
+
+def test_comments_document_the_fields_they_sit_on_or_name():
+    comments = reference.field_comments(_Documented)
+    assert comments == {
+        "above": "above: one line and a second",
+        "trailing": "at the end of its line; names trailing_partner too",
+        "trailing_partner": "at the end of its line; names trailing_partner too",
+        "run_a": "the run's comment names run_b only",
+        "run_b": "the run's comment names run_b only",
+        "run_c": "",  # the run's comment does not name it
+        "after_a_blank_line": "",
+        "by_docstring": "",
+        "nowhere": "",
+    }
+    assert reference.named_in_docstring(_Documented, "by_docstring")
+    assert not reference.named_in_docstring(_Documented, "nowhere")
+    assert not reference.named_in_docstring(_Documented, "by")  # a word of a name is not the name
+
+
+def test_types_and_defaults_read_as_yaml():
+    from typing import Literal
+
+    assert reference.type_text(Literal["a", "b"] | None) == '"a" \\| "b" \\| null'
+    assert reference.type_text(tuple[int, ...]) == "list of int"
+    assert reference.type_text(tuple[float, float]) == "list of 2 (float, float)"
+    assert reference.value_text((0.9, 0.98)) == "[0.9, 0.98]"
+    assert reference.value_text({"a": None, "b": True}) == "{a: null, b: true}"
+    assert reference.prose("``x`` and :class:`~a.b.C` and :mod:`a.b`") == "`x` and `C` and `a.b`"
+    assert reference.prose("<run>/x or ``<run>/y``") == "&lt;run>/x or `<run>/y`"
+
+
+def test_a_key_nothing_documents_is_named():
+    fields, comments = {f.name: f for f in dataclasses.fields(_Documented)}, reference.field_comments(_Documented)
+    keys = [reference.Key(f"x.{name}", fields[name], int, _Documented, comments[name])
+            for name in ("above", "by_docstring", "run_b", "run_c", "nowhere")]
+    assert reference.undocumented([reference.Section("x.", _Documented, False, keys)]) == ["x.run_c", "x.nowhere"]
+
+    class Bare:  # a section without a docstring of its own is named too
+        pass
+
+    assert reference.undocumented([reference.Section("y.", Bare, False, [])]) == ["y (the section's docstring)"]
