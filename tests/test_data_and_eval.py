@@ -274,6 +274,38 @@ def test_a_hung_scoring_call_costs_its_pool_not_the_calls_behind_it():
         pool.close()
 
 
+def test_a_pool_ends_without_a_stack_dump_whatever_sigterm_handler_the_driver_has(tmp_path):
+    """Ray's core installs a stack-dumping SIGTERM handler in the driver; workers forked from it
+    inherit it, and ending the pool (SIGTERM) printed one dump per worker after a run's last line.
+    Here the driver's handler is faulthandler's (a C-level handler as Ray's), and a pool that
+    timed a call out (its workers terminated) and one closed at the end print nothing."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent("""
+        import faulthandler, signal, time
+        faulthandler.register(signal.SIGTERM, chain=True)  # dumps every thread's stack on SIGTERM
+        from bpo_megatron.data.scoring_pool import TimedPool
+
+        def _square_unless_negative(x):
+            if x < 0:
+                time.sleep(600)
+            return x * x
+
+        pool = TimedPool(workers=2, timeout_s=1.0)
+        print([r.value for r in pool.run(_square_unless_negative, [(2,), (-1,), (3,)])], pool.replaced)
+        pool.close()
+        print("done", flush=True)
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["[4, None, 9] 1", "done"]
+    assert "most recent call first" not in done.stderr and "SIGTERM" not in done.stderr, done.stderr
+
+
 def test_math_verify_scores_after_a_call_that_timed_out(monkeypatch):
     """A math-verify call past the timeout scores 0 and is counted; the answers after it are
     still verified (before, its worker stayed busy and every later call timed out as well)."""
