@@ -41,11 +41,58 @@ def test_the_shipped_datasets_load_by_name(name, count):
 
     from bpo_megatron.data.problems import NAMED_FILES, SHIPPED_SETS
 
+    from bpo_megatron.data.problems import shipped_checksums
+
     problems = load_problems(name)
     assert len(problems) == count and all(p.problem and p.answer for p in problems)
     listed = dict(re.findall(r"\| `([\w.]+\.jsonl)` \| \d+ \| `([0-9a-f]{64})` \|",
                              (SHIPPED_SETS / "README.md").read_text()))
-    assert hashlib.sha256((SHIPPED_SETS / NAMED_FILES[name]).read_bytes()).hexdigest() == listed[NAMED_FILES[name]]
+    digest = hashlib.sha256((SHIPPED_SETS / NAMED_FILES[name]).read_bytes()).hexdigest()
+    assert digest == listed[NAMED_FILES[name]] == shipped_checksums()[NAMED_FILES[name]]
+
+
+def test_a_shipped_set_whose_bytes_changed_is_refused_at_load_naming_both_checksums(tmp_path, monkeypatch, capsys):
+    """GSM8K's test set cut to 1,000 of its 1,319 records (or one answer edited) among the shipped
+    sets: reading it by name is refused, naming the file, the sha256 it has, the one recorded and
+    the fix; ``train --check`` evaluating on it exits 2 before anything starts. The same edited
+    file under a ``data.root`` of one's own is the user's data and loads."""
+    import hashlib
+    import shutil
+
+    from bpo_megatron.cli import main
+    from bpo_megatron.data import problems as problems_module
+    from bpo_megatron.data.problems import DamagedDataset, shipped_checksums
+
+    shipped = tmp_path / "sets"
+    shutil.copytree(problems_module.SHIPPED_SETS, shipped)
+    monkeypatch.setattr(problems_module, "SHIPPED_SETS", shipped)
+    assert len(load_problems("gsm8k_test")) == 1319  # the copy is the shipped bytes
+    recorded = shipped_checksums()["gsm8k_test.jsonl"]
+    cut = shipped / "gsm8k_test.jsonl"
+    cut.write_text("".join(cut.read_text().splitlines(keepends=True)[:1000]))
+    actual = hashlib.sha256(cut.read_bytes()).hexdigest()
+    assert actual != recorded
+    with pytest.raises(DamagedDataset) as refused:
+        load_problems("gsm8k_test")
+    message = str(refused.value)
+    assert message.startswith(f"{cut} is not the file that ships with the package: its sha256 is {actual}, "
+                              f"{shipped / 'SHA256SUMS'} records {recorded}; it was edited or cut short. Restore it")
+    assert "name it by path, or set data.root to its directory" in message
+    edited = shipped / "aime24.jsonl"  # one answer changed, same length
+    edited.write_text(edited.read_text().replace('"answer": "204"', '"answer": "205"', 1))
+    with pytest.raises(DamagedDataset, match="aime24.jsonl is not the file that ships"):
+        load_problems("aime24")
+    own = tmp_path / "own"
+    own.mkdir()
+    shutil.copy(cut, own / "gsm8k_test.jsonl")
+    assert len(load_problems("gsm8k_test", own)) == 1000
+    run_dir = tmp_path / "run"
+    code = main(["train", str(DEMO), "eval.datasets=[gsm8k_test]", "eval.limit=8", "data.template=math-boxed",
+                 f"logging.run_dir={run_dir}", "--check"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"eval.datasets[0]='gsm8k_test': {cut} is not the file that ships with the package" in err
+    assert not run_dir.exists()
 
 
 def test_a_root_of_ones_own_replaces_the_shipped_sets(tmp_path):
