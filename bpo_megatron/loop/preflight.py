@@ -9,6 +9,7 @@ unchanged model) and what the run directory allows. Refused input raises
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -285,6 +286,20 @@ def decoupled_anchor_note(cfg) -> str | None:
             "mismatch_kl_k3) includes the responses' staleness besides the engine/trainer mismatch")
 
 
+def unused_engine_note(cfg) -> str | None:
+    """The settings of engine sections the run does not use (``rollout.engine`` picks one): they
+    do nothing, which a user who set, say, FP8 serving there should hear before the run."""
+    unused = cfg.rollout.unused_settings()
+    if not unused:
+        return None
+    chosen = {option.name for option in dataclasses.fields(cfg.rollout.options)}
+    listed = "; ".join(f"rollout.{engine}.{name}={value!r}"
+                       + (f" (this engine's own is rollout.{cfg.rollout.engine}.{name})" if name in chosen else "")
+                       for engine, name, value in unused)
+    return (f"rollout.engine={cfg.rollout.engine}: the sections of the other engines are not used, so these settings "
+            f"do nothing: {listed}; move them to rollout.{cfg.rollout.engine} or drop them")
+
+
 def prepare(cfg, *, override_resume: tuple[str, ...] = ()) -> RunPlan:
     """Check everything the run will read; refuse with :class:`RunRefused` (nothing written)."""
     run_dir = Path(cfg.run_dir)
@@ -301,6 +316,8 @@ def prepare(cfg, *, override_resume: tuple[str, ...] = ()) -> RunPlan:
     state, resume_from, notes = resume_point(cfg, hf) if occupied else (RunState(), None, [])
     if (anchor := decoupled_anchor_note(cfg)) is not None:
         notes.append(anchor)
+    if (unused := unused_engine_note(cfg)) is not None:
+        notes.append(unused)
     if resume_from is None and cfg.model.init == "pretrained":
         check_pretrained_weights(cfg, hf)
     offload, offload_notes = colocated_offload(cfg, hf)
