@@ -240,13 +240,13 @@ def check_initial_weights(cfg, hf) -> None:
 
 def check_pretrained_weights(cfg, hf) -> None:
     """A run that starts from ``model.path``'s weights: every file readable (not cut short) and
-    every tensor there with the shape its config.json implies."""
-    from bpo_megatron.weights.names import hf_tensor_shapes
+    every tensor there with the shape its config.json implies, and no expert it does not count."""
+    from bpo_megatron.weights.names import check_hf_checkpoint
     from bpo_megatron.weights.safetensors_io import HFWeightsReader
 
     try:
         with HFWeightsReader(cfg.model.path) as reader:
-            reader.check(hf_tensor_shapes(hf))
+            check_hf_checkpoint(reader, hf)
     except (OSError, ValueError) as exc:
         raise RunRefused(f"model.path={cfg.model.path}: {exc}") from exc
 
