@@ -94,17 +94,23 @@ def load_data(cfg, tokenizer, *, cursor: int = 0) -> tuple[PromptStream, list[Ev
     return prompts, eval_sets
 
 
-def check_trackers(cfg) -> None:
-    """Every tracker ``logging.trackers`` asks for can start: its package is installed. (The
-    implicit TensorBoard of ``logging.trackers: null`` only warns when it cannot, as a tracker
-    that fails mid-run does.)"""
-    if cfg.logging.trackers is None:
-        return
-    from bpo_megatron.observability.trackers import missing_package
+def check_trackers(cfg) -> str | None:
+    """Every tracker ``logging.trackers`` asks for can start: its package is installed and
+    imports. The implicit TensorBoard of ``logging.trackers: null`` is not refused (a run may go
+    without it, as after a tracker that fails mid-run); a note says when it cannot start."""
+    from bpo_megatron.observability.trackers import missing_package, tracker_class, unavailable
 
+    if cfg.logging.trackers is None:
+        if not cfg.logging.tensorboard or (why := unavailable("tensorboard")) is None:
+            return None
+        package = tracker_class("tensorboard").package
+        return (f"logging.trackers is null, so the run mirrors its metrics to TensorBoard, whose package {package!r} "
+                f"{why}: the run writes metrics.jsonl alone (pip install {package}; or set logging.tensorboard=false, "
+                "or list the trackers in logging.trackers, where a missing one is refused)")
     for name in cfg.logging.trackers:
         if (why := missing_package(name)) is not None:
             raise RunRefused(why)
+    return None
 
 
 def check_reward(cfg, problem: Problem, what: str = "the first training record") -> str | None:
@@ -324,7 +330,8 @@ def prepare(cfg, *, override_resume: tuple[str, ...] = ()) -> RunPlan:
     notes += offload_notes
     tokenizer = load_run_tokenizer(cfg, hf)
     prompts, eval_sets = load_data(cfg, tokenizer, cursor=state.data_cursor)
-    check_trackers(cfg)
+    if (tracking := check_trackers(cfg)) is not None:
+        notes.append(tracking)
     if (scored := check_reward(cfg, prompts.peek().problem)) is not None:
         notes.append(scored)
     agent, agent_note = check_agent(cfg, tokenizer, prompts.peek().problem)
