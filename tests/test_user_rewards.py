@@ -452,6 +452,43 @@ def _check_reward_metrics(run_dir: Path) -> None:
                                                                                               abs=1e-7)
 
 
+@pytest.mark.parametrize("skipped, code", [([2, 3, 5, 6], 3), ([3, 5], 0), ([], 0)])
+def test_a_run_whose_reward_skipped_most_steps_says_so_last_and_exits_3(skipped, code, tmp_path, capsys,
+                                                                       monkeypatch):
+    """A run whose failing reward skipped 4 of its 6 steps (data.on_reward_failure=skip_step) ended
+    with exit 0 and a plain "done": its last line now says how many steps trained nothing and why,
+    and when that is most of them it exits 3; 2 of 6 are said and exit 0. The skipped steps are
+    part of the run's state, so a resumed run counts those before it too."""
+    from bpo_megatron.loop import rl_loop
+    from bpo_megatron.loop.run_dir import RunState
+
+    state = RunState(step=6, skipped_steps=[2, 3])
+    assert RunState.from_checkpoint(json.loads(json.dumps(state.to_dict()))).skipped_steps == [2, 3]
+    assert RunState.from_checkpoint({"rl_step": 1, "data_cursor": 0, "sft_done": True}).skipped_steps == []
+
+    def finished(plan, echo):  # the loop's result, without running it
+        return {"step": 6, "best_step": None, "best_mean": float("-inf"), "best_weights": None,
+                "run_dir": str(plan.cfg.run_dir), "skipped_steps": skipped}
+
+    monkeypatch.setattr(rl_loop, "execute", finished)
+    run_dir = tmp_path / "run"
+    got = main(["train", DEMO, "train.steps=6", f"logging.run_dir={run_dir}", "data.on_reward_failure=skip_step"])
+    out, err = capsys.readouterr()
+    assert got == code, out + err
+    last = (err if code else out).rstrip().splitlines()[-1]  # a failed run's last word is on stderr
+    if code:  # nothing after it on stdout either
+        assert out.rstrip().splitlines()[-1] == f"run directory: {run_dir}"
+    why = ("data.reward=exact failed on more than data.reward_max_failed_frac=0.1 of their batches and "
+           f"data.on_reward_failure=skip_step skipped them (reward/skipped_step in {run_dir / 'metrics.jsonl'})")
+    if len(skipped) == 4:
+        assert last == (f"bpo-megatron train: done: 6 steps, but 4 of the 6 steps trained nothing (most of the run): "
+                        f"{why}; fix the reward, then raise train.steps and resume, or start a new run (exit status 3)")
+    elif skipped:
+        assert last == f"done: 6 steps; 2 of the 6 steps trained nothing: {why}"
+    else:
+        assert last == "done: 6 steps"
+
+
 @pytest.mark.slow  # CI time (≈ 30 s; a user function trains once fixed in the failing-function run): run with -m slow
 @pytest.mark.timeout(420)
 def test_a_user_function_trains_the_demo(user_module, tmp_path, ray_session, small_run):
@@ -511,7 +548,8 @@ def test_a_reward_that_fails_mid_run_stops_it_before_training_and_it_resumes_onc
     code, output = _train(capsys, "train.steps=1", f"data.reward={user_module}:fixable", f"logging.run_dir={skipping}",
                           "rollout.max_new_tokens=4", "eval.every=0", "train.sft_warmup_steps=0",
                           "data.on_reward_failure=skip_step")
-    assert code == 0, output
+    assert code == 3, output  # its only step trained nothing: most of the run
+    assert "done: 1 steps, but 1 of the 1 steps trained nothing (most of the run)" in output
     assert re.search(r"step 1/1 skipped, nothing trained: data.reward=\S+: \d+ of the batch's", output), output
     (record,) = [r for r in read_metrics(skipping) if r.get("step") == 1]
     assert record["reward/skipped_step"] == 1.0 and record["reward/errors"] > 0

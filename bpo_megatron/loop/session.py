@@ -157,9 +157,11 @@ class RunSession:
 
     def skip_step(self, step: int, data_cursor, metrics: dict[str, float], failure: Exception) -> None:
         """A step that trains nothing (``data.on_reward_failure=skip_step``): recorded as skipped
-        (``reward/skipped_step``), saying why, and saved on the usual schedule."""
+        (``reward/skipped_step``, and in the run's state, which the run's result reports), saying
+        why, and saved on the usual schedule."""
         self.echo(f"step {step}/{self.cfg.train.steps} skipped, nothing trained: {failure}")
         self.state.step, self.state.data_cursor = step, data_cursor
+        self.state.skipped_steps.append(step)
         self.record(step, {**metrics, "reward/skipped_step": 1.0})
         self.checkpoint(step)
 
@@ -221,11 +223,13 @@ class RunSession:
                       f"(published within {time.perf_counter() - start:.1f} s of its start)")
 
     def finish(self) -> dict:
-        """Every evaluation recorded, the last checkpoint written; what the run achieved."""
+        """Every evaluation recorded, the last checkpoint written; what the run achieved (with the
+        RL steps that trained nothing, ``skipped_steps``)."""
         self.evaluations.wait(why="the run ends")
         self.finish_saves()
         return {"step": self.state.step, "best_step": self.best.step, "best_mean": self.best.mean,
-                "best_weights": self.best_weights(), "run_dir": str(self.cfg.run_dir)}
+                "best_weights": self.best_weights(), "run_dir": str(self.cfg.run_dir),
+                "skipped_steps": list(self.state.skipped_steps)}
 
     def best_weights(self) -> str | None:
         """Where the best evaluation's weights are: its checkpoint (kept whatever
