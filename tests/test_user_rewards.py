@@ -452,6 +452,62 @@ def _check_reward_metrics(run_dir: Path) -> None:
                                                                                               abs=1e-7)
 
 
+def test_an_evaluation_the_reward_failed_on_is_counted_and_left_out_of_the_best_checkpoint(user_module, recwarn):
+    """A user reward that fails on every response of an evaluation set scored it 0% and the
+    evaluation counted in the mean that picks the best checkpoint, with no metric of the failures.
+    Each set's failures are counted now (``eval/<set>_reward_failed``); an evaluation with a set
+    failed beyond data.reward_max_failed_frac records only those counts, is left out of the best
+    checkpoint and is said to have measured nothing; the next sound one is the best."""
+    from types import SimpleNamespace
+
+    from bpo_megatron.eval.avg_at_k import BestCheckpoint, evaluate, load_eval_sets
+    from bpo_megatron.experiment import load_experiment
+    from bpo_megatron.loop.evaluation import Evaluations
+    from bpo_megatron.tasks.prompts import PromptFormat
+
+    cfg = load_experiment(DEMO, [f"data.reward={user_module}:judge", "eval.k=2", "eval.limit=3",
+                                 "eval.datasets=[procedural:add,procedural:max]"])
+    sets = load_eval_sets(cfg.eval, ".", PromptFormat(CharTokenizer(), "plain", max_prompt_tokens=16), skip_bad=False)
+    answers = {s.name: [e.problem.answer for e in s.prompts] for s in sets}
+
+    def generate(broken: bool):
+        def answer(requests):  # right everywhere; on the first set, text the reward raises on when broken
+            out = []
+            for r in requests:
+                tag, question = r.request_id.rsplit("-", 1)
+                name = next(n for n in answers if tag.endswith(n))
+                text = "boom" if broken and name == "procedural:add" else answers[name][int(question)]
+                out += [_sample(text) for _ in range(r.sampling.n)]
+            return out
+        return answer
+
+    reward = reward_fn(cfg.data.reward, cfg.data, workers=1)
+    written, lines = [], []
+    writer = SimpleNamespace(write=lambda step, metrics: written.append((step, metrics)))
+    best = BestCheckpoint()
+    plan = SimpleNamespace(cfg=cfg, eval_sets=sets, tokenizer=CharTokenizer())
+    evaluations = Evaluations(plan, reward, best, writer, lines.append)
+    try:
+        result = evaluate(generate(True), sets, CharTokenizer(), reward, cfg, step=1)
+        assert result.counts == {"procedural:add": (0, 6), "procedural:max": (6, 6)}
+        assert result.reward_failed == {"procedural:add": 6, "procedural:max": 0}
+        why = (f"data.reward={user_module}:judge failed on 6 of the 6 responses of procedural:add (100%, more than "
+               f"data.reward_max_failed_frac=0.1; the first, record '{sets[0].prompts[0].problem.id}' raised "
+               "RuntimeError: judge exploded)")
+        assert result.unscored(cfg.data.reward, 0.1) == why
+        assert result.unscored(cfg.data.reward, 1.0) is None
+        metrics = evaluations.inline(1, generate(True), record=True)
+        assert metrics == {"eval/procedural:add_reward_failed": 6, "eval/procedural:max_reward_failed": 0}
+        assert written == [(1, metrics)] and best.step is None and best.history == []
+        assert lines == [f"eval step 1 measured nothing and is left out of the best checkpoint: {why}; its accuracies "
+                         "are not recorded (metrics eval/procedural:add_reward_failed, eval/procedural:max_reward_failed)"]
+        metrics = evaluations.inline(2, generate(False))
+        assert metrics["eval/mean_avg@2"] == 1.0 and metrics["eval/procedural:add_reward_failed"] == 0
+        assert best.step == 2 and lines[-1].endswith("| mean 1.000 (best)")
+    finally:
+        reward.close()
+
+
 @pytest.mark.parametrize("skipped, code", [([2, 3, 5, 6], 3), ([3, 5], 0), ([], 0)])
 def test_a_run_whose_reward_skipped_most_steps_says_so_last_and_exits_3(skipped, code, tmp_path, capsys,
                                                                        monkeypatch):
