@@ -12,7 +12,6 @@ down, the placement removed, Ray stopped if this run started it, the lock releas
 from __future__ import annotations
 
 import errno
-import shutil
 import sys
 import time
 
@@ -31,7 +30,7 @@ from bpo_megatron.orchestration.groups import EngineGroup, TrainerFailed, Traine
 from bpo_megatron.orchestration.placement import EVALUATION
 from bpo_megatron.orchestration.phases import DevicePhases
 from bpo_megatron.rollout.agents import with_agent
-from bpo_megatron.trainer.checkpoint import checkpoint_bytes, step_dir_name, step_dirs
+from bpo_megatron.trainer.checkpoint import checkpoint_bytes, space_shortfall, step_dir_name
 from bpo_megatron.weight_sync.session import sync_weights
 
 
@@ -262,17 +261,9 @@ class RunSession:
             self._lock.__exit__(exc_type, exc, tb)
 
 
-NO_SPACE_MARGIN_BYTES = 64 * 2**20  # free space below which a failed first save is put down to a full disk
-
-
 def _refuse_full_disk(root, failure: Exception) -> None:
-    """A save that failed on a disk with less room than a checkpoint takes (the newest complete
-    one's size; before the first, ``NO_SPACE_MARGIN_BYTES``) failed for want of space, whatever
-    error the writer's rank reported (a truncated write surfaces in many forms): say so, as
+    """A save that failed on a disk with less room than a checkpoint takes failed for want of
+    space, whatever error the writer's rank reported (``checkpoint.space_shortfall``): say so, as
     ``OSError(ENOSPC)`` naming the checkpoint directory."""
-    complete = [d for d in step_dirs(root) if checkpoint_bytes(d)] if root.is_dir() else []
-    needed = checkpoint_bytes(complete[-1]) if complete else NO_SPACE_MARGIN_BYTES
-    free = shutil.disk_usage(root if root.is_dir() else root.parent).free
-    if free < needed:
-        raise OSError(errno.ENOSPC, f"no space left: {free / 1e9:.3f} GB free, a checkpoint takes about "
-                                    f"{needed / 1e9:.3f} GB ({failure})", str(root)) from failure
+    if (shortfall := space_shortfall(root)) is not None:
+        raise OSError(errno.ENOSPC, f"{shortfall} ({failure})", str(root)) from failure
