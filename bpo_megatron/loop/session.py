@@ -6,7 +6,8 @@ trackers, the best-checkpoint rule; then Ray, the placement, the rollout engines
 evaluation engines of ``eval.mode=background``. :meth:`RunSession.start` loads the weights (a
 checkpoint to resume, or the initial ones), runs the warm start and evaluates the initial policy.
 Torn down whatever happened, in reverse: trackers told whether the run failed, every group shut
-down, the placement removed, Ray stopped if this run started it, the lock released.
+down, the placement removed, a user reward's scoring workers ended, Ray stopped if this run started
+it, the lock released.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import errno
 import sys
 import time
 
+from bpo_megatron.data.reward_values import RecordReward
 from bpo_megatron.data.rewards import reward_fn
 from bpo_megatron.eval.avg_at_k import BestCheckpoint
 from bpo_megatron.eval.config import background_engines
@@ -43,7 +45,7 @@ class RunSession:
     def __init__(self, plan: RunPlan, echo=print) -> None:
         self.plan, self.cfg, self.state, self.echo = plan, plan.cfg, plan.state, echo
         self.prompts, self.tokenizer = plan.prompts, plan.tokenizer
-        self.metrics_out = self.trainer = self.engines = self.placement = self._evaluators = None
+        self.metrics_out = self.trainer = self.engines = self.placement = self._evaluators = self.verify = None
         self._started_ray = False
         self._lock = RunLock(self.cfg.run_dir)
         self._writing: tuple[int, float] | None = None  # a background save: its step and start time
@@ -255,6 +257,8 @@ class RunSession:
                     group.shutdown()
             if self.placement is not None:
                 self.placement.remove()
+            if isinstance(self.verify, RecordReward):  # a user reward's scoring workers end with the run
+                self.verify.close()
             if self._started_ray:
                 stop_ray()
         finally:
