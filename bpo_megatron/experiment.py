@@ -170,6 +170,12 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
         raise ConfigError(f"loss.score_centering with rollout.agent.name={cfg.rollout.agent.name}: a multi-turn response "
                           "does not carry the sampler's top-k of its turns yet; set rollout.agent.name=null or "
                           "loss.score_centering=false")
+    if cfg.rollout.group_size == 1 and cfg.train.steps > 0:
+        # advantages are group-relative (algo/advantages.py): a group of one response is its own
+        # baseline, so every advantage, and with it every policy-gradient and score-centering term, is 0
+        raise ConfigError("rollout.group_size=1: each response's advantage is its reward minus its group's mean, so in a "
+                          "group of one it is 0 and no RL step trains anything (score centering's term is scaled by "
+                          "the advantage too); set rollout.group_size >= 2 (the paper: 16)")
     if cfg.weight_sync.verify and not spec.exposes_weights:
         raise ConfigError(f"weight_sync.verify=true reads the engine's weights back, which rollout.engine="
                           f"{spec.name} does not allow (rollout.engine=hf does)")
@@ -190,6 +196,10 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
                                     num_query_groups=hf.num_key_value_heads)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    if cfg.loss.score_centering and cfg.loss.score_centering_top_k > hf.vocab_size:
+        raise ConfigError(f"loss.score_centering_top_k={cfg.loss.score_centering_top_k} asks the sampler for more of its "
+                          f"most likely tokens than the model's vocabulary holds (vocab_size={hf.vocab_size} in "
+                          f"{cfg.model.path}); set loss.score_centering_top_k <= {hf.vocab_size} (default 32)")
     if cfg.model.options.routing_replay and not hf.num_experts:
         raise ConfigError("model.routing_replay=true needs a Mixture-of-Experts model; model.path is dense")
     if hf.multi_latent_attention and cfg.rollout.sync_quantization is not None:

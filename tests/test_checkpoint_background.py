@@ -212,6 +212,93 @@ def test_a_failed_background_write_raises_on_every_rank_and_publishes_nothing(tm
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000001", "step-00000003"]
 
 
+def _background_saves_that_fail_by_cause(root: str) -> dict:
+    """Two background saves that fail, each finished: one whose writer process is killed (SIGKILL)
+    before it writes anything, one whose writes fail with ENOSPC while the disk has less room than
+    a checkpoint takes (its free space faked); then a blocking save."""
+    import shutil as shutil_module
+    from collections import namedtuple
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    actor = th.build_actor(lr=LR)
+    _step(actor, 0)
+    actor.save(root)
+    errors = {}
+
+    def killed_writer(write, directory, rank):  # the writer process Megatron forks, killed at its start
+        return lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    usage = namedtuple("usage", "total used free")
+    real_usage = shutil_module.disk_usage
+    for cause, step in (("killed", 1), ("full", 2)):
+        _step(actor, step)
+        real_hashing, real_write = checkpoint._hashing_writer, filesystem_async._write_item
+        if cause == "killed":
+            checkpoint._hashing_writer = killed_writer
+        else:
+            filesystem_async._write_item = full_disk
+        try:
+            actor.save(root, background=True)
+        finally:
+            checkpoint._hashing_writer, filesystem_async._write_item = real_hashing, real_write
+        if cause == "full":  # 1 MB free, less than the first checkpoint takes
+            shutil_module.disk_usage = lambda path: usage(10**9, 10**9 - 10**6, 10**6)
+        try:
+            actor.finish_saves()
+            errors[cause] = None
+        except Exception as exc:  # noqa: BLE001 - the error is the result
+            errors[cause] = (type(exc).__name__, getattr(exc, "errno", None), str(exc))
+        finally:
+            shutil_module.disk_usage = real_usage
+    needed = checkpoint.checkpoint_bytes(Path(root) / "step-00000001")
+    _step(actor, 3)
+    actor.save(root)
+    actor.close()
+    return {"errors": errors, "needed": needed, "latest": (Path(root) / checkpoint.LATEST).read_text()}
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_a_background_save_that_fails_names_its_cause_a_killed_writer_or_a_full_disk(tmp_path):
+    """A killed writer read as Megatron's "results_queue should not be empty", and a full disk
+    during a background save was not named as one (a blocking save's was): the failure now says
+    which writer was killed and by what, or that the disk is full (an ``OSError(ENOSPC)`` with
+    the free space and a checkpoint's size, which the command reports as "no space left"), and the
+    checkpoint before it stays the newest."""
+    root = tmp_path / "ckpt"
+    (result,) = run_gloo_world(_background_saves_that_fail_by_cause, 1, str(root), timeout=TIMEOUT)
+    kind, code, killed = result["errors"]["killed"]
+    assert kind == "RuntimeError" and killed.startswith(
+        "the background save of step 2 failed: the checkpoint writer process of trainer rank 0 was killed by SIGKILL "
+        "before it had written its files (its .partial- directory is never read; the checkpoint before it stays the "
+        "newest. The writer's report: "), killed
+    kind, code, full = result["errors"]["full"]
+    assert (kind, code) == ("OSError", 28)
+    assert (f"the background save of step 3 failed: No space left on device: 0.001 GB free on the device holding "
+            f"{root}, a checkpoint takes about {result['needed'] / 1e9:.3f} GB (its .partial- directory") in full
+    assert result["latest"] == "step-00000004"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000001", "step-00000004"]
+
+
+def test_the_command_names_a_full_disk_met_by_a_background_save(tmp_path, capsys):
+    """What the command prints for a trainer rank whose background save failed on a full disk
+    (the error above, surfacing at a training step's poll): the disk named, and how to resume."""
+    from bpo_megatron.commands.common import report_failure
+    from bpo_megatron.orchestration.groups import TrainerFailed
+
+    failure = TrainerFailed("trainer rank 0 raised OSError: [Errno 28] the background save of step 3 failed: No space "
+                            f"left on device: 0.001 GB free on the device holding {tmp_path}, a checkpoint takes about "
+                            "0.004 GB", details="Traceback (most recent call last): ...")
+    assert report_failure("bpo-megatron train", failure, ["bpo-megatron", "train", "x.yaml"], run_dir=tmp_path) == 1
+    err = capsys.readouterr().err
+    assert (f"bpo-megatron train: no space left on the device holding {tmp_path}; what was being written is incomplete "
+            "and never read") in err
+    assert err.rstrip().endswith("Free space there, then resume the run with: bpo-megatron train x.yaml")
+
+
 def test_the_background_writer_imports_on_this_torch():
     """Megatron's checkpoint writer imports private names of torch's distributed checkpointing;
     run under each torch of the supported window (PYTHONPATH=.torch-oldest: 2.11; the SGLang

@@ -41,11 +41,58 @@ def test_the_shipped_datasets_load_by_name(name, count):
 
     from bpo_megatron.data.problems import NAMED_FILES, SHIPPED_SETS
 
+    from bpo_megatron.data.problems import shipped_checksums
+
     problems = load_problems(name)
     assert len(problems) == count and all(p.problem and p.answer for p in problems)
     listed = dict(re.findall(r"\| `([\w.]+\.jsonl)` \| \d+ \| `([0-9a-f]{64})` \|",
                              (SHIPPED_SETS / "README.md").read_text()))
-    assert hashlib.sha256((SHIPPED_SETS / NAMED_FILES[name]).read_bytes()).hexdigest() == listed[NAMED_FILES[name]]
+    digest = hashlib.sha256((SHIPPED_SETS / NAMED_FILES[name]).read_bytes()).hexdigest()
+    assert digest == listed[NAMED_FILES[name]] == shipped_checksums()[NAMED_FILES[name]]
+
+
+def test_a_shipped_set_whose_bytes_changed_is_refused_at_load_naming_both_checksums(tmp_path, monkeypatch, capsys):
+    """GSM8K's test set cut to 1,000 of its 1,319 records (or one answer edited) among the shipped
+    sets: reading it by name is refused, naming the file, the sha256 it has, the one recorded and
+    the fix; ``train --check`` evaluating on it exits 2 before anything starts. The same edited
+    file under a ``data.root`` of one's own is the user's data and loads."""
+    import hashlib
+    import shutil
+
+    from bpo_megatron.cli import main
+    from bpo_megatron.data import problems as problems_module
+    from bpo_megatron.data.problems import DamagedDataset, shipped_checksums
+
+    shipped = tmp_path / "sets"
+    shutil.copytree(problems_module.SHIPPED_SETS, shipped)
+    monkeypatch.setattr(problems_module, "SHIPPED_SETS", shipped)
+    assert len(load_problems("gsm8k_test")) == 1319  # the copy is the shipped bytes
+    recorded = shipped_checksums()["gsm8k_test.jsonl"]
+    cut = shipped / "gsm8k_test.jsonl"
+    cut.write_text("".join(cut.read_text().splitlines(keepends=True)[:1000]))
+    actual = hashlib.sha256(cut.read_bytes()).hexdigest()
+    assert actual != recorded
+    with pytest.raises(DamagedDataset) as refused:
+        load_problems("gsm8k_test")
+    message = str(refused.value)
+    assert message.startswith(f"{cut} is not the file that ships with the package: its sha256 is {actual}, "
+                              f"{shipped / 'SHA256SUMS'} records {recorded}; it was edited or cut short. Restore it")
+    assert "name it by path, or set data.root to its directory" in message
+    edited = shipped / "aime24.jsonl"  # one answer changed, same length
+    edited.write_text(edited.read_text().replace('"answer": "204"', '"answer": "205"', 1))
+    with pytest.raises(DamagedDataset, match="aime24.jsonl is not the file that ships"):
+        load_problems("aime24")
+    own = tmp_path / "own"
+    own.mkdir()
+    shutil.copy(cut, own / "gsm8k_test.jsonl")
+    assert len(load_problems("gsm8k_test", own)) == 1000
+    run_dir = tmp_path / "run"
+    code = main(["train", str(DEMO), "eval.datasets=[gsm8k_test]", "eval.limit=8", "data.template=math-boxed",
+                 f"logging.run_dir={run_dir}", "--check"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"eval.datasets[0]='gsm8k_test': {cut} is not the file that ships with the package" in err
+    assert not run_dir.exists()
 
 
 def test_a_root_of_ones_own_replaces_the_shipped_sets(tmp_path):
@@ -272,6 +319,38 @@ def test_a_hung_scoring_call_costs_its_pool_not_the_calls_behind_it():
         assert [r.value for r in pool.run(_square_unless_negative, [(7,), (8,)])] == [49, 64]
     finally:
         pool.close()
+
+
+def test_a_pool_ends_without_a_stack_dump_whatever_sigterm_handler_the_driver_has(tmp_path):
+    """Ray's core installs a stack-dumping SIGTERM handler in the driver; workers forked from it
+    inherit it, and ending the pool (SIGTERM) printed one dump per worker after a run's last line.
+    Here the driver's handler is faulthandler's (a C-level handler as Ray's), and a pool that
+    timed a call out (its workers terminated) and one closed at the end print nothing."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent("""
+        import faulthandler, signal, time
+        faulthandler.register(signal.SIGTERM, chain=True)  # dumps every thread's stack on SIGTERM
+        from bpo_megatron.data.scoring_pool import TimedPool
+
+        def _square_unless_negative(x):
+            if x < 0:
+                time.sleep(600)
+            return x * x
+
+        pool = TimedPool(workers=2, timeout_s=1.0)
+        print([r.value for r in pool.run(_square_unless_negative, [(2,), (-1,), (3,)])], pool.replaced)
+        pool.close()
+        print("done", flush=True)
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["[4, None, 9] 1", "done"]
+    assert "most recent call first" not in done.stderr and "SIGTERM" not in done.stderr, done.stderr
 
 
 def test_math_verify_scores_after_a_call_that_timed_out(monkeypatch):

@@ -236,6 +236,51 @@ def test_multi_token_prediction_layers_are_ignored_on_import(deepseek_models, tm
     _check_export(checkpoint, tmp_path / "hf", hf_dir, ref, parallel=ParallelConfig(ep=2))
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_a_checkpoint_with_more_experts_than_its_config_is_refused_naming_them(family, tmp_path) -> None:
+    """A DeepSeek-V3 or GLM-4.5 checkpoint whose weights hold 10 experts per MoE layer (the routers' 8 rows) under a
+    config.json that counts 8 (and, in another, experts in the layer the config makes dense) is
+    refused by the conversion before anything is written, and by a run's preflight, naming each
+    layer's extra experts; a multi-token-prediction layer's experts (past num_hidden_layers) are
+    not the main model's and are not counted."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from bpo_megatron.loop.preflight import check_pretrained_weights
+    from bpo_megatron.loop.run_dir import RunRefused
+    from bpo_megatron.testing.models import deepseek_v3_config, glm4_moe_config
+    from bpo_megatron.weights.names import unexpected_experts
+
+    make = {"deepseek_v3": deepseek_v3_config, "glm4_moe": glm4_moe_config}[family]
+    counted = HFModelConfig.load(make())
+    assert counted.num_experts == 8 and counted.moe_layers == (1, 2)
+    generator = torch.Generator().manual_seed(3)
+    # the config's tensors (the routers' 8 rows included), and experts 8-9 of each MoE layer beside them
+    shapes = hf_tensor_shapes(counted)
+    shapes |= {name.replace(".experts.7.", f".experts.{e}."): shape for name, shape in shapes.items()
+               if ".mlp.experts.7." in name for e in (8, 9)}
+    tensors = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    write_config(make(), hf_dir)
+    with pytest.raises(ValueError) as refused:
+        convert_hf_to_mcore(hf_dir, tmp_path / "ckpt", progress=False, timeout=TIMEOUT)
+    message = str(refused.value)
+    assert (f"the Hugging Face checkpoint in {hf_dir} holds experts its config.json does not count (num_experts, "
+            "n_routed_experts in DeepSeek-V3 and GLM-4.5 configs, is 8: ids 0-7 in its MoE layers): layer 1: experts "
+            "8-9; layer 2: experts 8-9. They would be left out") in message
+    assert message.endswith("use the config.json saved with these weights")
+    assert not (tmp_path / "ckpt").exists()
+    with pytest.raises(RunRefused, match=f"model.path={hf_dir}: the Hugging Face checkpoint .* layer 1: experts 8-9"):
+        check_pretrained_weights(SimpleNamespace(model=SimpleNamespace(path=str(hf_dir))), counted)
+    # experts in the dense first layer, and a multi-token-prediction layer's, by name
+    names = ["model.layers.0.mlp.experts.3.up_proj.weight", "model.layers.1.mlp.experts.7.up_proj.weight",
+             "model.layers.3.mlp.experts.7.up_proj.weight", "model.layers.1.mlp.shared_experts.up_proj.weight"]
+    assert unexpected_experts(names, counted) == {0: [3]}
+
+
 # ------------------------------------------------------------------------- routing and R3
 def test_the_expert_bias_and_the_group_limit_change_which_experts_win(deepseek_models) -> None:
     """The fixture routes so that both matter: without the bias, or without the group limit, the

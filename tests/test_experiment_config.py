@@ -91,6 +91,15 @@ def test_resolved_config_round_trips(tmp_path):
         (["data.fields.question=prompt.0.content"], "data.fields.question is not a problem field"),
         # a loss that would depend on how samples are grouped into micro-batches
         (["loss.agg=seq-mean-token-sum-norm"], "set loss.norm_length .*rollout.max_new_tokens=4"),
+        # a batch that trains nothing, or a sampler's head larger than the vocabulary (128 tokens)
+        (["rollout.group_size=1", "train.minibatches_per_step=1", "train.prompts_per_step=2"],
+         r"rollout.group_size=1: each response's advantage is its reward minus its group's mean, so in a group of one "
+         r"it is 0 and no RL step trains anything .*set rollout.group_size >= 2"),
+        (["rollout.group_size=1", "loss.score_centering=true", "train.minibatches_per_step=1",
+          "train.prompts_per_step=2"], "rollout.group_size=1: "),
+        (["loss.score_centering=true", "loss.score_centering_top_k=129"],
+         r"loss.score_centering_top_k=129 asks the sampler for more of its most likely tokens than the model's "
+         r"vocabulary holds \(vocab_size=128 in .*\); set loss.score_centering_top_k <= 128"),
         # missing model
         (["model.path=/nonexistent/model"], "model.path='/nonexistent/model'"),
     ],

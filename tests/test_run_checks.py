@@ -128,6 +128,22 @@ def test_bad_records_can_be_skipped_and_are_counted(tmp_path, capsys):
     assert sorted(str(r).split(": ", 1)[0] for r in plan.prompts.rejected) == [f"{data}:2", f"{data}:3", f"{data}:5"]
 
 
+def test_settings_of_an_engine_the_run_does_not_use_are_named_by_check(tmp_path, capsys):
+    """FP8 serving set in SGLang's section of a run on the embedded engine did nothing without a
+    word: --check (and the run's start, which echoes the same notes) names every such setting,
+    the chosen engine's own setting of that name, and the fix; a run without them has no note."""
+    run_dir = tmp_path / "run"
+    code, output = _train(capsys, "rollout.sglang.quantization=fp8", "rollout.sglang.tp_size=2",
+                          f"logging.run_dir={run_dir}", "--check")
+    assert code == 0, output
+    assert ("note: rollout.engine=hf: the sections of the other engines are not used, so these settings do nothing: "
+            "rollout.sglang.tp_size=2; rollout.sglang.quantization='fp8' (this engine's own is rollout.hf.quantization); "
+            "move them to rollout.hf or drop them") in output
+    code, output = _train(capsys, f"logging.run_dir={run_dir}", "--check")
+    assert code == 0 and "sections of the other engines" not in output, output
+    assert not run_dir.exists()
+
+
 def test_eval_without_a_checkpoint_is_refused(tmp_path, capsys):
     assert main(["eval", DEMO, f"logging.run_dir={tmp_path / 'run'}"]) == 2
     assert "the run has no checkpoint yet" in capsys.readouterr().err

@@ -348,6 +348,52 @@ def test_a_requested_tracker_whose_package_is_missing_is_refused_by_check_and_be
         assert code == 2
         assert f"bpo-megatron train: {why}" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
-    # the implicit TensorBoard of logging.trackers: null is not checked here (a tracker that cannot
+    # the implicit TensorBoard of logging.trackers: null is not refused (a tracker that cannot
     # start is a warning: test_a_tracker_that_cannot_start_is_a_warning_and_the_others_go_on)
     assert main(["train", DEMO, f"logging.run_dir={tmp_path}/r", "--check"]) == 0
+
+
+def test_a_tracker_package_that_is_only_a_directory_or_does_not_import_is_refused_and_implicit_tensorboard_noted(
+        tmp_path, capsys, monkeypatch):
+    """A lookup alone passed a tracker whose package is only a directory of its name on the import
+    path (a leftover ``wandb/`` in the working directory, what an uninstall left behind) or whose
+    import fails: --check said nothing and the run only warned at its start. Both are refused now,
+    naming the reason; TensorBoard, started implicitly (``logging.trackers: null``), is not refused
+    but --check says when it cannot start."""
+    from bpo_megatron.cli import main
+    from bpo_megatron.loop import rl_loop
+    from bpo_megatron.observability.trackers.tensorboard import TensorBoardTracker
+    from bpo_megatron.observability.trackers.wandb import WandbTracker
+
+    def started(*args, **kwargs):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(rl_loop, "execute", started)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "w47_wandb_leftover").mkdir()  # a directory, no package
+    broken = tmp_path / "w47_wandb_broken"
+    broken.mkdir()
+    (broken / "__init__.py").write_text("raise ImportError('libwandb_core.so: cannot open shared object file')\n")
+    run_dir = tmp_path / "r"
+    expected = {
+        "w47_wandb_leftover": (f"logging.trackers lists wandb, but its package 'w47_wandb_leftover' is not installed "
+                               f"(what the import finds is only a directory of that name: {tmp_path / 'w47_wandb_leftover'}): "
+                               "pip install w47_wandb_leftover, or drop wandb from logging.trackers"),
+        "w47_wandb_broken": ("logging.trackers lists wandb, but its package 'w47_wandb_broken' does not import (ImportError: "
+                             "libwandb_core.so: cannot open shared object file): pip install w47_wandb_broken, or drop wandb "
+                             "from logging.trackers"),
+    }
+    for package, why in expected.items():
+        monkeypatch.setattr(WandbTracker, "package", package)
+        code = main(["train", DEMO, "logging.trackers=[wandb]", f"logging.run_dir={run_dir}", "--check"])
+        assert code == 2
+        assert f"bpo-megatron train: {why}" in capsys.readouterr().err
+    monkeypatch.setattr(TensorBoardTracker, "package", "w47_wandb_leftover")
+    assert main(["train", DEMO, f"logging.run_dir={run_dir}", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert ("note: logging.trackers is null, so the run mirrors its metrics to TensorBoard, whose package "
+            "'w47_wandb_leftover' is not installed (what the import finds is only a directory") in out
+    assert "the run writes metrics.jsonl alone (pip install w47_wandb_leftover; or set logging.tensorboard=false" in out
+    assert main(["train", DEMO, f"logging.run_dir={run_dir}", "logging.tensorboard=false", "--check"]) == 0
+    assert "TensorBoard" not in capsys.readouterr().out
+    assert not run_dir.exists()

@@ -452,6 +452,99 @@ def _check_reward_metrics(run_dir: Path) -> None:
                                                                                               abs=1e-7)
 
 
+def test_an_evaluation_the_reward_failed_on_is_counted_and_left_out_of_the_best_checkpoint(user_module, recwarn):
+    """A user reward that fails on every response of an evaluation set scored it 0% and the
+    evaluation counted in the mean that picks the best checkpoint, with no metric of the failures.
+    Each set's failures are counted now (``eval/<set>_reward_failed``); an evaluation with a set
+    failed beyond data.reward_max_failed_frac records only those counts, is left out of the best
+    checkpoint and is said to have measured nothing; the next sound one is the best."""
+    from types import SimpleNamespace
+
+    from bpo_megatron.eval.avg_at_k import BestCheckpoint, evaluate, load_eval_sets
+    from bpo_megatron.experiment import load_experiment
+    from bpo_megatron.loop.evaluation import Evaluations
+    from bpo_megatron.tasks.prompts import PromptFormat
+
+    cfg = load_experiment(DEMO, [f"data.reward={user_module}:judge", "eval.k=2", "eval.limit=3",
+                                 "eval.datasets=[procedural:add,procedural:max]"])
+    sets = load_eval_sets(cfg.eval, ".", PromptFormat(CharTokenizer(), "plain", max_prompt_tokens=16), skip_bad=False)
+    answers = {s.name: [e.problem.answer for e in s.prompts] for s in sets}
+
+    def generate(broken: bool):
+        def answer(requests):  # right everywhere; on the first set, text the reward raises on when broken
+            out = []
+            for r in requests:
+                tag, question = r.request_id.rsplit("-", 1)
+                name = next(n for n in answers if tag.endswith(n))
+                text = "boom" if broken and name == "procedural:add" else answers[name][int(question)]
+                out += [_sample(text) for _ in range(r.sampling.n)]
+            return out
+        return answer
+
+    reward = reward_fn(cfg.data.reward, cfg.data, workers=1)
+    written, lines = [], []
+    writer = SimpleNamespace(write=lambda step, metrics: written.append((step, metrics)))
+    best = BestCheckpoint()
+    plan = SimpleNamespace(cfg=cfg, eval_sets=sets, tokenizer=CharTokenizer())
+    evaluations = Evaluations(plan, reward, best, writer, lines.append)
+    try:
+        result = evaluate(generate(True), sets, CharTokenizer(), reward, cfg, step=1)
+        assert result.counts == {"procedural:add": (0, 6), "procedural:max": (6, 6)}
+        assert result.reward_failed == {"procedural:add": 6, "procedural:max": 0}
+        why = (f"data.reward={user_module}:judge failed on 6 of the 6 responses of procedural:add (100%, more than "
+               f"data.reward_max_failed_frac=0.1; the first, record '{sets[0].prompts[0].problem.id}' raised "
+               "RuntimeError: judge exploded)")
+        assert result.unscored(cfg.data.reward, 0.1) == why
+        assert result.unscored(cfg.data.reward, 1.0) is None
+        metrics = evaluations.inline(1, generate(True), record=True)
+        assert metrics == {"eval/procedural:add_reward_failed": 6, "eval/procedural:max_reward_failed": 0}
+        assert written == [(1, metrics)] and best.step is None and best.history == []
+        assert lines == [f"eval step 1 measured nothing and is left out of the best checkpoint: {why}; its accuracies "
+                         "are not recorded (metrics eval/procedural:add_reward_failed, eval/procedural:max_reward_failed)"]
+        metrics = evaluations.inline(2, generate(False))
+        assert metrics["eval/mean_avg@2"] == 1.0 and metrics["eval/procedural:add_reward_failed"] == 0
+        assert best.step == 2 and lines[-1].endswith("| mean 1.000 (best)")
+    finally:
+        reward.close()
+
+
+@pytest.mark.parametrize("skipped, code", [([2, 3, 5, 6], 3), ([3, 5], 0), ([], 0)])
+def test_a_run_whose_reward_skipped_most_steps_says_so_last_and_exits_3(skipped, code, tmp_path, capsys,
+                                                                       monkeypatch):
+    """A run whose failing reward skipped 4 of its 6 steps (data.on_reward_failure=skip_step) ended
+    with exit 0 and a plain "done": its last line now says how many steps trained nothing and why,
+    and when that is most of them it exits 3; 2 of 6 are said and exit 0. The skipped steps are
+    part of the run's state, so a resumed run counts those before it too."""
+    from bpo_megatron.loop import rl_loop
+    from bpo_megatron.loop.run_dir import RunState
+
+    state = RunState(step=6, skipped_steps=[2, 3])
+    assert RunState.from_checkpoint(json.loads(json.dumps(state.to_dict()))).skipped_steps == [2, 3]
+    assert RunState.from_checkpoint({"rl_step": 1, "data_cursor": 0, "sft_done": True}).skipped_steps == []
+
+    def finished(plan, echo):  # the loop's result, without running it
+        return {"step": 6, "best_step": None, "best_mean": float("-inf"), "best_weights": None,
+                "run_dir": str(plan.cfg.run_dir), "skipped_steps": skipped}
+
+    monkeypatch.setattr(rl_loop, "execute", finished)
+    run_dir = tmp_path / "run"
+    got = main(["train", DEMO, "train.steps=6", f"logging.run_dir={run_dir}", "data.on_reward_failure=skip_step"])
+    out, err = capsys.readouterr()
+    assert got == code, out + err
+    last = (err if code else out).rstrip().splitlines()[-1]  # a failed run's last word is on stderr
+    if code:  # nothing after it on stdout either
+        assert out.rstrip().splitlines()[-1] == f"run directory: {run_dir}"
+    why = ("data.reward=exact failed on more than data.reward_max_failed_frac=0.1 of their batches and "
+           f"data.on_reward_failure=skip_step skipped them (reward/skipped_step in {run_dir / 'metrics.jsonl'})")
+    if len(skipped) == 4:
+        assert last == (f"bpo-megatron train: done: 6 steps, but 4 of the 6 steps trained nothing (most of the run): "
+                        f"{why}; fix the reward, then raise train.steps and resume, or start a new run (exit status 3)")
+    elif skipped:
+        assert last == f"done: 6 steps; 2 of the 6 steps trained nothing: {why}"
+    else:
+        assert last == "done: 6 steps"
+
+
 @pytest.mark.slow  # CI time (≈ 30 s; a user function trains once fixed in the failing-function run): run with -m slow
 @pytest.mark.timeout(420)
 def test_a_user_function_trains_the_demo(user_module, tmp_path, ray_session, small_run):
@@ -480,10 +573,14 @@ def test_a_reward_service_trains_the_demo(tmp_path, ray_session, small_run):
 
 @pytest.mark.timeout(600)
 def test_a_reward_that_fails_mid_run_stops_it_before_training_and_it_resumes_once_fixed(
-        user_module, tmp_path, capsys, monkeypatch):
+        user_module, tmp_path, capfd, monkeypatch):
     """The dry call passes (the reference answer); every model response raises. The run stops on
     step 1's batch, before any optimizer step, exit 1 naming the reward, the record and the error
-    and the resume command; once the reward is fixed the same command resumes and finishes."""
+    and the resume command; once the reward is fixed the same command resumes and finishes. What
+    the process writes (its file descriptors: the scoring workers it forks too) holds no stack dump
+    of a worker ended with SIGTERM (Ray's handler, inherited from the driver, printed one per worker
+    after the "done" line)."""
+    capsys = capfd  # the output of the driver's forked scoring workers as well
     fixed = tmp_path / "fixed"
     monkeypatch.setenv("REWARD_FIXED", str(fixed))
     run_dir = tmp_path / "run"
@@ -502,6 +599,8 @@ def test_a_reward_that_fails_mid_run_stops_it_before_training_and_it_resumes_onc
     fixed.touch()
     code, output = _train(capsys, *args)
     assert code == 0, output
+    assert "done: 2 steps" in output
+    assert "SIGTERM" not in output and "most recent call first" not in output, output[-3000:]
     steps = [r for r in read_metrics(run_dir) if "reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["reward/errors"] == 0 for r in steps)
@@ -511,7 +610,8 @@ def test_a_reward_that_fails_mid_run_stops_it_before_training_and_it_resumes_onc
     code, output = _train(capsys, "train.steps=1", f"data.reward={user_module}:fixable", f"logging.run_dir={skipping}",
                           "rollout.max_new_tokens=4", "eval.every=0", "train.sft_warmup_steps=0",
                           "data.on_reward_failure=skip_step")
-    assert code == 0, output
+    assert code == 3, output  # its only step trained nothing: most of the run
+    assert "done: 1 steps, but 1 of the 1 steps trained nothing (most of the run)" in output
     assert re.search(r"step 1/1 skipped, nothing trained: data.reward=\S+: \d+ of the batch's", output), output
     (record,) = [r for r in read_metrics(skipping) if r.get("step") == 1]
     assert record["reward/skipped_step"] == 1.0 and record["reward/errors"] > 0

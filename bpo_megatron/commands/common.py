@@ -8,6 +8,7 @@ import sys
 
 REFUSED = 2  # exit status of a refused config, data set or run directory (nothing was started)
 FAILED = 1  # exit status of a run that started and stopped on an error
+MOSTLY_SKIPPED = 3  # exit status of a finished run most of whose RL steps trained nothing (its reward failed)
 
 
 def load_or_exit(prog: str, config: str, overrides: list[str]):

@@ -5,7 +5,8 @@ section), built in this process; an engine that cannot be built here is refused 
 anything loads (exit 2). The policy is a trainer checkpoint (exported to Hugging Face format on the fly), a Hugging Face
 directory, or by default the run's newest checkpoint (a pretrained ``model.path`` when the run
 has none). The evaluation sets and the checkpoint are checked before the model loads;
-``--check`` stops there.
+``--check`` stops there. An evaluation on which a user reward failed beyond
+``data.reward_max_failed_frac`` measured nothing and exits 1 saying so.
 """
 
 from __future__ import annotations
@@ -65,9 +66,17 @@ def main(argv: list[str]) -> int:
             result = evaluate(rollouts.generate, sets, tokenizer, reward_fn(cfg.data.reward, cfg.data), cfg, step=0)
         finally:
             engine.shutdown()
+    from bpo_megatron.commands.common import FAILED
+
+    unscored = result.unscored(cfg.data.reward, cfg.data.reward_max_failed_frac)
+    if unscored is not None:  # failures scored as wrong answers: no measurement of the policy
+        print(f"{prog}: {location} was not measured: {unscored}; fix the reward and evaluate again", file=sys.stderr)
+        return FAILED
     print(f"policy: {location}")
     for name, value in result.scores.items():
-        print(f"  {name:<24} Avg@{cfg.eval.k} = {100 * value:.1f}%")
+        failed = result.reward_failed.get(name)
+        print(f"  {name:<24} Avg@{cfg.eval.k} = {100 * value:.1f}%"
+              + (f" ({failed} responses the reward failed on, scored wrong)" if failed else ""))
     print(f"  {'mean':<24} Avg@{cfg.eval.k} = {100 * result.mean:.1f}%")
     return 0
 

@@ -2,7 +2,9 @@
 
 Everything the run will read (config, data, evaluation sets, run directory, checkpoint) is
 checked before anything starts; ``--check`` stops there and says what the run would do.
-Exit status: 0 done, 2 refused before starting, 1 stopped by a failure (resumable).
+Exit status: 0 done, 2 refused before starting, 1 stopped by a failure (resumable), 3 done but
+most of its RL steps trained nothing (a user reward failed on their batches, with
+``data.on_reward_failure=skip_step``): its last line says how many.
 """
 
 from __future__ import annotations
@@ -55,9 +57,32 @@ def main(argv: list[str]) -> int:
         if exc.errno != errno.ENOSPC:
             raise
         return report_failure(prog, exc, ["bpo-megatron", "train", *argv], run_dir=cfg.run_dir)
+    code, line = outcome(result, cfg)
+    if code:
+        print(f"{prog}: {line}", file=sys.stderr, flush=True)
+    else:
+        print(line, flush=True)
+    return code
+
+
+def outcome(result: dict, cfg) -> tuple[int, str]:
+    """The exit status and last line of a finished run: ``done`` with its best evaluation, and the
+    steps a failing reward skipped; more than half of the RL steps skipped is a run that did not do
+    its job, whatever else it wrote, and exits ``MOSTLY_SKIPPED``."""
+    from bpo_megatron.commands.common import MOSTLY_SKIPPED
+
+    steps, skipped = result["step"], len(result.get("skipped_steps", ()))
     best = result["best_step"]
     where = (f"its weights: {result['best_weights']}" if result.get("best_weights") else
              "its weights were not saved: evaluated in the background after that step had passed")
-    print(f"done: {result['step']} steps; best eval mean {result['best_mean']:.3f} at step {best} ({where})"
-          if best is not None else f"done: {result['step']} steps", flush=True)
-    return 0
+    line = (f"done: {steps} steps; best eval mean {result['best_mean']:.3f} at step {best} ({where})"
+            if best is not None else f"done: {steps} steps")
+    if not skipped:
+        return 0, line
+    why = (f"data.reward={cfg.data.reward} failed on more than data.reward_max_failed_frac="
+           f"{cfg.data.reward_max_failed_frac:g} of their batches and data.on_reward_failure=skip_step skipped them "
+           f"(reward/skipped_step in {cfg.run_dir / 'metrics.jsonl'})")
+    if 2 * skipped <= steps:
+        return 0, f"{line}; {skipped} of the {steps} steps trained nothing: {why}"
+    return MOSTLY_SKIPPED, (f"{line}, but {skipped} of the {steps} steps trained nothing (most of the run): {why}; "
+                            "fix the reward, then raise train.steps and resume, or start a new run (exit status 3)")

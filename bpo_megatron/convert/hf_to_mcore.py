@@ -23,7 +23,7 @@ from bpo_megatron.convert.world import (
 from bpo_megatron.models import HFModelConfig, ModelOptions
 from bpo_megatron.parallel import ParallelConfig, layout_record
 from bpo_megatron.weights.load import load_hf_weights
-from bpo_megatron.weights.names import hf_tensor_shapes
+from bpo_megatron.weights.names import check_hf_checkpoint, hf_tensor_shapes
 from bpo_megatron.weights.safetensors_io import HFWeightsReader
 
 # safetensors dtype tag -> the name transformers writes in config.json
@@ -40,9 +40,10 @@ def read_hf_config(hf_dir: str | Path) -> HFModelConfig:
 
 
 def _checked_config_dict(hf: HFModelConfig, reader: HFWeightsReader) -> dict:
-    """Refuse missing or misshaped tensors; the config to store, with the weights' dtype."""
+    """Refuse missing or misshaped tensors and experts the config does not count; the config to
+    store, with the weights' dtype."""
     shapes = hf_tensor_shapes(hf)
-    reader.check(shapes)
+    check_hf_checkpoint(reader, hf)
     raw = hf.to_hf_dict()
     if not (raw.get("dtype") or raw.get("torch_dtype")):
         # without a declared dtype, exports keep the dtype the weights came in

@@ -49,7 +49,8 @@ class DataConfig:
     scored responses failed (the reward raised, timed out or returned an invalid value) is not
     trained on: ``on_reward_failure`` ``stop`` ends the run (exit 1, resumable from its newest
     checkpoint once the reward is fixed), ``skip_step`` records the step as skipped
-    (``reward/skipped_step``) and goes on. A service that fails a whole batch always stops the run.
+    (``reward/skipped_step``) and goes on (``train`` then says on its last line how many steps
+    trained nothing, and exits 3 when that is most of them). A service that fails a whole batch always stops the run.
     ``truncated_reward`` is the training reward of a response cut off by the length limit
     (``rollout.max_new_tokens``), whatever its text ends with. Evaluation counts such a response
     as wrong whatever this says: Avg@k counts correct answers."""

@@ -7,6 +7,7 @@ dotted path in the record, where numbers index lists. DAPO-Math-17k's parquet, f
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,9 +23,11 @@ class Problem:
     origin: str = field(default="", compare=False)  # "file:line" of the record, for messages
 
 
-# The evaluation and training sets that ship with the package (their sources, licences and
-# checksums: sets/README.md); ``data.root`` names another directory holding files of these names.
+# The evaluation and training sets that ship with the package (their sources and licences:
+# sets/README.md; the sha256 of each file's bytes: sets/SHA256SUMS, checked whenever one is read);
+# ``data.root`` names another directory holding files of these names.
 SHIPPED_SETS = Path(__file__).resolve().parent / "sets"
+CHECKSUMS_FILE = "SHA256SUMS"  # `sha256sum` format: "<hex digest>  <file name>" per line
 NAMED_FILES = {
     "gsm8k_train": "gsm8k_train.jsonl",
     "gsm8k_test": "gsm8k_test.jsonl",
@@ -52,6 +55,36 @@ def resolve(spec: str, root: str | Path = "") -> Path:
         raise FileNotFoundError(f"dataset {spec!r} is neither a known name ({', '.join(sorted(NAMED_FILES))}) "
                                 "nor an existing .jsonl/.parquet file")
     return path
+
+
+class DamagedDataset(ValueError):
+    """A file of the sets that ship with the package whose bytes are not the recorded ones."""
+
+
+def shipped_checksums(directory: Path | None = None) -> dict[str, str]:
+    """File name -> the sha256 recorded for it in ``sets/SHA256SUMS``."""
+    lines = ((directory or SHIPPED_SETS) / CHECKSUMS_FILE).read_text().splitlines()
+    return {name.lstrip("*"): digest for digest, name in (line.split(maxsplit=1) for line in lines if line.strip())}
+
+
+def check_shipped(path: Path) -> None:
+    """A dataset read from the package's own sets holds the bytes recorded for it: an edited or
+    truncated copy would train or evaluate on other questions than the name promises (an
+    evaluation on 1,000 of GSM8K's 1,319, say) without a word. Files elsewhere (a path, or
+    ``data.root``) are the user's and are not checked."""
+    if path.resolve().parent != SHIPPED_SETS.resolve():
+        return
+    recorded = shipped_checksums().get(path.name)
+    if recorded is None:
+        raise DamagedDataset(f"{path} lies among the sets that ship with the package but {SHIPPED_SETS / CHECKSUMS_FILE} "
+                             "records no checksum for it; put a dataset of your own elsewhere and name it by path "
+                             "(or set data.root to its directory)")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != recorded:
+        raise DamagedDataset(f"{path} is not the file that ships with the package: its sha256 is {digest}, "
+                             f"{SHIPPED_SETS / CHECKSUMS_FILE} records {recorded}; it was edited or cut short. Restore "
+                             f"it (git checkout -- {path.name} in {SHIPPED_SETS}, or reinstall bpo-megatron); to use a "
+                             "changed copy, put it elsewhere and name it by path, or set data.root to its directory")
 
 
 def check_field_map(fields: FieldMap, setting: str = "data.fields") -> None:
@@ -127,12 +160,14 @@ def read_problems(spec: str, root: str | Path = "", fields: FieldMap | None = No
                   ) -> tuple[list[Problem], list[Rejected]]:
     """Every usable record of a dataset and every rejected one (malformed JSON, a field missing or
     empty, a repeated id), in file order. A file that is missing, unreadable or without a single
-    record raises: there is nothing to skip to."""
+    record raises: there is nothing to skip to; so does a shipped set whose bytes are not the
+    recorded ones (:func:`check_shipped`)."""
     fields = dict(fields or {})
     check_field_map(fields)
     if spec.startswith(HF_PREFIX):
         return _load_hf_dataset(spec, fields), []
     path = resolve(spec, root)
+    check_shipped(path)
     problems: list[Problem] = []
     rejected: list[Rejected] = []
 

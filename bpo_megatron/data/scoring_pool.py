@@ -8,11 +8,17 @@ pending are sent to a fresh pool, so each round settles at least the call that t
 ``deadline_s``, a whole batch of calls gets that long: at the deadline every call not yet settled
 is abandoned (``timed_out``, ``past_deadline``) with its pool, so a function that hangs on every
 call costs the batch ``deadline_s``, not ``timeout_s`` per call.
+
+Workers are forked from the driver, so they inherit its signal handlers, among them the
+stack-dumping SIGTERM handler Ray's core installs in every process it starts in: a pool ended
+with SIGTERM (:meth:`TimedPool.close`, after every run) would print one dump per worker after the
+run's last line. Each worker puts SIGTERM back to the default (die quietly) when it starts.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -52,7 +58,7 @@ class TimedPool:
                 results.update({i: CallResult(timed_out=True, past_deadline=True) for i in pending})
                 break
             if self._pool is None:
-                self._pool = multiprocessing.Pool(self.workers)
+                self._pool = multiprocessing.Pool(self.workers, initializer=_quiet_on_sigterm)
             running = {i: self._pool.apply_async(fn, calls[i]) for i in pending}
             pending, hung = [], False
             for i, call in running.items():
@@ -78,3 +84,9 @@ class TimedPool:
             self._pool.terminate()
             self._pool.join()
             self._pool = None
+
+
+def _quiet_on_sigterm() -> None:
+    """A worker's start: SIGTERM ends it without a word, whatever handler the driver had
+    installed (see the module docstring)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)

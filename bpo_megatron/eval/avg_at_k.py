@@ -19,7 +19,7 @@ import torch
 
 from bpo_megatron.data.problems import Rejected
 from bpo_megatron.tasks.prompts import Encoded, PromptFormat, load_eval_set, requests, stop_tokens
-from bpo_megatron.tasks.scoring import score
+from bpo_megatron.tasks.scoring import RewardTally, score
 from bpo_megatron.tasks.stream import usable
 
 if TYPE_CHECKING:
@@ -40,6 +40,24 @@ class EvalResult:
     counts: Counts
     # dataset -> half ("even", "odd") -> (correct responses, responses); empty when not measured
     halves: dict[str, Counts] = field(default_factory=dict)
+    # dataset -> responses a user reward failed to score (raised, timed out, returned an invalid
+    # value: scored 0), and its first failure; empty for the built-in verifiers
+    reward_failed: dict[str, int] = field(default_factory=dict)
+    first_failure: dict[str, str] = field(default_factory=dict)
+
+    def unscored(self, spec: str, max_failed_frac: float) -> str | None:
+        """Why this evaluation measured nothing, or None: on some dataset the reward (``spec``,
+        ``data.reward``) failed on more than ``max_failed_frac`` of the responses, as a training
+        batch that is not trained on (``data.reward_max_failed_frac``). Its accuracies count
+        failures as wrong answers: no measurement of the policy, and no candidate for the best
+        checkpoint."""
+        for name, failed in self.reward_failed.items():
+            total = self.counts[name][1]
+            if total and failed > max_failed_frac * total:
+                return (f"data.reward={spec} failed on {failed} of the {total} responses of {name} "
+                        f"({failed / total:.0%}, more than data.reward_max_failed_frac={max_failed_frac:g}; the first, "
+                        f"{self.first_failure[name]})")
+        return None
 
     @property
     def scores(self) -> dict[str, float]:
@@ -54,8 +72,14 @@ class EvalResult:
     def mean(self) -> float:
         return float(self.exact_mean)
 
-    def metrics(self, k: int) -> dict[str, float]:
-        out = {f"eval/{name}_avg@{k}": value for name, value in self.scores.items()}
+    def metrics(self, k: int, *, measured: bool = True) -> dict[str, float]:
+        """The evaluation's metrics; with a user reward, ``eval/<dataset>_reward_failed`` too. An
+        evaluation that measured nothing (``measured=False``, see :meth:`unscored`) reports only
+        those counts: its accuracies would read as the policy's."""
+        out = {f"eval/{name}_reward_failed": failed for name, failed in self.reward_failed.items()}
+        if not measured:
+            return out
+        out.update({f"eval/{name}_avg@{k}": value for name, value in self.scores.items()})
         out[f"eval/mean_avg@{k}"] = self.mean
         for name, halves in self.halves.items():
             for half, (correct, total) in halves.items():
@@ -125,18 +149,25 @@ def score_evaluation(generated: list, sets: list[EvalSet], tokenizer, reward_fn,
     ev = cfg.eval
     counts: Counts = {}
     halves: dict[str, Counts] = {}
+    failed: dict[str, int] = {}
+    first_failure: dict[str, str] = {}
     offset = 0
     for eval_set in sets:
         problems = [e.problem for e in eval_set.prompts for _ in range(ev.k)]
         samples, offset = generated[offset:offset + len(problems)], offset + len(problems)
         # A truncated response is wrong here whatever data.truncated_reward makes of it in
         # training: Avg@k counts correct answers (a user's reward: responses it scores 1).
-        correct = score(samples, problems, tokenizer, reward_fn, truncated_reward=0.0) == 1.0
+        tally = RewardTally()  # a user reward's failures, counted (they score 0: not wrong answers)
+        correct = score(samples, problems, tokenizer, reward_fn, truncated_reward=0.0, tally=tally) == 1.0
         counts[eval_set.name] = (int(correct.sum()), correct.numel())
         by_question = correct.view(-1, ev.k)  # each question's k responses are consecutive
         halves[eval_set.name] = {half: (int(by_question[start::2].sum()), by_question[start::2].numel())
                                  for start, half in enumerate(HALVES)}
-    return EvalResult(step, counts, halves)
+        if tally.used:
+            failed[eval_set.name] = tally.failed
+            if tally.first_failure is not None:
+                first_failure[eval_set.name] = tally.first_failure
+    return EvalResult(step, counts, halves, failed, first_failure)
 
 
 @dataclass

@@ -199,10 +199,23 @@ class Evaluations:
 
     # ---------------------------------------------------------------------------- recording
     def _record(self, result: EvalResult, *, write: bool, how: str) -> dict[str, float]:
-        improved = self.best.update(result)
-        metrics = result.metrics(self.cfg.eval.k)
+        """Tell the best-checkpoint rule, write and echo an evaluation. One on which a user reward
+        failed beyond ``data.reward_max_failed_frac`` measured nothing (its failures score as wrong
+        answers): it is left out of the rule, its accuracies are not written (its reward-failure
+        counts are), and a warning and the echo say why."""
+        data = self.cfg.data
+        unscored = result.unscored(data.reward, data.reward_max_failed_frac)
+        improved = unscored is None and self.best.update(result)
+        metrics = result.metrics(self.cfg.eval.k, measured=unscored is None)
         if write:
             self._metrics_out.write(result.step, metrics)
+        if unscored is not None:
+            failed = ", ".join(f"eval/{name}_reward_failed" for name in result.reward_failed)
+            message = (f"eval step {result.step}{how} measured nothing and is left out of the best checkpoint: "
+                       f"{unscored}; its accuracies are not recorded (metrics {failed})")
+            log.warning(message)
+            self._echo(message)
+            return metrics
         self._echo(f"eval step {result.step}{how}: " + ", ".join(f"{k}={v:.3f}" for k, v in result.scores.items())
                    + f" | mean {result.mean:.3f}{' (best)' if improved else ''}")
         return metrics

@@ -9,6 +9,7 @@ unchanged model) and what the run directory allows. Refused input raises
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,17 +94,23 @@ def load_data(cfg, tokenizer, *, cursor: int = 0) -> tuple[PromptStream, list[Ev
     return prompts, eval_sets
 
 
-def check_trackers(cfg) -> None:
-    """Every tracker ``logging.trackers`` asks for can start: its package is installed. (The
-    implicit TensorBoard of ``logging.trackers: null`` only warns when it cannot, as a tracker
-    that fails mid-run does.)"""
-    if cfg.logging.trackers is None:
-        return
-    from bpo_megatron.observability.trackers import missing_package
+def check_trackers(cfg) -> str | None:
+    """Every tracker ``logging.trackers`` asks for can start: its package is installed and
+    imports. The implicit TensorBoard of ``logging.trackers: null`` is not refused (a run may go
+    without it, as after a tracker that fails mid-run); a note says when it cannot start."""
+    from bpo_megatron.observability.trackers import missing_package, tracker_class, unavailable
 
+    if cfg.logging.trackers is None:
+        if not cfg.logging.tensorboard or (why := unavailable("tensorboard")) is None:
+            return None
+        package = tracker_class("tensorboard").package
+        return (f"logging.trackers is null, so the run mirrors its metrics to TensorBoard, whose package {package!r} "
+                f"{why}: the run writes metrics.jsonl alone (pip install {package}; or set logging.tensorboard=false, "
+                "or list the trackers in logging.trackers, where a missing one is refused)")
     for name in cfg.logging.trackers:
         if (why := missing_package(name)) is not None:
             raise RunRefused(why)
+    return None
 
 
 def check_reward(cfg, problem: Problem, what: str = "the first training record") -> str | None:
@@ -239,13 +246,13 @@ def check_initial_weights(cfg, hf) -> None:
 
 def check_pretrained_weights(cfg, hf) -> None:
     """A run that starts from ``model.path``'s weights: every file readable (not cut short) and
-    every tensor there with the shape its config.json implies."""
-    from bpo_megatron.weights.names import hf_tensor_shapes
+    every tensor there with the shape its config.json implies, and no expert it does not count."""
+    from bpo_megatron.weights.names import check_hf_checkpoint
     from bpo_megatron.weights.safetensors_io import HFWeightsReader
 
     try:
         with HFWeightsReader(cfg.model.path) as reader:
-            reader.check(hf_tensor_shapes(hf))
+            check_hf_checkpoint(reader, hf)
     except (OSError, ValueError) as exc:
         raise RunRefused(f"model.path={cfg.model.path}: {exc}") from exc
 
@@ -285,6 +292,20 @@ def decoupled_anchor_note(cfg) -> str | None:
             "mismatch_kl_k3) includes the responses' staleness besides the engine/trainer mismatch")
 
 
+def unused_engine_note(cfg) -> str | None:
+    """The settings of engine sections the run does not use (``rollout.engine`` picks one): they
+    do nothing, which a user who set, say, FP8 serving there should hear before the run."""
+    unused = cfg.rollout.unused_settings()
+    if not unused:
+        return None
+    chosen = {option.name for option in dataclasses.fields(cfg.rollout.options)}
+    listed = "; ".join(f"rollout.{engine}.{name}={value!r}"
+                       + (f" (this engine's own is rollout.{cfg.rollout.engine}.{name})" if name in chosen else "")
+                       for engine, name, value in unused)
+    return (f"rollout.engine={cfg.rollout.engine}: the sections of the other engines are not used, so these settings "
+            f"do nothing: {listed}; move them to rollout.{cfg.rollout.engine} or drop them")
+
+
 def prepare(cfg, *, override_resume: tuple[str, ...] = ()) -> RunPlan:
     """Check everything the run will read; refuse with :class:`RunRefused` (nothing written)."""
     run_dir = Path(cfg.run_dir)
@@ -301,13 +322,16 @@ def prepare(cfg, *, override_resume: tuple[str, ...] = ()) -> RunPlan:
     state, resume_from, notes = resume_point(cfg, hf) if occupied else (RunState(), None, [])
     if (anchor := decoupled_anchor_note(cfg)) is not None:
         notes.append(anchor)
+    if (unused := unused_engine_note(cfg)) is not None:
+        notes.append(unused)
     if resume_from is None and cfg.model.init == "pretrained":
         check_pretrained_weights(cfg, hf)
     offload, offload_notes = colocated_offload(cfg, hf)
     notes += offload_notes
     tokenizer = load_run_tokenizer(cfg, hf)
     prompts, eval_sets = load_data(cfg, tokenizer, cursor=state.data_cursor)
-    check_trackers(cfg)
+    if (tracking := check_trackers(cfg)) is not None:
+        notes.append(tracking)
     if (scored := check_reward(cfg, prompts.peek().problem)) is not None:
         notes.append(scored)
     agent, agent_note = check_agent(cfg, tokenizer, prompts.peek().problem)

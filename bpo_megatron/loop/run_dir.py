@@ -68,11 +68,14 @@ class RunState:
     # many records metrics.jsonl held then (a resume keeps those; None: those up to the step)
     eval_pending: list = field(default_factory=list)
     metrics_records: int | None = None
+    # RL steps that trained nothing: a user reward failed on their batches (data.on_reward_failure=skip_step)
+    skipped_steps: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"rl_step": self.step, "data_cursor": self.data_cursor, "sft_done": self.sft_done,
                 "best_step": self.best_step, "best_mean": self.best_mean, "eval_history": self.eval_history,
-                "eval_pending": list(self.eval_pending), "metrics_records": self.metrics_records}
+                "eval_pending": list(self.eval_pending), "metrics_records": self.metrics_records,
+                "skipped_steps": list(self.skipped_steps)}
 
     @classmethod
     def from_checkpoint(cls, meta: dict) -> "RunState":
@@ -80,7 +83,8 @@ class RunState:
                    best_step=meta.get("best_step"), best_mean=meta.get("best_mean", float("-inf")),
                    eval_history=[tuple(x) for x in meta.get("eval_history", [])],
                    eval_pending=[int(s) for s in meta.get("eval_pending", [])],
-                   metrics_records=meta.get("metrics_records"))
+                   metrics_records=meta.get("metrics_records"),
+                   skipped_steps=[int(s) for s in meta.get("skipped_steps", [])])
 
 
 def checkpoint_root(cfg) -> Path:

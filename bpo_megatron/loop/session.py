@@ -6,16 +6,17 @@ trackers, the best-checkpoint rule; then Ray, the placement, the rollout engines
 evaluation engines of ``eval.mode=background``. :meth:`RunSession.start` loads the weights (a
 checkpoint to resume, or the initial ones), runs the warm start and evaluates the initial policy.
 Torn down whatever happened, in reverse: trackers told whether the run failed, every group shut
-down, the placement removed, Ray stopped if this run started it, the lock released.
+down, the placement removed, a user reward's scoring workers ended, Ray stopped if this run started
+it, the lock released.
 """
 
 from __future__ import annotations
 
 import errno
-import shutil
 import sys
 import time
 
+from bpo_megatron.data.reward_values import RecordReward
 from bpo_megatron.data.rewards import reward_fn
 from bpo_megatron.eval.avg_at_k import BestCheckpoint
 from bpo_megatron.eval.config import background_engines
@@ -31,7 +32,7 @@ from bpo_megatron.orchestration.groups import EngineGroup, TrainerFailed, Traine
 from bpo_megatron.orchestration.placement import EVALUATION
 from bpo_megatron.orchestration.phases import DevicePhases
 from bpo_megatron.rollout.agents import with_agent
-from bpo_megatron.trainer.checkpoint import checkpoint_bytes, step_dir_name, step_dirs
+from bpo_megatron.trainer.checkpoint import checkpoint_bytes, space_shortfall, step_dir_name
 from bpo_megatron.weight_sync.session import sync_weights
 
 
@@ -44,7 +45,7 @@ class RunSession:
     def __init__(self, plan: RunPlan, echo=print) -> None:
         self.plan, self.cfg, self.state, self.echo = plan, plan.cfg, plan.state, echo
         self.prompts, self.tokenizer = plan.prompts, plan.tokenizer
-        self.metrics_out = self.trainer = self.engines = self.placement = self._evaluators = None
+        self.metrics_out = self.trainer = self.engines = self.placement = self._evaluators = self.verify = None
         self._started_ray = False
         self._lock = RunLock(self.cfg.run_dir)
         self._writing: tuple[int, float] | None = None  # a background save: its step and start time
@@ -157,9 +158,11 @@ class RunSession:
 
     def skip_step(self, step: int, data_cursor, metrics: dict[str, float], failure: Exception) -> None:
         """A step that trains nothing (``data.on_reward_failure=skip_step``): recorded as skipped
-        (``reward/skipped_step``), saying why, and saved on the usual schedule."""
+        (``reward/skipped_step``, and in the run's state, which the run's result reports), saying
+        why, and saved on the usual schedule."""
         self.echo(f"step {step}/{self.cfg.train.steps} skipped, nothing trained: {failure}")
         self.state.step, self.state.data_cursor = step, data_cursor
+        self.state.skipped_steps.append(step)
         self.record(step, {**metrics, "reward/skipped_step": 1.0})
         self.checkpoint(step)
 
@@ -221,11 +224,13 @@ class RunSession:
                       f"(published within {time.perf_counter() - start:.1f} s of its start)")
 
     def finish(self) -> dict:
-        """Every evaluation recorded, the last checkpoint written; what the run achieved."""
+        """Every evaluation recorded, the last checkpoint written; what the run achieved (with the
+        RL steps that trained nothing, ``skipped_steps``)."""
         self.evaluations.wait(why="the run ends")
         self.finish_saves()
         return {"step": self.state.step, "best_step": self.best.step, "best_mean": self.best.mean,
-                "best_weights": self.best_weights(), "run_dir": str(self.cfg.run_dir)}
+                "best_weights": self.best_weights(), "run_dir": str(self.cfg.run_dir),
+                "skipped_steps": list(self.state.skipped_steps)}
 
     def best_weights(self) -> str | None:
         """Where the best evaluation's weights are: its checkpoint (kept whatever
@@ -252,23 +257,17 @@ class RunSession:
                     group.shutdown()
             if self.placement is not None:
                 self.placement.remove()
+            if isinstance(self.verify, RecordReward):  # a user reward's scoring workers end with the run
+                self.verify.close()
             if self._started_ray:
                 stop_ray()
         finally:
             self._lock.__exit__(exc_type, exc, tb)
 
 
-NO_SPACE_MARGIN_BYTES = 64 * 2**20  # free space below which a failed first save is put down to a full disk
-
-
 def _refuse_full_disk(root, failure: Exception) -> None:
-    """A save that failed on a disk with less room than a checkpoint takes (the newest complete
-    one's size; before the first, ``NO_SPACE_MARGIN_BYTES``) failed for want of space, whatever
-    error the writer's rank reported (a truncated write surfaces in many forms): say so, as
+    """A save that failed on a disk with less room than a checkpoint takes failed for want of
+    space, whatever error the writer's rank reported (``checkpoint.space_shortfall``): say so, as
     ``OSError(ENOSPC)`` naming the checkpoint directory."""
-    complete = [d for d in step_dirs(root) if checkpoint_bytes(d)] if root.is_dir() else []
-    needed = checkpoint_bytes(complete[-1]) if complete else NO_SPACE_MARGIN_BYTES
-    free = shutil.disk_usage(root if root.is_dir() else root.parent).free
-    if free < needed:
-        raise OSError(errno.ENOSPC, f"no space left: {free / 1e9:.3f} GB free, a checkpoint takes about "
-                                    f"{needed / 1e9:.3f} GB ({failure})", str(root)) from failure
+    if (shortfall := space_shortfall(root)) is not None:
+        raise OSError(errno.ENOSPC, f"{shortfall} ({failure})", str(root)) from failure

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from collections.abc import Mapping
@@ -86,6 +87,27 @@ class RolloutConfig:
     def options(self) -> Any:
         """The chosen engine's own section (``rollout.<engine>``)."""
         return getattr(self, self.engine)
+
+    def unused_settings(self) -> list[tuple[str, str, Any]]:
+        """``(engine, field, value)`` for every setting in the section of an engine other than
+        ``engine`` that differs from its default: that section is never read, so what it says
+        (``rollout.sglang.quantization=fp8`` under ``rollout.engine=hf``, say) does not happen."""
+        unused = []
+        for engine in _ENGINE_SECTIONS:
+            if engine == self.engine:
+                continue
+            section = getattr(self, engine)
+            for option in dataclasses.fields(section):
+                if option.default is not dataclasses.MISSING:
+                    default = option.default
+                elif option.default_factory is not dataclasses.MISSING:
+                    default = option.default_factory()
+                else:  # a required option: any value was set on purpose
+                    default = dataclasses.MISSING
+                value = getattr(section, option.name)
+                if value != default:
+                    unused.append((engine, option.name, value))
+        return unused
 
     @property
     def sync_dtype(self) -> str | None:

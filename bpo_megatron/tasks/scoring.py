@@ -37,12 +37,21 @@ class RewardTally:
     sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     used: bool = False  # a user reward scored (maybe nothing: every response truncated)
+    first_failure: str | None = None  # the first failed call: its record and what it raised or returned
 
-    def add(self, outcomes: list[Outcome]) -> None:
+    @property
+    def failed(self) -> int:
+        """Responses whose scoring failed (an invalid value or a failed call), scored 0."""
+        return self.invalid + self.errors
+
+    def add(self, outcomes: list[Outcome], records: list[dict[str, str]] | None = None) -> None:
         self.used = True
-        for outcome in outcomes:
+        for index, outcome in enumerate(outcomes):
             self.invalid += outcome.failure == "invalid"
             self.errors += outcome.failure == "error"
+            if outcome.failure is not None and self.first_failure is None:
+                self.first_failure = (f"record {records[index]['id']!r} {outcome.detail}" if records is not None
+                                      else outcome.detail)
             for name, value in outcome.extras.items():
                 self.sums[name] += value
                 self.counts[name] += 1
@@ -87,7 +96,7 @@ def score(samples: list[Sample], problems: list[Problem], tokenizer, reward_fn, 
         records = [record_of(problems[i]) for i in finished]
         outcomes = reward_fn.score_records(records, texts)
         if tally is not None:
-            tally.add(outcomes)
+            tally.add(outcomes, records)
         if max_failed_frac is not None:
             refuse_failed_batch(reward_fn.spec, records, outcomes, max_failed_frac)
         verified = [outcome.score for outcome in outcomes]

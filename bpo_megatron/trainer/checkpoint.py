@@ -33,11 +33,13 @@ gathered on DP rank 0 of each inner optimizer alone, and made compact before the
 
 from __future__ import annotations
 
+import errno
 import inspect
 import json
 import os
 import random
 import shutil
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,6 +207,26 @@ def _optimizer_format(optimizer) -> str:
     return "per-parameter" if optimizer_state.per_parameter(optimizer) else "megatron"
 
 
+NO_SPACE = os.strerror(errno.ENOSPC)  # "No space left on device", as a failure's text carries it
+NO_SPACE_MARGIN_BYTES = 64 * 2**20  # free space below which a failed first save is put down to a full disk
+
+
+def space_shortfall(root: str | Path) -> str | None:
+    """Why a save under ``root`` that failed failed for want of space, or None: the device holding
+    it has less free space than a checkpoint takes (the newest complete one's size; before the
+    first, ``NO_SPACE_MARGIN_BYTES``). A write cut short by a full disk surfaces in many forms (an
+    ``OSError``, a writer's exception passed on as text, a worker that died), so the disk is
+    asked, not the error."""
+    root = Path(root)
+    complete = [d for d in step_dirs(root) if checkpoint_bytes(d)] if root.is_dir() else []
+    needed = checkpoint_bytes(complete[-1]) if complete else NO_SPACE_MARGIN_BYTES
+    free = shutil.disk_usage(root if root.is_dir() else root.parent).free
+    if free >= needed:
+        return None
+    return (f"{NO_SPACE}: {free / 1e9:.3f} GB free on the device holding {root}, a checkpoint takes about "
+            f"{needed / 1e9:.3f} GB")
+
+
 def checkpoint_bytes(directory: Path) -> int:
     """The bytes of a saved checkpoint's files, as its checksum manifest records them (0 if it has none)."""
     manifest = directory / integrity.MANIFEST
@@ -225,16 +247,20 @@ class BackgroundSaves:
         # temporal caller forks this process per save, which works on CPUs and GPUs alike
         self._queue = AsyncCallsQueue(persistent=False)
         self.step: int | None = None  # the step being written
+        self.root: Path | None = None  # the checkpoint root it is written under
         self.waited_s = 0.0  # how long the last save waited for the one before it to finish
         self.staged_s = 0.0  # how long the last save took before it returned (the step's share)
+        self._writer = None  # the writer process Megatron forked for the save in flight (its exit status)
 
     @property
     def in_flight(self) -> bool:
         return self.step is not None
 
-    def start(self, request, step: int) -> None:
+    def start(self, request, step: int, root: str | Path) -> None:
         self._queue.schedule_async_request(request)
-        self.step = step
+        self.step, self.root = step, Path(root)
+        caller = self._queue.async_calls[-1].async_caller if self._queue.async_calls else None
+        self._writer = getattr(caller, "process", None)  # Megatron closes its own reference when done
 
     def poll(self) -> int | None:
         """Publish the save in flight if every rank's writer is done; the step published, if any."""
@@ -272,10 +298,18 @@ class BackgroundSaves:
             self._queue.maybe_finalize_async_calls(blocking=False)
         except CheckpointException as exc:  # a BaseException; raised on every rank, but detailed on rank 0
             step, self.step = self.step, None
-            detail = [str(exc)]
-            dist.broadcast_object_list(detail, src=0)
-            raise RuntimeError(f"the background save of step {step} failed (its {PARTIAL_PREFIX} directory is never "
-                               f"read; the checkpoint before it stays the newest): {detail[0]}") from exc
+            # what the disk says, on rank 0 (so every rank raises alike); every rank's writer's exit status
+            reported = [str(exc), space_shortfall(self.root) if self.root is not None else None]
+            dist.broadcast_object_list(reported, src=0)
+            exits: list = [None] * dist.get_world_size()
+            dist.all_gather_object(exits, getattr(self._writer, "exitcode", None))
+            detail, shortfall = reported
+            cause = _failed_save_cause(shortfall, exits, detail)
+            message = (f"the background save of step {step} failed: {cause} (its {PARTIAL_PREFIX} directory is never "
+                       f"read; the checkpoint before it stays the newest. The writer's report: {detail.strip()})")
+            if shortfall is not None or NO_SPACE in detail:
+                raise OSError(errno.ENOSPC, message, str(self.root)) from exc
+            raise RuntimeError(message) from exc
         except BaseException:
             if not self._queue.get_num_unfinalized_calls():
                 self.step = None
@@ -286,6 +320,29 @@ class BackgroundSaves:
             return None
         step, self.step = self.step, None
         return step
+
+
+def _failed_save_cause(shortfall: str | None, exits: list, detail: str) -> str:
+    """What made a background save fail, in words: a full disk (``shortfall``, or the writer's
+    report saying so), a writer process that was killed or exited with an error before it handed
+    back its results (``exits``: each rank's writer's exit status), or else the writer's error."""
+    if shortfall is not None:
+        return shortfall
+    if NO_SPACE in detail:
+        return f"{NO_SPACE} (the writer's report)"
+    dead = []
+    for rank, code in enumerate(exits):
+        if code is not None and code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            dead.append(f"the checkpoint writer process of trainer rank {rank} was killed by {name}")
+        elif code:
+            dead.append(f"the checkpoint writer process of trainer rank {rank} exited with status {code}")
+    if dead:
+        return "; ".join(dead) + " before it had written its files"
+    return "the checkpoint writer raised an error"
 
 
 def check_checkpoint_writer() -> None:
@@ -368,7 +425,7 @@ def save(root: str | Path, step: int, model: torch.nn.Module, optimizer, trainer
             writer = _held_writer(writer, Path(hold), rank)
         request = request._replace(async_fn=writer)
     # at once, before the next optimizer step changes what the writer's fork sees
-    background.start(request, step)
+    background.start(request, step, root)
     background.staged_s = time.perf_counter() - start
     return final
 

@@ -299,6 +299,51 @@ def hf_tensor_shapes(hf: HFModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# a routed expert's tensor on disk: model.layers.{layer}.mlp.experts.{expert}.<projection>
+_ROUTED_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+
+
+def unexpected_experts(names, hf: HFModelConfig) -> dict[int, list[int]]:
+    """Layer -> the experts that tensors among ``names`` (a checkpoint's) hold in that layer of
+    the main model but the config does not have: ids at or past ``num_experts``, or any in a layer
+    the config makes dense. Layers past ``num_hidden_layers`` (multi-token prediction) are not the
+    main model's and are not looked at."""
+    moe_layers, count = set(hf.moe_layers), hf.num_experts
+    extra: dict[int, set[int]] = {}
+    for name in names:
+        found = _ROUTED_EXPERT.match(name)
+        if found is None:
+            continue
+        layer, expert = int(found[1]), int(found[2])
+        if layer < hf.num_hidden_layers and (layer not in moe_layers or expert >= count):
+            extra.setdefault(layer, set()).add(expert)
+    return {layer: sorted(experts) for layer, experts in sorted(extra.items())}
+
+
+def check_hf_checkpoint(reader, hf: HFModelConfig) -> None:
+    """A Hugging Face checkpoint (an open ``HFWeightsReader``) holds every tensor its config
+    implies, of its shape, and no expert the config does not count: a config.json with fewer
+    experts than its weights (or a dense layer where the weights have experts) builds another
+    network than the one trained, and the extra experts would be dropped without a word."""
+    reader.check(hf_tensor_shapes(hf))
+    extra = unexpected_experts(reader.weight_map, hf)
+    if not extra:
+        return
+
+    def ids(experts: list[int]) -> str:
+        return f"{experts[0]}" if len(experts) == 1 else f"{experts[0]}-{experts[-1]}" if (
+            experts[-1] - experts[0] == len(experts) - 1) else ", ".join(map(str, experts))
+
+    moe_layers = set(hf.moe_layers)
+    listing = "; ".join(f"layer {layer}{'' if layer in moe_layers else ' (dense in config.json)'}: "
+                        f"expert{'s' if len(experts) > 1 else ''} {ids(experts)}" for layer, experts in extra.items())
+    raise ValueError(f"the Hugging Face checkpoint in {reader.directory} holds experts its config.json does not count "
+                     f"(num_experts, n_routed_experts in DeepSeek-V3 and GLM-4.5 configs, is {hf.num_experts}: ids "
+                     f"0-{hf.num_experts - 1} in its MoE layers): {listing}. They would be left out and the model "
+                     "built would not be the one these weights were trained as: use the config.json saved with "
+                     "these weights")
+
+
 def hf_tensor_count(hf: HFModelConfig) -> int:
     """How many Hugging Face tensors the checkpoint holds (what a weight sync announces)."""
     return sum(len(RULES_BY_NAME[name].hf) for name, _, _ in expected_keys(hf))

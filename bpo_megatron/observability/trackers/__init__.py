@@ -32,15 +32,38 @@ def tracker_class(name: str) -> type["Tracker"]:
     return TRACKERS.load(name)
 
 
-def missing_package(name: str) -> str | None:
-    """Why tracker ``name`` cannot start here (its package is not installed), or None."""
+def unavailable(name: str) -> str | None:
+    """Why tracker ``name``'s package cannot be used here (``"is not installed"``, ``"does not
+    import (…)"``), or None when it imports.
+
+    The package is imported, not only looked up: a run imports it at its start, where a failure
+    is only a warning, and a lookup alone takes a directory of the package's name (a leftover
+    ``wandb/`` in the working directory, or what an uninstall left behind) for the package."""
+    import importlib
     import importlib.util
 
     package = tracker_class(name).package
-    if package and importlib.util.find_spec(package) is None:
-        return (f"logging.trackers lists {name}, but its package {package!r} is not installed: pip install "
-                f"{package}, or drop {name} from logging.trackers")
+    if not package:
+        return None
+    if importlib.util.find_spec(package) is None:
+        return "is not installed"
+    try:
+        module = importlib.import_module(package)
+    except Exception as exc:  # noqa: BLE001 - whatever the package's import raises is the reason
+        return f"does not import ({type(exc).__name__}: {exc})"
+    if getattr(module, "__file__", None) is None:  # a namespace package: directories, no package
+        where = ", ".join(str(path) for path in getattr(module, "__path__", []))
+        return f"is not installed (what the import finds is only a directory of that name: {where})"
     return None
+
+
+def missing_package(name: str) -> str | None:
+    """Why tracker ``name`` cannot start here (:func:`unavailable`), naming the setting and the
+    fix, or None."""
+    if (why := unavailable(name)) is None:
+        return None
+    package = tracker_class(name).package
+    return f"logging.trackers lists {name}, but its package {package!r} {why}: pip install {package}, or drop {name} from logging.trackers"
 
 
 @dataclass(frozen=True)
