@@ -58,6 +58,9 @@ def test_qwen3_30b_at_the_recipes_tp_4_needs_expert_parallelism_and_is_refused_w
         layout = quantized_layout(_fp8(tp, ep), QWEN3_30B)
         assert layout.ok and layout.unquantized == (), (tp, ep)
     assert quantized_layout(SGLangOptions(tp_size=4), QWEN3_30B) is None  # bf16: nothing to build in FP8
+    uneven = quantized_layout(_fp8(4, 4), HFModelConfig.load({**QWEN3_30B.source, "num_experts": 126}))
+    assert not uneven.ok and "ep_size=4 does not divide the 126 experts" in uneven.refused[0]
+    assert "choose one of [2]" in uneven.refused[0]  # 126 = 2 × 63, and 768 / (4 // 2) = 384
 
 
 def test_glm_air_serves_its_dense_mlp_and_shared_experts_in_bf16_and_its_experts_in_fp8_at_ep_8():

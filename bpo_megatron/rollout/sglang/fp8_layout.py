@@ -200,6 +200,10 @@ def quantized_layout(options: SGLangOptions, hf: HFModelConfig) -> QuantizedLayo
         return QuantizedLayout(where, refused=(
             f"rollout.sglang.quantization=fp8 is not supported for {hf.architecture} (multi-head latent attention): "
             "the FP8 weight rules name grouped-query attention's projections only; serve it unquantized",))
+    if hf.is_moe and hf.num_experts % ep:
+        return QuantizedLayout(where, refused=(
+            f"rollout.sglang.ep_size={ep} does not divide the {hf.num_experts} experts: SGLang gives each expert-parallel "
+            f"rank the same number; choose one of {working_expert_parallelism(hf, tp)}",))
     lines, refused, unquantized = [], [], []
     for placed in sglang_layers(hf, tp, ep, shared_experts_fused(options)):
         expert = isinstance(placed.layer, ExpertLayer)
