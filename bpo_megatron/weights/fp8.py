@@ -276,8 +276,8 @@ def served_checkpoint(model_dir: str | Path, directory: str | Path | None = None
         if _held(target, wanted):  # made while this one waited
             return target
         partial = parent / _partial_name(target)
-        shutil.copytree(source, partial, ignore=shutil.ignore_patterns("*.safetensors", INDEX_FILE))
         try:
+            shutil.copytree(source, partial, ignore=shutil.ignore_patterns("*.safetensors", INDEX_FILE))
             writer = ShardedSafetensorsWriter(partial)
             with HFWeightsReader(source) as reader:
                 for name in reader.weight_map:
