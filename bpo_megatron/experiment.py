@@ -202,11 +202,15 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
                           f"{cfg.model.path}); set loss.score_centering_top_k <= {hf.vocab_size} (default 32)")
     if cfg.model.options.routing_replay and not hf.num_experts:
         raise ConfigError("model.routing_replay=true needs a Mixture-of-Experts model; model.path is dense")
-    if hf.multi_latent_attention and cfg.rollout.sync_quantization is not None:
+    if hf.multi_latent_attention and cfg.rollout.spec.weight_quantization(cfg.rollout.options) is not None:
         # the FP8 weight rules (weights/fp8.py) name grouped-query attention's projections only: the
         # latent projections would reach an FP8 server unquantized
         raise ConfigError(f"rollout.{cfg.rollout.engine}.quantization=fp8 is not supported for {hf.architecture} "
                           "(multi-head latent attention): serve it unquantized")
+    layout = cfg.rollout.quantized_layout(hf)
+    if layout is not None and not layout.ok:
+        # the engine cannot build these quantized layers at its layout (e.g. SGLang's 128-blocks per partition)
+        raise ConfigError(f"rollout.{cfg.rollout.engine}.quantization: " + layout.describe())
     try:
         check_megatron_builds(hf)
     except ValueError as exc:

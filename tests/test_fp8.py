@@ -225,13 +225,16 @@ def test_an_fp8_server_gets_e4m3_values_and_block_scales_and_starts_from_a_block
 
     weight = torch.randn(200, 300, generator=torch.Generator().manual_seed(9))
     name = "model.layers.0.mlp.experts.3.down_proj.weight"
-    [(q_name, q), (s_name, scale)] = fp8.SYNC_FORMS["fp8-blocks"](name, weight)
+    blocks = fp8.SyncQuantization("fp8-blocks")
+    [(q_name, q), (s_name, scale)] = blocks.tensors(name, weight)
     assert (q_name, s_name) == (name, name + "_scale_inv") and q.dtype == torch.float8_e4m3fn
     assert torch.equal(fp8.dequantize(q, scale), fp8.round_through_fp8(weight))
     router = "model.layers.0.mlp.gate.weight"
-    assert fp8.SYNC_FORMS["fp8-blocks"](router, weight)[0][1] is weight and len(fp8.SYNC_FORMS["fp8-blocks"](router, weight)) == 1
-    [(_, rounded)] = fp8.SYNC_FORMS["fp8"](name, weight)
+    assert blocks.tensors(router, weight)[0][1] is weight and len(blocks.tensors(router, weight)) == 1
+    [(_, rounded)] = fp8.SyncQuantization("fp8").tensors(name, weight)
     assert torch.equal(rounded, fp8.round_through_fp8(weight))
+    with pytest.raises(ValueError, match="choose one of"):
+        fp8.SyncQuantization("int4")
 
     served = fp8.served_checkpoint(moe_dir)
     assert served == moe_dir.with_name(moe_dir.name + ".fp8") and fp8.served_checkpoint(moe_dir) == served  # once

@@ -86,13 +86,14 @@ class Evaluations:
 
         cfg = plan.cfg
         apart = cfg.weight_transport(evaluation=True)  # the evaluation engines' devices are theirs
+        quantization = cfg.rollout.sync_quantization(cfg.hf_config())
 
         def sync(version: int, only: list[int] | None = None) -> dict:
             phases.train()  # the weights are read where the trainer computes (colocated: it holds the devices)
             return sync_weights(trainer, evaluations.engines, transport=apart, version=version,
                                 bucket_bytes=cfg.weight_sync.bucket_bytes,
                                 verify=cfg.weight_sync.verify, only=only, dtype=cfg.rollout.sync_dtype,
-                                quantization=cfg.rollout.sync_quantization)
+                                quantization=quantization)
 
         evaluations = cls(plan, reward_fn, best, metrics_out, echo, engines=evaluators, sync=sync,
                           trainer_version=lambda: phases.version)

@@ -328,6 +328,8 @@ def prepare(cfg, *, override_resume: tuple[str, ...] = ()) -> RunPlan:
         check_pretrained_weights(cfg, hf)
     offload, offload_notes = colocated_offload(cfg, hf)
     notes += offload_notes
+    if (layout := cfg.rollout.quantized_layout(hf)) is not None:  # refused ones stopped the config check
+        notes.append(layout.describe())
     tokenizer = load_run_tokenizer(cfg, hf)
     prompts, eval_sets = load_data(cfg, tokenizer, cursor=state.data_cursor)
     if (tracking := check_trackers(cfg)) is not None:

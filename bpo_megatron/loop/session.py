@@ -78,6 +78,8 @@ class RunSession:
         self._started_ray = start_ray(cfg.cluster,
                                       cpus_needed=cfg.cluster.trainer_ranks + cfg.rollout.num_engines + evaluating)
         self.placement = run_placement(cfg, eval_engines=evaluating)  # engines on the trainer's devices, or apart
+        # how the weights are sent to engines that hold them quantized (the same at every push)
+        self._sync_quantization = cfg.rollout.sync_quantization(cfg.hf_config())
         self.engines = EngineGroup(cfg, self.hf_dir, placement=self.placement)
         # what generates: the engines, or conversations of theirs with rollout.agent's tool
         self.rollouts = with_agent(self.engines, self.plan.agent, self.tokenizer)
@@ -101,7 +103,7 @@ class RunSession:
                             transport=cfg.weight_transport(),
                             version=version, bucket_bytes=cfg.weight_sync.bucket_bytes,
                             verify=cfg.weight_sync.verify, only=only, dtype=cfg.rollout.sync_dtype,
-                            quantization=cfg.rollout.sync_quantization)
+                            quantization=self._sync_quantization)
 
     def start(self) -> None:
         """The weights (the checkpoint resumed from, or the initial ones), the warm start, and the

@@ -295,7 +295,8 @@ class EngineGroup:
         if cfg.rollout.agent.enabled and self._updates_apart:  # each conversation batch's turns go in batches
             generating *= TURN_BATCHES_IN_FLIGHT
         self._actor = ray.remote(concurrency_groups={LIVENESS: 2, UPDATE: 1, GENERATE: generating})(EngineWorker)
-        self._start_timeout_s = getattr(cfg.rollout.options, "startup_timeout_s", 0.0) + START_ALLOWANCE_S
+        # the engine's own start bound (a server's, with an FP8 server's copy and kernel compilation)
+        self._start_timeout_s = getattr(cfg.rollout.options, "start_bound_s", 0.0) + START_ALLOWANCE_S
         self.workers: list = []
         self.workers = self._start(list(range(count)))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,9 @@ from bpo_megatron.observability.library_logs import quiet_library_logs
 from bpo_megatron.orchestration import gloo_interface
 from bpo_megatron.orchestration.cluster import host_rendezvous
 from bpo_megatron.orchestration.host_values import returns_host_values
+
+if TYPE_CHECKING:
+    from bpo_megatron.weights import fp8
 
 # How long a rendezvous waits for its members: a trainer rank for rank 0's store, a weight group's
 # host for the engines' TP ranks.
@@ -135,8 +138,8 @@ class TrainWorker:
                                                      platform.distributed_backend())
 
     def push_weights(self, transport: str, endpoints: list, version: int, bucket_bytes: int, verify: bool,
-                     dtype: str | None = None, channel: str = "rollout", quantization: str | None = None
-                     ) -> dict[str, Any]:
+                     dtype: str | None = None, channel: str = "rollout",
+                     quantization: fp8.SyncQuantization | None = None) -> dict[str, Any]:
         """Stream the model as Hugging Face tensors (the actor's export); rank 0 sends the buckets
         over ``transport`` to the engines at ``endpoints`` (the driver's
         :class:`~bpo_megatron.weight_sync.transport.EngineEndpoint` records): the transport is
@@ -146,13 +149,13 @@ class TrainWorker:
         rank for a transport that sends from every GPU (``cuda_ipc``). ``dtype``
         (``fp32``/``bf16``) converts the tensors to the engines' precision first, and
         ``quantization`` sends the linear layers' weights as the engines hold them
-        (:data:`bpo_megatron.weights.fp8.SYNC_FORMS`: rounded through e4m3, or e4m3 values and
-        block scales; the one place that decides it). Engines that
+        (:class:`bpo_megatron.weights.fp8.SyncQuantization`: rounded through e4m3, or e4m3 values
+        and block scales, the modules the engines serve unquantized as they are; the one place
+        that decides it). Engines that
         died meanwhile are reported in ``failed`` (their positions in ``endpoints``). With
         ``verify``, rank 0 also returns the fingerprints of what it sent.
         """
         from bpo_megatron.models.options import TORCH_DTYPES
-        from bpo_megatron.weights import fp8
         from bpo_megatron.weights.checksums import fingerprint
 
         start, expected = time.perf_counter(), {}
@@ -160,9 +163,7 @@ class TrainWorker:
         stream = self.actor.export_weights(bucket_bytes, dtype=TORCH_DTYPES[dtype] if dtype else None,
                                            host=sender.host_tensors, all_ranks=sender.every_rank, views=sender.views)
 
-        form = None if quantization is None else fp8.SYNC_FORMS.get(quantization)
-        if quantization is not None and form is None:
-            raise ValueError(f"weights quantized as {quantization!r}: choose one of {sorted(fp8.SYNC_FORMS)}")
+        form = None if quantization is None else quantization.tensors
 
         def fingerprinted(buckets):
             for bucket in buckets:

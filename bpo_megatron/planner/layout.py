@@ -168,7 +168,18 @@ def _engine_gpus(cfg: ExperimentConfig, hf: HFModelConfig, alloc: Allocation) ->
     return Check(True, f"each {cfg.rollout.engine} engine: tp {tp} on {gpus:g} GPUs")
 
 
-CHECKS: tuple[CheckFn, ...] = (_world, _model_split, _ffn_split, _batch, _gpu_split, _tp_in_node, _engine_gpus)
+def _engine_quantization(cfg: ExperimentConfig, hf: HFModelConfig, alloc: Allocation) -> Check | None:
+    """The engine's quantized layers at its layout (``EngineSpec.quantized_layout``): those it
+    builds, those it serves unquantized, and those it cannot serve (the run is refused)."""
+    layout = cfg.rollout.quantized_layout(hf)
+    if layout is None:
+        return None
+    verdict = "" if layout.ok else f"\n  `bpo-megatron train` refuses this (exit 2); change rollout.{cfg.rollout.engine}"
+    return Check(layout.ok, (layout.describe() + verdict).replace("\n", "\n      "))
+
+
+CHECKS: tuple[CheckFn, ...] = (_world, _model_split, _ffn_split, _batch, _gpu_split, _tp_in_node, _engine_gpus,
+                               _engine_quantization)
 
 
 def layout_checks(cfg: ExperimentConfig, hf: HFModelConfig, alloc: Allocation) -> list[Check]:

@@ -116,8 +116,20 @@ class RolloutConfig:
         other engines receive the trainer's tensors as they are)."""
         return self.spec.weight_dtype(self.options)
 
-    @property
-    def sync_quantization(self) -> str | None:
-        """How the engines hold the weights beyond their dtype (``fp8``), so the trainer sends them
-        so (None: as they are)."""
-        return self.spec.weight_quantization(self.options)
+    def quantized_layout(self, hf: Any) -> Any:
+        """Which of the model's (``hf``: its HFModelConfig) quantized layers the engine builds at its
+        configured layout, serves in its dtype instead, or cannot serve (``EngineSpec.quantized_layout``;
+        None: it does not quantize)."""
+        return self.spec.quantized_layout(self.options, hf)
+
+    def sync_quantization(self, hf: Any) -> Any:
+        """How the engines hold the model's (``hf``) weights beyond their dtype (``fp8``), so the
+        trainer sends them so: a :class:`bpo_megatron.weights.fp8.SyncQuantization`, or None (as
+        they are)."""
+        form = self.spec.weight_quantization(self.options)
+        if form is None:
+            return None
+        from bpo_megatron.weights.fp8 import SyncQuantization
+
+        layout = self.quantized_layout(hf)
+        return SyncQuantization(form, frozenset(layout.unquantized) if layout is not None else frozenset())

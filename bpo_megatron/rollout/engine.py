@@ -171,6 +171,36 @@ class EngineProfile:
     released: tuple[str, ...] = ("weights", "kv_cache")
 
 
+@dataclass(frozen=True)
+class QuantizedLayout:
+    """What an engine builds of a model's quantized layers at its configured layout (its own
+    ``rollout.<engine>`` section's parallelism): one line per layer shape with its partitions and
+    what is done with it; the layers it cannot serve at all (each line naming the rule and the
+    settings that work: the config is refused); the checkpoint's modules it serves in its dtype
+    instead (``model.layers.<i>.<projection>``: left unquantized in what it starts from and what it
+    is sent)."""
+
+    layout: str  # the settings it was checked at
+    lines: tuple[str, ...] = ()
+    refused: tuple[str, ...] = ()
+    unquantized: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.refused
+
+    def describe(self) -> str:
+        head = f"quantized layers at {self.layout}"
+        if self.unquantized:
+            head += f" ({len(self.unquantized)} modules served in bf16)"
+        return "\n".join([head + ":", *(f"  {line}" for line in self.lines),
+                          *(f"  refused: {line}" for line in self.refused)])
+
+
+def _no_layout(_options: Any, _hf: Any) -> QuantizedLayout | None:
+    return None
+
+
 def _no_check(_options: Any) -> None:
     return None
 
@@ -214,6 +244,10 @@ class EngineSpec:
     # bpo_megatron.weights.fp8.SYNC_FORMS: "fp8" rounded through block e4m3, "fp8-blocks" e4m3
     # values and block scales): the trainer sends them so, and fingerprints what it sent
     weight_quantization: Callable[[Any], str | None] = _no_quantization
+    # (options, the model's HFModelConfig): which quantized layers it builds at its layout, which it
+    # serves in its dtype instead and which it cannot serve (QuantizedLayout; None: it does not
+    # quantize, or builds any shape); checked at `train --check` and by `bpo-megatron plan`
+    quantized_layout: Callable[[Any, Any], QuantizedLayout | None] = _no_layout
     captures_routing_without_gpu: bool = True  # R3 capture works on a CPU-only machine
     exposes_weights: bool = False  # can report what it holds (weight_sync.verify)
     # a generation under way pauses for a weight update and continues with the new weights, each

@@ -15,12 +15,17 @@ replays, so it is not rounded here).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
 import re
 import shutil
-from collections.abc import Callable
+import socket
+import time
+import uuid
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,9 +51,11 @@ QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme"
                        "weight_block_size": [128, 128]}
 
 
-def quantized(name: str) -> bool:
-    """Whether the weight of Hugging Face name ``name`` is held in FP8 by an FP8 engine."""
-    return bool(_QUANTIZED.search(name))
+def quantized(name: str, unquantized: Collection[str] = ()) -> bool:
+    """Whether the weight of Hugging Face name ``name`` is held in FP8 by an FP8 engine;
+    ``unquantized``: modules (``model.layers.<i>.<projection>``) the engine serves in its dtype
+    instead (a server that cannot build them in FP8 at its layout)."""
+    return bool(_QUANTIZED.search(name)) and name.removesuffix(".weight") not in unquantized
 
 
 def _blocks(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
@@ -162,10 +169,12 @@ def block_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, q: torch.Tensor, sc
 
 # -- weights for FP8 engines: what the trainer sends, what a server starts from --
 
-def served_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def served_tensors(name: str, tensor: torch.Tensor, unquantized: Collection[str] = ()
+                   ) -> list[tuple[str, torch.Tensor]]:
     """The tensors an FP8-serialized server loads for the weight ``name`` (SGLang with a block-FP8
-    checkpoint): a quantized weight as its e4m3 values and ``<name>_scale_inv``, any other as it is."""
-    if not quantized(name):
+    checkpoint): a quantized weight as its e4m3 values and ``<name>_scale_inv``, any other (and
+    the modules ``unquantized``) as it is."""
+    if not quantized(name, unquantized):
         return [(name, tensor)]
     q, scale_inv = quantize(tensor)
     return [(name, q), (name + SCALE_SUFFIX, scale_inv)]
@@ -173,43 +182,115 @@ def served_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Ten
 
 # how the trainer sends weights to an engine that holds them in FP8 (EngineSpec.weight_quantization):
 # "fp8": rounded through e4m3 in the tensor's dtype (an engine that computes in it: the embedded
-# engine's emulation); "fp8-blocks": e4m3 values and their scales (an FP8-serialized server)
-SYNC_FORMS: dict[str, Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]] = {
-    "fp8": lambda name, tensor: [(name, round_named(name, tensor))],
+# engine's emulation); "fp8-blocks": e4m3 values and their scales (an FP8-serialized server). Each
+# takes (name, tensor, the modules the engine serves unquantized).
+SYNC_FORMS: dict[str, Callable[[str, torch.Tensor, Collection[str]], list[tuple[str, torch.Tensor]]]] = {
+    "fp8": lambda name, tensor, unquantized: [
+        (name, round_through_fp8(tensor) if quantized(name, unquantized) else tensor)],
     "fp8-blocks": served_tensors,
 }
 
 
-def served_checkpoint(model_dir: str | Path, directory: str | Path | None = None) -> Path:
+@dataclass(frozen=True)
+class SyncQuantization:
+    """How the trainer sends weights to engines that hold them quantized: the form
+    (:data:`SYNC_FORMS`) and the modules they serve in their dtype all the same
+    (``model.layers.<i>.<projection>``: a server's layers it cannot build in FP8 at its layout)."""
+
+    form: str
+    unquantized: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.form not in SYNC_FORMS:
+            raise ValueError(f"weights quantized as {self.form!r}: choose one of {sorted(SYNC_FORMS)}")
+        object.__setattr__(self, "unquantized", frozenset(self.unquantized))
+
+    def tensors(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """What the engines load for the weight ``name``."""
+        return SYNC_FORMS[self.form](name, tensor, self.unquantized)
+
+
+def quantization_config(unquantized: Collection[str] = ()) -> dict:
+    """The ``quantization_config`` of a block-FP8 checkpoint whose modules ``unquantized`` stay in
+    the model's dtype: listed as ``ignored_layers``, the key SGLang's ``Fp8Config`` reads."""
+    config = dict(QUANTIZATION_CONFIG)
+    if unquantized:
+        config["ignored_layers"] = sorted(unquantized)
+    return config
+
+
+def _partial_name(target: Path) -> str:
+    """A name for a copy under way no other process, on this node or another sharing the
+    directory, picks: the node's name, the process and a random part."""
+    return f"{target.name}.partial-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _held(target: Path, wanted: dict) -> bool:
+    """Whether ``target`` is a finished copy with the quantization ``wanted`` (raises when it
+    was made for another one: the engines' layout changed since)."""
+    if not (target / "config.json").is_file():
+        return False
+    made = json.loads((target / "config.json").read_text()).get("quantization_config")
+    if made != wanted:
+        raise ValueError(f"the block-FP8 copy {target} was made with quantization_config {made}, but the engines now "
+                         f"need {wanted} (their rollout.sglang layout changed): remove {target}, or set "
+                         "rollout.sglang.fp8_checkpoint_dir to another directory")
+    return True
+
+
+def served_checkpoint(model_dir: str | Path, directory: str | Path | None = None, unquantized: Collection[str] = (),
+                      timeout_s: float = 1800.0) -> Path:
     """The block-FP8 checkpoint an FP8 server starts from: ``model_dir``'s weights through
-    :func:`served_tensors`, its config with :data:`QUANTIZATION_CONFIG`, its other files as they
-    are; made once as ``<directory>/<model_dir's name>.fp8`` (``directory`` None: beside
-    ``model_dir``), atomically, so engines starting at once agree, and reused after."""
+    :func:`served_tensors` (the modules ``unquantized`` left as they are), its config with
+    :func:`quantization_config`, its other files as they are; made once as
+    ``<directory>/<model_dir's name>.fp8`` (``directory`` None: beside ``model_dir``) and reused.
+
+    One engine per node makes it: the others wait on a lock file beside it for at most
+    ``timeout_s`` (``rollout.sglang.fp8_copy_timeout_s``), then find it made. It is written under a
+    name unique to its node and process and renamed into place at the end, so nodes that share the
+    directory without sharing its lock agree too (the first rename wins, the others drop theirs)."""
     from bpo_megatron.weights.safetensors_io import INDEX_FILE, HFWeightsReader, ShardedSafetensorsWriter
 
     source = Path(model_dir)
     parent = source.parent if directory is None else Path(directory)
     target = parent / f"{source.name}.fp8"
-    if (target / "config.json").is_file():
+    wanted = quantization_config(unquantized)
+    if _held(target, wanted):
         return target
     if not os.access(parent if parent.exists() else parent.parent, os.W_OK):
         raise PermissionError(f"the block-FP8 copy of {source} for an FP8 server goes to {parent}, which is not "
                               "writable: set rollout.sglang.fp8_checkpoint_dir to a writable directory")
     parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    shutil.copytree(source, partial, ignore=shutil.ignore_patterns("*.safetensors", INDEX_FILE))
-    writer = ShardedSafetensorsWriter(partial)
-    with HFWeightsReader(source) as reader:
-        for name in reader.weight_map:
-            for served, tensor in served_tensors(name, reader.slice(name)[:]):
-                writer.add(served, tensor)
-    writer.close()
-    config = json.loads((partial / "config.json").read_text())
-    config["quantization_config"] = dict(QUANTIZATION_CONFIG)
-    (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    try:
-        os.rename(partial, target)
-    except OSError:  # another engine of the run made it first
-        shutil.rmtree(partial, ignore_errors=True)
+    with open(parent / f".{target.name}.lock", "a") as lock:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another engine did not finish the block-FP8 copy {target} within "
+                                       f"{timeout_s:.0f} s (rollout.sglang.fp8_copy_timeout_s; its lock: "
+                                       f"{lock.name})") from None
+                time.sleep(1.0)
+        if _held(target, wanted):  # made while this one waited
+            return target
+        partial = parent / _partial_name(target)
+        try:
+            shutil.copytree(source, partial, ignore=shutil.ignore_patterns("*.safetensors", INDEX_FILE))
+            writer = ShardedSafetensorsWriter(partial)
+            with HFWeightsReader(source) as reader:
+                for name in reader.weight_map:
+                    for served, tensor in served_tensors(name, reader.slice(name)[:], unquantized):
+                        writer.add(served, tensor)
+            writer.close()
+            config = json.loads((partial / "config.json").read_text())
+            config["quantization_config"] = wanted
+            (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            os.rename(partial, target)
+        except OSError:
+            if not _held(target, wanted):  # not another node's copy landing first: a real failure
+                raise
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
     return target

@@ -19,6 +19,7 @@ import pytest
 from test_sglang_contract import SGLANG_PYTHON, STANDIN
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 
 pytestmark = [
     pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason="SGLang's environment is missing: bash tools/setup.sh --sglang"),
@@ -190,9 +191,17 @@ def test_an_fp8_served_engine_starts_from_block_fp8_and_receives_e4m3_weights_wi
     """rollout.sglang.quantization=fp8 over the stand-in (SGLang's own server arguments, weight-update
     requests and flattened-bucket receiving): the server is started with --quantization fp8 on the
     block-FP8 checkpoint beside the run's weights, and every weight update carries each linear
-    weight as e4m3 with its weight_scale_inv (the stand-in's ranks load them by name and shape)."""
+    weight as e4m3 with its weight_scale_inv (the stand-in's ranks load them by name and shape).
+    The model is the tiny one widened to SGLang's 128-blocks per TP rank (q, k, v, o and the experts
+    at the engine's TP 2), which FP8 serving needs (rollout/sglang/fp8_layout.py)."""
+    aligned = json.loads((ROOT / "configs" / "models" / "tiny_qwen3_moe" / "config.json").read_text())
+    aligned.update(hidden_size=128, intermediate_size=256, moe_intermediate_size=256, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=128)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(aligned))
     metrics, calls, output = _run(tmp_path, "cluster.colocate=false", "rollout.num_engines=1",
-                                  "cluster.trainer_ranks=2", "rollout.sglang.quantization=fp8")
+                                  "cluster.trainer_ranks=2", "rollout.sglang.quantization=fp8",
+                                  f"model.path={tmp_path / 'model'}")
     [start] = [call for call in calls if call["call"] == "start"]  # SGLang's own ServerArgs of the command line
     assert start["quantization"] == "fp8" and start["model_path"].endswith("initial_hf.fp8")
     updates = [call for call in calls if call["call"] == "update_weights_from_distributed"]

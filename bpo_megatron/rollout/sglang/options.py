@@ -8,6 +8,10 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+# SGLang's spellings of the expert-parallel size (--ep-size and its aliases): rollout.sglang.ep_size's
+EP_FLAGS = frozenset({"--ep-size", "--ep", "--expert-parallel-size"})
+
+
 @dataclass(frozen=True)
 class SGLangOptions:
     """How to start (or reach) the SGLang servers and talk to them (``rollout.sglang``).
@@ -26,6 +30,10 @@ class SGLangOptions:
     host: str | None = None
     port: int | None = None
     tp_size: int = 1  # GPUs (tensor-parallel ranks) one server spans
+    # expert parallelism inside an engine (SGLang's --ep-size, a divisor of tp_size): each rank holds
+    # num_experts / ep_size whole experts and splits each over tp_size / ep_size ranks (moe_tp_size).
+    # FP8 needs moe_intermediate_size / moe_tp_size a multiple of 128 (rollout/sglang/fp8_layout.py)
+    ep_size: int = 1
     # the share of each GPU the server reserves for weights and KV cache (--mem-fraction-static);
     # None: SGLang's own choice
     mem_fraction_static: float | None = None
@@ -41,6 +49,14 @@ class SGLangOptions:
     # interpreter, -m sglang.launch_server); the engine appends the model, address and options
     launcher: tuple[str, ...] = field(default_factory=lambda: (sys.executable, "-m", "sglang.launch_server"))
     startup_timeout_s: float = 900.0  # how long a started server may take to answer its health check
+    # fp8 only, added to the start bound: SGLang compiles DeepGEMM's block-FP8 kernels for every
+    # GEMM shape at start-up the first time on a node (its own warning: typically 10-20 minutes;
+    # cached under SGLANG_DG_CACHE_DIR after), inside the server's wait for /health
+    deep_gemm_compile_s: float = 1800.0
+    # fp8 only, added to the start bound: making the block-FP8 copy of the weights before the server
+    # starts, once per node (fp8.served_checkpoint: the whole checkpoint read and written, e.g. 61 GB
+    # read and 31 GB written for Qwen3-30B-A3B), or waiting for another engine of the node making it
+    fp8_copy_timeout_s: float = 1800.0
     # A generation request's own deadline. None (the default): none — a request waits in SGLang's
     # queue as long as the queue is long (a deadline would count that wait, and a retry restarts
     # the response from token 0 at the back of the queue); a server that stops making progress is
@@ -52,12 +68,33 @@ class SGLangOptions:
     # the rest); None: the server's own limit of running requests, within [256, 1024]
     max_inflight: int | None = None
 
+    @property
+    def server_start_s(self) -> float:
+        """How long a started server may take to answer /health: ``startup_timeout_s``, plus
+        ``deep_gemm_compile_s`` when it serves FP8."""
+        return self.startup_timeout_s + (self.deep_gemm_compile_s if self.quantization == "fp8" else 0.0)
+
+    @property
+    def start_bound_s(self) -> float:
+        """An engine's whole start: the server's (:attr:`server_start_s`), plus
+        ``fp8_copy_timeout_s`` for the block-FP8 copy made before it when it serves FP8."""
+        return self.server_start_s + (self.fp8_copy_timeout_s if self.quantization == "fp8" else 0.0)
+
     def __post_init__(self) -> None:
         if self.max_inflight is not None and self.max_inflight < 1:
             raise ValueError("rollout.sglang.max_inflight must be >= 1 (or null: from the server)")
-        for name in ("tp_size", "weight_bucket_bytes"):
+        for name in ("tp_size", "ep_size", "weight_bucket_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.sglang.{name} must be >= 1")
+        if self.tp_size % self.ep_size:
+            raise ValueError(f"rollout.sglang.ep_size={self.ep_size} must divide rollout.sglang.tp_size={self.tp_size} "
+                             "(SGLang splits each engine's TP ranks into expert-parallel groups)")
+        for name in ("startup_timeout_s", "deep_gemm_compile_s", "fp8_copy_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"rollout.sglang.{name} must be > 0 seconds, got {getattr(self, name)}")
+        if EP_FLAGS & set(self.extra_args):
+            raise ValueError("rollout.sglang.extra_args: the expert-parallel size is set by rollout.sglang.ep_size "
+                             f"(remove {sorted(EP_FLAGS & set(self.extra_args))})")
         if self.max_retries < 0:
             raise ValueError("rollout.sglang.max_retries must be >= 0")
         if self.quantization not in ("none", "fp8"):
@@ -104,6 +141,8 @@ class SGLangConfig(SGLangOptions):
         """The server command line: token ids in and out, routed experts when capturing."""
         cmd = [*self.launcher, "--model-path", self.model_path, "--host", self.bind_address,
                "--port", str(port or self.port), "--tp-size", str(self.tp_size), "--skip-tokenizer-init"]
+        if self.ep_size > 1:
+            cmd += ["--ep-size", str(self.ep_size)]
         if self.capture_routed_experts:
             cmd.append("--enable-return-routed-experts")
         if self.memory_saver:

@@ -147,7 +147,7 @@ class ServerProcess:
         return self.process is not None and self.process.poll() is None
 
     def wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        deadline = time.monotonic() + self.cfg.server_start_s
         while time.monotonic() < deadline:
             if not self.alive():
                 raise ServerStartError(f"SGLang server exited with code {self.process.returncode} while "
@@ -158,7 +158,8 @@ class ServerProcess:
             except (ServerUnavailable, RequestTimeout, ServerError):
                 time.sleep(0.2)
         self.stop()
-        raise ServerStartError(f"SGLang server not healthy within {self.cfg.startup_timeout_s:.0f}s; "
+        bound = "rollout.sglang.startup_timeout_s" + (" + deep_gemm_compile_s" if self.cfg.quantization == "fp8" else "")
+        raise ServerStartError(f"SGLang server not healthy within {self.cfg.server_start_s:.0f}s ({bound}); "
                                f"last output:\n{self.log_tail()}")
 
     def stop(self) -> None:

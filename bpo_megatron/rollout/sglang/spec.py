@@ -23,9 +23,15 @@ def _build(options: SGLangOptions, context: EngineContext) -> RolloutEngine:
 
     config = engine_config(options, context)
     if options.quantization == "fp8" and options.url is None:  # a server it starts: from a block-FP8 checkpoint
+        from bpo_megatron.models.hf_config import HFModelConfig
+        from bpo_megatron.rollout.sglang.fp8_layout import unquantized_modules
         from bpo_megatron.weights import fp8
 
-        config = replace(config, model_path=str(fp8.served_checkpoint(context.model_dir, options.fp8_checkpoint_dir)))
+        # the layers SGLang cannot build in FP8 at this engine's layout stay bf16 in the copy (its ignored_layers)
+        unquantized = unquantized_modules(options, HFModelConfig.load(context.model_dir))
+        served = fp8.served_checkpoint(context.model_dir, options.fp8_checkpoint_dir, unquantized=unquantized,
+                                       timeout_s=options.fp8_copy_timeout_s)
+        config = replace(config, model_path=str(served))
     return SGLangEngine(config, routing=context.routing)
 
 
@@ -35,6 +41,12 @@ def _profile(options: SGLangOptions, requests: int, gpus_per_engine: float) -> E
     inflight = options.max_inflight or 256
     return EngineProfile(tp=options.tp_size, sequences=min(inflight, requests),
                          pool_fraction=options.mem_fraction_static, admits_by_pool=True)
+
+
+def _quantized_layout(options: SGLangOptions, hf):
+    from bpo_megatron.rollout.sglang.fp8_layout import quantized_layout
+
+    return quantized_layout(options, hf)
 
 
 SPEC = EngineSpec(
@@ -53,4 +65,6 @@ SPEC = EngineSpec(
     top_logprobs="unfiltered",
     # block FP8: each linear weight sent as e4m3 values and its block scales (weights/fp8.py)
     weight_quantization=lambda options: "fp8-blocks" if options.quantization == "fp8" else None,
+    # the layers SGLang builds in block FP8 at rollout.sglang's tp_size/ep_size, those served in bf16
+    quantized_layout=_quantized_layout,
 )
