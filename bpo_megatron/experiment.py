@@ -153,6 +153,13 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
                           "is unset: the divisor would be each micro-batch's padded width, so the loss would depend on "
                           f"how samples are grouped; set loss.norm_length (Dr. GRPO's constant: rollout.max_new_tokens="
                           f"{cfg.rollout.max_new_tokens})")
+    if cfg.loss.score_centering and (cfg.train.recompute_old_logprobs or cfg.loss.correction.active):
+        raise ConfigError("loss.score_centering with train.recompute_old_logprobs=true"
+                          + (f" (loss.correction={cfg.loss.correction.name} needs it)" if cfg.loss.correction.active else "")
+                          + ": the loss is then anchored to π_old, and the centering weighs each of the sampler's top-k "
+                          "ids by the loss's weight against π_old, but the recompute pass scores only the sampled "
+                          "tokens, not those ids (losses/score_centering.py); set train.recompute_old_logprobs=false "
+                          "and loss.correction=none (the ratio against the engine's log μ), or loss.score_centering=false")
     if cfg.loss.correction.active and not cfg.train.recompute_old_logprobs:
         raise ConfigError(f"loss.correction={cfg.loss.correction.name} corrects by the trainer's own log-probs under the weights "
                           "at the step's start (those that sampled each response when train.async.max_staleness=0): set "
