@@ -3,10 +3,12 @@
 Marek & Ryabinin, "Score Centering Stabilizes Off-policy Reinforcement Learning" (arXiv
 2609.20807). Its abstract names the idea: a persistent bias between sampler and trainer (*drift*)
 accumulates with every step, and an additive correction term cancels it; the body of the paper was
-not available to us. What follows is derived here, for the losses of this family, and agrees with
-the peers that ship the term (NeMo-RL's modes none/TIS/IcePop, whose documentation attributes the
-top-k estimator below to the paper; SkyRL's PPO + TIS composition, in the marin-community fork;
-prime-rl's IPO composition).
+not available to us. What follows is derived here for the losses of this family. Where their
+settings meet ours it gives the coefficients the peers ship: NeMo-RL's modes none/TIS/IcePop
+(importance weights of the current π over μ, no clip in the coefficient: the π_old rows below at
+π_old = π with w·M = 1; its documentation attributes the top-k estimator and tail model below to
+the paper), SkyRL's PPO + TIS composition in the marin-community fork (the π_old + tis row, clip
+included), prime-rl's IPO composition (the μ row, over the sampler's whole support).
 
 **The drift.** At a position whose prefix is fixed the token ``y`` is drawn from the sampler's
 distribution μ (after temperature and any top-k/top-p filter, renormalised), and the loss's update
