@@ -153,13 +153,6 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
                           "is unset: the divisor would be each micro-batch's padded width, so the loss would depend on "
                           f"how samples are grouped; set loss.norm_length (Dr. GRPO's constant: rollout.max_new_tokens="
                           f"{cfg.rollout.max_new_tokens})")
-    if cfg.loss.score_centering and (cfg.train.recompute_old_logprobs or cfg.loss.correction.active):
-        raise ConfigError("loss.score_centering with train.recompute_old_logprobs=true"
-                          + (f" (loss.correction={cfg.loss.correction.name} needs it)" if cfg.loss.correction.active else "")
-                          + ": the loss is then anchored to π_old, and the centering weighs each of the sampler's top-k "
-                          "ids by the loss's weight against π_old, but the recompute pass scores only the sampled "
-                          "tokens, not those ids (losses/score_centering.py); set train.recompute_old_logprobs=false "
-                          "and loss.correction=none (the ratio against the engine's log μ), or loss.score_centering=false")
     if cfg.loss.correction.active and not cfg.train.recompute_old_logprobs:
         raise ConfigError(f"loss.correction={cfg.loss.correction.name} corrects by the trainer's own log-probs under the weights "
                           "at the step's start (those that sampled each response when train.async.max_staleness=0): set "
@@ -173,6 +166,15 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
                           f"before its top-k/top-p filters, not the one it draws from with rollout.top_p="
                           f"{cfg.rollout.top_p}, rollout.top_k={cfg.rollout.top_k}; set rollout.top_p=1.0 and "
                           "rollout.top_k=0 (or use rollout.engine=hf, which reports the filtered one)")
+    filters = cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0
+    if cfg.loss.score_centering and filters and (not cfg.train.recompute_old_logprobs or cfg.loss.correction.active):
+        raise ConfigError(f"loss.score_centering with rollout.top_p={cfg.rollout.top_p}, rollout.top_k={cfg.rollout.top_k}"
+                          ": the engine's log μ of each sampled token is taken before these filters and its top-k log "
+                          "q after them, so a ratio against μ (the loss's without train.recompute_old_logprobs, or "
+                          f"loss.correction={cfg.loss.correction.name}'s) would weigh the candidates against another "
+                          "distribution than the sampled token (losses/score_centering.py); set rollout.top_p=1.0 and "
+                          "rollout.top_k=0, or anchor the loss to π_old without a correction "
+                          "(train.recompute_old_logprobs=true, loss.correction=none)")
     if cfg.loss.score_centering and cfg.rollout.agent.name is not None:
         raise ConfigError(f"loss.score_centering with rollout.agent.name={cfg.rollout.agent.name}: a multi-turn response "
                           "does not carry the sampler's top-k of its turns yet; set rollout.agent.name=null or "

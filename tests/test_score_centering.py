@@ -189,7 +189,7 @@ def test_a_filtered_sampler_is_centred_exactly_over_its_kept_tokens():
         torch.testing.assert_close(mu @ centred, torch.zeros(SMALL_V, dtype=torch.float64), rtol=0, atol=1e-5)
 
 
-# -- refused: what the derivation does not define, or the trainer cannot feed --
+# -- refused: what the derivation does not define --
 
 def test_sequence_level_weights_are_refused_naming_the_field(capsys):
     from bpo_megatron.cli import main
@@ -206,19 +206,25 @@ def test_sequence_level_weights_are_refused_naming_the_field(capsys):
     assert "loss.score_centering with loss.correction=mis" in capsys.readouterr().err
 
 
-def test_the_pi_old_anchor_is_refused_before_the_run_and_needs_its_head_in_the_loss(capsys):
-    """The trainer's recompute pass scores the sampled tokens only, not the sampler's top-k ids: the
-    π_old-anchored composition (with or without a correction) is refused when the config loads;
-    the loss itself refuses old_logprobs without old_head_logprobs."""
+def test_a_ratio_against_the_engines_unfiltered_mu_is_refused_under_sampling_filters(capsys):
+    """The engine's log μ of the sampled token is taken before top-k/top-p, its top-k log q after:
+    the candidates' ratio against μ would not be the sampled token's. Admitted: no filters, or
+    the π_old anchor without a correction (whose weight does not see μ)."""
     from bpo_megatron.cli import main
+    from bpo_megatron.experiment import load_experiment
     from test_cli import DEMO
 
-    for extra in (["train.recompute_old_logprobs=true"], ["loss.correction=tis", "train.recompute_old_logprobs=true"],
-                  ["loss.correction=tis"]):
-        assert main(["train", DEMO, "loss.score_centering=true", *extra, "--check"]) == 2
-        err = capsys.readouterr().err
-        assert "loss.score_centering with train.recompute_old_logprobs=true" in err
-        assert "set train.recompute_old_logprobs=false and loss.correction=none" in err
+    for extra in ([], ["train.recompute_old_logprobs=true", "loss.correction=tis"]):
+        assert main(["train", DEMO, "loss.score_centering=true", "rollout.top_p=0.9", *extra, "--check"]) == 2
+        assert "loss.score_centering with rollout.top_p=0.9, rollout.top_k=0: the engine's log μ" in capsys.readouterr().err
+    cfg = load_experiment(DEMO, ["loss.score_centering=true", "rollout.top_k=5", "train.recompute_old_logprobs=true"],
+                          check_model=False)
+    assert cfg.loss.score_centering and cfg.rollout.top_k == 5
+
+
+def test_the_loss_anchored_to_pi_old_needs_its_heads():
+    """With old_logprobs the coefficients weigh each candidate against π_old: the loss refuses to
+    centre without π_old's log-probs of the sampler's top-k ids (the recompute pass returns them)."""
     logits, mu, old, ids = _position(seed=4)
     logp = torch.log_softmax(logits / TEMPERATURE, -1)
     with pytest.raises(ValueError, match="needs π_old's log-probs of the sampler's top-k ids too"):

@@ -29,7 +29,7 @@ no drift to cancel, and any other choice of ``d`` would add one.
 
 **The top-k estimate.** The engine returns its top-k ids H and their log μ; the trainer scores H
 (``head_logprobs``: log π, normalised over the whole vocabulary; ``old_head_logprobs``: log π_old,
-with the π_old anchor). Off H the sampler and the anchor are modelled as the trainer rescaled,
+with the π_old anchor, from the recompute pass). Off H the sampler and the anchor are modelled as the trainer rescaled,
 
     μ(v) = ρ · π(v),  a(v) = ρ_a · π(v),   ρ = (1 − Σ_H μ) / (1 − Σ_H π),  ρ_a = (1 − Σ_H a) / (1 − Σ_H π)
 
@@ -65,12 +65,16 @@ ratio, so their g is not constant off H; there ``g_T`` is taken at the small-pro
 ``Σ_{v∉H} μ(v)·(g(v) − g_T)·∇log π(v)`` — small, as every token off H has μ(v) ≤ min_H μ (for BPO
 |ω − 1| = |1 − ρ|·π(v)/(1 + ε − π(v)) there), and zero when H covers the sampler's support.
 
-**Refused** (``PolicyLossConfig``, and the experiment's checks): GSPO and MIS weigh a token by a
+With the π_old anchor the trainer's recompute pass scores H beside the sampled tokens
+(``loop.samples.with_old_logprobs``: ``TrainSample.old_head_logprobs``).
+
+**Refused** (``PolicyLossConfig``, so the config check exits 2): GSPO and MIS weigh a token by a
 ratio of its whole response, later tokens included — drawn after it, so the expectation over one
 position's token with the rest of the response fixed is not one under the sampling distribution,
-and the derivation above does not apply; and the π_old anchor (``train.recompute_old_logprobs``,
-which every correction needs): derived above and computed here given ``old_head_logprobs``, but
-the trainer's recompute pass scores only the sampled tokens, not H, so it cannot supply them.
+and the derivation above does not apply. Under the sampler's top-k/top-p filters the engine's
+log μ of the sampled token is the distribution before them and its top-k log q after them, so a
+ratio against μ (the μ anchor's, a correction's) would not weigh the candidates as the sampled
+token: the experiment's checks admit filters only with the π_old anchor and no correction.
 
 **The term.** Everything in c is stop-gradient; only ``log π(v)``, ``v ∈ H``, carries gradient
 (normalised over the whole vocabulary: that carries the tail). It is added per token, with the
