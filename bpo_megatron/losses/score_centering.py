@@ -29,7 +29,8 @@ no drift to cancel, and any other choice of ``d`` would add one.
 
 **The top-k estimate.** The engine returns its top-k ids H and their log μ; the trainer scores H
 (``head_logprobs``: log π, normalised over the whole vocabulary; ``old_head_logprobs``: log π_old,
-with the π_old anchor, from the recompute pass). Off H the sampler and the anchor are modelled as the trainer rescaled,
+with the π_old anchor, from the recompute pass). Off H the sampler and the anchor are modelled as
+the trainer rescaled,
 
     μ(v) = ρ · π(v),  a(v) = ρ_a · π(v),   ρ = (1 − Σ_H μ) / (1 − Σ_H π),  ρ_a = (1 − Σ_H a) / (1 − Σ_H π)
 
@@ -55,8 +56,8 @@ anchor                  g(v), v ∈ H                              g_T (off H)
 
 * plain policy gradient (w = 1, no mask; BPO with ``bpo_eps`` = 1e3): ``c_v = μ_v − ρ·π_v``;
 * GRPO-ClipHigher (w = π/μ): ``c_v = π_v · (M_v − M_T)`` — zero but where the clip drops a
-  candidate: the weight already removes the drift, and the term re-adds only the part the clip
-  takes away; CISPO: ``c_v = min(π_v, C·μ_v) − min(1, C·ρ)·π_v``;
+  candidate: the weight alone leaves no drift, and the term cancels the one the clip makes by
+  dropping candidates; CISPO: ``c_v = min(π_v, C·μ_v) − min(1, C·ρ)·π_v``;
 * BPO: ``c_v = μ_v · min(ω_v, C) · M_v − ρ · π_v``, ω_v = (1 + ε − μ_v)/(1 + ε − π_v).
 
 BPO (and its two halves) and DPPO weigh or mask by the probabilities themselves, not only their
