@@ -166,6 +166,15 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
                           f"before its top-k/top-p filters, not the one it draws from with rollout.top_p="
                           f"{cfg.rollout.top_p}, rollout.top_k={cfg.rollout.top_k}; set rollout.top_p=1.0 and "
                           "rollout.top_k=0 (or use rollout.engine=hf, which reports the filtered one)")
+    filters = cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0
+    if cfg.loss.score_centering and filters and (not cfg.train.recompute_old_logprobs or cfg.loss.correction.active):
+        raise ConfigError(f"loss.score_centering with rollout.top_p={cfg.rollout.top_p}, rollout.top_k={cfg.rollout.top_k}"
+                          ": the engine's log μ of each sampled token is taken before these filters and its top-k log "
+                          "q after them, so a ratio against μ (the loss's without train.recompute_old_logprobs, or "
+                          f"loss.correction={cfg.loss.correction.name}'s) would weigh the candidates against another "
+                          "distribution than the sampled token (losses/score_centering.py); set rollout.top_p=1.0 and "
+                          "rollout.top_k=0, or anchor the loss to π_old without a correction "
+                          "(train.recompute_old_logprobs=true, loss.correction=none)")
     if cfg.loss.score_centering and cfg.rollout.agent.name is not None:
         raise ConfigError(f"loss.score_centering with rollout.agent.name={cfg.rollout.agent.name}: a multi-turn response "
                           "does not carry the sampler's top-k of its turns yet; set rollout.agent.name=null or "

@@ -78,6 +78,9 @@ def with_old_logprobs(trainer, samples: list[TrainSample]) -> list[TrainSample]:
     """The samples with the trainer's log π_old of each response token under the current weights
     (one forward pass over the batch, routing replayed as in training): the weights that sampled
     them in the synchronous loop; under train.async the newer weights of the step's start, so π_old
-    carries the responses' staleness (decoupled PPO)."""
+    carries the responses' staleness (decoupled PPO). Samples that carry the sampler's top-k
+    (score centering) get π_old's log-probs of those ids too."""
     scored = trainer.compute_logprobs(samples)
-    return [dataclasses.replace(sample, old_logprobs=logprobs) for sample, logprobs in zip(samples, scored.logprobs)]
+    heads = scored.head_logprobs or [None] * len(samples)
+    return [dataclasses.replace(sample, old_logprobs=logprobs, old_head_logprobs=head)
+            for sample, logprobs, head in zip(samples, scored.logprobs, heads, strict=True)]

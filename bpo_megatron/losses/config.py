@@ -8,6 +8,7 @@ from typing import ClassVar
 from bpo_megatron.losses.aggregation import AGGREGATIONS
 from bpo_megatron.losses.corrections import CORRECTIONS
 from bpo_megatron.losses.registry import POLICY_LOSSES
+from bpo_megatron.losses.score_centering import SEQUENCE_LEVEL_CORRECTIONS, SEQUENCE_LEVEL_LOSSES
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,10 @@ class PolicyLossConfig:
     # Engine/trainer mismatch correction and its bounds (a name alone: its default bounds)
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     # Score centering (losses/score_centering.py): an additive term built from the sampler's
-    # top-k log-probs of each generated token, which the engines return when asked; composes
-    # with every loss and correction. score_centering_top_k: how many (k)
+    # top-k log-probs of each generated token, which the engines return when asked; its
+    # coefficients weigh each candidate token as the loss (and correction) weighs the sampled one,
+    # so it composes with every token-level loss and correction, not with GSPO's or MIS's
+    # sequence-level weights. score_centering_top_k: how many (k)
     score_centering: bool = False
     score_centering_top_k: int = 32
 
@@ -120,6 +123,16 @@ class PolicyLossConfig:
             value = getattr(self, setting)
             if not value >= 0:
                 raise ValueError(f"PolicyLossConfig.{setting} must be >= 0, got {value}")
+        if self.score_centering and self.name in SEQUENCE_LEVEL_LOSSES:
+            raise ValueError(f"loss.score_centering with loss.name={self.name}: its weight is a ratio of the whole "
+                             "response, later tokens included, so the centering's expectation over one position's "
+                             "token is not defined (losses/score_centering.py); use a token-level loss (e.g. "
+                             "loss.name=grpo) or loss.score_centering=false")
+        if self.score_centering and self.correction.name in SEQUENCE_LEVEL_CORRECTIONS:
+            raise ValueError(f"loss.score_centering with loss.correction={self.correction.name}: its weight is a ratio of "
+                             "the whole response, later tokens included, so the centering's expectation over one "
+                             "position's token is not defined (losses/score_centering.py); use a token-level correction "
+                             "(tis, icepop) or loss.score_centering=false")
         if self.score_centering_top_k < 1:
             raise ValueError(f"PolicyLossConfig.score_centering_top_k must be >= 1 (the sampler's most likely tokens "
                              f"the term is built from), got {self.score_centering_top_k}")

@@ -8,7 +8,7 @@ from bpo_megatron.losses.aggregation import AGGREGATIONS, BatchTotals
 from bpo_megatron.losses.config import PolicyLossConfig
 from bpo_megatron.losses.corrections import CORRECTIONS
 from bpo_megatron.losses.registry import POLICY_LOSSES
-from bpo_megatron.losses.score_centering import FOLLOWS_CORRECTION_MASK, centering_term
+from bpo_megatron.losses.score_centering import centering_term
 from bpo_megatron.losses.statistics import LossStatistics
 from bpo_megatron.losses.terms import TokenTerms
 from bpo_megatron.losses.validation import (
@@ -31,6 +31,7 @@ def policy_loss(
     old_logprobs: torch.Tensor | None = None,
     head_logprobs: torch.Tensor | None = None,
     sampler_head_logprobs: torch.Tensor | None = None,
+    old_head_logprobs: torch.Tensor | None = None,
     deferred: DeferredChecks | None = None,
 ) -> tuple[torch.Tensor, LossStatistics]:
     """Like :func:`compute_policy_loss`, but the statistics stay tensors (no host sync for them)
@@ -50,6 +51,14 @@ def policy_loss(
         raise ValueError(f"score centering: head_logprobs {tuple(head_logprobs.shape)} and sampler_head_logprobs "
                          f"{tuple(sampler_head_logprobs.shape)} must both be logprobs' shape {tuple(logprobs.shape)} "
                          "plus the top-k dimension")
+    if cfg.score_centering and old_logprobs is not None and old_head_logprobs is None:
+        raise ValueError("loss.score_centering with old_logprobs (the loss anchored to π_old) needs π_old's log-probs of "
+                         "the sampler's top-k ids too (old_head_logprobs): the centering's coefficients weigh each "
+                         "candidate as the loss weighs it (losses/score_centering.py)")
+    if cfg.score_centering and old_head_logprobs is not None and (old_logprobs is None or
+                                                                 old_head_logprobs.shape != head_logprobs.shape):
+        raise ValueError(f"score centering: old_head_logprobs {tuple(old_head_logprobs.shape)} go with old_logprobs and "
+                         f"must have head_logprobs' shape {tuple(head_logprobs.shape)}")
     work = torch.promote_types(logprobs.dtype, torch.float32)
 
     def terms_of(current: torch.Tensor, anchor: torch.Tensor) -> TokenTerms:
@@ -77,11 +86,11 @@ def policy_loss(
     # weights; either must contribute exactly 0 to the loss and its gradient.
     token_losses = torch.where(active, -coefficient * logprobs.to(work), 0.0)
     centering = None
-    if cfg.score_centering:  # an additive term under the same mask and aggregation (losses/score_centering.py)
-        centred = mask & own_keep
-        if correction is not None and cfg.correction.name in FOLLOWS_CORRECTION_MASK:
-            centred = centred & correction[1]
-        term, rho = centering_term(head_logprobs, sampler_head_logprobs, terms.advantages, centred, cfg.correction)
+    if cfg.score_centering:
+        # an additive term at every position the loss trains, with its aggregation: the loss's and
+        # the correction's masks are inside its coefficients (losses/score_centering.py)
+        term, rho = centering_term(head_logprobs, sampler_head_logprobs, terms.advantages, mask, cfg,
+                                   old_head_logprobs)
         token_losses = token_losses + term
         centering = (rho, sampler_head_logprobs.detach().float().exp().sum(-1))
     norm_length = cfg.norm_length or logprobs.shape[-1]
@@ -102,6 +111,7 @@ def compute_policy_loss(
     old_logprobs: torch.Tensor | None = None,
     head_logprobs: torch.Tensor | None = None,
     sampler_head_logprobs: torch.Tensor | None = None,
+    old_head_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Policy loss ``ℓ_t = −Â · M_t · sg(w_t) · log π(y_t)`` aggregated by ``cfg.agg``.
 
@@ -120,6 +130,8 @@ def compute_policy_loss(
             normalised over the whole vocabulary), with ``cfg.score_centering``.
         sampler_head_logprobs: [B, T, k] the sampler's log q of those ids (the distribution it drew
             from), with ``cfg.score_centering`` (losses/score_centering.py).
+        old_head_logprobs: [B, T, k] log π_old of those ids, with ``cfg.score_centering`` and
+            ``old_logprobs`` (the centering's coefficients take the loss's weight against π_old).
 
     Returns:
         ``(loss, metrics)``: a scalar tensor and a dict of Python floats (masked fractions by sign
@@ -131,5 +143,5 @@ def compute_policy_loss(
     """
     loss, stats = policy_loss(logprobs, rollout_logprobs, advantages, loss_mask, cfg, totals=totals,
                               old_logprobs=old_logprobs, head_logprobs=head_logprobs,
-                              sampler_head_logprobs=sampler_head_logprobs)
+                              sampler_head_logprobs=sampler_head_logprobs, old_head_logprobs=old_head_logprobs)
     return loss, stats.as_metrics()

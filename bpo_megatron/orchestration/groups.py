@@ -134,7 +134,9 @@ class TrainerGroup:
             logprobs=in_sample_order([p.logprobs for p in parts], shares),
             entropies=in_sample_order([p.entropies for p in parts], shares),
             routed_experts=None if parts[0].routed_experts is None
-            else in_sample_order([p.routed_experts for p in parts], shares))
+            else in_sample_order([p.routed_experts for p in parts], shares),
+            head_logprobs=None if parts[0].head_logprobs is None
+            else in_sample_order([p.head_logprobs for p in parts], shares))
 
     # ------------------------------------------------------------- state, loss and memory (collective)
     def load(self, root: str, *, verify: bool = True) -> None:

@@ -52,6 +52,9 @@ class ScoredSamples:
     logprobs: list[torch.Tensor]
     entropies: list[torch.Tensor]
     routed_experts: list[torch.Tensor] | None = None
+    # [responses, k] log π of the sampler's top-k ids at each response token, for samples that
+    # carry them (score centering's anchor π_old when these are the recomputed log-probs); else None
+    head_logprobs: list[torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,7 @@ class TrainActor:
             logprobs=self._gather_over_dp(mine.logprobs, shares),
             entropies=self._gather_over_dp(mine.entropies, shares),
             routed_experts=None if mine.routed_experts is None else self._gather_over_dp(mine.routed_experts, shares),
+            head_logprobs=None if mine.head_logprobs is None else self._gather_over_dp(mine.head_logprobs, shares),
         )
 
     def logprobs_of_share(self, share: list[TrainSample], *, record_routing: bool = False
@@ -170,11 +174,16 @@ class TrainActor:
         recorded: list[torch.Tensor] = []
 
         def loss_func(micro: Batch, logits: torch.Tensor):
+            scored = {}
+            if micro.head_ids is not None:  # first, from the logits as they are (the next call overwrites them)
+                scored["head"] = micro.as_padded(vocab_parallel_logprobs_at(
+                    logits, micro.head_ids, self._tp_group, temperature=self.trainer_cfg.temperature,
+                    vocab_size=self.hf.vocab_size))
             logp, entropy = vocab_parallel_logprobs(
                 logits, micro.targets, self._tp_group, temperature=self.trainer_cfg.temperature,
                 with_entropy=True, inplace=True, vocab_size=self.hf.vocab_size, kernel=self.trainer_cfg.logprob_kernel,
                 targets_checked=True)  # the share's token ids were checked on the host (_check_share)
-            return logp.sum() * 0.0, {"logp": micro.as_padded(logp), "entropy": micro.as_padded(entropy)}
+            return logp.sum() * 0.0, {"logp": micro.as_padded(logp), "entropy": micro.as_padded(entropy), **scored}
 
         for module in self.ddp:
             module.eval()
@@ -188,16 +197,21 @@ class TrainActor:
             return None
         logps: list[torch.Tensor] = [torch.empty(0)] * len(share)
         entropies: list[torch.Tensor] = [torch.empty(0)] * len(share)
+        carries_heads = share[0].sampler_head_ids is not None
+        heads: list[torch.Tensor] | None = [torch.empty(0)] * len(share) if carries_heads else None
         for out, group in zip(outputs, groups, strict=True):
             # results leave the trainer as host tensors (a driver may have no GPU at all): one copy
             # of each micro-batch, cut on the host where each sample's responses lie
             logp, entropy = out["logp"].to("cpu"), out["entropy"].to("cpu")
+            head = out["head"].to("cpu") if heads is not None else None
             for row, index in enumerate(group):
                 sample = share[index]
                 responses = slice(sample.response_start - 1, sample.tokens.numel() - 1)
                 logps[index] = logp[row, responses].clone()
                 entropies[index] = entropy[row, responses].clone()
-        return ScoredSamples(logprobs=logps, entropies=entropies, routed_experts=routing)
+                if heads is not None:
+                    heads[index] = head[row, responses].clone()
+        return ScoredSamples(logprobs=logps, entropies=entropies, routed_experts=routing, head_logprobs=heads)
 
     def train_step(self, minibatch: list[TrainSample]) -> dict[str, float]:
         """One optimizer step on ``minibatch`` (every rank passes the whole minibatch).
@@ -240,6 +254,7 @@ class TrainActor:
             loss, stats = policy_loss(logp, view.rollout_logprobs, view.advantages, view.train_mask,
                                       self.loss_cfg, totals=totals, old_logprobs=view.old_logprobs,
                                       head_logprobs=head, sampler_head_logprobs=view.sampler_head_logprobs,
+                                      old_head_logprobs=view.old_head_logprobs if centring else None,
                                       deferred=checks)
             return loss * scale, {"loss": loss.detach().clone(), "stats": stats}
 

@@ -44,6 +44,9 @@ class TrainSample:
     # their log q under the distribution it drew from (loss.score_centering); None without it
     sampler_head_ids: torch.Tensor | None = None
     sampler_head_logprobs: torch.Tensor | None = None
+    # [n - response_start, k]: the trainer's log π_old of those ids, recomputed with old_logprobs
+    # (score centering anchored to π_old weighs each candidate against it); None otherwise
+    old_head_logprobs: torch.Tensor | None = None
 
     @property
     def num_response_tokens(self) -> int:
@@ -109,12 +112,21 @@ def _check_head_form(where: str, s: TrainSample, first: TrainSample, responses: 
     if (ids is None) != (logprobs is None) or (ids is None) != (first.sampler_head_ids is None):
         raise ValueError(f"{where}: sampler_head_ids and sampler_head_logprobs go together, on every sample or none")
     if ids is None:
+        if s.old_head_logprobs is not None:
+            raise ValueError(f"{where}: old_head_logprobs without the sampler's top-k ids they score")
         return
     k = first.sampler_head_ids.shape[-1]
     if ids.shape != (responses, k) or logprobs.shape != (responses, k) or ids.dtype.is_floating_point:
         raise ValueError(f"{where}: sampler_head_ids (integer) and sampler_head_logprobs must be [{responses}, {k}] "
                          f"(one row of k per response token), got {ids.dtype} {tuple(ids.shape)} and "
                          f"{tuple(logprobs.shape)}")
+    old = s.old_head_logprobs
+    if (old is None) != (first.old_head_logprobs is None) or (old is not None and s.old_logprobs is None):
+        raise ValueError(f"{where}: old_head_logprobs go with old_logprobs and the sampler's top-k, on every sample "
+                         "or none")
+    if old is not None and old.shape != (responses, k):
+        raise ValueError(f"{where}: old_head_logprobs must be [{responses}, {k}] like sampler_head_logprobs, got "
+                         f"{tuple(old.shape)}")
 
 
 def _any_bad_value(samples: list[TrainSample], vocab_size: int) -> bool:
@@ -136,6 +148,8 @@ def _any_bad_value(samples: list[TrainSample], vocab_size: int) -> bool:
         head_logprobs = joined("sampler_head_logprobs")
         bad += [outside_vocabulary(joined("sampler_head_ids")),
                 (torch.isnan(head_logprobs) | (head_logprobs > LOGPROB_TOLERANCE)).any()]
+    if samples[0].old_head_logprobs is not None:
+        bad.append(no_logprob(joined("old_head_logprobs")))
     return bool(torch.stack(bad).any())
 
 
@@ -157,6 +171,9 @@ def _check_values(where: str, s: TrainSample, vocab_size: int) -> None:
     # −inf is a token the sampler's filter left out (q = 0); NaN or a positive value is no log-probability
     if bool(torch.isnan(logprobs).any()) or bool((logprobs > LOGPROB_TOLERANCE).any()):
         raise ValueError(f"{where}: sampler_head_logprobs must be log-probabilities (<= 0, -inf allowed)")
+    old = s.old_head_logprobs
+    if old is not None and (not bool(torch.isfinite(old).all()) or bool((old > LOGPROB_TOLERANCE).any())):
+        raise ValueError(f"{where}: old_head_logprobs must be finite log-probabilities (<= 0)")
 
 
 @dataclass
@@ -177,6 +194,7 @@ class MicroBatch:
     # ids are 0 and log q 0 off the mask
     head_ids: torch.Tensor | None = None
     sampler_head_logprobs: torch.Tensor | None = None
+    old_head_logprobs: torch.Tensor | None = None  # [b, s, k] log π_old of those ids (0 off the mask) or None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -211,11 +229,13 @@ def collate(samples: list[TrainSample], *, pad_to_multiple: int = 1, with_routin
     train_mask = torch.zeros(b, seq, dtype=torch.bool)
     rollout_logprobs = torch.zeros(b, seq, dtype=torch.float32)
     old_logprobs = torch.zeros(b, seq, dtype=torch.float32) if samples[0].old_logprobs is not None else None
-    head_ids = head_logprobs = None
+    head_ids = head_logprobs = old_head_logprobs = None
     if samples[0].sampler_head_ids is not None:
         k = samples[0].sampler_head_ids.shape[-1]
         head_ids = torch.zeros(b, seq, k, dtype=torch.long)
         head_logprobs = torch.zeros(b, seq, k, dtype=torch.float32)
+        if samples[0].old_head_logprobs is not None:
+            old_head_logprobs = torch.zeros(b, seq, k, dtype=torch.float32)
     routed = None
     if with_routing:
         layers, topk = samples[0].routed_experts.shape[1:]
@@ -235,6 +255,8 @@ def collate(samples: list[TrainSample], *, pad_to_multiple: int = 1, with_routin
         if head_ids is not None:
             head_ids[row, first:n] = s.sampler_head_ids.long()
             head_logprobs[row, first:n] = s.sampler_head_logprobs.float()
+        if old_head_logprobs is not None:
+            old_head_logprobs[row, first:n] = s.old_head_logprobs.float()
         if routed is not None:
             routed[row, :n] = s.routed_experts
     return MicroBatch(
@@ -250,6 +272,7 @@ def collate(samples: list[TrainSample], *, pad_to_multiple: int = 1, with_routin
         old_logprobs=old_logprobs,
         head_ids=head_ids,
         sampler_head_logprobs=head_logprobs,
+        old_head_logprobs=old_head_logprobs,
     )
 
 

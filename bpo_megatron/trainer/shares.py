@@ -61,6 +61,11 @@ def check_batch(samples: list[TrainSample], hf: HFModelConfig, *, replaying: boo
     if loss is not None and loss.score_centering and samples[0].sampler_head_ids is None:
         raise ValueError("loss.score_centering needs each sample's sampler_head_ids and sampler_head_logprobs (the "
                          "engine's top-k log-probs of every response token, which the loop asks for with it on)")
+    if (loss is not None and loss.score_centering and samples[0].old_logprobs is not None
+            and samples[0].old_head_logprobs is None):
+        raise ValueError("loss.score_centering with old_logprobs (train.recompute_old_logprobs) needs each sample's "
+                         "old_head_logprobs too: π_old's log-probs of the sampler's top-k ids, which the recompute "
+                         "pass returns for samples that carry those ids (loop.samples.with_old_logprobs)")
     if replaying:
         check_routed_experts(samples, num_moe_layers=len(hf.moe_layers), topk=hf.num_experts_per_tok,
                              num_experts=hf.num_experts, contents=routing_ids)
