@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_sglang_contract import (  # noqa: F401
-    SGLANG_PYTHON, STANDIN, CALL_ID, TOOL_OUTPUT, _IdTokenizer, _Tool, checkpoints, layout, pushed, state,
+    SGLANG_PYTHON, STANDIN, TOOL_OUTPUT, _IdTokenizer, _Tool, checkpoints, layout, pushed, state,
 )
 
 from bpo_megatron.loop.samples import training_samples
@@ -42,7 +42,7 @@ from bpo_megatron.rollout.sglang.weights import inline_serializer
 
 pytestmark = [
     pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason="SGLang's environment is missing: bash tools/setup.sh --sglang"),
-    pytest.mark.timeout(600),
+    pytest.mark.timeout(900),  # two servers start in ~2 min on a busy 2-core machine
 ]
 
 EOS = 0  # the conversations' end token; every turn ends on it or on the call token (--standin-stop-at-end)
