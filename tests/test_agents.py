@@ -25,7 +25,7 @@ from bpo_megatron.loop.samples import environment_turns, training_samples
 from bpo_megatron.rollout import GenerationRequest, Sample, SamplingParams
 from bpo_megatron.rollout.agents import Agent, AgentConfig, Conversations, Turn, load_agent
 from bpo_megatron.rollout.agents.calculator import calculate
-from bpo_megatron.rollout.agents.conversation import TURN_SEED_STRIDE
+from bpo_megatron.rollout.agents.conversation import TURN_SEED_STRIDE, assemble
 from bpo_megatron.rollout.agents.python_tool import run_python
 from bpo_megatron.rollout.types import response_slots
 from bpo_megatron.tasks.scoring import response_texts
@@ -321,10 +321,77 @@ def test_environment_tokens_are_out_of_the_loss_and_counted():
     assert metrics["agent/env_token_frac"] == pytest.approx(3 / 12)
     assert metrics["async/r3_masked_frac"] == pytest.approx(1 / 9)  # of the model's 9 tokens
     # the second turn of the first conversation came after an update (its 2 tokens masked by assemble)
-    assert metrics["async/r3_prefix_mismatch_frac"] == pytest.approx(samples[0].prefix_rerouted_tokens / 9)
+    assert metrics["rollout/r3_prefix_mismatch_frac"] == pytest.approx(samples[0].prefix_rerouted_tokens / 9)
     assert samples[0].prefix_rerouted_tokens == 2 and samples[1].prefix_rerouted_tokens == 0
     plain, _ = training_samples(samples, torch.tensor([1.0, 0.0]), group_size=2, keep_routing=False)
     assert plain[0].train_mask.tolist() == [True] * 5 + [False] * 3 + [True] * 2
+
+
+def _turn(prompt: int, response: int, *, start: int, fill: int, versions: list[int], cached: int | None,
+          engine: tuple[int, int] | None) -> Sample:
+    """A model turn as an engine reports it: routing rows from ``start`` on, each holding ``fill``."""
+    rows = prompt + response - 1 - start
+    return Sample(request_id="q0", index=0, prompt_tokens=torch.arange(prompt), response_tokens=torch.arange(response),
+                  rollout_logprobs=torch.full((response,), -0.5), finish_reason="stop",
+                  routed_experts=torch.full((rows, LAYERS, TOPK), fill, dtype=torch.uint8), routing_start=start,
+                  weight_version=min(versions), token_versions=torch.tensor(versions), cached_tokens=cached,
+                  served_by=engine)
+
+
+@pytest.mark.parametrize("case, second, masked", [
+    # SGLang: the second turn asks for the positions after the first's 6 only (routing_from)
+    ("its prefix cached on the same engine", dict(start=6, cached=6, engine=(0, 0)), False),
+    ("the cache lost part of it (an eviction)", dict(start=6, cached=4, engine=(0, 0)), True),
+    ("another engine, whose cache lacks it", dict(start=6, cached=0, engine=(1, 0)), True),
+    ("a replacement of the engine", dict(start=6, cached=0, engine=(0, 1)), True),
+    ("an update between the turns", dict(start=6, cached=6, engine=(0, 0), versions=[6, 6]), True),
+    # a pause inside the turn re-prefilled every position with the new weights; cached_tokens
+    # (counted at the first prefill) does not show it
+    ("a pause inside the turn", dict(start=6, cached=6, engine=(0, 0), versions=[5, 6]), True),
+    # an engine that recomputes the whole sequence and reports it: the routing itself is compared
+    ("recomputed with the same routing", dict(start=0, cached=0, engine=(1, 0), prefix_fill=1), False),
+    ("recomputed with other routing", dict(start=0, cached=0, engine=(0, 0), prefix_fill=3), True),
+])
+def test_a_later_turn_is_masked_for_r3_exactly_when_its_prefix_routing_was_recomputed(case, second, masked):
+    """A second turn is sampled after the engine's routing of the first turn's positions; R3 replays
+    the first turn's. Its tokens are masked (and counted) exactly when the two can differ, and the
+    turns' hops and prefix-cache hits are reported."""
+    first = _turn(4, 3, start=0, fill=1, versions=[5, 5, 5], cached=0, engine=(0, 0))
+    second = dict(second)
+    versions = second.pop("versions", [5, 5])
+    prefix_fill = second.pop("prefix_fill", None)
+    turn = _turn(9, 2, fill=2, versions=versions, **second)
+    if prefix_fill is not None:  # the positions the first turn fed, as this engine routed them
+        turn.routed_experts[:6] = prefix_fill
+    sample = assemble([first, turn], [[7, 8]], "stop")
+    valid = [True] * 7 if sample.routing_valid is None else sample.routing_valid.tolist()
+    assert valid == [True] * 5 + [not masked] * 2, case
+    assert sample.prefix_rerouted_tokens == 2 * masked
+    stats = sample.conversation
+    hop = turn.served_by != (0, 0)
+    assert (stats.later_turns, stats.hops, stats.recomputed_turns) == (1, hop, masked)
+    assert (stats.prefix_tokens, stats.cached_prefix_tokens) == (6, second["cached"])
+    # the replayed routing: the first turn's rows for its positions, the second's for the rest
+    assert sample.routed_experts[:, 0, 0].tolist() == [1] * 6 + [2] * 4
+    _, metrics = training_samples([sample, sample], torch.tensor([1.0, 0.0]), group_size=2, keep_routing=True)
+    assert metrics["rollout/multi_turn_hop_frac"] == hop
+    assert metrics["rollout/prefix_cache_hit_rate"] == pytest.approx(second["cached"] / 6)
+    assert metrics["rollout/multi_turn_prefix_recomputed_frac"] == masked
+    assert metrics["rollout/r3_prefix_mismatch_frac"] == pytest.approx(2 * masked / 5)
+
+
+def test_a_turn_that_reuses_a_recomputed_prefix_is_masked_too():
+    """The second turn hopped to engine 1, which recomputed the first turn's positions; the third
+    stays there and reuses its cache whole — which holds engine 1's routing of those positions,
+    not engine 0's that R3 replays: masked too."""
+    first = _turn(4, 3, start=0, fill=1, versions=[5, 5, 5], cached=0, engine=(0, 0))
+    second = _turn(9, 2, start=6, fill=2, versions=[5, 5], cached=0, engine=(1, 0))
+    third = _turn(13, 2, start=10, fill=3, versions=[5, 5], cached=10, engine=(1, 0))
+    sample = assemble([first, second, third], [[7, 8], [7, 8]], "stop")
+    assert sample.routing_valid.tolist() == [True] * 5 + [False] * 2 + [True] * 2 + [False] * 2
+    stats = sample.conversation
+    assert (stats.later_turns, stats.hops, stats.recomputed_turns) == (2, 1, 2)
+    assert (stats.prefix_tokens, stats.cached_prefix_tokens) == (16, 10)
 
 
 def test_a_call_token_must_be_one_token():
@@ -570,6 +637,12 @@ def test_an_engine_that_dies_between_turns_costs_that_turn_only(ray_session, mod
     finally:
         group.shutdown()
     assert sum(bool(s.from_environment.any()) for s in samples) >= 8
+    # the embedded engine recomputes each turn's whole prompt and reports its routing: a later turn's
+    # routing of the earlier positions is compared with the replayed one, and agrees (same weights)
+    assert sum(s.conversation.later_turns for s in reference) >= 8
+    assert sum(s.conversation.recomputed_turns for s in reference + samples) == 0
+    # the turns whose engine was replaced went where the load was least (counted as hops); the rest stayed
+    assert 1 <= sum(s.conversation.hops for s in samples) < sum(s.conversation.later_turns for s in samples)
     for got, want in zip(samples, reference, strict=True):
         assert (got.request_id, got.index) == (want.request_id, want.index)
         assert torch.equal(got.response_tokens, want.response_tokens), got.request_id

@@ -170,6 +170,26 @@ def test_samples_come_back_as_they_finish(group, pushed_weights, expected_mixed)
     assert sorted(came) == list(range(16)) and pending.done()
     _check_samples([came[p] for p in range(16)], MIXED, expected_mixed)
     _check_samples(pending.result(), MIXED, expected_mixed)
+    # each sample says which engine (and which start of it) served it: a conversation's next turn goes there
+    assert [s.served_by for s in pending.result()] == [(0, group.starts[0])] * 8 + [(1, group.starts[1])] * 8
+
+
+def test_a_turn_goes_to_its_previous_engine_unless_that_one_was_replaced_or_is_full():
+    from bpo_megatron.orchestration.engine_group import place
+
+    def turn(i: int, affinity=None) -> GenerationRequest:
+        return GenerationRequest(f"t{i}", (1, 2), SamplingParams(n=1), affinity=affinity)
+
+    # no affinity, equal loads: the count split, the first slices one longer
+    assert place([turn(i) for i in range(5)], [0, 0], [0, 0], 8) == [[0, 1, 2], [3, 4]]
+    # a small batch goes to the least loaded engine, not to engine 0
+    assert place([turn(0)], [3, 1], [0, 0], 8) == [[], [0]]
+    turns = [turn(0, (1, 0)), turn(1, (1, 0)), turn(2), turn(3)]
+    assert place(turns, [0, 0], [0, 0], 8) == [[2, 3], [0, 1]]  # kept on engine 1; the others even the load
+    assert place(turns, [0, 0], [0, 1], 8) == [[0, 1], [2, 3]]  # engine 1 was replaced since: by load
+    # full: engine 1 owes 8 samples more than the least loaded (rollout.agent.affinity_backlog=8)
+    assert place(turns, [0, 8], [0, 0], 8) == [[0, 1, 2, 3], []]
+    assert place(turns, [0, 8], [0, 0], 9) == [[1, 2, 3], [0]]  # room for one more there
 
 
 def test_a_share_sent_again_holds_only_the_requests_still_unanswered(group, pushed_weights, expected_mixed,

@@ -35,7 +35,7 @@ def test_launch_command_from_config():
     cmd = cfg.launch_command()
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     assert cmd[3:] == ["--model-path", "/ckpt/hf", "--host", "127.0.0.1", "--port", "31000", "--tp-size", "4",
-                       "--skip-tokenizer-init", "--enable-return-routed-experts",
+                       "--skip-tokenizer-init", "--enable-return-routed-experts", "--enable-metrics",
                        "--mem-fraction-static", "0.7", "--dtype", "bfloat16"]
     assert "--enable-return-routed-experts" not in SGLangConfig(model_path="m", capture_routed_experts=False).launch_command()
 
@@ -201,6 +201,42 @@ def test_a_request_retracted_for_kv_space_has_no_token_whose_routing_is_trusted(
                                       keep_routing=True)
     assert metrics["rollout/retracted_frac"] == 0.5
     assert train[0].train_mask.tolist() == [False] * 4 and train[1].train_mask.tolist() == [False, False, True, True]
+
+
+def test_a_pause_that_retracted_a_request_before_its_first_token_is_no_retraction_for_space():
+    """SGLang's ``retract`` pause also retracts a request still in chunked prefill: one more in its
+    ``num_retractions``, and no output token yet to carry the version change. No sampled token lost
+    its routing, so nothing is masked — when the server's count of retractions for KV space
+    (``/metrics``) shows none since that pause (a retraction for space needs output: it would come
+    after). Where that cannot be shown, the retraction counts as one for space, as before."""
+    from bpo_megatron.rollout.sglang.protocol import Pause, retracted_before_output, space_retractions_total
+
+    exposition = ("# TYPE sglang:num_retracted_requests_total counter\n"
+                  'sglang:num_retracted_requests_total{model_name="m",tp_rank="0"} 3.0\n'
+                  'sglang:num_retracted_requests_total{model_name="m",tp_rank="1"} 2.0\n'
+                  'sglang:num_retracted_requests_created{model_name="m",tp_rank="0"} 1.7e9\n'
+                  'sglang:num_retracted_reqs{model_name="m",tp_rank="0"} 1.0\n')
+    assert space_retractions_total(exposition) == 5.0
+    assert space_retractions_total("sglang:num_running_reqs 1.0\n") is None  # metrics without the counter
+    after = torch.tensor([1, 1, 1, 1])  # every token by the weights the pause brought
+    assert retracted_before_output(1, after, [Pause(1, 5.0)], lambda: 5.0)
+    assert not retracted_before_output(1, after, [Pause(1, 5.0)], lambda: 6.0)  # a space retraction since
+    assert not retracted_before_output(2, after, [Pause(1, 5.0)], lambda: 5.0)  # more than the pauses could do
+    assert not retracted_before_output(1, after, [Pause(2, 5.0)], lambda: 5.0)  # that pause came after token 0
+    assert not retracted_before_output(1, after, [Pause(1, None)], lambda: 5.0)  # no count then
+    assert not retracted_before_output(1, after, [Pause(1, 5.0)], None)  # no count now
+
+    item = expand([GenerationRequest("r", (1, 2))])[0]
+    experts = np.arange(5 * 2 * 2, dtype=np.int32).reshape(5, 2, 2) % 4
+    response = {"output_ids": [5, 6, 7, 8], "meta_info": {
+        "id": "r#0", "finish_reason": {"type": "length"}, "num_retractions": 1,
+        "output_token_logprobs": [[-1.0, t, None] for t in (5, 6, 7, 8)],
+        "weight_versions": [{"version": "1", "start": 0, "end": 4}],
+        "routed_experts": base64.b64encode(experts.tobytes()).decode()}}
+    kept = decode_sample(item, response, routing=LAYOUT, pauses=[Pause(1, 5.0)], space_retractions_now=lambda: 5.0)
+    assert not kept.retracted_for_space and kept.routing_valid is None
+    unknown = decode_sample(item, response, routing=LAYOUT)  # as the client decoded it before
+    assert unknown.retracted_for_space and unknown.routing_valid.tolist() == [False] * 4
 
 
 @pytest.mark.parametrize(

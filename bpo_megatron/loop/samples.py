@@ -49,12 +49,33 @@ def training_samples(samples: list[Sample], rewards: torch.Tensor, group_size: i
     if keep_routing and asynchronous:
         masked = sum(int((s.model_tokens & ~s.routing_valid).sum()) for s in samples if s.routing_valid is not None)
         metrics["async/r3_masked_frac"] = masked / max(model_tokens, 1)
-        if any(s.from_environment is not None for s in samples):  # multi-turn: turns after an update
-            metrics["async/r3_prefix_mismatch_frac"] = sum(s.prefix_rerouted_tokens for s in samples) / max(model_tokens, 1)
     if any(s.from_environment is not None for s in samples):
         metrics["agent/tool_calls_mean"] = sum(environment_turns(s) for s in samples) / len(samples)
         metrics["agent/env_token_frac"] = 1.0 - model_tokens / max(float(lengths.sum()), 1.0)
+    metrics.update(turn_metrics(samples, model_tokens, keep_routing=keep_routing))
     return train, metrics
+
+
+def turn_metrics(samples: list[Sample], model_tokens: int, *, keep_routing: bool) -> dict[str, float]:
+    """How the later turns of multi-turn responses met the engines (``Sample.conversation``; none
+    for single-turn samples): ``rollout/multi_turn_hop_frac``, the later turns served by another
+    engine than the turn before; ``rollout/prefix_cache_hit_rate``, the share of the earlier
+    positions those turns fed that the engine took from its prefix cache (engines that report it);
+    under R3 ``rollout/multi_turn_prefix_recomputed_frac``, the later turns sampled after a routing
+    of those positions other than the replayed one, and ``rollout/r3_prefix_mismatch_frac``, their
+    share of the model tokens (masked for R3)."""
+    stats = [s.conversation for s in samples if s.conversation is not None]
+    later = sum(c.later_turns for c in stats)
+    if not later:
+        return {}
+    metrics = {"rollout/multi_turn_hop_frac": sum(c.hops for c in stats) / later}
+    prefix = sum(c.prefix_tokens for c in stats)
+    if prefix:
+        metrics["rollout/prefix_cache_hit_rate"] = sum(c.cached_prefix_tokens for c in stats) / prefix
+    if keep_routing:
+        metrics["rollout/multi_turn_prefix_recomputed_frac"] = sum(c.recomputed_turns for c in stats) / later
+        metrics["rollout/r3_prefix_mismatch_frac"] = sum(s.prefix_rerouted_tokens for s in samples) / max(model_tokens, 1)
+    return metrics
 
 
 def _train_mask(sample: Sample, keep_routing: bool) -> torch.Tensor | None:

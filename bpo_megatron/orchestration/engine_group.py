@@ -1,6 +1,10 @@
 """The rollout engines (or a run's background evaluation engines) as a group of Ray actors.
 
-Requests are spread over the engines in contiguous slices. An engine that dies (its process
+Requests are spread over the engines in contiguous slices that even out the engines' outstanding
+samples; a conversation's later turn (``GenerationRequest.affinity``) goes to the engine of its
+previous turn, whose prefix cache holds the conversation, unless that engine was replaced since or
+is full (``rollout.agent.affinity_backlog`` more samples outstanding than the least loaded one).
+An engine that dies (its process
 killed or crashed), loses its server (:class:`~bpo_megatron.rollout.engine.EngineLost`), stalls
 (requests outstanding and no progress for ``rollout.stall_timeout_s``: a stopped or wedged process),
 runs past ``rollout.generate_timeout_s`` or does not answer any other call within
@@ -23,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, Callable
@@ -32,7 +37,6 @@ from bpo_megatron.orchestration.stall_watch import StallWatch
 from bpo_megatron.orchestration.workers import EngineWorker
 from bpo_megatron.rollout.agents.conversation import TURN_BATCHES_IN_FLIGHT
 from bpo_megatron.rollout.engine import EngineLost, EngineUnresponsive
-from bpo_megatron.trainer.samples import split
 from bpo_megatron.weight_sync.transport import ENDPOINT_PARTS, EngineEndpoint
 
 log = logging.getLogger(__name__)
@@ -67,6 +71,7 @@ class _Stream:
 
     generator: Any  # the engine's generate call (a Ray streaming generator)
     actor: Any  # the actor it went to
+    served_by: tuple[int, int]  # (engine index, its start count): what its samples are tagged with
     requests: list[int]  # which of the generation's requests
     positions: list[int]  # the generation's sample position of each sample the share returns
     deadline: float | None  # rollout.generate_timeout_s from the moment it was sent
@@ -74,7 +79,7 @@ class _Stream:
 
 
 class PendingGeneration:
-    """Requests shared out over the engines in contiguous slices, generating; each engine streams
+    """Requests shared out over the engines (:meth:`EngineGroup.place`), generating; each engine streams
     its samples back as they finish. :meth:`take_finished` hands over those that came since it
     was last called (a conversation's next turn need not wait for the batch's longest answer),
     :meth:`result` waits for all, :meth:`done` looks without waiting. A dead, hung or stalled
@@ -94,9 +99,15 @@ class PendingGeneration:
         self._probes: dict[int, Any] = {}  # engine -> its progress probe under way
         self._interval = min(PROBE_INTERVAL_S, engines.stall_timeout_s / 4)
         self._watched_at = -math.inf  # when a wait last looked
-        for i, share in enumerate(split(list(range(len(requests))), len(engines.workers))):
+        for i, share in enumerate(engines.place(requests)):
             if share:
                 self._send(i, share)
+        engines.pending.add(self)
+
+    def outstanding(self, engine: int) -> int:
+        """The samples engine ``engine`` still owes this generation."""
+        stream = self._streams.get(engine)
+        return 0 if stream is None else stream.missing
 
     def take_finished(self, wait_s: float = 0.0, *, watch: bool | None = None) -> list[tuple[int, Any]]:
         """The samples that finished since the last call, each with its position in request
@@ -132,7 +143,8 @@ class PendingGeneration:
         timeout, now = self._engines.generate_timeout_s, time.monotonic()
         positions = [p for r in share for p in range(self._first[r], self._first[r + 1])]
         generator = self._engines.remote(worker, "generate", [self._requests[r] for r in share])
-        self._streams[engine] = _Stream(generator, worker, share, positions, None if timeout is None else now + timeout,
+        self._streams[engine] = _Stream(generator, worker, (engine, self._engines.starts[engine]), share, positions,
+                                        None if timeout is None else now + timeout,
                                         missing=sum(self._samples[p] is None for p in positions))
         self._watch.start(engine, now)
         self._probes.pop(engine, None)
@@ -190,6 +202,7 @@ class PendingGeneration:
         for local, sample in batch:
             position = stream.positions[local]
             if self._samples[position] is None:  # a share sent again may repeat what came before
+                sample.served_by = stream.served_by
                 self._samples[position] = sample
                 self._arrived.append((position, sample))
                 stream.missing -= 1
@@ -256,6 +269,34 @@ class PendingGeneration:
                 pass  # no answer: a dead engine's generate call fails on its own; a silent one stalls
 
 
+def place(requests: list, load: list[int], starts: list[int], backlog: int) -> list[list[int]]:
+    """Each engine's share of ``requests`` (their indices), the engines owing ``load`` samples
+    and started ``starts`` times each. A request with an ``affinity`` (engine, start count) goes
+    to that engine while it is the one that served it (not replaced since: a replacement's cache
+    is empty) and is not full — ``backlog`` samples or more beyond the least loaded engine's; the
+    others go in contiguous slices that bring the engines' outstanding samples as near one level
+    as whole requests allow (with equal loads: nearly equal slices, the first ones one longer)."""
+    load, shares, free = list(load), [[] for _ in load], []
+    for r, request in enumerate(requests):
+        home = request.affinity
+        if (home is not None and 0 <= home[0] < len(load) and starts[home[0]] == home[1]
+                and load[home[0]] - min(load) < backlog):
+            shares[home[0]].append(r)
+            load[home[0]] += request.sampling.n
+        else:
+            free.append(r)
+    counts = [0] * len(load)
+    for r in free:  # each to the least loaded engine (the lowest index on a tie)
+        i = min(range(len(load)), key=lambda j: (load[j], j))
+        counts[i] += 1
+        load[i] += requests[r].sampling.n
+    start = 0
+    for i, count in enumerate(counts):
+        shares[i] += free[start:start + count]
+        start += count
+    return shares
+
+
 class EngineGroup:
     """``rollout.num_engines`` engines (``num_engines``: that many). ``role`` evaluation: a run's
     background evaluation engines, on their slots of the placement, without routing capture, one
@@ -290,6 +331,9 @@ class EngineGroup:
         self.on_restart: Callable[[list[int]], None] | None = None  # reload weights into new engines
         self.start_hook: Callable[[list[int], Callable[[], None]], None] | None = None
         self.unsynced: set[int] = set()  # replaced engines that hold the initial weights
+        self.starts = [0] * count  # how often each engine index was started again (a replacement's cache is empty)
+        self.pending: weakref.WeakSet = weakref.WeakSet()  # the generations under way: the engines' load
+        self.affinity_backlog = cfg.rollout.agent.affinity_backlog
         self.weight_group: tuple[str, ...] | None = None  # the engines (actor ids) a weight group joined
         generating = cfg.train.asynchronous.max_staleness + 1 if self.partial_rollouts else 1
         if cfg.rollout.agent.enabled and self._updates_apart:  # each conversation batch's turns go in batches
@@ -501,6 +545,8 @@ class EngineGroup:
                 self.workers[i] = worker
 
         self.restarts += len(indices)
+        for i in indices:
+            self.starts[i] += 1
         if self.start_hook is not None:
             self.start_hook(indices, start)
         else:
@@ -545,6 +591,14 @@ class EngineGroup:
         return unhealthy
 
     # --------------------------------------------------------------------------- generation
+    def load(self) -> list[int]:
+        """Each engine's outstanding samples, over the generations under way."""
+        return [sum(generation.outstanding(i) for generation in list(self.pending)) for i in range(len(self.workers))]
+
+    def place(self, requests: list) -> list[list[int]]:
+        """Each engine's share of ``requests`` (their indices): :func:`place`."""
+        return place(requests, self.load(), self.starts, self.affinity_backlog)
+
     def generate(self, requests: list) -> list:
         """All samples, in request order; a dead, hung or stalled engine is replaced and its share re-sent."""
         return self.submit(requests).result()

@@ -74,6 +74,10 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     capture_routing: bool = True
     routing_from: int = 0
+    # the engine (an engine group's ``Sample.served_by``) that served the conversation's previous
+    # turn, whose prefix cache holds that turn: a group sends the request there while that engine
+    # lives and is not full (orchestration/engine_group.py); None: wherever the load is least
+    affinity: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:
@@ -111,11 +115,20 @@ class Sample:
     # before it, and SGLang does not say where that was, so routing_valid is False for every token
     # (rollout/sglang/protocol.py; counted as rollout/retracted_frac)
     retracted_for_space: bool = False
-    # the model tokens of the turns of a multi-turn response whose engine re-prefilled the
-    # conversation with newer weights (a weight update between turns): R3 replays each position's
-    # routing from the first turn that processed it, not the one those tokens were sampled after,
-    # so they are masked for R3 (rollout/agents/conversation.py; async/r3_prefix_mismatch_frac)
+    # the prompt tokens the engine took from its prefix cache instead of computing them for this
+    # request (SGLang's ``meta_info.cached_tokens``; 0 from an engine without a prefix cache);
+    # None: the engine does not say
+    cached_tokens: int | None = None
+    # (engine index, how many times that index was started before) of the engine-group member that
+    # generated it, set by the group; None: a bare engine
+    served_by: tuple[int, int] | None = None
+    # the model tokens of the later turns of a multi-turn response that were sampled after a
+    # routing of the conversation's earlier positions other than the one R3 replays for them (the
+    # engine recomputed that prefix: another engine, an evicted cache, newer weights, a pause):
+    # masked for R3 (rollout/agents/conversation.py; rollout/r3_prefix_mismatch_frac)
     prefix_rerouted_tokens: int = 0
+    # a multi-turn response's turns as the engines served them (None: single-turn)
+    conversation: ConversationStats | None = None
     # [R] bool: the response tokens the environment inserted between the model's turns (a tool's
     # output, rollout/agents): the model sampled none of them, so they carry no μ (0 there, never
     # read), no loss and no routing of their own to replay. None: every response token is the model's.
@@ -174,6 +187,21 @@ class Sample:
             got = tuple(self.routed_experts.shape)
             if got[0] != want[0] or (num_moe_layers is not None and got[1:] != want[1:]):
                 raise ValueError(f"sample {self.request_id}/{self.index}: routed experts {got}, expected {want}")
+
+
+@dataclass(frozen=True)
+class ConversationStats:
+    """How a multi-turn response's later turns (the second on) met the engines: ``hops`` of them
+    went to another engine than the turn before (or to a replacement of it); of the
+    ``prefix_tokens`` earlier positions they fed (counted where the engine reports its prefix
+    cache), ``cached_prefix_tokens`` came from the engine's cache; ``recomputed_turns`` were sampled
+    after a routing of those positions other than the replayed one (their tokens masked for R3)."""
+
+    later_turns: int = 0
+    hops: int = 0
+    prefix_tokens: int = 0
+    cached_prefix_tokens: int = 0
+    recomputed_turns: int = 0
 
 
 @dataclass(frozen=True)

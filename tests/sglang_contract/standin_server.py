@@ -67,6 +67,28 @@ retracted request is prefilled again in another batch, so the routing reported f
 is the last prefill's, which differs from the routing that sampled the tokens before it: made up
 here from (request, position, version, space retractions so far).
 
+Prefix cache (SGLang's radix cache, in outline): a finished request leaves its prompt and output
+(but the last token, never fed) cached with the routed experts computed for them; a request's first
+prefill takes the longest cached prefix of its prompt (at most all but one token) and reports it as
+``meta_info.cached_tokens``, the routing of those positions being the cached one. The cache is
+emptied by ``/flush_cache`` and by a weight update that changes the version, and holds
+``--standin-prefix-cache-tokens N`` tokens at most (0: unbounded), the least recently used entries
+evicted first. A request prefilled again after a retraction computes every position again. A
+position's made-up experts depend on this server (its port), the tokens up to it, the version and
+the request's space retractions so far, so a computation on another engine differs. Each finished
+request is logged (``--standin-call-log``, ``"call": "request"``) with which computation routed
+each position (server, request id, version, space retractions): every prefill's view of the
+positions before ``routed_experts_start_len`` (what the tokens sampled after it saw) and the rows
+reported, so a test can check what each token was sampled after against what is replayed.
+
+Chunked prefill (``--standin-chunked-prefill N``): a prompt's uncomputed tokens are prefilled N per
+scheduler step, the first token sampled in the step of the last chunk; a ``retract`` pause retracts
+a request still in prefill too (SGLang's ``chunked_req``), counted in its ``num_retractions``
+with no output token to show a version change. ``--standin-stop-at-end 1``: a response that reaches
+its drawn length ends on one of its stop tokens (drawn), so conversations go on for several turns.
+``--enable-metrics``: ``GET /metrics`` reports ``sglang:num_retracted_requests_total``, the
+requests retracted for KV space so far (SGLang counts only those there, not a pause's).
+
 Scheduling, as SGLang's scheduler does it in outline: every request waits in one queue, is admitted
 while the KV pool holds its prompt and its response (this stand-in knows each response's length in
 advance, SGLang estimates it and retracts on overflow), and one decoding step advances every
@@ -125,6 +147,9 @@ def _parse() -> tuple[argparse.Namespace, argparse.Namespace]:
     controls.add_argument("--standin-call-log", default="")
     controls.add_argument("--standin-new-token-ratio", type=float, default=0.0)
     controls.add_argument("--standin-drop-generate", type=int, default=0)
+    controls.add_argument("--standin-prefix-cache-tokens", type=int, default=0)
+    controls.add_argument("--standin-chunked-prefill", type=int, default=0)
+    controls.add_argument("--standin-stop-at-end", type=int, default=0)
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)  # SGLang's own flags: ours must be among them
     if "--config" in theirs:  # SGLang's own merge of a --config file into the flags
@@ -138,8 +163,9 @@ def _parse() -> tuple[argparse.Namespace, argparse.Namespace]:
 
 ARGS, CONTROLS = _parse()
 MODEL = json.loads((Path(ARGS.model_path) / "config.json").read_text())
-LOCK = threading.Lock()
-STATE = {"generate_calls": 0, "generate_posts": 0, "releases": 0, "calls": [], "paused": False, "pause_mode": None, "tokens": 0, "released": []}
+LOCK = threading.RLock()  # re-entered: a prefill under a decoding step's hold
+STATE = {"generate_calls": 0, "generate_posts": 0, "releases": 0, "calls": [], "paused": False, "pause_mode": None, "tokens": 0, "released": [],
+         "space_retractions": 0}
 
 
 def _record(call: dict, *, keep: bool = True) -> None:
@@ -199,35 +225,102 @@ class Ranks:
         return all(ok for ok, _ in replies), " | ".join(message for _, message in replies)
 
 
-def _routed_experts(rid: str, prompt_len: int, spans: list[dict], prefills: int = 0, start: int = 0) -> str:
-    """What SGLang reports for a finished request: int32 ``[prompt + output − 1, every hidden layer,
-    top-k]``, dense layers zero. The experts of a position are made up from (request id, position,
-    the weights version that routed it), so they change with the weights as a real router's do.
-    Which version routed a position depends on the pause a weight update came with: ``retract``
-    frees the request's KV cache and SGLang prefills prompt + output again with the weights of the
-    continue, so every position reports the request's last version (its last token's, from its
-    ``weight_versions`` spans); ``in_place`` keeps the cache, so a position keeps the version that
-    processed it (the prompt: the prefill's, token 0's; position q ≥ P − 1: token q − P + 1's).
-    ``prefills``: the request's retractions for KV space, each a prefill of every position again in
-    another batch (the last one is what the request reports). ``start``: the request's
-    ``routed_experts_start_len``, the first position reported (SGLang's ``[start, seqlen − 1)``)."""
+class PrefixCache:
+    """Finished sequences (prompt and output but the last token) with their routed experts and
+    which computation routed each position; the least recently used go first past ``capacity``
+    tokens (0: unbounded)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.entries = capacity, {}  # tokens -> (rows, origins); insertion order = use order
+
+    def match(self, prompt: list[int]) -> tuple[int, np.ndarray | None, list]:
+        """The longest cached prefix of ``prompt`` (all but its last token at most): its length,
+        rows and origins."""
+        best, found = 0, None
+        for key in self.entries:
+            common = next((i for i, (a, b) in enumerate(zip(key, prompt)) if a != b), min(len(key), len(prompt)))
+            if common > best:
+                best, found = common, key
+        best = min(best, len(prompt) - 1)
+        if found is None or best <= 0:
+            return 0, None, []
+        rows, origins = self.entries.pop(found)
+        self.entries[found] = (rows, origins)  # just used
+        return best, rows[:best], origins[:best]
+
+    def insert(self, tokens: tuple[int, ...], rows: np.ndarray, origins: list) -> None:
+        if not tokens:
+            return
+        self.entries.pop(tokens, None)
+        self.entries[tokens] = (rows, origins)
+        while self.capacity and sum(len(key) for key in self.entries) > self.capacity and len(self.entries) > 1:
+            self.entries.pop(next(iter(self.entries)))  # evicted
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+CACHE = PrefixCache(CONTROLS.standin_prefix_cache_tokens)
+
+
+def _experts(tokens: list[int], rows: range, version_of, salt: int, rid: str) -> tuple[np.ndarray, list]:
+    """Made-up routed experts of positions ``rows`` as SGLang lays them out (int32, every hidden
+    layer, dense layers zero), and each position's origin (server, request, version, salt): from
+    this server, the tokens up to the position, the weights version that routed it and the
+    request's space retractions so far (``salt``: each a prefill of every position again in
+    another batch)."""
     experts = MODEL.get("num_experts") or MODEL["num_local_experts"]  # transformers 5 writes the latter
     layers, topk = MODEL["num_hidden_layers"], MODEL["num_experts_per_tok"]
     dense = set(MODEL.get("mlp_only_layers") or [])
+    out = np.zeros((len(rows), layers, topk), dtype=np.int32)
+    origins, digest = [], 0
+    for row in range(rows.stop):
+        digest = (digest * 1_000_003 + tokens[row] + 1) % (1 << 61)  # the tokens up to this position
+        if row < rows.start:
+            continue
+        version = version_of(row)
+        rng = random.Random(f"{ARGS.port}/{digest}/{version}" + (f"/prefill{salt}" if salt else ""))
+        for layer in range(layers):
+            if layer not in dense:
+                out[row - rows.start, layer] = rng.sample(range(experts), topk)
+        origins.append((ARGS.port, rid, version, salt))
+    return out, origins
+
+
+def _segments(origins: list, offset: int = 0) -> list:
+    """``origins`` run-length coded: ``[end, port, rid, version, salt]`` per run (rows counted from ``offset``)."""
+    runs = []
+    for row, origin in enumerate(origins, start=offset):
+        if runs and tuple(runs[-1][1:]) == tuple(origin):
+            runs[-1][0] = row + 1
+        else:
+            runs.append([row + 1, *origin])
+    return runs
+
+
+def _routed_experts(request: "Request", spans: list[dict]) -> tuple[np.ndarray, list]:
+    """What SGLang reports for a finished request, every position ``[0, prompt + output − 1)``:
+    the routed experts and each one's origin. Which version routed a position depends on the
+    pause a weight update came with: ``retract`` frees the request's KV cache and SGLang prefills
+    prompt + output again with the weights of the continue, so every position reports the
+    request's last version (its last token's, from its ``weight_versions`` spans); ``in_place``
+    keeps the cache, so a position keeps the version that processed it (the prompt: the
+    prefill's, token 0's; position q ≥ P − 1: token q − P + 1's). A request never retracted keeps
+    the cached routing of the prefix its first prefill took from the cache."""
     versions = [_version_number(span["version"]) for span in spans for _ in range(span["start"], span["end"])]
     last = _version_number(spans[-1]["version"])
     with LOCK:
         pauses = [call["mode"] for call in STATE["calls"] if call["call"] == "pause_generation"]
     in_place = bool(pauses) and pauses[-1] == "in_place"
-    rows = prompt_len + len(versions) - 1
-    out = np.zeros((max(0, rows - start), layers, topk), dtype=np.int32)
-    for row in range(start, rows):
-        version = versions[max(0, row - prompt_len + 1)] if in_place and versions else last
-        rng = random.Random(f"{rid}/{row}/{version}" + (f"/prefill{prefills}" if prefills else ""))
-        for layer in range(layers):
-            if layer not in dense:
-                out[row - start, layer] = rng.sample(range(experts), topk)
-    return base64.b64encode(out.tobytes()).decode()
+    tokens = request.prompt + request.output_ids
+    rows = len(request.prompt) + len(versions) - 1
+    cached = 0 if request.retractions else min(request.cached, rows)
+    fresh, origins = _experts(tokens, range(cached, rows),
+                              lambda row: versions[max(0, row - len(request.prompt) + 1)] if in_place and versions
+                              else last, request.space_retractions, request.rid)
+    if cached:
+        return np.concatenate([request.cached_rows[:cached], fresh]), list(request.cached_origins[:cached]) + origins
+    return fresh, origins
 
 
 def _version_number(version: str) -> int:
@@ -263,9 +356,39 @@ class Request:
         self.max_new_tokens = params.get("max_new_tokens") or 16
         self.retractions = 0  # every retraction, a pause's included (SGLang's retraction_count)
         self.space_retractions = 0
+        self.prefilled = False  # its first prefill has begun: cached_tokens is known
+        self.cached, self.cached_rows, self.cached_origins = 0, None, []
+        self.to_prefill = 0  # positions still to prefill (chunked prefill) before the next token
+        # every prefill: (output tokens then, the origins of the positions before its routing start)
+        self.prefills: list[tuple[int, list]] = []
+        self.routing_start = 0
+        self.reprefill = False  # a pause retracted it: the next step prefills it again
+
+    def prefill(self, version: str) -> None:
+        """A prefill (the first, or again after a retraction) begins: what routes the positions
+        before ``routing_start`` from now on."""
+        tokens = self.prompt + self.output_ids
+        if not self.prefilled:  # SGLang counts cached_tokens at the first prefill only
+            self.prefilled = True
+            with LOCK:
+                self.cached, self.cached_rows, self.cached_origins = CACHE.match(self.prompt)
+        reuse = 0 if self.retractions else self.cached
+        _, fresh = _experts(tokens, range(min(reuse, self.routing_start), self.routing_start),
+                            lambda row: _version_number(version), self.space_retractions, self.rid)
+        self.prefills.append((len(self.output_ids),
+                              _segments(list(self.cached_origins[:min(reuse, self.routing_start)]) + fresh)))
+        self.to_prefill = len(tokens) - reuse
 
     def step(self, version: str) -> None:
-        token = self.rng.randrange(MODEL["vocab_size"])
+        chunk = CONTROLS.standin_chunked_prefill
+        if chunk and self.to_prefill > chunk:  # a chunk of the prompt; no token yet
+            self.to_prefill -= chunk
+            return
+        self.to_prefill = 0
+        if CONTROLS.standin_stop_at_end and self.stops and len(self.output_ids) + 1 >= self.budget:
+            token = self.rng.choice(sorted(self.stops))
+        else:
+            token = self.rng.randrange(MODEL["vocab_size"])
         self.logprobs.append(_logprob(len(self.output_ids), version))
         self.output_ids.append(token)
         if token in self.stops:
@@ -273,19 +396,27 @@ class Request:
         elif len(self.output_ids) >= self.budget:
             self.done = True
 
-    def answer(self, want_routing: bool, version: str, routing_start: int = 0) -> dict:
+    def answer(self, want_routing: bool, version: str) -> dict:
         from sglang.srt.utils.weight_versions import add_weight_versions_to_meta_info, compute_weight_version_spans
 
         tokens = self.output_ids
         meta = {"id": self.rid, "finish_reason": self.finish, "prompt_tokens": len(self.prompt),
-                "completion_tokens": len(tokens), "num_retractions": self.retractions,
+                "completion_tokens": len(tokens), "num_retractions": self.retractions, "cached_tokens": self.cached,
                 "output_token_logprobs": [(lp, t, None) for lp, t in zip(self.logprobs, tokens)]}
         spans = compute_weight_version_spans(self.weight_version_events, current_version=version,
                                              num_output_tokens=len(tokens))
         add_weight_versions_to_meta_info(meta, spans, len(tokens))
+        rows, origins = _routed_experts(self, meta["weight_versions"])
+        with LOCK:
+            if tokens:  # what SGLang's radix cache keeps of a finished request
+                CACHE.insert(tuple(self.prompt + tokens[:-1]), rows, origins)
+            _record({"call": "request", "rid": self.rid, "prompt_len": len(self.prompt), "start": self.routing_start,
+                     "cached_tokens": self.cached, "output_len": len(tokens), "versions": meta["weight_versions"],
+                     "retractions": self.retractions, "space_retractions": self.space_retractions,
+                     "prefills": self.prefills, "reported": _segments(origins[self.routing_start:], self.routing_start)},
+                    keep=False)
         if want_routing and ARGS.enable_return_routed_experts:  # without the flag SGLang silently omits it
-            meta["routed_experts"] = _routed_experts(self.rid, len(self.prompt), meta["weight_versions"],
-                                                     self.space_retractions, routing_start)
+            meta["routed_experts"] = base64.b64encode(rows[self.routing_start:].tobytes()).decode()
         return {"output_ids": tokens, "meta_info": meta}
 
 
@@ -324,6 +455,7 @@ class Scheduler:
             request, event = self.running.pop()
             request.retractions += 1
             request.space_retractions += 1
+            STATE["space_retractions"] += 1
             self.waiting.insert(0, (request, event))
         self.used = sum(self._tokens(r) for r, _ in self.running)
 
@@ -352,6 +484,7 @@ class Scheduler:
             self.waiting.pop(0)
             self.running.append((request, event))
             self.used += need
+            request.prefill(STATE["version"])  # its first, or again after a retraction for space
 
     async def _loop(self) -> None:
         while True:
@@ -363,6 +496,9 @@ class Scheduler:
             _forward_pass()
             with LOCK:  # one decoding step of every running request, under one version
                 for request, _ in self.running:
+                    if request.reprefill:  # retracted by a pause: prefilled again with the weights of now
+                        request.reprefill = False
+                        request.prefill(STATE["version"])
                     request.step(STATE["version"])
                     STATE["tokens"] += 0 if str(request.rid).startswith("HEALTH_CHECK") else 1
                 self.steps += 1
@@ -449,6 +585,7 @@ class TokenizerManager:
             with LOCK:
                 record_weight_version_events(list(LIVE), old_version=old)
                 STATE["version"] = new
+                CACHE.clear()  # no KV of the old weights is reused
         return result
 
     async def update_weights_from_tensor(self, obj, request=None):
@@ -494,9 +631,10 @@ class TokenizerManager:
         with LOCK:
             _record({"call": "pause_generation", "mode": obj.mode})
             STATE["paused"], STATE["pause_mode"] = True, obj.mode
-            if obj.mode == "retract":  # SGLang retracts the running batch (retract_all → reset_for_retract)
-                for request, _ in SCHEDULER.running:
+            if obj.mode == "retract":  # SGLang retracts the running batch (retract_all → reset_for_retract),
+                for request, _ in SCHEDULER.running:  # the request in chunked prefill too
                     request.retractions += 1
+                    request.reprefill = True
 
     async def continue_generation(self, obj):
         with LOCK:
@@ -508,6 +646,7 @@ class TokenizerManager:
 
         with LOCK:
             _record({"call": "flush_cache"})
+            CACHE.clear()
         return FlushCacheReqOutput(success=True)
 
     def abort_request(self, **kwargs) -> None:
@@ -530,9 +669,10 @@ class TokenizerManager:
             prompts = obj.input_ids if batch else [obj.input_ids]
             params = obj.sampling_params if batch else [obj.sampling_params]
             requests = [Request(r, p, s or {}) for r, p, s in zip(rids, prompts, params)]
-            start = obj.routed_experts_start_len  # one per body, as SGLang's io_struct splits it
+            for request in requests:  # one per body, as SGLang's io_struct splits it
+                request.routing_start = obj.routed_experts_start_len or 0
             await SCHEDULER.run(requests)
-            outs = [r.answer(obj.return_routed_experts, STATE["version"], start) for r in requests]
+            outs = [r.answer(obj.return_routed_experts, STATE["version"]) for r in requests]
             self.last_receive_tstamp = time.time()
             yield outs if batch else outs[0]
 
@@ -580,6 +720,19 @@ def main() -> None:
         from sglang.srt.utils.auth import add_api_key_middleware
 
         add_api_key_middleware(http_server.app, api_key=ARGS.api_key, admin_api_key=ARGS.admin_api_key)
+
+    if ARGS.enable_metrics:  # SGLang's Prometheus exposition; the one counter the client reads
+        from fastapi.responses import PlainTextResponse
+
+        @http_server.app.get("/metrics")
+        async def metrics():
+            with LOCK:
+                retracted = STATE["space_retractions"]
+            return PlainTextResponse("# TYPE sglang:num_retracted_requests_total counter\n"
+                                     f'sglang:num_retracted_requests_total{{model_name="standin",tp_rank="0"}} '
+                                     f"{float(retracted)}\n"
+                                     f'sglang:num_retracted_requests_created{{model_name="standin",tp_rank="0"}} '
+                                     f"{time.time()}\n")
 
     @http_server.app.get("/standin/state")
     async def standin_state():  # ours: what the ranks hold, and the calls received

@@ -32,7 +32,14 @@ class AgentConfig:
     past it answers with an error text the model sees); ``reply_threads``: the calls answered at
     once (each conversation goes at its own pace: its tool is called as soon as its turn is back).
     ``sandbox``: how a tool that executes the
-    model's output (``python_tool``) confines it (:class:`~bpo_megatron.rollout.agents.sandbox.SandboxConfig`)."""
+    model's output (``python_tool``) confines it (:class:`~bpo_megatron.rollout.agents.sandbox.SandboxConfig`).
+
+    ``affinity_backlog``: a conversation's next turn goes to the engine that served its previous
+    turn (whose prefix cache holds the conversation so far: the turn reuses it, and its tokens keep
+    the routing R3 replays) unless that engine was replaced since, or is full: it has at least this
+    many more samples outstanding than the least loaded engine. Then the turn goes to the least
+    loaded engine, which recomputes the conversation (its tokens masked for R3; counted in
+    ``rollout/multi_turn_hop_frac``)."""
 
     name: str | None = None
     call_token: str | None = None
@@ -41,8 +48,12 @@ class AgentConfig:
     timeout_s: float = 10.0
     reply_threads: int = 32
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    affinity_backlog: int = 128
 
     def __post_init__(self) -> None:
+        if self.affinity_backlog < 1:
+            raise ValueError(f"rollout.agent.affinity_backlog must be >= 1 (samples outstanding beyond the least "
+                             f"loaded engine's), got {self.affinity_backlog}")
         if self.max_turns < 1:
             raise ValueError(f"rollout.agent.max_turns must be >= 1 (model turns per response), got {self.max_turns}")
         if self.reply_threads < 1:

@@ -21,10 +21,15 @@ their log μ, versions and routing validity, the environment's tokens marked
 come from the first turn that processed it: a turn's own positions are those after the previous
 turn's last one, and a later turn asks the engine for those only (``routing_from``: SGLang sends
 the rest of the sequence's routing, not the whole conversation's again), so every model token keeps the routing
-that sampled it (R3 replays that) — except the tokens of a turn whose engine re-prefilled the
-conversation with newer weights (an update between turns empties its cache): they were sampled
-after the prefix's new routing, which R3 does not replay, so they are masked for R3 and counted
-(``Sample.prefix_rerouted_tokens``, ``async/r3_prefix_mismatch_frac``).
+that sampled it (R3 replays that) — except the tokens of a turn whose engine recomputed the
+conversation's earlier positions instead of taking them from its prefix cache (another engine,
+an evicted cache, newer weights, a pause inside the turn): they were sampled after that prefix's
+new routing, which R3 does not replay, so they are masked for R3 and counted
+(:func:`_prefix_rerouted`; ``Sample.prefix_rerouted_tokens``, ``rollout/r3_prefix_mismatch_frac``).
+So that this stays rare, a turn goes to the engine that served the conversation's previous turn
+(``GenerationRequest.affinity``: an engine group keeps it there unless that engine was replaced
+or is full); the turns' hops and the prefix cache's hits are reported
+(``Sample.conversation``: ``rollout/multi_turn_hop_frac``, ``rollout/prefix_cache_hit_rate``).
 
 A turn that stops on anything but the call token ends the conversation (``stop``, or ``length``
 at its budget); one that asks again after ``rollout.agent.max_turns`` model turns, or whose
@@ -42,7 +47,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch
 
 from bpo_megatron.rollout.agents.base import Agent, Turn
-from bpo_megatron.rollout.types import GenerationRequest, Sample, response_slots
+from bpo_megatron.rollout.types import ConversationStats, GenerationRequest, Sample, response_slots
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +274,8 @@ class _Dialogue:
         last = self.turns[-1]  # the positions the turns so far reported: only the rest is asked for
         known = 0 if last.routed_experts is None else last.routing_start + last.routed_experts.shape[0]
         return GenerationRequest(f"{first.request_id}#{first.index}/t{turn}", tuple(tokens), sampling,
-                                 capture_routing=self.request.capture_routing, routing_from=known)
+                                 capture_routing=self.request.capture_routing, routing_from=known,
+                                 affinity=last.served_by)
 
 
 def assemble(turns: list[Sample], environment: list[list[int]], finish: str) -> Sample:
@@ -289,7 +295,8 @@ def assemble(turns: list[Sample], environment: list[list[int]], finish: str) -> 
         for sample, answer in pieces:  # an answer is dated like the model token that asked for it
             parts.append(sample.token_versions if sample is not None else parts[-1][-1:].expand(answer.numel()))
         versions = torch.cat(parts)
-    rerouted = _prefix_rerouted(turns)
+    routing = _routing(turns)
+    rerouted, stats = _prefix_rerouted(turns, routing)
     valid = None
     if any(s.routing_valid is not None for s in turns) or any(rerouted):
         own = {id(s): torch.zeros(s.response_tokens.numel(), dtype=torch.bool) if moved
@@ -298,25 +305,66 @@ def assemble(turns: list[Sample], environment: list[list[int]], finish: str) -> 
         valid = torch.cat([own[id(s)] if s is not None else torch.ones(e.numel(), dtype=torch.bool) for s, e in pieces])
     return Sample(request_id=first.request_id, index=first.index, prompt_tokens=first.prompt_tokens,
                   response_tokens=response, rollout_logprobs=logprobs, finish_reason=finish,
-                  routed_experts=_routing(turns), weight_version=min(s.weight_version for s in turns),
+                  routed_experts=routing, weight_version=min(s.weight_version for s in turns),
                   token_versions=versions, routing_valid=valid, from_environment=from_env,
                   retracted_for_space=any(s.retracted_for_space for s in turns),
-                  prefix_rerouted_tokens=sum(s.response_tokens.numel() for s, moved in zip(turns, rerouted) if moved))
+                  prefix_rerouted_tokens=sum(s.response_tokens.numel() for s, moved in zip(turns, rerouted) if moved),
+                  conversation=stats)
 
 
-def _prefix_rerouted(turns: list[Sample]) -> list[bool]:
-    """Per turn: whether its engine processed the conversation before it with other weights than
-    those that sampled the previous turn's last token. A weight update empties the engine's cache
-    (SGLang's /flush_cache), so such a turn re-prefilled the prefix with the new weights and its
-    tokens were sampled after that prefix's new routing — while R3 replays, for each position, the
-    routing of the first turn that processed it: those tokens are masked for R3."""
-    def first(s: Sample) -> int:
-        return int(s.token_versions[0]) if s.token_versions is not None and s.token_versions.numel() else s.weight_version
+def _prefix_rerouted(turns: list[Sample], routing: torch.Tensor | None) -> tuple[list[bool], ConversationStats]:
+    """Per turn: whether its tokens were sampled after a routing of the conversation's earlier
+    positions (those the turns before it fed) other than the one R3 replays for them — each
+    position's routing from the first turn that processed it (``routing``, assembled). The
+    evidence, best first:
 
-    def last(s: Sample) -> int:
-        return int(s.token_versions[-1]) if s.token_versions is not None and s.token_versions.numel() else s.weight_version
+    - the turn reports the routing of those positions itself (an engine that recomputes the whole
+      sequence and ignores ``routing_from``: the embedded engine, vLLM): they are compared;
+    - the engine says how much of the turn's prompt it took from its prefix cache (SGLang's
+      ``cached_tokens``): less than the earlier positions means it recomputed the rest — on
+      another engine, after an eviction, or with other weights (an update flushes the cache);
+      and a turn paused by a re-prefilling pause (its tokens span two weights versions) had the
+      whole conversation prefilled again with the new weights, which ``cached_tokens``, counted at
+      the first prefill only, does not show;
+    - otherwise only versions tell: the turn's first token was sampled by other weights than the
+      previous turn's last (an update between them empties every cache), or the turn was paused.
 
-    return [i > 0 and first(turn) != last(turns[i - 1]) for i, turn in enumerate(turns)]
+    Without the prefix's rows to compare, a turn after one that recomputed the earlier positions
+    (or was retracted, which prefills every position again) is masked too: the cache it reuses
+    holds that recomputation, not the routing replayed.
+
+    Also the turns' :class:`ConversationStats`."""
+    rerouted, hops, prefix_tokens, cached, recomputed = [False], 0, 0, 0, 0
+    broken = False  # the cached path: a turn before recomputed the earlier positions, its cache holds that
+    for previous, turn in zip(turns, turns[1:]):
+        fed = previous.prompt_tokens.numel() + previous.response_tokens.numel() - 1  # the earlier positions
+        hops += previous.served_by is not None and turn.served_by != previous.served_by
+        if turn.cached_tokens is not None:
+            prefix_tokens += fed
+            cached += min(turn.cached_tokens, fed)
+        if (routing is not None and turn.routed_experts is not None and turn.routing_start < fed):
+            own = turn.routed_experts[: fed - turn.routing_start]
+            moved = not torch.equal(own, routing[turn.routing_start:fed].to(own.dtype))
+        else:
+            paused = turn.token_versions is not None and bool((turn.token_versions != _first(turn)).any())
+            moved = broken or _first(turn) != _last(previous) or paused or (
+                turn.cached_tokens is not None and turn.cached_tokens < fed)
+            broken = moved or turn.retracted_for_space  # a retraction prefilled every position again
+        rerouted.append(moved)
+        recomputed += moved
+    return rerouted, ConversationStats(later_turns=len(turns) - 1, hops=hops, prefix_tokens=prefix_tokens,
+                                       cached_prefix_tokens=cached, recomputed_turns=recomputed)
+
+
+def _first(sample: Sample) -> int:
+    """The weights version that sampled the sample's first token."""
+    versions = sample.token_versions
+    return int(versions[0]) if versions is not None and versions.numel() else sample.weight_version
+
+
+def _last(sample: Sample) -> int:
+    versions = sample.token_versions
+    return int(versions[-1]) if versions is not None and versions.numel() else sample.weight_version
 
 
 def _routing(turns: list[Sample]) -> torch.Tensor | None:

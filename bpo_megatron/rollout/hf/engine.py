@@ -347,6 +347,7 @@ def _to_sample(row: _Row, out: RowOutput, routed: torch.Tensor | None) -> Sample
         routed_experts=routed,
         weight_version=int(out.versions.min()),  # the oldest weights that sampled a token of it
         token_versions=out.versions,
+        cached_tokens=0,  # no prefix cache: every request computes its whole prompt
         sampler_head_ids=out.head_ids,
         sampler_head_logprobs=out.head_logprobs,
     )

@@ -25,7 +25,7 @@ from typing import Callable
 
 from bpo_megatron.models.routing import RoutingLayout
 from bpo_megatron.rollout.sglang.http import RequestTimeout, ServerError, ServerUnavailable
-from bpo_megatron.rollout.sglang.protocol import decode_sample, generate_body
+from bpo_megatron.rollout.sglang.protocol import Pause, decode_sample, generate_body
 from bpo_megatron.rollout.engine import Finished
 from bpo_megatron.rollout.types import ResponseSlot, Sample
 
@@ -65,14 +65,18 @@ class _Attempt:
 class GenerationClient:
     def __init__(self, base_url: str, api_key: str | None, *, max_inflight: int, request_timeout_s: float | None,
                  max_retries: int, capture_routing: bool, routing: RoutingLayout | None, pause_mode: str,
-                 healthy: Callable[[], bool] | None = None) -> None:
+                 healthy: Callable[[], bool] | None = None, pauses: Callable[[], list[Pause]] | None = None,
+                 space_retractions_now: Callable[[], float | None] | None = None) -> None:
         """``pause_mode``: how the engine pauses for weight updates (which tokens' routing it
         re-prefills, :func:`~bpo_megatron.rollout.sglang.protocol.decode_sample`).
         ``request_timeout_s``: each request's deadline (None: none; connecting is bounded by
         ``CONNECT_TIMEOUT_S`` either way). ``healthy``: whether the server is alive and answers
         (its process, ``/health``); a request whose connection breaks is sent again when it is,
         within ``max_retries``, and the server is given up as lost only when it is not (without
-        ``healthy``: at once)."""
+        ``healthy``: at once). ``pauses``: the server's re-prefilling pauses so far, and
+        ``space_retractions_now`` its retractions for KV space so far: what tells a pause's
+        retraction of a request still in prefill from one for space
+        (:func:`~bpo_megatron.rollout.sglang.protocol.retracted_before_output`)."""
         self.url = f"{base_url}/generate"
         self.headers = {"Content-Type": "application/json"}
         if api_key:
@@ -80,6 +84,7 @@ class GenerationClient:
         self.max_inflight, self.timeout_s, self.max_retries = max_inflight, request_timeout_s, max_retries
         self.capture_routing, self.routing, self.pause_mode = capture_routing, routing, pause_mode
         self.healthy = healthy
+        self.pauses, self.space_retractions_now = pauses, space_retractions_now
         self._health_lock: asyncio.Lock | None = None
         self._health_seen: tuple[float, bool] | None = None  # (when, what) the last probe found
 
@@ -117,8 +122,9 @@ class GenerationClient:
             sent = _Attempt(slot, attempt)
             try:
                 async with inflight:
+                    posted = len(self.pauses()) if self.pauses is not None else 0
                     payload = await self._post(session, sent)
-                return await asyncio.get_running_loop().run_in_executor(decoder, self._decode, sent, payload)
+                return await asyncio.get_running_loop().run_in_executor(decoder, self._decode, sent, payload, posted)
             except ServerUnavailable as exc:  # the connection broke: the server's death, or one request's bad luck
                 if not await self._server_healthy():
                     raise
@@ -166,12 +172,15 @@ class GenerationClient:
             raise ServerUnavailable(f"POST {self.url}: {exc}") from exc
         return payload
 
-    def _decode(self, slot: _Attempt, payload: bytes) -> Sample:
-        """The answer's JSON and routing, parsed in a decoding thread."""
+    def _decode(self, slot: _Attempt, payload: bytes, posted: int) -> Sample:
+        """The answer's JSON and routing, parsed in a decoding thread (``posted``: the server's
+        pauses before the request was sent)."""
         answer = json.loads(payload)
         if not isinstance(answer, list) or len(answer) != 1:
             raise ServerError(f"/generate returned {type(answer).__name__} for 1 request", retryable=True)
-        return decode_sample(slot, answer[0], routing=self.routing, pause_mode=self.pause_mode)
+        pauses = self.pauses()[posted:] if self.pauses is not None else ()
+        return decode_sample(slot, answer[0], routing=self.routing, pause_mode=self.pause_mode, pauses=pauses,
+                             space_retractions_now=self.space_retractions_now)
 
 
 def _tell(finished: Callable[[Finished], None], position: int, task: asyncio.Task) -> None:

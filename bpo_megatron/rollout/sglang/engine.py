@@ -16,6 +16,7 @@ from bpo_megatron.rollout.sglang.client import GenerationClient, RolloutFailed  
 from bpo_megatron.rollout.sglang.endpoint import ServerEndpoint
 from bpo_megatron.rollout.sglang.nccl import UNKNOWN, server_nccl_version
 from bpo_megatron.rollout.sglang.options import SGLangConfig
+from bpo_megatron.rollout.sglang.protocol import Pause, space_retractions_total
 from bpo_megatron.rollout.sglang.http import (
     RequestTimeout,
     ServerError,
@@ -71,6 +72,7 @@ class SGLangEngine(RolloutEngine):
         # must not include); an answer may be None: an interpreter without NCCL
         self._nccl_version: Future = Future()
         self.weight_version = self._pending_version = 0
+        self.pauses: list[Pause] = []  # each weight update's pause, with the server's space retractions then
         if self.server is not None:
             threading.Thread(target=self._ask_nccl_version, name="sglang-nccl-probe", daemon=True).start()
             self.server.start()
@@ -130,7 +132,8 @@ class SGLangEngine(RolloutEngine):
         client = GenerationClient(self.base_url, self.api_key, max_inflight=self.max_inflight,
                                   request_timeout_s=self.cfg.request_timeout_s, max_retries=self.cfg.max_retries,
                                   capture_routing=self.cfg.capture_routed_experts, routing=self.routing,
-                                  pause_mode=PAUSE_MODE, healthy=self._answers_health)
+                                  pause_mode=PAUSE_MODE, healthy=self._answers_health, pauses=lambda: list(self.pauses),
+                                  space_retractions_now=self.space_retractions)
         try:
             return client.generate(response_slots(requests), report)
         except ServerUnavailable:
@@ -207,8 +210,21 @@ class SGLangEngine(RolloutEngine):
         """Close the session, drop the cache of the old weights, admit work again."""
         self._checked("end_weight_update", {})
         self._post("flush_cache", None)  # no KV computed with the old weights may be reused
+        # read while paused: a space retraction after the continue is one the pause's count does not hold
+        self.pauses.append(Pause(self._pending_version, self.space_retractions()))
         self._post("continue_generation", {})
         self._paused, self.weight_version = False, self._pending_version
+
+    def space_retractions(self) -> float | None:
+        """The requests the server retracted for KV space so far (SGLang's
+        ``sglang:num_retracted_requests_total`` at ``/metrics``, which the engine starts it with
+        when capturing routing); None when it does not report them (the metrics off on a server
+        attached by URL, or the read failed): a retraction is then taken as one for space."""
+        try:
+            exposition = self.endpoint().get("metrics", timeout=LIVENESS_TIMEOUT_S)
+        except (ServerUnavailable, RequestTimeout, ServerError):
+            return None
+        return space_retractions_total(exposition) if isinstance(exposition, str) else None
 
     # ------------------------------------------------------------------------------- control
     def release_memory(self) -> None:

@@ -143,8 +143,8 @@ class SGLangConfig(SGLangOptions):
                "--port", str(port or self.port), "--tp-size", str(self.tp_size), "--skip-tokenizer-init"]
         if self.ep_size > 1:
             cmd += ["--ep-size", str(self.ep_size)]
-        if self.capture_routed_experts:
-            cmd.append("--enable-return-routed-experts")
+        if self.capture_routed_experts:  # the metrics: its count of retractions for KV space (R3's masking)
+            cmd += ["--enable-return-routed-experts", "--enable-metrics"]
         if self.memory_saver:
             cmd.append("--enable-memory-saver")
         if self.mem_fraction_static is not None:

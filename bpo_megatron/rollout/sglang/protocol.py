@@ -5,7 +5,8 @@ Field names and encodings are SGLang's (``/generate`` with ``input_ids``, ``samp
 as ``[logprob, token_id, text]`` triples, ``meta_info.output_top_logprobs`` as one list of such
 triples per output token, most likely first, ``meta_info.routed_experts`` as base64 of raw int32 laid
 out ``[prompt + response − 1, num_hidden_layers, top-k]`` — every layer of the model, dense ones
-included — ``meta_info.finish_reason.type``, and ``meta_info.weight_versions``: spans
+included — ``meta_info.finish_reason.type``, ``meta_info.cached_tokens`` (the prompt tokens the radix cache
+supplied), and ``meta_info.weight_versions``: spans
 ``{"version", "start", "end"}`` over the output tokens, more than one when a weight update reached
 the request while it decoded).
 
@@ -17,6 +18,8 @@ experts that did not sample its earlier tokens, depending on the pause mode
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -113,6 +116,46 @@ def space_retractions(meta: dict, versions: torch.Tensor | None, pause_mode: str
     return max(retractions, 0)
 
 
+# SGLang's Prometheus counter of the requests its scheduler retracted for KV space (decode
+# retractions; a pause's retractions are not counted there), exposed at /metrics with --enable-metrics
+SPACE_RETRACTIONS_METRIC = "sglang:num_retracted_requests_total"
+
+
+def space_retractions_total(exposition: str) -> float | None:
+    """The server's space retractions so far from its ``/metrics`` text (summed over the ranks
+    that report; None when the counter is not there: metrics off)."""
+    values = [float(line.rsplit(None, 1)[1]) for line in exposition.splitlines()
+              if line.startswith(SPACE_RETRACTIONS_METRIC) and line[len(SPACE_RETRACTIONS_METRIC):][:1] in ("{", " ")]
+    return sum(values) if values else None
+
+
+@dataclass(frozen=True)
+class Pause:
+    """A re-prefilling pause of the server for a weight update: the ``version`` it brought, and
+    the server's space retractions so far read while it was paused (None: not reported)."""
+
+    version: int
+    space_retractions: float | None
+
+
+def retracted_before_output(residual: int, versions: torch.Tensor | None, pauses: Sequence[Pause],
+                            space_retractions_now: Callable[[], float | None] | None) -> bool:
+    """Whether a request's ``residual`` retractions (those its ``weight_versions`` do not show) can
+    only be pauses' retractions of it before its first output token — SGLang's ``retract`` pause
+    retracts a request still in chunked prefill, which has no token yet to carry the version
+    change — and so cost no token its routing. ``pauses``: the server's pauses since the request
+    was posted. Those before its first token are the ones that brought a version up to its first
+    token's; each retracts it once at most. A retraction for KV space needs output (SGLang retracts
+    decoding requests), so it would come after the last of them: if the server's space retractions
+    read now are as many as while that pause held it, there was none."""
+    if residual <= 0 or versions is None or not versions.numel() or space_retractions_now is None:
+        return False
+    before = [pause for pause in pauses if pause.version <= int(versions[0])]
+    if not before or residual > len(before) or before[-1].space_retractions is None:
+        return False
+    return space_retractions_now() == before[-1].space_retractions
+
+
 def _version(reported) -> int:
     """SGLang's ``meta_info.weight_version``: the version string our updates send, or
     ``"default"`` (the server's flag default) for the checkpoint it started from (version 0)."""
@@ -158,11 +201,15 @@ def _top_logprobs(meta: dict, length: int, k: int, rid: str) -> tuple[torch.Tens
 
 
 def decode_sample(item: ResponseSlot, response: dict, *, routing: RoutingLayout | None,
-                  pause_mode: str = "retract") -> Sample:
+                  pause_mode: str = "retract", pauses: Sequence[Pause] = (),
+                  space_retractions_now: Callable[[], float | None] | None = None) -> Sample:
     """A ``Sample`` from one element of SGLang's ``/generate`` response (with routed experts,
     as ``routing`` lays them out, when it is given and the item's request asked for them
     (``GenerationRequest.capture_routing``), and which tokens they sampled, for a server paused
-    with ``pause_mode``: by default the engine's ``PAUSE_MODE``, which a test holds equal)."""
+    with ``pause_mode``: by default the engine's ``PAUSE_MODE``, which a test holds equal).
+    ``pauses``: the server's pauses since the request was posted, and ``space_retractions_now``
+    its space retractions so far, read when asked (:func:`retracted_before_output`; without them
+    a retraction the versions do not show counts as one for space)."""
     if not item.request.capture_routing:
         routing = None  # not asked for: none is required, and any sent is not kept
     meta = response.get("meta_info") or {}
@@ -189,6 +236,9 @@ def decode_sample(item: ResponseSlot, response: dict, *, routing: RoutingLayout 
         weight_version=int(versions.min()) if versions is not None and len(tokens) else _version(
             meta.get("weight_version")),
         token_versions=versions,
+        # the prompt tokens its first prefill took from the radix cache (SGLang counts it once: a
+        # retraction's re-prefill does not change it)
+        cached_tokens=None if meta.get("cached_tokens") is None else int(meta["cached_tokens"]),
     )
     if item.request.sampling.top_logprobs:
         sample.sampler_head_ids, sample.sampler_head_logprobs = _top_logprobs(
@@ -212,7 +262,9 @@ def decode_sample(item: ResponseSlot, response: dict, *, routing: RoutingLayout 
                 "version the tokens sampled with other routing cannot be told apart (SGLang >= 0.5.23 sends them)")
         if versions is not None:
             sample.routing_valid = routing_valid(versions, pause_mode)
-        if space_retractions(meta, versions, pause_mode) > 0 and len(tokens):
+        residual = space_retractions(meta, versions, pause_mode)
+        if residual > 0 and len(tokens) and not (reprefills(pause_mode) and retracted_before_output(
+                residual, versions, pauses, space_retractions_now)):
             sample.retracted_for_space = True
             sample.routing_valid = torch.zeros(len(tokens), dtype=torch.bool)
     try:
