@@ -274,6 +274,15 @@ def test_plan_states_the_driver_memory_and_the_expected_weight_sync():
         assert "driver host memory: 72 GiB" in text
     # 48 layers × (128 experts × 3 + router + 4 attention + 2 QK norms + 2 layer norms) + 3
     assert hf_tensor_count(cfg.hf_config()) == 48 * (128 * 3 + 1 + 8) + 3 == 18867
+    # score centering's top-32 per response token: 32 int32 ids and 32 float32 log-probs, 256 bytes
+    # × 4096 responses × 16,384 tokens = 16 GiB more samples, held twice
+    from bpo_megatron.planner.host import driver_memory_gib, step_sample_bytes
+
+    centered = load_experiment(configs / "qwen3_30b_a3b_bpo.yaml", ["loss.score_centering=true"])
+    assert step_sample_bytes(centered) - step_sample_bytes(cfg) == 4096 * 16_384 * 256 == 16 * 2**30
+    assert driver_memory_gib(centered) == math.ceil(2 * step_sample_bytes(centered) / 2**30) + 16 == 104
+    assert ("driver host memory: 104 GiB (a step's samples, 43.8 GiB at their longest, score centering's top-32 "
+            "included (256 bytes a response token)" in format_plan(make_plan(centered, centered.hf_config())))
     demo = load_experiment(configs / "tiny_moe_cpu.yaml")
     assert expected_sync(demo, demo.hf_config(), 0) is None  # the embedded engine, no GPU transport
     assert hf_tensor_count(demo.hf_config()) == 45  # what a sync of the demo model sends (bench test)

@@ -281,11 +281,15 @@ def _host(plan: Plan) -> list[str]:
 
 
 def _driver(plan: Plan) -> list[str]:
-    from bpo_megatron.planner.host import DRIVER_BASE_GIB, driver_memory_gib, step_sample_bytes
+    from bpo_megatron.planner.host import DRIVER_BASE_GIB, driver_memory_gib, sampler_head_bytes, step_sample_bytes
 
     samples = step_sample_bytes(plan.cfg) / 2**30
+    head = sampler_head_bytes(plan.cfg)
+    centering = (f", score centering's top-{plan.cfg.loss.score_centering_top_k} included ({head} bytes a response "
+                 "token)") if head else ""
     return [f"driver host memory: {driver_memory_gib(plan.cfg)} GiB (a step's samples, {samples:.1f} GiB at their "
-            f"longest, held twice, + {DRIVER_BASE_GIB} GiB); each data-parallel share written to the object store once"]
+            f"longest{centering}, held twice, + {DRIVER_BASE_GIB} GiB); each data-parallel share written to the object "
+            "store once"]
 
 
 def _sync(plan: Plan) -> list[str]:
