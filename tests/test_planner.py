@@ -148,11 +148,43 @@ def test_kv_cache_per_token_closed_form():
     assert kv_bytes_per_token(hf, 8) == kv_bytes_per_token(hf, 4)
     plan = make_plan(_recipe(), hf)
     r = plan.rollout
-    assert (r.profile.tp, r.profile.sequences) == (4, 512)  # sglang tp_size; max_inflight requests in flight
+    assert (r.profile.tp, r.profile.sequences) == (4, 512)  # sglang tp_size; an engine's share of the step
     assert r.weights == parameter_counts(hf)[0] * 2 / 4
-    # SGLang admits by its own pool: mem_fraction_static 0.8 of the GPU less the weights, whatever is in flight
-    assert r.kv_cache == pytest.approx(0.8 * plan.allocation.gpu_bytes - r.weights)
-    assert r.resident_sequences == int(r.kv_cache // ((2048 + 16_384) * 2 * 48 * 128 * 2)) >= 100
+    # SGLang admits by its own pool: mem_fraction_static 0.7 of the GPU less the weights, whatever is in flight
+    assert r.kv_cache == pytest.approx(0.7 * plan.allocation.gpu_bytes - r.weights)
+    assert r.resident_sequences == int(r.kv_cache // ((2048 + 16_384) * 2 * 48 * 128 * 2)) == 89
+    # max_inflight unset: as many in flight as the pool holds at full length
+    assert r.inflight == r.inflight_cap == 89 and r.profile.requested_inflight is None
+
+
+def test_requests_in_flight_beyond_the_kv_pools_full_length_sequences_are_refused(capsys):
+    """R1: 512 requests in flight per engine against a pool of 89 full-length sequences lets SGLang
+    retract responses for space (and those leave the loss): plan marks it, --check refuses it."""
+    from bpo_megatron.cli import main
+    from bpo_megatron.loop.preflight import check_inflight
+    from bpo_megatron.loop.run_dir import RunRefused
+
+    hf = HFModelConfig.load(QWEN3_30B)
+    asked = make_plan(_recipe("rollout.sglang.max_inflight=512"), hf)
+    r = asked.rollout
+    assert (r.inflight, r.inflight_cap, r.profile.requested_inflight) == (512, 89, 512)
+    assert not asked.inflight_ok and not asked.fits and asked.memory_ok
+    with pytest.raises(RunRefused, match=r"^rollout.sglang.max_inflight=512 requests in flight per engine, more than "
+                                         r"the 89 sequences of 18432 tokens its KV pool holds .* set it ≤ 89 or null"):
+        check_inflight(asked)
+    assert main(["plan", str(RECIPE_30B), "rollout.sglang.max_inflight=512"]) == 1
+    out = capsys.readouterr().out
+    assert ("→ requests in flight per engine: rollout.sglang.max_inflight=512 EXCEEDS the rule: at most the 89 "
+            "full-length sequences its KV pool holds") in out
+    assert "verdict: DOES NOT FIT (requests in flight exceed the KV pool)" in out
+    # at the cap, or below it, it is kept and fits; a larger pool holds more
+    within = make_plan(_recipe("rollout.sglang.max_inflight=89"), hf)
+    assert within.fits and within.rollout.inflight == 89 and check_inflight(within) is None
+    larger = make_plan(_recipe("rollout.sglang.mem_fraction_static=0.8"), hf).rollout
+    assert larger.inflight == larger.inflight_cap == int((0.8 * 80e9 - r.weights) // (18_432 * 2 * 48 * 128 * 2)) == 107
+    assert main(["plan", str(RECIPE_30B)]) == 0
+    assert ("→ requests in flight per engine: 89 (rollout.sglang.max_inflight unset: at most the 89 full-length "
+            "sequences its KV pool holds, so none is retracted for space" in capsys.readouterr().out)
 
 
 def test_the_colocated_trainers_residual_and_the_engine_runtime_fit_outside_the_pool(capsys):
@@ -168,13 +200,13 @@ def test_the_colocated_trainers_residual_and_the_engine_runtime_fit_outside_the_
     residual = plan.trainer_residual
     assert residual.groups == ("tp", "ep", "dp", "expert dp")  # tp 4, ep 8, dp 8, expert dp 4; pp 1, etp 1
     assert residual.total == TRAINER_CONTEXT_BYTES + 4 * NCCL_COMMUNICATOR_BYTES
-    assert plan.rollout_outside_pool == RESERVED_BYTES + residual.total <= 0.2 * plan.allocation.gpu_bytes
+    assert plan.rollout_outside_pool == RESERVED_BYTES + residual.total <= 0.3 * plan.allocation.gpu_bytes
     assert plan.rollout_peak == plan.rollout.total + plan.rollout_outside_pool and plan.fits
     assert main(["plan", str(RECIPE_30B)]) == 0
     out = capsys.readouterr().out
     assert ("colocated trainer's residual when offloaded (CUDA context, 4 NCCL communicators: tp, ep, dp, expert dp)"
             in out)
-    assert "→ outside the pool 7.20 GB within the (1 − 0.8) × 80 GB = 16.00 GB it leaves" in out
+    assert "→ outside the pool 7.20 GB within the (1 − 0.7) × 80 GB = 24.00 GB it leaves" in out
     # apart, the trainer leaves the engines' GPUs alone; a pool that leaves too little does not fit
     assert make_plan(_recipe("cluster.colocate=false", "cluster.offload=auto", "cluster.nodes=8"), hf).trainer_residual is None
     tight = make_plan(_recipe("rollout.sglang.mem_fraction_static=0.95"), hf)

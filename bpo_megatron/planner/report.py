@@ -73,7 +73,7 @@ def _header(plan: Plan) -> list[str]:
         r = plan.rollout
         placement = "colocated with the trainer" if cfg.cluster.colocate else "on their own GPUs"
         lines.append(f"rollout: {cfg.rollout.num_engines} {cfg.rollout.engine} engine(s) × tp {r.profile.tp} "
-                     f"({placement}), {r.profile.sequences} sequences in flight each")
+                     f"({placement}), {r.inflight} requests in flight each")
     return lines
 
 
@@ -156,7 +156,7 @@ def _rollout(plan: Plan) -> list[str]:
         [f"KV cache ({r.profile.sequences} seq × {r.tokens_per_sequence} tokens × "
          f"{r.kv_bytes_per_token / 1024:.1f} KiB)" if r.resident_sequences is None else
          f"KV pool (the rest of the engine's pool: {r.resident_sequences} sequences of {r.tokens_per_sequence} "
-         f"tokens at once; {r.profile.sequences} requests in flight, the rest queue in the server)", gb(r.kv_cache)],
+         f"tokens at once; {r.inflight} requests in flight, the rest wait their turn)", gb(r.kv_cache)],
         ["engine runtime outside its pool (CUDA graphs, sampling, decode activations)", gb(RESERVED_BYTES)],
     ]
     residual = plan.trainer_residual
@@ -179,7 +179,22 @@ def _rollout(plan: Plan) -> list[str]:
         lines.append(f"  → outside the pool {gb(plan.rollout_outside_pool)} GB {'within' if fits else 'EXCEED'} the "
                      f"(1 − {r.profile.pool_fraction:g}) × {plan.allocation.gpu_memory_gb:g} GB = {gb(rest)} GB it "
                      f"leaves" + ("" if fits else ": lower mem_fraction_static"))
+    if r.inflight_cap is not None:
+        lines.append(_inflight_line(plan))
     return lines
+
+
+def _inflight_line(plan: Plan) -> str:
+    r, engine = plan.rollout, plan.cfg.rollout.engine
+    asked = r.profile.requested_inflight
+    rule = (f"at most the {r.inflight_cap} full-length sequences its KV pool holds, so none is retracted for space "
+            "(a response retracted for space leaves the loss)")
+    if asked is None:
+        return f"  → requests in flight per engine: {r.inflight} (rollout.{engine}.max_inflight unset: {rule})"
+    if r.inflight_ok:
+        return f"  → requests in flight per engine: {asked} (rollout.{engine}.max_inflight), within the rule: {rule}"
+    return (f"  → requests in flight per engine: rollout.{engine}.max_inflight={asked} EXCEEDS the rule: {rule}; "
+            f"set it ≤ {r.inflight_cap} or null")
 
 
 # how each choice of cluster.offload reads in the report
@@ -322,6 +337,7 @@ def format_plan(plan: Plan) -> str:
         "layout checks failed" if not plan.layout_ok else "",
         "memory exceeds the GPU" if not plan.memory_ok else "",
         "host memory exceeds the node" if not plan.host_ok else "",
+        "requests in flight exceed the KV pool" if not plan.inflight_ok else "",
     ]
     reasons = "; ".join(w for w in why if w)
     lines += ["", f"verdict: {verdict}" + (f" ({reasons})" if reasons else "")]

@@ -14,7 +14,7 @@ def engine_config(options: SGLangOptions, context: EngineContext) -> SGLangConfi
     return SGLangConfig(**asdict(options), model_path=context.model_dir,
                         capture_routed_experts=context.routing is not None,
                         memory_saver=context.colocated, node_address=context.node_address,
-                        visible_devices=context.devices).with_port(
+                        visible_devices=context.devices, sequence_tokens=context.longest_sequence).with_port(
                             None if options.port is None else options.port + context.index)
 
 
@@ -30,11 +30,12 @@ def _build(options: SGLangOptions, context: EngineContext) -> RolloutEngine:
 
 
 def _profile(options: SGLangOptions, requests: int, gpus_per_engine: float) -> EngineProfile:
-    # requests in flight: max_inflight (the server's own limit when unset: at least 256); the
-    # server admits them as its KV pool holds them and queues the rest
-    inflight = options.max_inflight or 256
+    # requests in flight: max_inflight, or (unset) as many as its KV pool holds at full length
+    # (bpo_megatron/planner/rollout.py); the server admits them as its pool allows
+    inflight = options.max_inflight or requests
     return EngineProfile(tp=options.tp_size, sequences=min(inflight, requests),
-                         pool_fraction=options.mem_fraction_static, admits_by_pool=True)
+                         pool_fraction=options.mem_fraction_static, admits_by_pool=True,
+                         requested_inflight=options.max_inflight)
 
 
 SPEC = EngineSpec(
