@@ -307,6 +307,26 @@ def _driver(plan: Plan) -> list[str]:
             "store once"]
 
 
+def _pace(plan: Plan) -> list[str]:
+    """Engines on GPUs of their own: the estimated rollout and training times of a step, and the
+    engines that keep pace (bpo_megatron/planner/overlap.py)."""
+    from bpo_megatron.planner.overlap import step_times
+
+    if plan.cfg.cluster.colocate:
+        return []
+    times = step_times(plan)
+    if times is None:
+        return []
+    need = (f"{times.engines_to_keep_pace} engine(s) keep pace" if times.engines_to_keep_pace is not None
+            else "no engine count keeps pace")
+    asynchronous = plan.cfg.train.asynchronous.max_staleness
+    mode = (f"train.async.max_staleness={asynchronous}: the slower side sets the step" if asynchronous
+            else "synchronous (train.async.max_staleness=0): each side waits for the other, the step is their sum")
+    return [f"pace (engines on their own GPUs; an estimate, assumptions in bpo_megatron/planner/overlap.py): rollout "
+            f"≈ {times.rollout_s:.0f} s per step on {times.engines} engine(s), training ≈ {times.train_s:.0f} s on "
+            f"{plan.cfg.cluster.trainer_ranks} ranks, so {times.waits}; {need} (rollout.num_engines); {mode}"]
+
+
 def _sync(plan: Plan) -> list[str]:
     from bpo_megatron.planner.sync import expected_sync
 
@@ -331,7 +351,7 @@ def format_plan(plan: Plan) -> str:
         lines += ["", *_offload(plan)]
     if plan.host:
         lines += ["", *_host(plan)]
-    lines += ["", *_driver(plan), *_sync(plan)]
+    lines += ["", *_driver(plan), *_sync(plan), *_pace(plan)]
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     why = [] if plan.fits else [
         "layout checks failed" if not plan.layout_ok else "",
