@@ -635,3 +635,21 @@ def test_requests_in_flight_stay_within_the_full_length_sequences_the_servers_kv
     assert engine({"internal_states": [{"effective_max_running_requests_per_dp": 300}]},
                   sequence_tokens=18_432).max_inflight == 300
     assert engine(pool, max_inflight=512).max_inflight == 512 and asked_info == ["server_info"]
+
+
+def test_each_responses_seed_goes_to_sglang_and_check_says_when_sglang_ignores_it():
+    """A response's seed (rollout.seed, the step, the prompt and the sample index) is sent as
+    sampling_params.sampling_seed; SGLang samples with it only under --enable-deterministic-inference,
+    which --check says when the servers run without it."""
+    from bpo_megatron.rollout.engine import engine_spec
+
+    request = GenerationRequest("r", (1, 2), SamplingParams(n=3, seed=40))
+    body = generate_body(expand([request]), capture_routing=False)
+    assert [p["sampling_seed"] for p in body["sampling_params"]] == [40, 41, 42]
+    unseeded = generate_body(expand([GenerationRequest("u", (1,), SamplingParams())]), capture_routing=False)
+    assert "sampling_seed" not in unseeded["sampling_params"][0]
+    spec = engine_spec("sglang")
+    [note] = spec.notes(SGLangOptions())
+    assert "sampling_seed, which SGLang samples with only when its servers run --enable-deterministic-inference" in note
+    assert spec.notes(SGLangOptions(extra_args=("--enable-deterministic-inference",))) == []
+    assert engine_spec("hf").notes(engine_spec("hf").options()) == []

@@ -317,6 +317,7 @@ def prepare(cfg, *, override_resume: tuple[str, ...] = ()) -> RunPlan:
     state, resume_from, notes = resume_point(cfg, hf) if occupied else (RunState(), None, [])
     if (anchor := decoupled_anchor_note(cfg)) is not None:
         notes.append(anchor)
+    notes += cfg.rollout.spec.notes(cfg.rollout.options)
     if resume_from is None and cfg.model.init == "pretrained":
         check_pretrained_weights(cfg, hf)
     plan = resource_plan(cfg, hf)

@@ -188,6 +188,10 @@ def _no_quantization(_options: Any) -> str | None:
     return None
 
 
+def _no_notes(_options: Any) -> list[str]:
+    return []
+
+
 TopLogprobs = Literal["none", "drawn", "unfiltered"]
 
 
@@ -229,6 +233,8 @@ class EngineSpec:
     # filters included; "unfiltered": of the temperature-scaled distribution before top-k/top-p
     # (the one drawn from only when no filter is set)
     top_logprobs: TopLogprobs = "none"
+    # what the user should know of these options before a run starts (train --check prints them)
+    notes: Callable[[Any], list[str]] = _no_notes
 
     def weight_transport(self, options: Any, colocated: bool, gpus: bool) -> str:
         """What the trainer's ranks build the transport from (``weight_sync.transport_class``):

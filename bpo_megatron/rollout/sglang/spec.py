@@ -38,6 +38,20 @@ def _profile(options: SGLangOptions, requests: int, gpus_per_engine: float) -> E
                          requested_inflight=options.max_inflight)
 
 
+DETERMINISTIC_FLAG = "--enable-deterministic-inference"
+
+
+def _notes(options: SGLangOptions) -> list[str]:
+    # every response's seed goes out as sampling_params.sampling_seed (protocol.sampling_params);
+    # SGLang 0.5.23 builds its per-request seeds only under deterministic inference
+    # (sampling/sampling_batch_info.py) and otherwise draws from its own generator
+    if DETERMINISTIC_FLAG in options.extra_args:
+        return []
+    return [f"rollout.seed reaches SGLang as each response's sampling_seed, which SGLang samples with only when its "
+            f"servers run {DETERMINISTIC_FLAG} (rollout.sglang.extra_args; its batch-invariant kernels cost "
+            "throughput): without it responses do not repeat from rollout.seed"]
+
+
 SPEC = EngineSpec(
     name="sglang",
     options=SGLangOptions,
@@ -54,4 +68,5 @@ SPEC = EngineSpec(
     top_logprobs="unfiltered",
     # block FP8: each linear weight sent as e4m3 values and its block scales (weights/fp8.py)
     weight_quantization=lambda options: "fp8-blocks" if options.quantization == "fp8" else None,
+    notes=_notes,
 )
