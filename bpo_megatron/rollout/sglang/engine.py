@@ -144,11 +144,11 @@ class SGLangEngine(RolloutEngine):
                 self._generating -= 1
 
     def _post_all(self, requests: list[GenerationRequest], report: Callable[[Finished], None] | None) -> list[Sample]:
-        client = GenerationClient(self.base_url, self.api_key, max_inflight=self.max_inflight,
-                                  request_timeout_s=self.cfg.request_timeout_s, max_retries=self.cfg.max_retries,
-                                  capture_routing=self.cfg.capture_routed_experts, routing=self.routing,
-                                  pause_mode=PAUSE_MODE, healthy=self._answers_health)
-        try:
+        try:  # max_inflight may ask the server first: a server gone by then is the engine lost too
+            client = GenerationClient(self.base_url, self.api_key, max_inflight=self.max_inflight,
+                                      request_timeout_s=self.cfg.request_timeout_s, max_retries=self.cfg.max_retries,
+                                      capture_routing=self.cfg.capture_routed_experts, routing=self.routing,
+                                      pause_mode=PAUSE_MODE, healthy=self._answers_health)
             return client.generate(response_slots(requests), report)
         except ServerUnavailable:
             self._lost()
