@@ -16,6 +16,10 @@ Times follow from stated assumptions, not measurements (the GPU kit measures rat
   (:attr:`~bpo_megatron.planner.rollout.RolloutMemory.inflight`); responses have the lengths
   of the ``paper`` distribution (:mod:`bpo_megatron.planner.batches`), and a step lasts at least
   as long as its longest response's decoding.
+
+Not counted: under ``train.async`` each weight update pauses the engines with ``retract``, and
+SGLang prefills every request then in flight again (prompt and output so far) with the new weights;
+that prefill adds to the rollout time of each step.
 """
 
 from __future__ import annotations
