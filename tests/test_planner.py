@@ -451,7 +451,6 @@ def test_the_pace_estimate_of_engines_apart_against_closed_forms(capsys):
     step's read of the engine GPU's weights and KV cache at the assumed bandwidth, the step count
     the larger of the response tokens over the requests in flight and the longest response."""
     from bpo_megatron.cli import main
-    from bpo_megatron.gpu_smoke.flops import forward_flops
     from bpo_megatron.planner import overlap
 
     hf = HFModelConfig.load(QWEN3_30B)
@@ -459,8 +458,12 @@ def test_the_pace_estimate_of_engines_apart_against_closed_forms(capsys):
     plan = make_plan(cfg, hf)
     r = plan.rollout
     lengths = [(2048, 16_384)] * 4096  # every sample at the caps
-    assert overlap.train_seconds(plan, lengths) == pytest.approx(
-        forward_flops(hf, [18_431] * 4096).total * 4 / (16 * 989e12 * 0.25))
+    # 2 FLOPs per active matrix weight (the input embedding is a lookup) and per (query, key) pair
+    # 2 · 32 heads · (128 + 128) per layer, over 18,431 causal positions; × 4: forward, backward, recompute
+    matmul = parameter_counts(hf)[1] - 151_936 * 2048
+    n = 18_431
+    forward = 4096 * (2 * matmul * n + 2 * 32 * 256 * 48 * n * (n + 1) / 2)
+    assert overlap.train_seconds(plan, lengths) == pytest.approx(forward * 4 / (16 * 989e12 * 0.25))
     step = overlap.decode_step_seconds(plan, 2048 + 8192)
     assert step == pytest.approx((parameter_counts(hf)[0] * 2 / 4 + r.inflight * 10_240 * 2 * 48 * 128 * 2)
                                  / (3.35e12 * 0.5))

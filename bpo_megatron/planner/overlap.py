@@ -6,10 +6,11 @@ a step trains, so the slower side sets the step's time and the other waits).
 Times follow from stated assumptions, not measurements (the GPU kit measures rates on one GPU):
 
 * the GPUs are H100 SXM: ``PEAK_FLOPS`` dense bf16 and ``HBM_BYTES_PER_S``;
-* training runs at ``TRAIN_MFU`` of the peak over the trainer's GPUs, on the model's FLOPs
-  (:mod:`bpo_megatron.gpu_smoke.flops`, the kit's one count): forward and backward over a step's
-  samples, a forward more under full recompute, and the log-prob pass when
-  ``train.recompute_old_logprobs`` is on;
+* training runs at ``TRAIN_MFU`` of the peak over the trainer's GPUs, on the model's FLOPs as the
+  trainer's balancer counts them (:class:`~bpo_megatron.trainer.balance.CostModel`: 2 FLOPs per
+  active weight of the matrix products and causal attention, per position): forward and backward
+  (3 forwards) over a step's samples, a forward more under full recompute, and the log-prob pass
+  when ``train.recompute_old_logprobs`` is on;
 * an SGLang decode step reads an engine GPU's share of the weights (every expert: a batch of
   in-flight requests routes to nearly all of them) and the KV cache of its requests, at
   ``DECODE_HBM_EFFICIENCY`` of the bandwidth, and yields one token per request in flight
@@ -39,6 +40,7 @@ PEAK_FLOPS = 989e12  # H100 SXM, dense bf16
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM
 TRAIN_MFU = 0.25  # Megatron-Core MoE training, assumed
 DECODE_HBM_EFFICIENCY = 0.5  # of the bandwidth a large-batch decode step reaches, assumed
+TRAIN_FACTOR = 3.0  # forward, and the backward's two products per forward product
 LENGTHS = "paper"
 SEED = 0
 
@@ -64,11 +66,20 @@ def _lengths(plan: Plan) -> list[tuple[int, int]]:
     return [draw(rng, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens) for _ in range(cfg.responses_per_step)]
 
 
-def train_seconds(plan: Plan, lengths: list[tuple[int, int]]) -> float:
-    from bpo_megatron.gpu_smoke.flops import TRAIN_FACTOR, forward_flops
+def forward_flops(plan: Plan, lengths: list[tuple[int, int]]) -> float:
+    """A forward pass over samples of these (prompt, response) lengths: 2 FLOPs per matrix-product
+    weight per position, attention included, by the balancer's cost model."""
+    from bpo_megatron.trainer.balance import CostModel
 
+    hf = plan.hf
+    cost = CostModel.of(hf)
+    matmul = plan.model_size[1] - (0 if hf.tie_word_embeddings else hf.vocab_size * hf.hidden_size)
+    return 2.0 * matmul * sum(cost(p + r - 1) for p, r in lengths)
+
+
+def train_seconds(plan: Plan, lengths: list[tuple[int, int]]) -> float:
     cfg = plan.cfg
-    forward = forward_flops(plan.hf, [p + r - 1 for p, r in lengths]).total
+    forward = forward_flops(plan, lengths)
     passes = TRAIN_FACTOR + (1.0 if cfg.model.options.recompute == "full" else 0.0)
     passes += 1.0 if cfg.train.recompute_old_logprobs else 0.0
     return forward * passes / (cfg.cluster.trainer_ranks * PEAK_FLOPS * TRAIN_MFU)
