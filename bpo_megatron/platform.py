@@ -44,6 +44,29 @@ def bind_device() -> torch.device:
     return own
 
 
+DEVICE_MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+def set_device_max_connections(value: str | None, environ=None) -> str | None:
+    """Set ``CUDA_DEVICE_MAX_CONNECTIONS`` to ``value`` in this process's environment, which the
+    CUDA driver reads once, when the process makes its context: call it before :func:`bind_device`.
+    None leaves the environment as it is. A different value already set is kept (the user's choice)
+    and said; so is a context made already (the setting then has no effect). Returns the line to
+    log, or None when there is nothing to say."""
+    environ = os.environ if environ is None else environ
+    if value is None:
+        return None
+    current = environ.get(DEVICE_MAX_CONNECTIONS)
+    if current is not None and current != value:
+        return (f"{DEVICE_MAX_CONNECTIONS}={current} kept from the environment; Megatron-Core's tensor-parallel "
+                f"layers overlap their communication with the gradient GEMMs only at {value}")
+    environ[DEVICE_MAX_CONNECTIONS] = value
+    if torch.cuda.is_initialized():
+        return (f"{DEVICE_MAX_CONNECTIONS}={value} set after this process made its CUDA context: it takes effect "
+                "only in processes started from here on")
+    return None
+
+
 def distributed_backend() -> DistributedBackend:
     """The ``torch.distributed`` backend matching :func:`device` (NCCL needs CUDA tensors)."""
     return "nccl" if has_cuda() else "gloo"

@@ -242,3 +242,29 @@ def test_round_goals_hold_miss_or_are_not_measured():
     assert "2 of 8 hold, 1 miss, 5 not measured." in text
     assert "| training MFU at 32,768-position micro-batches | `train_fast_paths`: `train_mfu_32k` | ≥ 25.0% (stretch 30.0%) " \
            "| 31.0% | holds, the stretch too |" in text
+
+
+def test_the_offload_residual_numbers_and_the_pool_fraction_they_allow():
+    """trainer_offload's residual, with a background save in flight, from the device's used bytes:
+    the save's share, the margin to the planner's residual, and the largest mem_fraction_static
+    whose rest of the GPU holds the engine's runtime (4 GB) and that residual."""
+    from bpo_megatron.gpu_smoke.checks.trainer_offload import GiB, residual_numbers
+    from bpo_megatron.planner.plan import RESERVED_BYTES, largest_pool_fraction
+
+    numbers = residual_numbers(used_offloaded=0.6 * GiB, used_offloaded_saving=0.9 * GiB, total=80 * GiB,
+                               planned=0.8e9)
+    assert numbers["device_used_offloaded_saving_gib"] == pytest.approx(0.9)
+    assert numbers["background_save_residual_gib"] == pytest.approx(0.3)
+    assert numbers["planned_residual_gib"] == pytest.approx(0.8e9 / GiB)
+    # 0.9 GiB (0.966 GB) against the planned 0.8 GB: missed
+    assert numbers["residual_margin_gib"] == pytest.approx(0.8e9 / GiB - 0.9) and numbers["residual_margin_gib"] < 0
+    assert numbers["mem_fraction_static_allowed"] == pytest.approx((80 * GiB - 4e9 - 0.9 * GiB) / (80 * GiB))
+    assert RESERVED_BYTES == 4e9
+    # the larger of the two residuals counts, whichever it is
+    assert residual_numbers(used_offloaded=2 * GiB, used_offloaded_saving=GiB, total=80 * GiB,
+                            planned=3 * GiB)["residual_margin_gib"] == pytest.approx(1.0)
+    # the 30B recipe's planned residual (4 communicators) on 80 GB: 1 − (4 + 0.8 + 2.4) / 80 = 0.91
+    assert largest_pool_fraction(0.8e9 + 4 * 0.6e9, 80e9) == pytest.approx(0.91)
+    assert largest_pool_fraction(100e9, 80e9) == 0.0
+    with pytest.raises(ValueError, match="no pool to size"):
+        largest_pool_fraction(0.0, 0.0)

@@ -148,11 +148,43 @@ def test_kv_cache_per_token_closed_form():
     assert kv_bytes_per_token(hf, 8) == kv_bytes_per_token(hf, 4)
     plan = make_plan(_recipe(), hf)
     r = plan.rollout
-    assert (r.profile.tp, r.profile.sequences) == (4, 512)  # sglang tp_size; max_inflight requests in flight
+    assert (r.profile.tp, r.profile.sequences) == (4, 512)  # sglang tp_size; an engine's share of the step
     assert r.weights == parameter_counts(hf)[0] * 2 / 4
-    # SGLang admits by its own pool: mem_fraction_static 0.8 of the GPU less the weights, whatever is in flight
-    assert r.kv_cache == pytest.approx(0.8 * plan.allocation.gpu_bytes - r.weights)
-    assert r.resident_sequences == int(r.kv_cache // ((2048 + 16_384) * 2 * 48 * 128 * 2)) >= 100
+    # SGLang admits by its own pool: mem_fraction_static 0.7 of the GPU less the weights, whatever is in flight
+    assert r.kv_cache == pytest.approx(0.7 * plan.allocation.gpu_bytes - r.weights)
+    assert r.resident_sequences == int(r.kv_cache // ((2048 + 16_384) * 2 * 48 * 128 * 2)) == 89
+    # max_inflight unset: as many in flight as the pool holds at full length
+    assert r.inflight == r.inflight_cap == 89 and r.profile.requested_inflight is None
+
+
+def test_requests_in_flight_beyond_the_kv_pools_full_length_sequences_are_refused(capsys):
+    """R1: 512 requests in flight per engine against a pool of 89 full-length sequences lets SGLang
+    retract responses for space (and those leave the loss): plan marks it, --check refuses it."""
+    from bpo_megatron.cli import main
+    from bpo_megatron.loop.preflight import check_inflight
+    from bpo_megatron.loop.run_dir import RunRefused
+
+    hf = HFModelConfig.load(QWEN3_30B)
+    asked = make_plan(_recipe("rollout.sglang.max_inflight=512"), hf)
+    r = asked.rollout
+    assert (r.inflight, r.inflight_cap, r.profile.requested_inflight) == (512, 89, 512)
+    assert not asked.inflight_ok and not asked.fits and asked.memory_ok
+    with pytest.raises(RunRefused, match=r"^rollout.sglang.max_inflight=512 requests in flight per engine, more than "
+                                         r"the 89 sequences of 18432 tokens its KV pool holds .* set it ≤ 89 or null"):
+        check_inflight(asked)
+    assert main(["plan", str(RECIPE_30B), "rollout.sglang.max_inflight=512"]) == 1
+    out = capsys.readouterr().out
+    assert ("→ requests in flight per engine: rollout.sglang.max_inflight=512 EXCEEDS the rule: at most the 89 "
+            "full-length sequences its KV pool holds") in out
+    assert "verdict: DOES NOT FIT (requests in flight exceed the KV pool)" in out
+    # at the cap, or below it, it is kept and fits; a larger pool holds more
+    within = make_plan(_recipe("rollout.sglang.max_inflight=89"), hf)
+    assert within.fits and within.rollout.inflight == 89 and check_inflight(within) is None
+    larger = make_plan(_recipe("rollout.sglang.mem_fraction_static=0.8"), hf).rollout
+    assert larger.inflight == larger.inflight_cap == int((0.8 * 80e9 - r.weights) // (18_432 * 2 * 48 * 128 * 2)) == 107
+    assert main(["plan", str(RECIPE_30B)]) == 0
+    assert ("→ requests in flight per engine: 89 (rollout.sglang.max_inflight unset: at most the 89 full-length "
+            "sequences its KV pool holds, so none is retracted for space" in capsys.readouterr().out)
 
 
 def test_the_colocated_trainers_residual_and_the_engine_runtime_fit_outside_the_pool(capsys):
@@ -168,13 +200,13 @@ def test_the_colocated_trainers_residual_and_the_engine_runtime_fit_outside_the_
     residual = plan.trainer_residual
     assert residual.groups == ("tp", "ep", "dp", "expert dp")  # tp 4, ep 8, dp 8, expert dp 4; pp 1, etp 1
     assert residual.total == TRAINER_CONTEXT_BYTES + 4 * NCCL_COMMUNICATOR_BYTES
-    assert plan.rollout_outside_pool == RESERVED_BYTES + residual.total <= 0.2 * plan.allocation.gpu_bytes
+    assert plan.rollout_outside_pool == RESERVED_BYTES + residual.total <= 0.3 * plan.allocation.gpu_bytes
     assert plan.rollout_peak == plan.rollout.total + plan.rollout_outside_pool and plan.fits
     assert main(["plan", str(RECIPE_30B)]) == 0
     out = capsys.readouterr().out
     assert ("colocated trainer's residual when offloaded (CUDA context, 4 NCCL communicators: tp, ep, dp, expert dp)"
             in out)
-    assert "→ outside the pool 7.20 GB within the (1 − 0.8) × 80 GB = 16.00 GB it leaves" in out
+    assert "→ outside the pool 7.20 GB within the (1 − 0.7) × 80 GB = 24.00 GB it leaves" in out
     # apart, the trainer leaves the engines' GPUs alone; a pool that leaves too little does not fit
     assert make_plan(_recipe("cluster.colocate=false", "cluster.offload=auto", "cluster.nodes=8"), hf).trainer_residual is None
     tight = make_plan(_recipe("rollout.sglang.mem_fraction_static=0.95"), hf)
@@ -274,6 +306,15 @@ def test_plan_states_the_driver_memory_and_the_expected_weight_sync():
         assert "driver host memory: 72 GiB" in text
     # 48 layers × (128 experts × 3 + router + 4 attention + 2 QK norms + 2 layer norms) + 3
     assert hf_tensor_count(cfg.hf_config()) == 48 * (128 * 3 + 1 + 8) + 3 == 18867
+    # score centering's top-32 per response token: 32 int32 ids and 32 float32 log-probs, 256 bytes
+    # × 4096 responses × 16,384 tokens = 16 GiB more samples, held twice
+    from bpo_megatron.planner.host import driver_memory_gib, step_sample_bytes
+
+    centered = load_experiment(configs / "qwen3_30b_a3b_bpo.yaml", ["loss.score_centering=true"])
+    assert step_sample_bytes(centered) - step_sample_bytes(cfg) == 4096 * 16_384 * 256 == 16 * 2**30
+    assert driver_memory_gib(centered) == math.ceil(2 * step_sample_bytes(centered) / 2**30) + 16 == 104
+    assert ("driver host memory: 104 GiB (a step's samples, 43.8 GiB at their longest, score centering's top-32 "
+            "included (256 bytes a response token)" in format_plan(make_plan(centered, centered.hf_config())))
     demo = load_experiment(configs / "tiny_moe_cpu.yaml")
     assert expected_sync(demo, demo.hf_config(), 0) is None  # the embedded engine, no GPU transport
     assert hf_tensor_count(demo.hf_config()) == 45  # what a sync of the demo model sends (bench test)
@@ -342,19 +383,20 @@ def test_host_memory_at_a_save_for_both_30b_recipes_closed_forms(capsys):
     assert everything.offload.parts == "everything"
     assert everything.host.at_save == pytest.approx(
         _host_closed_form([(d, e)] * 4 + [(0, e)] * 4, pinned + 2 * (d + e)), rel=1e-12)
-    # disaggregated, tp 4 pp 3 dp 2 ep 8 (expert dp 1), no offloading: every rank writes its experts,
-    # the first 4 of a stage their dense parameters too; the busiest 8 are those of stages 0 and 2
+    # disaggregated, tp 4 pp 1 dp 4 ep 8 (expert dp 2) on 16 ranks, no offloading: node 0 holds DP
+    # rank 0 of the dense optimizer (ranks 0-3) and of the expert optimizer (ranks 0-7), the shards
+    # of the colocated layout's
     plan = make_plan(load_experiment(ROOT / "configs" / "qwen3_30b_a3b_bpo_disaggregated.yaml", check_model=False), hf)
-    first, _, last = plan.stages
-    assert first.params.expert == last.params.expert and last.params.dense == first.params.dense + 2048
-    e = first.params.expert
-    expected = _host_closed_form([(first.params.dense, e)] * 4 + [(last.params.dense, e)] * 4, 0)
+    [apart] = plan.stages
+    assert (apart.params.dense, apart.params.expert) == (d, stage.params.expert)
+    e = apart.params.expert
+    expected = _host_closed_form([(d, e)] * 4 + [(0, e)] * 4, 0)
     assert plan.host.at_save == pytest.approx(expected, rel=1e-12)
-    assert plan.host.at_save < 300e9 and plan.fits
+    assert plan.host.at_save < 600e9 and plan.fits
     # what plan prints, and its verdict against the node's memory
     # a background save holds the fp32 state (12 B) and bf16 weights (2 B) of what the node writes
     staged = {"qwen3_30b_a3b_bpo.yaml": 14 * (4 * (d + stage.params.expert) + 4 * stage.params.expert),
-              "qwen3_30b_a3b_bpo_disaggregated.yaml": 14 * (4 * (first.params.dense + e) + 4 * (last.params.dense + e))}
+              "qwen3_30b_a3b_bpo_disaggregated.yaml": 14 * (4 * (d + e) + 4 * e)}
     for recipe, at_save in (("qwen3_30b_a3b_bpo.yaml", _host_closed_form([(d, stage.params.expert)] * 4
                                                                            + [(0, stage.params.expert)] * 4,
                                                                            pinned + 2 * (d + stage.params.expert))),
@@ -401,3 +443,40 @@ def test_the_readmes_context_parallel_plans_are_what_plan_prints(capsys):
         printed = capsys.readouterr().out.splitlines()
         for line in quoted:
             assert line in printed, line
+
+
+def test_the_pace_estimate_of_engines_apart_against_closed_forms(capsys):
+    """Disaggregated: a step's training time is the model's FLOPs (forward, backward, a recomputed
+    forward) over the trainer's GPUs at the assumed MFU; its rollout time is decode steps × one
+    step's read of the engine GPU's weights and KV cache at the assumed bandwidth, the step count
+    the larger of the response tokens over the requests in flight and the longest response."""
+    from bpo_megatron.cli import main
+    from bpo_megatron.planner import overlap
+
+    hf = HFModelConfig.load(QWEN3_30B)
+    cfg = load_experiment(ROOT / "configs" / "qwen3_30b_a3b_bpo_disaggregated.yaml", check_model=False)
+    plan = make_plan(cfg, hf)
+    r = plan.rollout
+    lengths = [(2048, 16_384)] * 4096  # every sample at the caps
+    # 2 FLOPs per active matrix weight (the input embedding is a lookup) and per (query, key) pair
+    # 2 · 32 heads · (128 + 128) per layer, over 18,431 causal positions; × 4: forward, backward, recompute
+    matmul = parameter_counts(hf)[1] - 151_936 * 2048
+    n = 18_431
+    forward = 4096 * (2 * matmul * n + 2 * 32 * 256 * 48 * n * (n + 1) / 2)
+    assert overlap.train_seconds(plan, lengths) == pytest.approx(forward * 4 / (16 * 989e12 * 0.25))
+    step = overlap.decode_step_seconds(plan, 2048 + 8192)
+    assert step == pytest.approx((parameter_counts(hf)[0] * 2 / 4 + r.inflight * 10_240 * 2 * 48 * 128 * 2)
+                                 / (3.35e12 * 0.5))
+    # 4096 × 16,384 tokens over 14 engines × 107 requests: 44,800 decode steps (more than the longest's 16,384)
+    assert r.inflight == 107
+    assert overlap.rollout_seconds(plan, lengths, 14) == pytest.approx(4096 * 16_384 / (14 * 107) * step)
+    assert overlap.rollout_seconds(plan, lengths[:10], 14) == pytest.approx(16_384 * step)  # the longest one's
+    times = overlap.step_times(plan)
+    assert times.engines == 14 and times.engines_to_keep_pace == 13 and times.rollout_s < times.train_s
+    assert main(["plan", str(ROOT / "configs" / "qwen3_30b_a3b_bpo_disaggregated.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert (f"rollout ≈ {times.rollout_s:.0f} s per step on 14 engine(s), training ≈ {times.train_s:.0f} s on 16 ranks, "
+            "so the engines wait for the trainer; 13 engine(s) keep pace (rollout.num_engines); "
+            "train.async.max_staleness=1: the slower side sets the step") in out
+    # colocated, the phases alternate: no pace line
+    assert main(["plan", str(RECIPE_30B)]) == 0 and "pace (engines" not in capsys.readouterr().out

@@ -66,20 +66,30 @@ def test_main_setting_is_the_papers():
 
 
 def test_main_setting_in_both_placements():
-    """Colocated (engines on the trainer's 32 GPUs, CUDA IPC) and disaggregated (3 nodes train, one
-    serves, NCCL broadcast): the same algorithm and batch, only the layout differs."""
+    """Colocated (engines on the trainer's 32 GPUs, CUDA IPC) and disaggregated (2 nodes train, 7
+    serve, NCCL broadcast, generation one step ahead): the same algorithm and batch, only the
+    layout and its pace differ; the disaggregated engines are as many as the planner's estimate
+    says keep pace with the trainer."""
+    from bpo_megatron.planner.overlap import step_times
+
     shared, apart = load_experiment(MAIN), load_experiment(DISAGGREGATED)
     transports = [cfg.rollout.spec.transport(cfg.rollout.options, cfg.cluster.colocate, cfg.cluster.gpus_per_engine > 0)
                   for cfg in (shared, apart)]
     assert transports == ["cuda_ipc", "nccl_broadcast"]
-    assert (apart.cluster.trainer_ranks, apart.rollout.num_engines * apart.cluster.gpus_per_engine) == (24, 8)
+    assert (apart.cluster.trainer_ranks, apart.rollout.num_engines * apart.cluster.gpus_per_engine) == (16, 56)
+    assert apart.cluster.nodes * apart.cluster.gpus_per_node == 16 + 56
     assert shared.rollout.num_engines * shared.cluster.gpus_per_engine == shared.cluster.trainer_ranks == 32
+    assert (shared.train.asynchronous.max_staleness, apart.train.asynchronous.max_staleness) == (0, 1)
+    times = step_times(make_plan(apart, apart.hf_config()))
+    assert times.engines_to_keep_pace <= apart.rollout.num_engines and times.rollout_s <= times.train_s
     one, other = to_dict(shared), to_dict(apart)
-    for setting in ("name", "cluster.trainer_ranks", "cluster.colocate", "cluster.offload", "parallel.pp",
-                    "rollout.num_engines"):
+    for setting in ("name", "cluster.nodes", "cluster.trainer_ranks", "cluster.colocate", "cluster.offload",
+                    "rollout.num_engines", "train.async"):
         section, _, key = setting.rpartition(".")
         for cfg in (one, other):
             (cfg[section] if section else cfg).pop(key)
+    for cfg in (one, other):
+        cfg["rollout"]["sglang"].pop("mem_fraction_static")  # no trainer residual beside engines apart
     assert one == other
 
 

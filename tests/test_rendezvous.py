@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import os
 import socket
 from types import SimpleNamespace
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from bpo_megatron.parallel import ParallelConfig
 from bpo_megatron.parallel.local_world import GlooWorldError, run_gloo_world
 
 
@@ -63,9 +65,35 @@ def test_trainer_rank_0_hosts_the_world_from_its_construction():
     trainer group after rank 0 answers), and its address names the port its store holds."""
     from bpo_megatron.orchestration.workers import TrainWorker
 
-    spec = SimpleNamespace(hf=None)  # the actor is built only as a rank joins
+    spec = SimpleNamespace(hf=None, parallel=ParallelConfig())  # the actor is built only as a rank joins
     rank0 = TrainWorker(spec, 0, 2)
     address, port = rank0.rendezvous().rsplit(":", 1)
     with pytest.raises(OSError):
         _bind(address, int(port))
     assert TrainWorker(spec, 1, 2)._store is None  # the others only join it
+
+
+@pytest.mark.parametrize("tp, expected", [(1, None), (2, "1")])
+def test_a_trainer_rank_sets_the_device_connections_megatron_wants_before_its_cuda_context(monkeypatch, tp, expected):
+    """With tensor parallelism a rank's environment holds CUDA_DEVICE_MAX_CONNECTIONS=1 when it
+    binds its device (which makes the CUDA context that reads it); without, it is left unset."""
+    from bpo_megatron import platform
+    from bpo_megatron.orchestration.workers import TrainWorker
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    seen = []
+    monkeypatch.setattr(platform, "bind_device", lambda: seen.append(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")))
+    TrainWorker(SimpleNamespace(hf=None, parallel=ParallelConfig(tp=tp)), 1, 2)
+    assert seen == [expected]
+
+
+def test_a_device_connections_value_the_user_set_is_kept_and_said():
+    from bpo_megatron.platform import set_device_max_connections
+
+    environ = {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
+    note = set_device_max_connections("1", environ)
+    assert environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=8 kept" in note
+    environ = {}
+    assert set_device_max_connections("1", environ) is None and environ == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert set_device_max_connections(None, environ) is None

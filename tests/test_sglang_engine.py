@@ -628,3 +628,64 @@ def test_a_later_turn_asks_only_for_the_routing_after_what_it_has():
     other = GenerationRequest("d", (1, 2), SamplingParams(max_new_tokens=4))
     with pytest.raises(ValueError, match=r"one routed_experts_start_len; these items ask \[0, 7\]"):
         generate_body(expand([request, other]), capture_routing=True)
+
+
+def test_requests_in_flight_stay_within_the_full_length_sequences_the_servers_kv_pool_holds(capsys):
+    """SGLang retracts running requests when they outgrow its KV pool, and a response retracted for
+    space leaves the loss: an engine keeps no more in flight than its pool holds at full length
+    (token capacity // longest sequence), lowering a configured value above it with a note."""
+    asked_info = []
+
+    class Endpoint:
+        def __init__(self, info):
+            self.info = info
+
+        def get(self, route, timeout):
+            asked_info.append(route)
+            return self.info
+
+    def engine(info, **options):
+        built = SGLangEngine(SGLangConfig(model_path="/m", url="http://127.0.0.1:1", capture_routed_experts=False,
+                                          **options))
+        built.endpoint = lambda: Endpoint(info)
+        return built
+
+    pool = {"internal_states": [{"effective_max_running_requests_per_dp": 4096,
+                                 "memory_usage": {"token_capacity": 1_000_000}}]}
+    # unset: the server's limit (4096, bounded to 1024), then the pool: 1,000,000 // 18,432 = 54
+    unset = engine(pool, sequence_tokens=18_432)
+    assert unset.max_inflight == 54 == 1_000_000 // 18_432
+    assert "max_inflight unset: 54 requests in flight, the sequences of 18432 tokens" in capsys.readouterr().out
+    assert unset.max_inflight == 54 and capsys.readouterr().out == ""  # asked once, said once
+    assert asked_info == ["server_info"]
+    # a configured value above the pool is lowered, and said; one within it is kept as it is
+    assert engine(pool, sequence_tokens=18_432, max_inflight=512).max_inflight == 54
+    assert "rollout.sglang.max_inflight=512 lowered: 54 requests in flight" in capsys.readouterr().out
+    assert engine(pool, sequence_tokens=18_432, max_inflight=16).max_inflight == 16
+    assert capsys.readouterr().out == ""
+    # a pool smaller than one full-length sequence still runs one request at a time
+    assert engine({"internal_states": [{"memory_usage": {"token_capacity": 1000}}]},
+                  sequence_tokens=18_432).max_inflight == 1
+    # without the pool's size, or the longest sequence: the server's limit, or the configured value
+    asked_info.clear()
+    assert engine({"internal_states": [{"effective_max_running_requests_per_dp": 300}]},
+                  sequence_tokens=18_432).max_inflight == 300
+    assert engine(pool, max_inflight=512).max_inflight == 512 and asked_info == ["server_info"]
+
+
+def test_each_responses_seed_goes_to_sglang_and_check_says_when_sglang_ignores_it():
+    """A response's seed (rollout.seed, the step, the prompt and the sample index) is sent as
+    sampling_params.sampling_seed; SGLang samples with it only under --enable-deterministic-inference,
+    which --check says when the servers run without it."""
+    from bpo_megatron.rollout.engine import engine_spec
+
+    request = GenerationRequest("r", (1, 2), SamplingParams(n=3, seed=40))
+    body = generate_body(expand([request]), capture_routing=False)
+    assert [p["sampling_seed"] for p in body["sampling_params"]] == [40, 41, 42]
+    unseeded = generate_body(expand([GenerationRequest("u", (1,), SamplingParams())]), capture_routing=False)
+    assert "sampling_seed" not in unseeded["sampling_params"][0]
+    spec = engine_spec("sglang")
+    [note] = spec.notes(SGLangOptions())
+    assert "sampling_seed, which SGLang samples with only when its servers run --enable-deterministic-inference" in note
+    assert spec.notes(SGLangOptions(extra_args=("--enable-deterministic-inference",))) == []
+    assert engine_spec("hf").notes(engine_spec("hf").options()) == []

@@ -257,16 +257,32 @@ def check_pretrained_weights(cfg, hf) -> None:
         raise RunRefused(f"model.path={cfg.model.path}: {exc}") from exc
 
 
-def colocated_offload(cfg, hf) -> tuple[ColocatedOffload | None, list[str]]:
-    """What a colocated trainer offloads, by the plan of the recipe's allocation
-    (:mod:`bpo_megatron.planner.offload`), and whether the busiest trainer node's host memory
-    keeps the offload's buffers across checkpoint saves (:mod:`bpo_megatron.planner.host`); notes
-    saying so on GPUs. A setting that does not fit the GPUs is refused, naming cluster.offload."""
-    if not cfg.cluster.colocate:
-        return None, []
+def resource_plan(cfg, hf):
+    """The planner's plan of the recipe's allocation (:func:`bpo_megatron.planner.plan.make_plan`)
+    when a check reads it: engines sharing the trainer's devices, or any on GPUs; else None."""
+    if not (cfg.cluster.colocate or cfg.cluster.gpus_per_node):
+        return None
     from bpo_megatron.planner.plan import make_plan
 
-    plan = make_plan(cfg, hf)
+    return make_plan(cfg, hf)
+
+
+def check_inflight(plan) -> None:
+    """Refuse requests in flight beyond what an engine's KV pool holds at full length
+    (``rollout.<engine>.max_inflight``; :mod:`bpo_megatron.planner.rollout` states the rule)."""
+    if plan is not None and (why := plan.inflight_refusal()) is not None:
+        raise RunRefused(why)
+
+
+def colocated_offload(cfg, hf, plan=None) -> tuple[ColocatedOffload | None, list[str]]:
+    """What a colocated trainer offloads, by the plan of the recipe's allocation
+    (:mod:`bpo_megatron.planner.offload`; ``plan``: made here when not given), and whether the
+    busiest trainer node's host memory keeps the offload's buffers across checkpoint saves
+    (:mod:`bpo_megatron.planner.host`); notes saying so on GPUs. A setting that does not fit the
+    GPUs is refused, naming cluster.offload."""
+    if not cfg.cluster.colocate:
+        return None, []
+    plan = plan or resource_plan(cfg, hf)
     if (why := plan.offload.refusal()) is not None:
         raise RunRefused(why)
     keep = plan.host is None or plan.host.fits
@@ -324,9 +340,12 @@ def prepare(cfg, *, override_resume: tuple[str, ...] = ()) -> RunPlan:
         notes.append(anchor)
     if (unused := unused_engine_note(cfg)) is not None:
         notes.append(unused)
+    notes += cfg.rollout.spec.notes(cfg.rollout.options)
     if resume_from is None and cfg.model.init == "pretrained":
         check_pretrained_weights(cfg, hf)
-    offload, offload_notes = colocated_offload(cfg, hf)
+    plan = resource_plan(cfg, hf)
+    check_inflight(plan)
+    offload, offload_notes = colocated_offload(cfg, hf, plan)
     notes += offload_notes
     if (layout := cfg.rollout.quantized_layout(hf)) is not None:  # refused ones stopped the config check
         notes.append(layout.describe())

@@ -426,7 +426,8 @@ class EngineGroup:
                              routing=RoutingLayout.of(self._hf) if capture else None,
                              threads=self.cfg.rollout.threads_per_engine,
                              colocated=self.cfg.cluster.colocate and not evaluation,
-                             devices=self._devices(index), node_address="")
+                             devices=self._devices(index), node_address="",
+                             longest_sequence=self.cfg.data.max_prompt_tokens + self.cfg.rollout.max_new_tokens)
 
     def _options(self, index: int) -> dict[str, Any]:
         if self.placement is not None:  # on its slots of the run's placement (shared or its own)

@@ -38,6 +38,10 @@ class TrainWorker:
         on (:meth:`rendezvous`)."""
         quiet_library_logs()
         torch.set_num_threads(threads)
+        # read by the CUDA driver when this process makes its context (bind_device makes it)
+        connections_note = platform.set_device_max_connections(spec.parallel.device_max_connections)
+        if connections_note and rank == 0:
+            print(f"trainer: {connections_note}", flush=True)
         platform.bind_device()  # before NCCL binds this rank to a GPU
         network_note = gloo_interface.apply()  # before any gloo group exists
         if network_note and rank == 0:

@@ -45,6 +45,16 @@ class ParallelConfig:
         return self.tp > 1
 
     @property
+    def device_max_connections(self) -> str | None:
+        """``CUDA_DEVICE_MAX_CONNECTIONS`` a GPU rank of this layout needs (None: the driver's
+        default). With tensor parallelism Megatron-Core's linear layers start the sequence-parallel
+        all-gather, reduce-scatter or the input-gradient all-reduce asynchronously and rely on one
+        hardware queue per device to run them before the weight-gradient GEMM they overlap
+        (``tensor_parallel/layers.py``); with more queues the GEMM may run first and the overlap
+        is lost."""
+        return "1" if self.tp > 1 else None
+
+    @property
     def model_parallel_size(self) -> int:
         return self.tp * self.pp
 

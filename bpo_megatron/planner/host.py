@@ -13,10 +13,18 @@ GiB = 2**30
 DRIVER_BASE_GIB = 16  # interpreter, Ray client, tokenizer, prompt datasets, metrics
 
 
+def sampler_head_bytes(cfg) -> int:
+    """Bytes per response token of score centering's sampler top-k (``loss.score_centering``):
+    k ids (int32) and k log-probs (float32), as the samples hold them (SGLang sends them as base64
+    of the same arrays; 0 without score centering)."""
+    return 8 * cfg.loss.score_centering_top_k if cfg.loss.score_centering else 0
+
+
 def step_sample_bytes(cfg) -> int:
     """Bytes of one step's samples at their longest: per token its id (int64), log μ (fp32) and,
     with routing replay, its routed experts (uint8 per MoE layer and top-k slot; counted when the
-    model's config is readable here: a launch may name a checkpoint only the cluster has)."""
+    model's config is readable here: a launch may name a checkpoint only the cluster has); per
+    response token score centering's sampler top-k (:func:`sampler_head_bytes`)."""
     routing = 0
     if cfg.model.options.routing_replay:
         try:
@@ -25,9 +33,9 @@ def step_sample_bytes(cfg) -> int:
             hf = None
         routing = len(hf.moe_layers) * hf.num_experts_per_tok if hf is not None else 0
     per_token = 8 + 4 + routing
-    tokens = cfg.train.prompts_per_step * cfg.rollout.group_size * (cfg.data.max_prompt_tokens
-                                                                       + cfg.rollout.max_new_tokens)
-    return tokens * per_token
+    responses = cfg.train.prompts_per_step * cfg.rollout.group_size
+    tokens = responses * (cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+    return tokens * per_token + responses * cfg.rollout.max_new_tokens * sampler_head_bytes(cfg)
 
 
 def driver_memory_gib(cfg) -> int:

@@ -31,6 +31,15 @@ if TYPE_CHECKING:
 RESERVED_BYTES = 4e9
 
 
+def largest_pool_fraction(residual: float, gpu_bytes: float) -> float:
+    """The largest ``mem_fraction_static`` whose rest of a GPU of ``gpu_bytes`` holds the engine's
+    runtime (``RESERVED_BYTES``) and ``residual``, what a colocated trainer keeps on the GPU while
+    offloaded (SGLang sizes its pool as if the GPU were empty): ``(gpu − reserved − residual) / gpu``."""
+    if gpu_bytes <= 0:
+        raise ValueError(f"a GPU of {gpu_bytes} bytes has no pool to size")
+    return max(0.0, (gpu_bytes - RESERVED_BYTES - residual) / gpu_bytes)
+
+
 @dataclass(frozen=True)
 class StagePlan:
     params: StageParams
@@ -129,12 +138,30 @@ class Plan:
         return self.train_peak <= cap and self.rollout_peak <= cap and in_pool
 
     @property
+    def inflight_ok(self) -> bool:
+        """The requests an engine keeps in flight stay within what its KV pool holds at full
+        length (:mod:`bpo_megatron.planner.rollout`'s rule)."""
+        return self.rollout is None or self.rollout.inflight_ok
+
+    def inflight_refusal(self) -> str | None:
+        """Why the config's requests in flight are refused (None: they are within the rule)."""
+        if self.inflight_ok:
+            return None
+        r, engine = self.rollout, self.cfg.rollout.engine
+        return (f"rollout.{engine}.max_inflight={r.profile.requested_inflight} requests in flight per engine, more than "
+                f"the {r.inflight_cap} sequences of {r.tokens_per_sequence} tokens its KV pool holds "
+                f"({r.profile.pool_fraction:g} × {self.allocation.gpu_memory_gb:g} GB less the weights, by "
+                f"bpo-megatron plan): the server would retract responses for space, and those leave the loss; set it "
+                f"≤ {r.inflight_cap} or null (the pool's capacity, as the server measures it), or give the pool more "
+                "(mem_fraction_static, engine TP)")
+
+    @property
     def host_ok(self) -> bool:
         return self.host is None or self.host.fits
 
     @property
     def fits(self) -> bool:
-        return self.layout_ok and self.memory_ok and self.host_ok
+        return self.layout_ok and self.memory_ok and self.host_ok and self.inflight_ok
 
     @property
     def model_size(self) -> tuple[int, int]:

@@ -73,7 +73,7 @@ def _header(plan: Plan) -> list[str]:
         r = plan.rollout
         placement = "colocated with the trainer" if cfg.cluster.colocate else "on their own GPUs"
         lines.append(f"rollout: {cfg.rollout.num_engines} {cfg.rollout.engine} engine(s) × tp {r.profile.tp} "
-                     f"({placement}), {r.profile.sequences} sequences in flight each")
+                     f"({placement}), {r.inflight} requests in flight each")
     return lines
 
 
@@ -156,7 +156,7 @@ def _rollout(plan: Plan) -> list[str]:
         [f"KV cache ({r.profile.sequences} seq × {r.tokens_per_sequence} tokens × "
          f"{r.kv_bytes_per_token / 1024:.1f} KiB)" if r.resident_sequences is None else
          f"KV pool (the rest of the engine's pool: {r.resident_sequences} sequences of {r.tokens_per_sequence} "
-         f"tokens at once; {r.profile.sequences} requests in flight, the rest queue in the server)", gb(r.kv_cache)],
+         f"tokens at once; {r.inflight} requests in flight, the rest wait their turn)", gb(r.kv_cache)],
         ["engine runtime outside its pool (CUDA graphs, sampling, decode activations)", gb(RESERVED_BYTES)],
     ]
     residual = plan.trainer_residual
@@ -179,7 +179,22 @@ def _rollout(plan: Plan) -> list[str]:
         lines.append(f"  → outside the pool {gb(plan.rollout_outside_pool)} GB {'within' if fits else 'EXCEED'} the "
                      f"(1 − {r.profile.pool_fraction:g}) × {plan.allocation.gpu_memory_gb:g} GB = {gb(rest)} GB it "
                      f"leaves" + ("" if fits else ": lower mem_fraction_static"))
+    if r.inflight_cap is not None:
+        lines.append(_inflight_line(plan))
     return lines
+
+
+def _inflight_line(plan: Plan) -> str:
+    r, engine = plan.rollout, plan.cfg.rollout.engine
+    asked = r.profile.requested_inflight
+    rule = (f"at most the {r.inflight_cap} full-length sequences its KV pool holds, so none is retracted for space "
+            "(a response retracted for space leaves the loss)")
+    if asked is None:
+        return f"  → requests in flight per engine: {r.inflight} (rollout.{engine}.max_inflight unset: {rule})"
+    if r.inflight_ok:
+        return f"  → requests in flight per engine: {asked} (rollout.{engine}.max_inflight), within the rule: {rule}"
+    return (f"  → requests in flight per engine: rollout.{engine}.max_inflight={asked} EXCEEDS the rule: {rule}; "
+            f"set it ≤ {r.inflight_cap} or null")
 
 
 # how each choice of cluster.offload reads in the report
@@ -281,11 +296,35 @@ def _host(plan: Plan) -> list[str]:
 
 
 def _driver(plan: Plan) -> list[str]:
-    from bpo_megatron.planner.host import DRIVER_BASE_GIB, driver_memory_gib, step_sample_bytes
+    from bpo_megatron.planner.host import DRIVER_BASE_GIB, driver_memory_gib, sampler_head_bytes, step_sample_bytes
 
     samples = step_sample_bytes(plan.cfg) / 2**30
+    head = sampler_head_bytes(plan.cfg)
+    centering = (f", score centering's top-{plan.cfg.loss.score_centering_top_k} included ({head} bytes a response "
+                 "token)") if head else ""
     return [f"driver host memory: {driver_memory_gib(plan.cfg)} GiB (a step's samples, {samples:.1f} GiB at their "
-            f"longest, held twice, + {DRIVER_BASE_GIB} GiB); each data-parallel share written to the object store once"]
+            f"longest{centering}, held twice, + {DRIVER_BASE_GIB} GiB); each data-parallel share written to the object "
+            "store once"]
+
+
+def _pace(plan: Plan) -> list[str]:
+    """Engines on GPUs of their own: the estimated rollout and training times of a step, and the
+    engines that keep pace (bpo_megatron/planner/overlap.py)."""
+    from bpo_megatron.planner.overlap import step_times
+
+    if plan.cfg.cluster.colocate:
+        return []
+    times = step_times(plan)
+    if times is None:
+        return []
+    need = (f"{times.engines_to_keep_pace} engine(s) keep pace" if times.engines_to_keep_pace is not None
+            else "no engine count keeps pace")
+    asynchronous = plan.cfg.train.asynchronous.max_staleness
+    mode = (f"train.async.max_staleness={asynchronous}: the slower side sets the step" if asynchronous
+            else "synchronous (train.async.max_staleness=0): each side waits for the other, the step is their sum")
+    return [f"pace (engines on their own GPUs; an estimate, assumptions in bpo_megatron/planner/overlap.py): rollout "
+            f"≈ {times.rollout_s:.0f} s per step on {times.engines} engine(s), training ≈ {times.train_s:.0f} s on "
+            f"{plan.cfg.cluster.trainer_ranks} ranks, so {times.waits}; {need} (rollout.num_engines); {mode}"]
 
 
 def _sync(plan: Plan) -> list[str]:
@@ -312,12 +351,13 @@ def format_plan(plan: Plan) -> str:
         lines += ["", *_offload(plan)]
     if plan.host:
         lines += ["", *_host(plan)]
-    lines += ["", *_driver(plan), *_sync(plan)]
+    lines += ["", *_driver(plan), *_sync(plan), *_pace(plan)]
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     why = [] if plan.fits else [
         "layout checks failed" if not plan.layout_ok else "",
         "memory exceeds the GPU" if not plan.memory_ok else "",
         "host memory exceeds the node" if not plan.host_ok else "",
+        "requests in flight exceed the KV pool" if not plan.inflight_ok else "",
     ]
     reasons = "; ".join(w for w in why if w)
     lines += ["", f"verdict: {verdict}" + (f" ({reasons})" if reasons else "")]

@@ -14,6 +14,16 @@ qk_rope_head_dim``, as SGLang and vLLM do), whole on every TP rank. Weights are 
 as its own KV pool allows (SGLang: the pool is ``mem_fraction_static`` of the GPU less the
 weights, requests beyond it wait in the server's queue) reserves that pool whatever the requests
 in flight; what counts is how many full-length sequences it holds at once.
+
+Requests in flight on such an engine (rule): at most the full-length sequences its pool holds,
+``⌊pool / (KV bytes per token × (max prompt + max response))⌋``. SGLang admits a request by its
+prompt and an estimate of what it will still generate; when the running requests outgrow the
+pool it retracts some, and a response retracted for space has its routing recomputed and is
+masked out of the loss (``rollout/sglang/protocol.py``, ``space_retractions``). Within the rule
+the running requests fit the pool even at full length, so none is retracted for space. Unset
+(``rollout.sglang.max_inflight: null``), an engine keeps that many in flight (the server measures
+its pool at start; ``SGLangEngine.max_inflight``); a config asking for more is refused at
+``train --check`` and ``bpo-megatron plan`` marks it.
 """
 
 from __future__ import annotations
@@ -53,10 +63,22 @@ class RolloutMemory:
     kv_cache: float
     kv_bytes_per_token: float  # per GPU
     resident_sequences: int | None = None  # full-length sequences a server's own KV pool holds
+    inflight: int = 0  # requests one engine keeps in flight (the config's, or the pool's cap when unset)
 
     @property
     def total(self) -> float:
         return self.weights + self.kv_cache
+
+    @property
+    def inflight_cap(self) -> int | None:
+        """The most requests an engine that admits by its own pool keeps in flight: the
+        full-length sequences the pool holds (see the module's rule); None for other engines."""
+        return self.resident_sequences
+
+    @property
+    def inflight_ok(self) -> bool:
+        cap = self.inflight_cap
+        return cap is None or self.profile.requested_inflight is None or self.profile.requested_inflight <= cap
 
 
 def kv_bytes_per_token(hf: HFModelConfig, tp: int, dtype_bytes: int = ENGINE_BYTES) -> float:
@@ -76,10 +98,13 @@ def rollout_memory(cfg: ExperimentConfig, hf: HFModelConfig, total_params: int,
     weights = total_params * ENGINE_BYTES / profile.tp
     if profile.admits_by_pool and profile.pool_fraction is not None and gpu_bytes:
         pool = max(0.0, profile.pool_fraction * gpu_bytes - weights)
+        resident = int(pool // (per_token * tokens))
+        inflight = profile.sequences if profile.requested_inflight is not None else min(profile.sequences, resident)
         return RolloutMemory(profile=profile, tokens_per_sequence=tokens, weights=weights, kv_cache=pool,
-                             kv_bytes_per_token=per_token, resident_sequences=int(pool // (per_token * tokens)))
+                             kv_bytes_per_token=per_token, resident_sequences=resident, inflight=inflight)
     return RolloutMemory(profile=profile, tokens_per_sequence=tokens, weights=weights,
-                         kv_cache=per_token * profile.sequences * tokens, kv_bytes_per_token=per_token)
+                         kv_cache=per_token * profile.sequences * tokens, kv_bytes_per_token=per_token,
+                         inflight=profile.sequences)
 
 
 @dataclass(frozen=True)

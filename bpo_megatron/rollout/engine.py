@@ -152,6 +152,8 @@ class EngineContext:
     colocated: bool = False  # shares the trainer's devices: must be able to hand its memory back
     devices: tuple[int, ...] = ()  # GPU ids (on its node) a server process uses; () : as placed
     node_address: str = "127.0.0.1"  # its node's address as other nodes reach it (a server binds it)
+    # the longest sequence a request can reach (max prompt + max response tokens); 0: unknown
+    longest_sequence: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,9 @@ class EngineProfile:
     # what release_memory hands back to a trainer sharing its devices: its weights' memory and its
     # KV cache with the runtime around it (SGLang); the rest stays on the device meanwhile
     released: tuple[str, ...] = ("weights", "kv_cache")
+    # requests the config asks the engine to keep in flight (SGLang's rollout.sglang.max_inflight);
+    # None: the planner's cap for an engine that admits by its pool
+    requested_inflight: int | None = None
 
 
 @dataclass(frozen=True)
@@ -211,6 +216,10 @@ def _engine_dtype(_options: Any) -> str | None:
 
 def _no_quantization(_options: Any) -> str | None:
     return None
+
+
+def _no_notes(_options: Any) -> list[str]:
+    return []
 
 
 TopLogprobs = Literal["none", "drawn", "unfiltered"]
@@ -258,6 +267,8 @@ class EngineSpec:
     # filters included; "unfiltered": of the temperature-scaled distribution before top-k/top-p
     # (the one drawn from only when no filter is set)
     top_logprobs: TopLogprobs = "none"
+    # what the user should know of these options before a run starts (train --check prints them)
+    notes: Callable[[Any], list[str]] = _no_notes
 
     def weight_transport(self, options: Any, colocated: bool, gpus: bool) -> str:
         """What the trainer's ranks build the transport from (``weight_sync.transport_class``):

@@ -1,7 +1,14 @@
 """The trainer hands its device memory back for a colocated rollout and takes it again: the memory
 allocated on the device before, while offloaded and after, parameters and the optimizer's state
 compared bit for bit after the round trip, and the main gradients (dead between steps: freed, not
-copied) back as zeros."""
+copied) back as zeros.
+
+The residual a colocated engine shares its GPU with is measured as the device's used memory (the
+driver's count, total − free, as NVML reports it: CUDA context, workspaces, NCCL buffers, the
+allocator's reserve and whatever a save still references) while offloaded, once alone and once
+with a background checkpoint save in flight; it is held against the planner's residual for this
+one-rank world, and the largest ``mem_fraction_static`` it leaves room for is reported
+(:func:`residual_numbers`)."""
 
 from __future__ import annotations
 
@@ -50,6 +57,22 @@ def _device_used() -> int:
     return total - free
 
 
+def residual_numbers(*, used_offloaded: float, used_offloaded_saving: float, total: float,
+                     planned: float) -> dict[str, float]:
+    """The residual's numbers from the device's used bytes while offloaded (alone, and with a
+    background save in flight), its total bytes and the planner's residual for the same world:
+    the save's own share, how far the larger residual stays within the planner's (≥ 0 holds), and
+    the largest ``mem_fraction_static`` that residual leaves room for beside the engine's runtime
+    (:func:`bpo_megatron.planner.plan.largest_pool_fraction`)."""
+    from bpo_megatron.planner.plan import largest_pool_fraction
+
+    residual = max(used_offloaded, used_offloaded_saving)
+    return dict(device_used_offloaded_saving_gib=used_offloaded_saving / GiB,
+                background_save_residual_gib=(used_offloaded_saving - used_offloaded) / GiB,
+                planned_residual_gib=planned / GiB, residual_margin_gib=(planned - residual) / GiB,
+                mem_fraction_static_allowed=largest_pool_fraction(residual, total))
+
+
 def _train_samples(hf, count: int, seed: int):
     from bpo_megatron.trainer.samples import TrainSample
 
@@ -85,6 +108,14 @@ def run(profile: Profile, workdir: Path) -> Outcome:
             actor.offload()
         with timed(times, "second_onload_s"):
             actor.onload()
+        # a background save in flight (a forked writer; the trainer may still reference what it
+        # staged from) while the trainer offloads for the next rollout, as a colocated run does
+        actor.save(str(workdir / "offload_checkpoints"), background=True)
+        saving = actor.saves.in_flight
+        actor.offload()
+        device_used_offloaded_saving = _device_used()
+        actor.onload()
+        published = actor.finish_saves()
         actor.close()
 
     kept = [k for k in before if not k.startswith("grad:")]
@@ -101,6 +132,20 @@ def run(profile: Profile, workdir: Path) -> Outcome:
         second_onload_gb_per_s=moved / times["second_onload_s"] / 1e9,
         parameter_storage_bytes_while_offloaded=storages_left, loss_after_onload=metrics["loss"],
     )
+    if platform.has_cuda():
+        from bpo_megatron.planner.rollout import trainer_residual
+
+        planned = trainer_residual(tp=1, pp=1, ep=1, etp=1, dp=1, expert_dp=1).total  # this one-rank world
+        out.numbers.update(residual_numbers(used_offloaded=device_used_offloaded,
+                                            used_offloaded_saving=device_used_offloaded_saving,
+                                            total=torch.cuda.mem_get_info()[1], planned=planned))
+        out.require(out.numbers["residual_margin_gib"] >= 0,
+                    f"the device memory used while offloaded, a background save in flight, is within the planner's "
+                    f"residual ({max(device_used_offloaded, device_used_offloaded_saving) / GiB:.2f} of "
+                    f"{planned / GiB:.2f} GiB); mem_fraction_static up to "
+                    f"{out.numbers['mem_fraction_static_allowed']:.3f} leaves room for it")
+    out.require(bool(saving) and published is not None,
+                f"a background save was in flight while offloaded and was published after ({published})")
     out.require(storages_left == 0, f"every parameter's storage is empty while offloaded ({storages_left} bytes left)")
     if platform.has_cuda():
         out.require(freed >= 0.99 * moved,

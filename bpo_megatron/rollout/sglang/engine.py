@@ -33,6 +33,22 @@ from bpo_megatron.rollout.types import (
 from bpo_megatron.weights.buckets import buckets, tensor_bytes
 
 
+def capacity_tokens(state: dict) -> int | None:
+    """The tokens a server's KV pool holds, from one entry of ``/server_info``'s
+    ``internal_states`` (SGLang 0.5.23: ``memory_usage.token_capacity``); None when not said."""
+    tokens = (state.get("memory_usage") or {}).get("token_capacity")
+    return int(tokens) if tokens else None
+
+
+def pool_sequences(state: dict, sequence_tokens: int) -> int | None:
+    """Sequences of ``sequence_tokens`` the server's KV pool holds at once (at least 1: one
+    request always runs); None when the pool or the length is unknown."""
+    tokens = capacity_tokens(state)
+    if tokens is None or sequence_tokens < 1:
+        return None
+    return max(1, tokens // sequence_tokens)
+
+
 class WeightUpdateRefused(RuntimeError):
     """The server refused a step of a weight update (its message says why)."""
 
@@ -66,7 +82,8 @@ class SGLangEngine(RolloutEngine):
         # the memory tags this server has handed back and not resumed: resuming any other would
         # raise in SGLang's scheduler and take the server down
         self.released: set[str] = set()
-        self._max_inflight: int | None = None
+        self._limits: tuple[int | None, int | None] | None = None  # see _server_limits
+        self._inflight_said: tuple | None = None  # the in-flight note last printed
         # the NCCL version of the server's interpreter, asked beside the server's start (the probe
         # imports torch: seconds to minutes on a busy node, which a weight-group call's own bound
         # must not include); an answer may be None: an interpreter without NCCL
@@ -129,12 +146,12 @@ class SGLangEngine(RolloutEngine):
                 self._generating -= 1
 
     def _post_all(self, requests: list[GenerationRequest], report: Callable[[Finished], None] | None) -> list[Sample]:
-        client = GenerationClient(self.base_url, self.api_key, max_inflight=self.max_inflight,
-                                  request_timeout_s=self.cfg.request_timeout_s, max_retries=self.cfg.max_retries,
-                                  capture_routing=self.cfg.capture_routed_experts, routing=self.routing,
-                                  pause_mode=PAUSE_MODE, healthy=self._answers_health, pauses=lambda: list(self.pauses),
-                                  space_retractions_now=self.space_retractions)
-        try:
+        try:  # max_inflight may ask the server first: a server gone by then is the engine lost too
+            client = GenerationClient(self.base_url, self.api_key, max_inflight=self.max_inflight,
+                                      request_timeout_s=self.cfg.request_timeout_s, max_retries=self.cfg.max_retries,
+                                      capture_routing=self.cfg.capture_routed_experts, routing=self.routing,
+                                      pause_mode=PAUSE_MODE, healthy=self._answers_health,
+                                      pauses=lambda: list(self.pauses), space_retractions_now=self.space_retractions)
             return client.generate(response_slots(requests), report)
         except ServerUnavailable:
             self._lost()
@@ -143,15 +160,35 @@ class SGLangEngine(RolloutEngine):
     @property
     def max_inflight(self) -> int:
         """Requests posted at once: ``rollout.sglang.max_inflight``, else the server's own limit of
-        running requests (SGLang sizes it from its KV pool) within [256, 1024] (asked once)."""
-        if self.cfg.max_inflight is not None:
-            return self.cfg.max_inflight
-        if self._max_inflight is None:
+        running requests within [256, 1024]; either way no more than the full-length sequences its
+        KV pool holds (``memory_usage.token_capacity`` // ``sequence_tokens``, asked of the server
+        once), so the server never retracts a response for space. A configured value above that
+        is lowered, and said."""
+        asked = self.cfg.max_inflight
+        if asked is not None and not self.cfg.sequence_tokens:
+            return asked  # nothing to hold it against
+        running, capacity = self._server_limits()
+        if asked is None:
+            asked = min(max(running or DEFAULT_INFLIGHT[0], DEFAULT_INFLIGHT[0]), DEFAULT_INFLIGHT[1])
+        inflight = asked if capacity is None else min(asked, capacity)
+        said = (self.cfg.max_inflight, inflight)
+        if capacity is not None and (self.cfg.max_inflight is None or inflight < asked) and self._inflight_said != said:
+            self._inflight_said = said
+            setting = ("rollout.sglang.max_inflight unset" if self.cfg.max_inflight is None
+                       else f"rollout.sglang.max_inflight={asked} lowered")
+            print(f"sglang engine {self.base_url}: {setting}: {inflight} requests in flight, the sequences of "
+                  f"{self.cfg.sequence_tokens} tokens its KV pool holds (so none is retracted for space)", flush=True)
+        return inflight
+
+    def _server_limits(self) -> tuple[int | None, int | None]:
+        """The server's limit of running requests and the full-length sequences its KV pool holds
+        (None where ``/server_info`` does not say), asked once."""
+        if self._limits is None:
             info = self.endpoint().get("server_info", timeout=LIVENESS_TIMEOUT_S)
             states = (info.get("internal_states") if isinstance(info, dict) else None) or [{}]
-            running = states[0].get("effective_max_running_requests_per_dp") or DEFAULT_INFLIGHT[0]
-            self._max_inflight = min(max(int(running), DEFAULT_INFLIGHT[0]), DEFAULT_INFLIGHT[1])
-        return self._max_inflight
+            running = states[0].get("effective_max_running_requests_per_dp")
+            self._limits = (int(running) if running else None, pool_sequences(states[0], self.cfg.sequence_tokens))
+        return self._limits
 
     def _answers_health(self) -> bool:
         """The server's process runs (when started here) and ``/health`` answers."""

@@ -65,7 +65,9 @@ class SGLangOptions:
     max_retries: int = 2  # per request, after the first attempt (timeouts, 5xx, a connection lost to a live server)
     weight_bucket_bytes: int = 512 * 1024 * 1024  # tensors sent per weight-update call
     # requests posted at once, one per sample (SGLang admits them as its KV pool allows and queues
-    # the rest); None: the server's own limit of running requests, within [256, 1024]
+    # the rest); None: as many as the server's KV pool holds at full length (max prompt + max
+    # response tokens), so none is retracted for space, and no more than the server's own limit of
+    # running requests (bpo_megatron/planner/rollout.py states the rule; plan shows the number)
     max_inflight: int | None = None
 
     @property
@@ -119,6 +121,7 @@ class SGLangConfig(SGLangOptions):
     capture_routed_experts: bool = True
     memory_saver: bool = False  # colocated: the server can release and resume its GPU memory
     visible_devices: tuple[int, ...] = ()  # the GPUs of its placement slots (the server's CUDA_VISIBLE_DEVICES)
+    sequence_tokens: int = 0  # the longest sequence a request can reach (prompt + response); 0: unknown
 
     def __post_init__(self) -> None:
         super().__post_init__()

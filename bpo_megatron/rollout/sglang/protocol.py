@@ -2,7 +2,8 @@
 
 Field names and encodings are SGLang's (``/generate`` with ``input_ids``, ``sampling_params``,
 ``return_logprob``, ``return_routed_experts``, ``top_logprobs_num``; ``meta_info.output_token_logprobs``
-as ``[logprob, token_id, text]`` triples, ``meta_info.output_top_logprobs`` as one list of such
+as ``[logprob, token_id, text]`` triples, the top log-probs as flat base64 arrays
+(``return_flat_raw_output_top_logprobs``) or ``meta_info.output_top_logprobs``, one list of such
 triples per output token, most likely first, ``meta_info.routed_experts`` as base64 of raw int32 laid
 out ``[prompt + response − 1, num_hidden_layers, top-k]`` — every layer of the model, dense ones
 included — ``meta_info.finish_reason.type``, ``meta_info.cached_tokens`` (the prompt tokens the radix cache
@@ -71,6 +72,11 @@ def generate_body(items: list[ResponseSlot], *, capture_routing: bool) -> dict:
     }
     if any(item.request.sampling.top_logprobs for item in items):  # score centering's sampler top-k
         body["top_logprobs_num"] = [item.request.sampling.top_logprobs for item in items]
+        # as base64 float32 values and int32 ids on the finished response (8 bytes an entry, 11 in
+        # base64), not one [logprob, id, null] JSON triple an entry (≈ 25 bytes, and ≈ 200 bytes
+        # of Python objects while parsed): 32 per token of a 16k-token response is 5.6 MB, not 13
+        body["return_flat_raw_output_top_logprobs"] = True
+        body["return_flat_raw_top_logprobs_b64"] = True
     return body
 
 
@@ -187,8 +193,14 @@ def token_versions(meta: dict, length: int, rid: str) -> torch.Tensor | None:
 
 
 def _top_logprobs(meta: dict, length: int, k: int, rid: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``meta_info.output_top_logprobs`` (one list of ``[logprob, token_id, text]`` per output
-    token) as ``[length, k]`` ids (int32) and log-probs (float32), most likely first."""
+    """The sampler's top-k per output token as ``[length, k]`` ids (int32) and log-probs
+    (float32), most likely first: from the flat base64 arrays asked for
+    (``output_top_logprobs_{val,idx}_flat_b64``, ``output_top_logprobs_shape``,
+    ``output_top_logprobs_null_prefix``), or from ``meta_info.output_top_logprobs`` (one list of
+    ``[logprob, token_id, text]`` per output token), which SGLang sends when it cannot make the
+    flat form."""
+    if "output_top_logprobs_val_flat_b64" in meta:
+        return _flat_top_logprobs(meta, length, k, rid)
     positions = meta.get("output_top_logprobs")
     if positions is None or len(positions) != length:
         raise ProtocolError(f"{rid}: meta_info.output_top_logprobs has {None if positions is None else len(positions)} "
@@ -198,6 +210,29 @@ def _top_logprobs(meta: dict, length: int, k: int, rid: str) -> tuple[torch.Tens
     ids = torch.tensor([[int(entry[1]) for entry in entries[:k]] for entries in positions], dtype=torch.int32)
     values = torch.tensor([[float(entry[0]) for entry in entries[:k]] for entries in positions], dtype=torch.float32)
     return ids.view(length, k), values.view(length, k)
+
+
+# SGLang's dtype markers of the flat base64 top log-probs, and the dtypes they decode into
+_FLAT_DTYPES = {"output_top_logprobs_val_flat_b64": ("float32", torch.float32),
+                "output_top_logprobs_idx_flat_b64": ("int32", torch.int32)}
+
+
+def _flat_top_logprobs(meta: dict, length: int, k: int, rid: str) -> tuple[torch.Tensor, torch.Tensor]:
+    shape, null_prefix = meta.get("output_top_logprobs_shape"), meta.get("output_top_logprobs_null_prefix", 0)
+    if null_prefix or shape is None or list(shape)[0] != length or list(shape)[1] < k:
+        raise ProtocolError(f"{rid}: output_top_logprobs_shape {shape} (null prefix {null_prefix}) for {length} output "
+                            f"tokens with {k} asked at each")
+    arrays = []
+    for field, (marker, dtype) in _FLAT_DTYPES.items():
+        if meta.get(f"{field}_dtype", marker) != marker:
+            raise ProtocolError(f"{rid}: {field} comes as {meta.get(f'{field}_dtype')}, not {marker}")
+        raw = base64.b64decode(meta.get(field) or "")
+        if len(raw) != shape[0] * shape[1] * 4:
+            raise ProtocolError(f"{rid}: {field} holds {len(raw)} bytes, not the {shape[0]} × {shape[1]} × 4 of its shape")
+        # little-endian, as SGLang writes them (numpy's tobytes on the hosts it runs on)
+        arrays.append(torch.frombuffer(bytearray(raw), dtype=dtype).view(shape[0], shape[1])[:, :k].contiguous())
+    values, ids = arrays
+    return ids, values
 
 
 def decode_sample(item: ResponseSlot, response: dict, *, routing: RoutingLayout | None,

@@ -14,7 +14,7 @@ def engine_config(options: SGLangOptions, context: EngineContext) -> SGLangConfi
     return SGLangConfig(**asdict(options), model_path=context.model_dir,
                         capture_routed_experts=context.routing is not None,
                         memory_saver=context.colocated, node_address=context.node_address,
-                        visible_devices=context.devices).with_port(
+                        visible_devices=context.devices, sequence_tokens=context.longest_sequence).with_port(
                             None if options.port is None else options.port + context.index)
 
 
@@ -36,11 +36,26 @@ def _build(options: SGLangOptions, context: EngineContext) -> RolloutEngine:
 
 
 def _profile(options: SGLangOptions, requests: int, gpus_per_engine: float) -> EngineProfile:
-    # requests in flight: max_inflight (the server's own limit when unset: at least 256); the
-    # server admits them as its KV pool holds them and queues the rest
-    inflight = options.max_inflight or 256
+    # requests in flight: max_inflight, or (unset) as many as its KV pool holds at full length
+    # (bpo_megatron/planner/rollout.py); the server admits them as its pool allows
+    inflight = options.max_inflight or requests
     return EngineProfile(tp=options.tp_size, sequences=min(inflight, requests),
-                         pool_fraction=options.mem_fraction_static, admits_by_pool=True)
+                         pool_fraction=options.mem_fraction_static, admits_by_pool=True,
+                         requested_inflight=options.max_inflight)
+
+
+DETERMINISTIC_FLAG = "--enable-deterministic-inference"
+
+
+def _notes(options: SGLangOptions) -> list[str]:
+    # every response's seed goes out as sampling_params.sampling_seed (protocol.sampling_params);
+    # SGLang 0.5.23 builds its per-request seeds only under deterministic inference
+    # (sampling/sampling_batch_info.py) and otherwise draws from its own generator
+    if DETERMINISTIC_FLAG in options.extra_args:
+        return []
+    return [f"rollout.seed reaches SGLang as each response's sampling_seed, which SGLang samples with only when its "
+            f"servers run {DETERMINISTIC_FLAG} (rollout.sglang.extra_args; its batch-invariant kernels cost "
+            "throughput): without it responses do not repeat from rollout.seed"]
 
 
 def _quantized_layout(options: SGLangOptions, hf):
@@ -67,4 +82,5 @@ SPEC = EngineSpec(
     weight_quantization=lambda options: "fp8-blocks" if options.quantization == "fp8" else None,
     # the layers SGLang builds in block FP8 at rollout.sglang's tp_size/ep_size, those served in bf16
     quantized_layout=_quantized_layout,
+    notes=_notes,
 )
