@@ -27,6 +27,8 @@ def test_the_table_gives_median_and_maximum_waits_and_the_ratios_to_blocking():
     assert "same bytes in every run: NO" in format_table(differing, Settings(steps=9, every=3))
 
 
+@pytest.mark.ci  # both modes trained and saved (CI time): the table's arithmetic is above, a background save
+# resuming as a blocking one in test_checkpoint_background
 @pytest.mark.timeout(400)
 def test_both_modes_save_the_same_checkpoints_on_a_tiny_model():
     settings = Settings(steps=2, every=1, ranks=2, rounds=1, hidden_size=64, layers=2, experts=4, vocab_size=256)

@@ -176,7 +176,7 @@ LAYOUTS = {  # name -> (world size, layout shared by both runs)
 
 
 @pytest.mark.timeout(TIMEOUT * 2)
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "cp2" else pytest.mark.slow) for n in LAYOUTS])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "cp2" else pytest.mark.ci) for n in LAYOUTS])
 def test_cp2_trains_and_scores_every_loss_as_cp1(name):
     world, layout = LAYOUTS[name]
     modes = (("cp1", BUDGET, 2), ("cp2", CP_BUDGET, 2, {"cp": 2}))

@@ -59,6 +59,8 @@ def test_interrupted_then_resumed_at_another_layout(tmp_path, ray_session, small
     assert any(line.startswith("[####################] step 4/4 | reward") for line in lines)
 
 
+@pytest.mark.ci  # two loop runs (CI time): the colocated loop runs in test_loop_over_standin's engine death and
+# the kit's CPU rl_loop (test_gpu_smoke), the offload's round trip bit for bit in test_trainer_offload
 @pytest.mark.timeout(420)
 def test_colocated_phases_offload_the_trainer_and_change_no_number(tmp_path, ray_session, small_run):
     """cluster.colocate: the trainer hands its memory to the engines for every rollout phase

@@ -108,6 +108,7 @@ def ray_layouts():
     return json.loads(lines[-1][len("RESULT "):])
 
 
+@pytest.mark.ci  # a 4-node Ray cluster (CI time): the plans it places are checked in the default run above
 @pytest.mark.timeout(450)
 def test_ray_places_the_colocated_recipe_on_four_nodes_of_eight_declared_gpus(ray_layouts):
     got = ray_layouts["colocated"]
@@ -124,6 +125,7 @@ def test_ray_places_the_colocated_recipe_on_four_nodes_of_eight_declared_gpus(ra
         assert {trainer[4 * i + k][0] for k in range(4)} == {node}
 
 
+@pytest.mark.ci  # the same 4-node Ray cluster: the refusal's arithmetic is checked in the default run above
 @pytest.mark.timeout(450)
 def test_ray_places_disaggregated_engines_apart_and_refuses_the_impossible_at_once(ray_layouts):
     got = ray_layouts["apart"]

@@ -27,6 +27,25 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert test_command in ci_lines  # verbatim, besides the extra legs (newest Megatron, oldest transformers)
 
 
+def test_what_the_default_run_leaves_out_is_marked_declared_and_run_by_ci():
+    """A test leaves the default run only through a declared marker, and .ci/run runs every test
+    so marked over the whole suite, but those marked slow (run by hand: the demos learning in full)."""
+    import tomllib
+
+    pytest_options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    addopts = pytest_options["addopts"]
+    assert "--strict-markers" in addopts.split()  # an undeclared marker fails collection
+    [left_out] = re.findall(r"-m '([^']+)'", addopts)
+    markers = [re.fullmatch(r"not (\w+)", part.strip()).group(1) for part in left_out.split(" and ")]
+    declared = {line.split(":", 1)[0] for line in pytest_options["markers"]}
+    assert "slow" in markers and "ci" in markers and set(markers) <= declared, (markers, declared)
+    ci_lines = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith("#")]
+    for marker in set(markers) - {"slow"}:  # over testpaths (no file named), not only some modules
+        assert f".venv/bin/python -m pytest -q -p no:cacheprovider -m {marker}" in ci_lines, marker
+    for document in ("README.md", "docs/guide.md"):  # the one documented command for the full set
+        assert '.venv/bin/python -m pytest -m "slow or not slow"' in (ROOT / document).read_text(), document
+
+
 # ------------------------------------------------------------------------------ documents
 DOCUMENTS = ("README.md", "docs/guide.md", "docs/internals.md", "docs/results.md", "docs/extending.md",
              "docs/config-reference.md")

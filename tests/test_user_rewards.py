@@ -556,6 +556,7 @@ def test_a_user_function_trains_the_demo(user_module, tmp_path, ray_session, sma
     _check_reward_metrics(run_dir)
 
 
+@pytest.mark.ci  # a loop run (CI time): a user reward in the loop in the failing-function run below, a service's calls above
 @pytest.mark.timeout(420)
 def test_a_reward_service_trains_the_demo(tmp_path, ray_session, small_run):
     from bpo_megatron.loop.rl_loop import run

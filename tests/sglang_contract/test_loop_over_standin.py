@@ -187,6 +187,8 @@ def test_an_async_run_four_steps_ahead_loses_an_engine_once_and_restarts_it_once
     assert pauses and {c["mode"] for c in pauses} == {"retract"}
 
 
+@pytest.mark.ci  # a second stand-in loop (≈ 230-350 s): the server's FP8 arguments, checkpoint and e4m3 buckets
+# are in the default run in tests/test_fp8.py's FP8-server and launch tests and test_fp8_weights.py
 def test_an_fp8_served_engine_starts_from_block_fp8_and_receives_e4m3_weights_with_their_scales(tmp_path):
     """rollout.sglang.quantization=fp8 over the stand-in (SGLang's own server arguments, weight-update
     requests and flattened-bucket receiving): the server is started with --quantization fp8 on the
