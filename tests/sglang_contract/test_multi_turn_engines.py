@@ -43,6 +43,9 @@ from bpo_megatron.rollout.sglang.weights import inline_serializer
 pytestmark = [
     pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason="SGLang's environment is missing: bash tools/setup.sh --sglang"),
     pytest.mark.timeout(900),  # two servers start in ~2 min on a busy 2-core machine
+    # two stand-in servers per test (minutes each): CI runs them (-m ci); the default run keeps each
+    # masking case against fake engines in tests/test_agents.py
+    pytest.mark.ci,
 ]
 
 EOS = 0  # the conversations' end token; every turn ends on it or on the call token (--standin-stop-at-end)
