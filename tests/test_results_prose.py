@@ -301,6 +301,12 @@ def test_the_tier_c_verdict_its_numbers_and_the_means_by_step():
     assert f"BPO masked {masked['bpo']:.2f}% of the tokens and GRPO-ClipHigher {masked['grpo']:.2f}%" in flat
 
 
+def _dropped(rows: list[dict]) -> bool:
+    """The pilot rule's stability test fails: a drop of more than 5 points between consecutive evaluations."""
+    curve = [a for _, a in sorted(_accuracy(rows).items())]
+    return max(a - b for a, b in zip(curve, curve[1:])) > 5.0
+
+
 def _lr_followup_table(capsys) -> tuple[str, list[int]]:
     """The follow-up's table as its script prints it, and the seeds it pairs (those with both
     methods at both rates)."""
@@ -343,10 +349,7 @@ def test_the_lr_followup_table_is_the_hand_computation(capsys):
         change = statistics.fmean(fw["1", method, s] - fw["2", method, s] for s in seeds)
         assert f"| {name} | {signed(change)} | [" in table
         for rate, runs, key in (("1e-4", low_rate, "1"), ("2e-4", high_rate, "2")):
-            drops = 0
-            for s in seeds:
-                curve = [a for _, a in sorted(_accuracy(runs[(method, s)]).items())]
-                drops += max(a - b for a, b in zip(curve, curve[1:])) > 5.0
+            drops = sum(_dropped(runs[(method, s)]) for s in seeds)
             values = [fw[key, method, s] for s in seeds]
             assert (f"| {name} | {rate} | {len(seeds)} | {statistics.fmean(values):.1f} ± "
                     f"{statistics.stdev(values):.1f} | {drops} of {len(seeds)} |") in table
@@ -381,11 +384,7 @@ def test_the_tier_c_conditions_instability_and_masked_shares():
     flat = " ".join((TIER_C / "README.md").read_text().split())
     row = (ROOT / "docs" / "results.md").read_text()
 
-    def dropped(rows):
-        curve = [a for _, a in sorted(_accuracy(rows).items())]
-        return max(a - b for a, b in zip(curve, curve[1:])) > 5.0
-
-    drops = {m: sum(dropped(runs[(m, s)]) for s in seeds) for m in ("bpo", "grpo")}
+    drops = {m: sum(_dropped(runs[(m, s)]) for s in seeds) for m in ("bpo", "grpo")}
     assert (f"{drops['bpo']} of the 20 BPO runs and {drops['grpo']} of the 20 GRPO-ClipHigher runs fail at 2e-4"
             in flat)
     assert f"unstable for BPO in {drops['bpo']} of 20 runs" in flat
@@ -394,7 +393,7 @@ def test_the_tier_c_conditions_instability_and_masked_shares():
             and "at lr 2e-4, *refutes the paper's effect scaled to this task*" in row)
     mean, _, low, high = interval([_accuracy(runs[("bpo", s)])[20] - _accuracy(runs[("grpo", s)])[20] for s in seeds])
     assert f"BPO was already behind at step 20, {signed(mean)} points [{signed(low)}, {signed(high)}]" in flat
-    stable = [s for s in seeds if not dropped(runs[("bpo", s)])]
+    stable = [s for s in seeds if not _dropped(runs[("bpo", s)])]
     gap = statistics.fmean(final_window(runs[("grpo", s)]) - final_window(runs[("bpo", s)]) for s in stable)
     assert f"the {len(stable)} BPO runs without a drop ended {gap:.1f} points behind" in flat
     share = {(m, k): 100 * statistics.fmean(step_mean(runs[(m, s)], k) for s in seeds)
