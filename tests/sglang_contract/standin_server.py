@@ -93,7 +93,8 @@ Scheduling, as SGLang's scheduler does it in outline: every request waits in one
 while the KV pool holds its prompt and its response (this stand-in knows each response's length in
 advance, SGLang estimates it and retracts on overflow), and one decoding step advances every
 running request at once. ``/standin/state`` reports the KV pool's use and the running sequences
-averaged over decoding steps, and ``/server_info`` the pool's capacity and the most requests the
+averaged over decoding steps, ``/standin/running`` each running request (its id, output tokens so
+far, tokens left), and ``/server_info`` the pool's capacity and the most requests the
 scheduler runs at once, as SGLang reports them.
 """
 
@@ -733,6 +734,12 @@ def main() -> None:
                                      f"{float(retracted)}\n"
                                      f'sglang:num_retracted_requests_created{{model_name="standin",tp_rank="0"}} '
                                      f"{time.time()}\n")
+
+    @http_server.app.get("/standin/running")
+    async def standin_running():  # ours: each running request's id, output tokens so far and tokens left
+        with LOCK:
+            return [{"rid": request.rid, "output": len(request.output_ids),
+                     "left": request.budget - len(request.output_ids)} for request, _ in SCHEDULER.running]
 
     @http_server.app.get("/standin/state")
     async def standin_state():  # ours: what the ranks hold, and the calls received

@@ -218,6 +218,22 @@ def _agree(metrics: dict[str, float], counts: dict[str, int]) -> None:
     assert metrics["rollout/multi_turn_prefix_recomputed_frac"] == pytest.approx(counts["masked"] / counts["later"])
 
 
+def _later_turn_decoding(engines: list[SGLangEngine], conversations, min_left: int = 3) -> int:
+    """Wait (bounded) until an engine decodes a later turn with at least ``min_left`` tokens still
+    to come — at 0.1 s a token, a pause sent now reaches it mid-generation — and return that
+    engine's index. Polling the servers' running requests, not the turns finished so far: how far
+    the conversations have got when a turn finishes depends on the machine's load."""
+    deadline = time.monotonic() + 180
+    while True:
+        for index, engine in enumerate(engines):
+            running = engine.endpoint().get("standin/running", timeout=30)
+            if any("/t" in r["rid"] and r["output"] >= 1 and r["left"] >= min_left for r in running):
+                return index
+        assert time.monotonic() < deadline and not conversations.done(), \
+            "no engine decoded a later turn with tokens to come within 180 s"
+        time.sleep(0.02)
+
+
 def test_turns_stay_on_their_engine_reuse_its_cache_and_keep_the_routing_they_were_sampled_after(
         checkpoints, layout, tmp_path):
     logs = [tmp_path / "e0.jsonl", tmp_path / "e1.jsonl"]
@@ -251,18 +267,19 @@ def test_turns_stay_on_their_engine_reuse_its_cache_and_keep_the_routing_they_we
 def test_evictions_and_a_weight_update_mid_turn_mask_exactly_the_turns_that_recomputed_their_prefix(
         checkpoints, layout, pushed, tmp_path):
     logs = [tmp_path / "e0.jsonl", tmp_path / "e1.jsonl"]
-    engines = [_start(checkpoints[0], layout, tmp_path / "e0", logs[0], "--standin-token-delay", "0.05"),
-               _start(checkpoints[0], layout, tmp_path / "e1", logs[1], "--standin-token-delay", "0.05",
+    engines = [_start(checkpoints[0], layout, tmp_path / "e0", logs[0], "--standin-token-delay", "0.1"),
+               _start(checkpoints[0], layout, tmp_path / "e1", logs[1], "--standin-token-delay", "0.1",
                       "--standin-prefix-cache-tokens", "48")]  # a small cache: evictions
     pair = _Pair(engines)
     try:
         with ThreadPoolExecutor(1) as pool:
             future = pool.submit(_converse, pair, _asked(16, seed=2))
             deadline = time.monotonic() + 120
-            while sum("/t2" in key for key in pair.turns) < 2:  # third turns under way: pause inside later turns
-                assert time.monotonic() < deadline and not future.done(), "no conversation reached its third turn"
+            while sum("/t" in key for key in pair.turns) < 4:  # later turns finished: evictions before the update
+                assert time.monotonic() < deadline and not future.done(), "no four later turns finished"
                 time.sleep(0.05)
-            for engine in engines:
+            first = _later_turn_decoding(engines, future)
+            for engine in engines[first:] + engines[:first]:  # the engine decoding a later turn paused first
                 engine.begin_weight_update(1)
                 engine.update_weights(iter(pushed))
                 engine.end_weight_update()
