@@ -468,3 +468,68 @@ def test_where_the_tier_c_base_first_goes_wrong():
             f"{share['final answer']} in the final answer after a correct scratchpad, {share['carry digit']} at a "
             f"carry digit and {share['structural']} at another `+`, `=`, `c` or `;`") in flat
     assert counts["carry-in"] == counts["truncated before departing"] == 0  # the classes the sentence leaves out
+
+
+def _followup_sc_table(capsys, monkeypatch, tmp_path) -> tuple[str, Path]:
+    """Tier M's follow-up table as its script prints it, from the committed follow-up CSV or, until
+    it is committed, from one made of the main runs' rows (GRPO-CH + TIS as re-run unchanged, the
+    centering arms as before, GRPO-CH as GRPO-CH + TIS shifted by a seed-dependent amount)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("followup_table", TIER_M / "followup_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    followup = module.FOLLOWUP
+    if not followup.exists():
+        with (TIER_M / "main" / "runs.csv").open(newline="") as f:
+            reader = csv.DictReader(f)
+            rows = [r for r in reader if r["method_id"] != "bpo"]
+            fields = reader.fieldnames
+        shifted = [dict(r, method_id="grpo", method="GRPO-ClipHigher",
+                        accuracy=str(float(r["accuracy"]) + (0.001 * (int(r["seed"]) % 4) if int(r["step"]) else 0.0)))
+                   for r in rows if r["method_id"] == "grpo_tis"]
+        followup = tmp_path / "runs.csv"
+        with followup.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(rows + shifted)
+        monkeypatch.setattr(module, "FOLLOWUP", followup)
+    module.main()
+    return capsys.readouterr().out, followup
+
+
+def test_the_tier_m_followup_table_is_the_hand_computation(capsys, monkeypatch, tmp_path):
+    """experiments/tier_m/followup_table.py against the registered statistics computed here: the two
+    primary contrasts (95% t-intervals, Holm over the two), the re-run check, a secondary."""
+    table, followup = _followup_sc_table(capsys, monkeypatch, tmp_path)
+    new, main = _runs(followup), _runs(TIER_M / "main" / "runs.csv")
+
+    def window(rows):
+        return statistics.fmean(100 * float(r["accuracy"]) for r in rows if int(r["step"]) in (20, 30, 40))
+
+    p_values, rows = [], []
+    for label, arm, arm_runs, reference, reference_runs in (
+            ("GRPO-CH + SC − GRPO-CH", "grpo_sc", new, "grpo", new),
+            ("BPO + SC − BPO", "bpo_sc", new, "bpo", main)):
+        seeds = sorted(s for m, s in arm_runs if m == arm and (reference, s) in reference_runs)
+        deltas = [window(arm_runs[arm, s]) - window(reference_runs[reference, s]) for s in seeds]
+        mean, sd = statistics.fmean(deltas), statistics.stdev(deltas)
+        half = T_975[len(deltas) - 1] * sd / math.sqrt(len(deltas))
+        row = next(line for line in table.splitlines() if line.startswith(f"| {label} | {len(seeds)} |"))
+        assert f"| {signed(mean)} | [{signed(mean - half)}, {signed(mean + half)}] |" in row
+        t = abs(mean) / (sd / math.sqrt(len(deltas)))
+        p_values.append(t)
+        rows.append(row)
+    # Holm over two: the smaller p is doubled; a contrast reads "no difference detected" unless its
+    # adjusted p is below 0.05, which for 9 df needs |t| above t(0.9875, 9) = 2.685 (the larger |t|)
+    # and above t(0.975, 9) = 2.262 for the other once the first is rejected
+    strongest = max(range(2), key=lambda i: p_values[i])
+    for i, row in enumerate(rows):
+        bound = 2.685011 if i == strongest else (2.262157 if p_values[strongest] > 2.685011 else math.inf)
+        assert ("no difference detected" in row) == (p_values[i] <= bound), row
+    rerun = sorted(s for m, s in new if m == "grpo_tis")
+    same = [s for s in rerun if [r["accuracy"] for r in new["grpo_tis", s]] == [r["accuracy"] for r in main["grpo_tis", s]]]
+    assert f"equal the committed ones for {len(same)} of {len(rerun)} seeds" in table
+    seeds = sorted(s for m, s in new if m == "grpo" and ("grpo_tis", s) in new)
+    anchor = statistics.fmean(window(new["grpo", s]) - window(new["grpo_tis", s]) for s in seeds)
+    assert f"| GRPO-CH − GRPO-CH + TIS (the anchor alone) | {len(seeds)} | {signed(anchor)} |" in table

@@ -10,3 +10,4 @@ mkdir -p experiments/tier_m/followup_sc
 .venv/bin/bpo-megatron compare experiments/tier_m/rl.yaml --condition fp8 --staleness 0 \
     --losses grpo_tis,grpo,grpo_sc,bpo_sc --seeds 1,2,3,4,5,6,7,8,9,10 --out runs/tier_m/followup_sc
 cp runs/tier_m/followup_sc/runs.csv experiments/tier_m/followup_sc/runs.csv
+.venv/bin/python experiments/tier_m/followup_table.py > experiments/tier_m/followup_sc/results.md
