@@ -10,7 +10,6 @@ import math
 import pytest
 import torch
 
-from bpo_megatron.testing import MODEL_CONFIGS, random_checkpoint
 from bpo_megatron.testing.recompute import teacher_forced
 from bpo_megatron.weights import fp8
 
@@ -70,13 +69,13 @@ def test_the_linear_layers_are_quantized_and_the_router_embeddings_and_norms_are
 
 
 @pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    return random_checkpoint(MODEL_CONFIGS / "tiny_qwen3_moe", tmp_path_factory.mktemp("moe"), seed=0)
+def moe_dir(tiny_checkpoint):
+    return tiny_checkpoint("tiny_qwen3_moe")
 
 
 @pytest.fixture(scope="module")
-def glm_dir(tmp_path_factory):
-    return random_checkpoint(MODEL_CONFIGS / "tiny_glm4_moe", tmp_path_factory.mktemp("glm"), seed=0)
+def glm_dir(tiny_checkpoint):
+    return tiny_checkpoint("tiny_glm4_moe")
 
 
 @pytest.mark.parametrize("checkpoint", ["moe_dir", "glm_dir"])

@@ -19,7 +19,6 @@ import torch
 from bpo_megatron import testing as th
 from bpo_megatron.losses import CorrectionConfig, PolicyLossConfig
 from bpo_megatron.parallel.local_world import run_gloo_world
-from bpo_megatron.testing import MODEL_CONFIGS, random_checkpoint
 from bpo_megatron.trainer.samples import TrainSample
 
 K = 6
@@ -71,8 +70,8 @@ def _largest_relative(a: dict, b: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return random_checkpoint(MODEL_CONFIGS / "tiny_qwen3_moe", tmp_path_factory.mktemp("sc"), seed=4)
+def model_dir(tiny_checkpoint):
+    return tiny_checkpoint("tiny_qwen3_moe", seed=4)
 
 
 @pytest.mark.timeout(600)
