@@ -148,6 +148,9 @@ def test_an_fp8_engine_holds_rounded_linear_weights_and_reports_log_mu_of_them(c
     exact.shutdown()
 
 
+# a loop run (CI time): what an FP8 engine holds and reports is the test above, what the trainer
+# sends an FP8 server the tests below; a sync verified in the loop, every default loop run's
+@pytest.mark.ci
 @pytest.mark.timeout(420)
 def test_the_loop_syncs_verifies_and_trains_with_an_fp8_engine(tmp_path, ray_session, small_run):
     """The trainer rounds what it sends as the engine holds it (the one module that decides), so

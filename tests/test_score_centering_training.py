@@ -148,8 +148,9 @@ def test_the_pi_old_anchor_centres_with_the_recomputed_heads(model_dir):
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("anchor", [[], ["train.recompute_old_logprobs=true", "loss.correction=tis"]],
-                         ids=["mu", "pi_old+tis"])
+@pytest.mark.parametrize("anchor", [  # anchored to π_old: a second loop run (CI time), its heads the test above
+    pytest.param([], id="mu"),
+    pytest.param(["train.recompute_old_logprobs=true", "loss.correction=tis"], id="pi_old+tis", marks=pytest.mark.ci)])
 def test_the_loop_trains_with_score_centering(tmp_path, ray_session, small_run, anchor):
     """The loop asks the engine for the sampler's top-k, carries it to the trainer (and, anchored
     to π_old, the recompute pass's log-probs of those ids) and reports the term's tail ratio and
