@@ -15,6 +15,11 @@
   bound to loopback, never joining a cluster this machine may know of. A loop run inside it
   leaves it running (``run`` stops only a Ray it started itself).
 * ``small_run``: the CPU demo experiment cut to a few small steps, in a given run directory.
+* ``tiny_checkpoint``: the one maker of random Hugging Face checkpoints for the tests, each made once
+  a session per model and seed and shared by every module that asks for it. They are read-only: a
+  test that writes into a checkpoint (cuts a shard, edits its config) makes its own with
+  ``bpo_megatron.testing.random_checkpoint``. What a test writes beside one (the block-FP8 copy an
+  FP8 engine starts from) stays in that checkpoint's own folder.
 * ``confinable``: the tool sandbox runs here; skipped, saying why, only where the host lacks what
   it needs (``unshare``, user namespaces, libseccomp2, a way to bound threads, an unmasked
   ``/proc``) — a sandbox that fails on a host that has all of it fails the test.
@@ -91,6 +96,30 @@ def confinable():
         if "a fresh /proc cannot be mounted" not in str(exc):
             raise
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """``tiny_checkpoint(model, seed=0)``: the random checkpoint (:func:`bpo_megatron.testing.random_checkpoint`)
+    of ``model``, the name of one of the kit's tiny configs (``tiny_qwen3_moe``, ``tiny_qwen3``,
+    ``tiny_glm4_moe``, ``tiny_deepseek_v3``) or a config's folder or ``config.json``; made once a session."""
+    from bpo_megatron.testing import MODEL_CONFIGS, random_checkpoint
+
+    made: dict[tuple[Path, int], Path] = {}
+
+    def checkpoint(model: str | Path, seed: int = 0) -> Path:
+        config = Path(model) if Path(model).is_absolute() else MODEL_CONFIGS / model
+        config = (config.parent if config.suffix == ".json" else config).resolve()
+        if not (config / "config.json").is_file():
+            raise FileNotFoundError(f"tiny_checkpoint: no config.json in {config} (name one of "
+                                    f"{sorted(p.name for p in MODEL_CONFIGS.iterdir() if p.is_dir())} or a config's folder)")
+        if (config, seed) not in made:
+            # each in a folder of its own, so what a test writes beside it stays with it
+            made[config, seed] = random_checkpoint(config, tmp_path_factory.mktemp(f"{config.name}-seed{seed}") / "model",
+                                                   seed=seed)
+        return made[config, seed]
+
+    return checkpoint
 
 
 @pytest.fixture(scope="session")

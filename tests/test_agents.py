@@ -562,10 +562,8 @@ def _multi_turn_agreement(model_dir: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    from bpo_megatron.testing.models import random_checkpoint
-
-    return str(random_checkpoint(FIXTURE, tmp_path_factory.mktemp("tiny_moe"), seed=0))
+def model_dir(tiny_checkpoint) -> str:
+    return str(tiny_checkpoint(FIXTURE))
 
 
 @pytest.mark.timeout(300)
@@ -714,14 +712,13 @@ def test_the_calculator_demo_learns(tmp_path, ray_session):
     assert (evals[-1] + evals[-2]) / 2 > evals[0] + 0.10, evals
 
 
-def test_the_eval_command_talks_to_the_agent(tmp_path, monkeypatch, capsys):
+def test_the_eval_command_talks_to_the_agent(tiny_checkpoint, monkeypatch, capsys):
     """``bpo-megatron eval`` evaluates as the run does: through conversations with the agent."""
     from bpo_megatron.cli import main
     from bpo_megatron.rollout.agents import conversation
-    from bpo_megatron.testing.models import random_checkpoint
 
     root = Path(__file__).resolve().parents[1]
-    hf_dir = random_checkpoint(root / "configs" / "models" / "tiny_qwen3_moe", tmp_path / "hf", seed=0)
+    hf_dir = tiny_checkpoint(root / "configs" / "models" / "tiny_qwen3_moe")
     seen = []
     submit = conversation.Conversations.submit
 

@@ -97,6 +97,9 @@ def test_compare_staleness_runs_are_checked_with_engines_apart(tmp_path, capsys)
     assert not any(tmp_path.iterdir())  # a check writes nothing
 
 
+# two loop runs (CI time): the table from runs' records and its staleness axis are the compare tests
+# above; the asynchronous loop, test_loop_e2e's one-step-off run
+@pytest.mark.ci
 @pytest.mark.timeout(300)
 def test_compare_runs_every_method_then_summarises(tmp_path, capsys, ray_session):
     """Not only the summary: the runs themselves (2 methods × 1 staleness × 1 seed, 1 step each),

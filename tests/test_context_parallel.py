@@ -202,10 +202,8 @@ def _score_centering_at_cp(model_dir) -> dict:
 
 
 @pytest.mark.timeout(TIMEOUT)
-def test_score_centering_at_cp2_trains_as_at_cp1(tmp_path):
-    from bpo_megatron.testing import MODEL_CONFIGS, random_checkpoint
-
-    model_dir = random_checkpoint(MODEL_CONFIGS / "tiny_qwen3_moe", tmp_path, seed=4)
+def test_score_centering_at_cp2_trains_as_at_cp1(tiny_checkpoint):
+    model_dir = tiny_checkpoint("tiny_qwen3_moe", seed=4)
     for results in run_gloo_world(_score_centering_at_cp, 2, model_dir, timeout=TIMEOUT):
         (one, g1), (two, g2) = results[1], results[2]
         assert 0 < one["score_centering_head_mass"] <= 1 and one["score_centering_rho"] > 0

@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from bpo_megatron.testing.models import random_checkpoint
 from bpo_megatron.rollout import GenerationRequest, SamplingParams
 from bpo_megatron.testing import MODEL_CONFIGS
 
@@ -32,11 +31,9 @@ TOLERANCE = 1e-5  # log μ of the same row decoded in another batch (fp32 summat
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> tuple[str, str]:
+def checkpoints(tiny_checkpoint) -> tuple[str, str]:
     """The engines' starting weights and the weights pushed to them."""
-    root = tmp_path_factory.mktemp("engines")
-    return (str(random_checkpoint(FIXTURE, root / "start", seed=0)),
-            str(random_checkpoint(FIXTURE, root / "pushed", seed=1)))
+    return str(tiny_checkpoint(FIXTURE, seed=0)), str(tiny_checkpoint(FIXTURE, seed=1))
 
 
 @pytest.fixture(scope="module")

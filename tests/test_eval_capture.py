@@ -23,11 +23,8 @@ from bpo_megatron.rollout.sglang.client import _Attempt
 from bpo_megatron.rollout.sglang.protocol import ProtocolError, decode_sample, generate_body
 from bpo_megatron.rollout.types import response_slots
 from bpo_megatron.tasks.prompts import PromptFormat, requests
-from bpo_megatron.testing.models import random_checkpoint
-from bpo_megatron.testing import MODEL_CONFIGS
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = MODEL_CONFIGS
 DEMO = ROOT / "configs" / "tiny_moe_cpu.yaml"
 LAYOUT = RoutingLayout(num_hidden_layers=2, moe_layers=(0, 1), topk=2, num_experts=4)
 
@@ -105,8 +102,8 @@ def test_vllm_returns_no_routing_for_requests_that_did_not_ask():
 
 # --------------------------------------------------------------------------- embedded engine
 @pytest.fixture(scope="module")
-def moe_engine(tmp_path_factory) -> HFEngine:
-    path = random_checkpoint(FIXTURES / "tiny_qwen3_moe", tmp_path_factory.mktemp("moe"), seed=0)
+def moe_engine(tiny_checkpoint) -> HFEngine:
+    path = tiny_checkpoint("tiny_qwen3_moe")
     return HFEngine(path, capture_routing=True)
 
 
@@ -149,10 +146,10 @@ def test_embedded_engine_captures_nothing_for_a_batch_that_wants_no_routing(moe_
     assert opened == [], "no capture buffer (and no recording) for a batch none of whose requests wants it"
 
 
-def test_embedded_engine_splits_into_batches_each_capturing_only_what_it_needs(tmp_path, monkeypatch):
+def test_embedded_engine_splits_into_batches_each_capturing_only_what_it_needs(tiny_checkpoint, monkeypatch):
     """With more rows than one batch holds, a batch of requests that want no routing runs without
     capture while another records its rows."""
-    path = random_checkpoint(FIXTURES / "tiny_qwen3_moe", tmp_path / "moe", seed=0)
+    path = tiny_checkpoint("tiny_qwen3_moe")
     engine = HFEngine(path, capture_routing=True, max_batch_rows=2)
     opened = []
     original = engine._capture.open

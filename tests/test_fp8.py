@@ -10,7 +10,6 @@ import math
 import pytest
 import torch
 
-from bpo_megatron.testing import MODEL_CONFIGS, random_checkpoint
 from bpo_megatron.testing.recompute import teacher_forced
 from bpo_megatron.weights import fp8
 
@@ -70,13 +69,13 @@ def test_the_linear_layers_are_quantized_and_the_router_embeddings_and_norms_are
 
 
 @pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    return random_checkpoint(MODEL_CONFIGS / "tiny_qwen3_moe", tmp_path_factory.mktemp("moe"), seed=0)
+def moe_dir(tiny_checkpoint):
+    return tiny_checkpoint("tiny_qwen3_moe")
 
 
 @pytest.fixture(scope="module")
-def glm_dir(tmp_path_factory):
-    return random_checkpoint(MODEL_CONFIGS / "tiny_glm4_moe", tmp_path_factory.mktemp("glm"), seed=0)
+def glm_dir(tiny_checkpoint):
+    return tiny_checkpoint("tiny_glm4_moe")
 
 
 @pytest.mark.parametrize("checkpoint", ["moe_dir", "glm_dir"])
@@ -149,6 +148,9 @@ def test_an_fp8_engine_holds_rounded_linear_weights_and_reports_log_mu_of_them(c
     exact.shutdown()
 
 
+# a loop run (CI time): what an FP8 engine holds and reports is the test above, what the trainer
+# sends an FP8 server the tests below; a sync verified in the loop, every default loop run's
+@pytest.mark.ci
 @pytest.mark.timeout(420)
 def test_the_loop_syncs_verifies_and_trains_with_an_fp8_engine(tmp_path, ray_session, small_run):
     """The trainer rounds what it sends as the engine holds it (the one module that decides), so

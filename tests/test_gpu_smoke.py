@@ -243,7 +243,7 @@ def test_the_kits_cpu_overrides_of_the_recipe_validate():
     assert cfg.rollout.options.dtype == cfg.model.options.params_dtype == "fp32"
 
 
-def test_the_embedded_engine_is_built_on_its_process_device(monkeypatch, tmp_path):
+def test_the_embedded_engine_is_built_on_its_process_device(monkeypatch, tiny_checkpoint):
     """The loop's engine actor builds the engine through its spec: on the device its placement
     gave the process (a GPU under Ray's CUDA_VISIBLE_DEVICES), not always the host."""
     import torch
@@ -254,10 +254,8 @@ def test_the_embedded_engine_is_built_on_its_process_device(monkeypatch, tmp_pat
     from bpo_megatron.rollout import EngineContext, engine_spec
     from bpo_megatron.rollout.hf import engine as hf_engine
     from bpo_megatron.rollout.hf.options import HFEngineOptions
-    from bpo_megatron.testing import MODEL_CONFIGS
-    from bpo_megatron.testing.models import random_checkpoint
 
-    model_dir = random_checkpoint(MODEL_CONFIGS / "tiny_qwen3_moe", tmp_path / "m", seed=0)
+    model_dir = tiny_checkpoint("tiny_qwen3_moe")
     built = {}
     real = hf_engine.HFEngine.__init__
 

@@ -25,7 +25,6 @@ from bpo_megatron.rollout.hf.options import HFEngineOptions
 from bpo_megatron.rollout.hf.sampling import UNIFORM_BLOCK, row_seeds
 from bpo_megatron.rollout.hf.slots import DecodeState, SlotRow, SlotSession, SlotSettings, StateShape
 from bpo_megatron.testing import MODEL_CONFIGS
-from bpo_megatron.testing.models import random_checkpoint
 from bpo_megatron.testing.recompute import teacher_forced
 
 TOLERANCE = 1e-5  # fp32 log μ: slot attention and grouped experts sum in another order
@@ -34,19 +33,19 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory) -> Path:
-    return random_checkpoint(MODEL_CONFIGS / "tiny_qwen3_moe", tmp_path_factory.mktemp("moe"), seed=0)
+def moe_dir(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("tiny_qwen3_moe")
 
 
 @pytest.fixture(scope="module")
-def dense_dir(tmp_path_factory) -> Path:
-    return random_checkpoint(MODEL_CONFIGS / "tiny_qwen3", tmp_path_factory.mktemp("dense"), seed=0)
+def dense_dir(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("tiny_qwen3")
 
 
 @pytest.fixture(scope="module")
-def deepseek_dir(tmp_path_factory) -> Path:
+def deepseek_dir(tiny_checkpoint) -> Path:
     """Latent attention: the slot cache holds the latent and the shared rotated key, not K and V."""
-    return random_checkpoint(MODEL_CONFIGS / "tiny_deepseek_v3", tmp_path_factory.mktemp("deepseek"), seed=0)
+    return tiny_checkpoint("tiny_deepseek_v3")
 
 
 def _requests(vocab: int, **sampling) -> list[GenerationRequest]:
@@ -155,7 +154,7 @@ def test_outputs_depend_on_neither_the_slots_nor_the_refill_interval(sampling, m
             assert torch.equal(logprobs[sample.prompt_tokens.numel() - 1:].argmax(-1), sample.response_tokens)
 
 
-def test_only_the_requests_that_ask_record_routing_and_weight_updates_are_seen(moe_dir, tmp_path):
+def test_only_the_requests_that_ask_record_routing_and_weight_updates_are_seen(moe_dir, tiny_checkpoint):
     engine = HFEngine(moe_dir, capture_routing=True, max_batch_rows=3, refill_every=2)
     requests = [GenerationRequest(r.request_id, r.prompt_tokens, r.sampling, capture_routing=i % 2 == 0)
                 for i, r in enumerate(_requests(200))]
@@ -165,7 +164,7 @@ def test_only_the_requests_that_ask_record_routing_and_weight_updates_are_seen(m
 
     # an in-place weight update reaches the functional step (it reads the model's own modules),
     # and the decode state kept from the first generation is reused with the new weights
-    other = random_checkpoint(MODEL_CONFIGS / "tiny_qwen3_moe", tmp_path / "other", seed=1)
+    other = tiny_checkpoint("tiny_qwen3_moe", seed=1)
     engine.update_weights(load_file(other / "model.safetensors").items())
     _same_samples(engine.generate(requests),
                   HFEngine(other, capture_routing=True, max_batch_rows=3, refill_every=2).generate(requests))
@@ -173,7 +172,7 @@ def test_only_the_requests_that_ask_record_routing_and_weight_updates_are_seen(m
 
 
 @pytest.mark.parametrize("session", [True, False], ids=["weight_update_session", "update_weights_alone"])
-def test_the_stacked_qkv_follows_every_weight_update_in_place(moe_dir, tmp_path, monkeypatch, session):
+def test_the_stacked_qkv_follows_every_weight_update_in_place(moe_dir, tiny_checkpoint, monkeypatch, session):
     """The decode step's one QKV GEMM (rollout/hf/fused_qkv.py) reads a copy of the projections'
     weights: after an update through the engine (in a weight-update session, or update_weights
     alone), a state captured before it — the graph path, capture faked on a CPU — decodes with the
@@ -188,7 +187,7 @@ def test_the_stacked_qkv_follows_every_weight_update_in_place(moe_dir, tmp_path,
         [state] = engine.decode_states()
         assert isinstance(state._replay, graphs.GraphedStep)
         addresses = [(h.weight.data_ptr(), h.norm_weight.data_ptr()) for h in holders]
-        other = random_checkpoint(MODEL_CONFIGS / "tiny_qwen3_moe", tmp_path / "other", seed=1)
+        other = tiny_checkpoint("tiny_qwen3_moe", seed=1)
         if session:
             engine.begin_weight_update(1)
         engine.update_weights(load_file(other / "model.safetensors").items())

@@ -18,42 +18,35 @@ from bpo_megatron.models.routing import RoutingLayout
 from bpo_megatron.rollout import EngineContext, GenerationRequest, SamplingParams, engine_spec
 from bpo_megatron.rollout.hf.options import HFEngineOptions
 from bpo_megatron.rollout.hf.engine import HFEngine
-from bpo_megatron.testing.models import random_checkpoint
-from bpo_megatron.testing import MODEL_CONFIGS
 from bpo_megatron.testing.recompute import teacher_forced
 
-FIXTURES = MODEL_CONFIGS
 TOLERANCE = 1e-5  # fp32 log μ: KV-cache decoding sums in another order than one full forward
 
 torch.set_num_threads(1)
 
 
-def _random_checkpoint(fixture: str, out: Path, seed: int) -> Path:
-    return random_checkpoint(FIXTURES / fixture, out, seed=seed)
+@pytest.fixture(scope="module")
+def moe_dir(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("tiny_qwen3_moe")
 
 
 @pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory) -> Path:
-    return _random_checkpoint("tiny_qwen3_moe", tmp_path_factory.mktemp("moe"), seed=0)
+def dense_dir(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("tiny_qwen3")
 
 
 @pytest.fixture(scope="module")
-def dense_dir(tmp_path_factory) -> Path:
-    return _random_checkpoint("tiny_qwen3", tmp_path_factory.mktemp("dense"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def glm_dir(tmp_path_factory) -> Path:
+def glm_dir(tiny_checkpoint) -> Path:
     """GLM-4.5 MoE: a dense first layer, sigmoid routing with a non-zero expert bias, a shared expert,
     Q/K/V biases, QK-norm and RoPE over half of each head."""
-    return _random_checkpoint("tiny_glm4_moe", tmp_path_factory.mktemp("glm"), seed=0)
+    return tiny_checkpoint("tiny_glm4_moe")
 
 
 @pytest.fixture(scope="module")
-def deepseek_dir(tmp_path_factory) -> Path:
+def deepseek_dir(tiny_checkpoint) -> Path:
     """DeepSeek-V3: multi-head latent attention (a compressed query, interleaved RoPE, value heads
     narrower than query/key heads), group-limited sigmoid routing with an expert bias, a shared expert."""
-    return _random_checkpoint("tiny_deepseek_v3", tmp_path_factory.mktemp("deepseek"), seed=0)
+    return tiny_checkpoint("tiny_deepseek_v3")
 
 
 def _model_dir(kind: str, request) -> Path:
@@ -175,11 +168,11 @@ def test_named_hf_weights_are_the_checkpoint_tensors(kind, request):
         assert torch.equal(weights[name], tensor), name
 
 
-def test_update_weights_by_on_disk_names_lands_in_the_fused_experts(moe_dir, tmp_path):
+def test_update_weights_by_on_disk_names_lands_in_the_fused_experts(moe_dir, tmp_path, tiny_checkpoint):
     engine = HFEngine(moe_dir, capture_routing=True)
     requests = _requests(200)
     before = engine.generate(requests)
-    other_dir = _random_checkpoint("tiny_qwen3_moe", tmp_path / "other", seed=1)
+    other_dir = tiny_checkpoint("tiny_qwen3_moe", seed=1)
     new = load_file(other_dir / "model.safetensors")
 
     received = engine.update_weights(iter(new.items()))

@@ -141,7 +141,8 @@ NOT_REPRODUCIBLE = ("time", "train_time_s", "push_s", "sync_bytes_per_s", "drive
 RENAMED = {"sync_seconds": "push_s"}  # the record's names of what the loop now calls otherwise
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.ci  # a loop run against a stored record (CI time): the rollout pipeline's loop runs in the one-step-off
+@pytest.mark.timeout(420)  # run below, its parts in tests/test_rollout_pipeline.py
 def test_staleness_zero_reproduces_the_synchronous_loop(tmp_path, ray_session):
     """train.async.max_staleness=0 goes through the rollout pipeline yet writes the metrics file the
     synchronous loop wrote: warm start, rewards, losses, clip and mask fractions, gradient norms,
@@ -414,6 +415,9 @@ def test_a_run_without_steps_or_warm_start_is_refused(small_run, tmp_path):
         small_run(tmp_path, "train.steps=0", "train.sft_warmup_steps=0")
 
 
+# a loop run (CI time): the best-checkpoint rule, its resume and keep_last sparing the best checkpoint
+# are tests/test_data_and_eval.py's; a checkpoint saved and resumed in the loop, the interrupted run's above
+@pytest.mark.ci
 def test_the_best_evaluations_weights_are_kept_step_0_included(tmp_path, ray_session, small_run):
     """Updates too small to change a weight: every evaluation ties the warm start's at step 0, which
     stays the best (the earlier step wins a tie). Its weights exist nowhere but in a checkpoint, so

@@ -28,8 +28,9 @@ def test_ci_runs_the_readme_test_command_verbatim():
 
 
 def test_what_the_default_run_leaves_out_is_marked_declared_and_run_by_ci():
-    """A test leaves the default run only through a declared marker, and .ci/run runs every test
-    so marked over the whole suite, but those marked slow (run by hand: the demos learning in full)."""
+    """A test leaves the default run only through a declared marker; .ci/run runs every test so
+    marked over the whole suite, in one leg, but those marked slow, which `.ci/run --full` adds (the
+    full set, the extra legs included, in one command)."""
     import tomllib
 
     pytest_options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
@@ -40,8 +41,9 @@ def test_what_the_default_run_leaves_out_is_marked_declared_and_run_by_ci():
     declared = {line.split(":", 1)[0] for line in pytest_options["markers"]}
     assert "slow" in markers and "ci" in markers and set(markers) <= declared, (markers, declared)
     ci_lines = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith("#")]
-    for marker in set(markers) - {"slow"}:  # over testpaths (no file named), not only some modules
-        assert f".venv/bin/python -m pytest -q -p no:cacheprovider -m {marker}" in ci_lines, marker
+    assert '.venv/bin/python -m pytest -q -p no:cacheprovider -m "$rest"' in ci_lines  # over testpaths
+    assert f'rest="{" or ".join(m for m in markers if m != "slow")}"' in ci_lines
+    assert f'    --full) rest="{" or ".join(markers)}" ;;' in ci_lines
     for document in ("README.md", "docs/guide.md"):  # the one documented command for the full set
         assert '.venv/bin/python -m pytest -m "slow or not slow"' in (ROOT / document).read_text(), document
 

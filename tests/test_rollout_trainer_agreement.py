@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from bpo_megatron import testing as th
 from bpo_megatron.parallel.local_world import run_gloo_world
-from bpo_megatron.testing.models import random_checkpoint
 from bpo_megatron.testing import MODEL_CONFIGS, DispatchRecorder, same_expert_sets
 
 FIXTURE = MODEL_CONFIGS / "tiny_qwen3_moe"
@@ -108,8 +107,8 @@ def _agreement(model_dir: str, layout: dict, temperature: float, engine_dtype: s
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(random_checkpoint(FIXTURE, tmp_path_factory.mktemp("tiny_moe"), seed=0))
+def model_dir(tiny_checkpoint) -> str:
+    return str(tiny_checkpoint(FIXTURE))
 
 
 @pytest.mark.parametrize("name, temperature", [("ws1", 0.7), ("ep2", 1.0), ("tp2", 0.7)])

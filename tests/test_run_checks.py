@@ -388,10 +388,8 @@ def test_a_truncated_safetensors_shard_is_named(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-def test_check_of_eval_and_compare_writes_nothing(tmp_path, capsys):
-    from bpo_megatron.testing.models import random_checkpoint
-
-    hf_dir = random_checkpoint(DEMO_MODEL, tmp_path / "hf", seed=0)
+def test_check_of_eval_and_compare_writes_nothing(tmp_path, capsys, tiny_checkpoint):
+    hf_dir = tiny_checkpoint(DEMO_MODEL)
     assert main(["eval", DEMO, "--hf-dir", str(hf_dir), "--check"]) == 0
     assert capsys.readouterr().out.strip() == (f"config ok: would evaluate Hugging Face model {hf_dir} on "
                                                "procedural:add (64 questions)")
@@ -418,7 +416,7 @@ def test_check_of_eval_and_compare_writes_nothing(tmp_path, capsys):
     assert "bpo_cap must be >= 1" in capsys.readouterr().err and not out.exists()
 
 
-def test_eval_builds_the_runs_engine_or_refuses_it_by_name(tmp_path, capsys, monkeypatch):
+def test_eval_builds_the_runs_engine_or_refuses_it_by_name(tiny_checkpoint, capsys, monkeypatch):
     """`bpo-megatron eval` evaluates with rollout.engine as the run configures it (its spec builds
     it, with its own section), and refuses an engine this machine cannot run before any model
     loads, naming it."""
@@ -427,9 +425,8 @@ def test_eval_builds_the_runs_engine_or_refuses_it_by_name(tmp_path, capsys, mon
 
     from bpo_megatron.rollout import config as rollout_config
     from bpo_megatron.rollout.engine import engine_spec
-    from bpo_megatron.testing.models import random_checkpoint
 
-    hf_dir = random_checkpoint(DEMO_MODEL, tmp_path / "hf", seed=0)
+    hf_dir = tiny_checkpoint(DEMO_MODEL)
     if importlib.util.find_spec("vllm") is None:
         assert main(["eval", DEMO, "rollout.engine=vllm", "model.routing_replay=false", "--hf-dir", str(hf_dir)]) == 2
         assert "rollout.engine=vllm needs the vllm package, which this Python lacks" in capsys.readouterr().err

@@ -338,10 +338,8 @@ def test_the_term_through_the_vocab_parallel_op_is_the_full_vocabulary_one(world
 # -- the embedded engine returns the top-k of the distribution it draws from --
 
 @pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    from bpo_megatron.testing import MODEL_CONFIGS, random_checkpoint
-
-    return random_checkpoint(MODEL_CONFIGS / "tiny_qwen3_moe", tmp_path_factory.mktemp("sc-engine"), seed=2)
+def moe_dir(tiny_checkpoint):
+    return tiny_checkpoint("tiny_qwen3_moe", seed=2)
 
 
 @pytest.mark.parametrize("filters", [{}, {"top_k": 3}, {"top_p": 0.6}])

@@ -19,7 +19,6 @@ import torch
 from bpo_megatron import testing as th
 from bpo_megatron.losses import CorrectionConfig, PolicyLossConfig
 from bpo_megatron.parallel.local_world import run_gloo_world
-from bpo_megatron.testing import MODEL_CONFIGS, random_checkpoint
 from bpo_megatron.trainer.samples import TrainSample
 
 K = 6
@@ -71,8 +70,8 @@ def _largest_relative(a: dict, b: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return random_checkpoint(MODEL_CONFIGS / "tiny_qwen3_moe", tmp_path_factory.mktemp("sc"), seed=4)
+def model_dir(tiny_checkpoint):
+    return tiny_checkpoint("tiny_qwen3_moe", seed=4)
 
 
 @pytest.mark.timeout(600)
@@ -149,8 +148,9 @@ def test_the_pi_old_anchor_centres_with_the_recomputed_heads(model_dir):
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("anchor", [[], ["train.recompute_old_logprobs=true", "loss.correction=tis"]],
-                         ids=["mu", "pi_old+tis"])
+@pytest.mark.parametrize("anchor", [  # anchored to π_old: a second loop run (CI time), its heads the test above
+    pytest.param([], id="mu"),
+    pytest.param(["train.recompute_old_logprobs=true", "loss.correction=tis"], id="pi_old+tis", marks=pytest.mark.ci)])
 def test_the_loop_trains_with_score_centering(tmp_path, ray_session, small_run, anchor):
     """The loop asks the engine for the sampler's top-k, carries it to the trainer (and, anchored
     to π_old, the recompute pass's log-probs of those ids) and reports the term's tail ratio and

@@ -18,7 +18,6 @@ import torch
 from bpo_megatron.models.hf_config import HFModelConfig
 from bpo_megatron.rollout.sglang.fp8_layout import BLOCK, quantized_layout, sglang_layers, working_expert_parallelism
 from bpo_megatron.rollout.sglang.options import SGLangConfig, SGLangOptions
-from bpo_megatron.testing import MODEL_CONFIGS, random_checkpoint
 from bpo_megatron.weights import fp8
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,8 +146,8 @@ def test_the_trainer_sends_the_bf16_served_modules_unquantized():
 
 
 @pytest.fixture(scope="module")
-def glm_dir(tmp_path_factory):
-    return random_checkpoint(MODEL_CONFIGS / "tiny_glm4_moe", tmp_path_factory.mktemp("glm"), seed=0)
+def glm_dir(tiny_checkpoint):
+    return tiny_checkpoint("tiny_glm4_moe")
 
 
 def test_the_fp8_copy_keeps_the_ignored_layers_in_bf16_and_lists_them_as_sglang_reads_them(glm_dir, tmp_path):

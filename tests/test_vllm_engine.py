@@ -299,14 +299,13 @@ def test_a_vllm_outside_the_supported_releases_is_refused_naming_them(fake_vllm,
 
 
 # --------------------------------------------------------------------------- real vLLM (optional)
-def test_real_vllm_logprobs_equal_a_teacher_forced_recompute(tmp_path):
+def test_real_vllm_logprobs_equal_a_teacher_forced_recompute(tiny_checkpoint):
     """Where vLLM is installed: log μ against transformers; routing too on GPUs (R3 needs them)."""
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM
 
-    from bpo_megatron.testing.models import random_checkpoint
 
-    model_dir = random_checkpoint(MOE_DIR, tmp_path / "moe", seed=0)
+    model_dir = tiny_checkpoint(MOE_DIR)
     capture = torch.cuda.is_available()
     engine = VLLMEngine(str(model_dir), capture_routing=capture, dtype="float32", enforce_eager=True,
                         max_model_len=256, gpu_memory_utilization=0.3)

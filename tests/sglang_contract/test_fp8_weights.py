@@ -64,14 +64,13 @@ torch.save({"serialized": config.is_checkpoint_fp8_serialized, "block": list(con
 """
 
 
-def test_sglang_reads_the_block_fp8_checkpoint_an_fp8_server_starts_from(tmp_path):
+def test_sglang_reads_the_block_fp8_checkpoint_an_fp8_server_starts_from(tmp_path, tiny_checkpoint):
     """Our served checkpoint (``fp8.served_checkpoint``) through SGLang's own ``Fp8Config`` and
     safetensors reader: an FP8-serialized checkpoint with 128 × 128 blocks whose every quantized
     weight SGLang dequantizes to our rounding of the original, and nothing else quantized."""
-    from bpo_megatron.testing import MODEL_CONFIGS, random_checkpoint
     from bpo_megatron.weights.safetensors_io import HFWeightsReader
 
-    model_dir = random_checkpoint(MODEL_CONFIGS / "tiny_qwen3_moe", tmp_path / "moe", seed=1)
+    model_dir = tiny_checkpoint("tiny_qwen3_moe", seed=1)
     served = fp8.served_checkpoint(model_dir)
     done = subprocess.run([str(SGLANG_PYTHON), "-c", READ_CHECKPOINT, str(served), str(tmp_path / "read.pt")],
                           capture_output=True, text=True, timeout=300)
