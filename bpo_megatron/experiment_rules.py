@@ -5,7 +5,8 @@ samples for them).
 Each rule is a named check over the config keys it reads, registered in :data:`RULES` in the order
 :func:`~bpo_megatron.experiment.validate` applies them: it returns ``None`` when the experiment
 keeps it, else the error, which names the keys to change and how. A model rule reads the model's
-``config.json`` too (``hf``) and runs only where the model is checked. A new cross-section check is
+``config.json`` too (``hf``), or the trainer's environment, and runs only where the model is
+checked (for a launch: on the cluster, not on the submitting machine). A new cross-section check is
 one function here with its ``@rule`` line and a failing input in tests/test_experiment_rules.py;
 docs/config-reference.md lists the rules (``python tools/config_reference.py``).
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from bpo_megatron import platform
+from bpo_megatron.models.options import layer_spec_device_refusal, layer_spec_install_refusal
 from bpo_megatron.models.qwen3 import check_megatron_builds
 
 if TYPE_CHECKING:
@@ -31,21 +33,26 @@ class Rule:
     name: str
     reads: tuple[str, ...]  # the dotted config keys the check reads
     check: Callable[..., str | None]
-    model: bool  # reads the model's config.json as well
+    # checked where the model is (with the model check; on the cluster for a launch): it reads the
+    # model's config.json, or the environment the trainer runs in
+    model: bool
 
     @property
     def summary(self) -> str:
         """What the rule asks, in one sentence: the first line of its check's docstring."""
-        return (self.check.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ").replace("    ", " ")
+        return " ".join((self.check.__doc__ or "").strip().split("\n\n")[0].split())
 
 
 RULES: list[Rule] = []
 
 
-def rule(name: str, *reads: str, model: bool = False) -> Callable[[Callable[..., str | None]], Callable[..., str | None]]:
+Check = Callable[..., str | None]
+
+
+def rule(name: str, *reads: str, model: bool = False) -> Callable[[Check], Check]:
     """Register the decorated check as the rule ``name`` over the keys ``reads``."""
 
-    def register(check: Callable[..., str | None]) -> Callable[..., str | None]:
+    def register(check: Check) -> Check:
         if any(existing.name == name for existing in RULES):
             raise ValueError(f"experiment rule {name!r} is registered twice")
         RULES.append(Rule(name=name, reads=reads, check=check, model=model))
@@ -216,10 +223,9 @@ def _groups_of_two_or_more(cfg: ExperimentConfig) -> str | None:
 @rule("verify_needs_readable_engine", "weight_sync.verify", "rollout.engine")
 def _verify_needs_readable_engine(cfg: ExperimentConfig) -> str | None:
     """Verifying the weight sync reads the engine's weights back, which the engine must allow."""
-    spec = cfg.rollout.spec
-    if cfg.weight_sync.verify and not spec.exposes_weights:
+    if cfg.weight_sync.verify and not cfg.rollout.spec.exposes_weights:
         return (f"weight_sync.verify=true reads the engine's weights back, which rollout.engine="
-                f"{spec.name} does not allow (rollout.engine=hf does)")
+                f"{cfg.rollout.spec.name} does not allow (rollout.engine=hf does)")
     return None
 
 
@@ -257,7 +263,20 @@ def _engine_options(cfg: ExperimentConfig) -> str | None:
     return _value_error(cfg.rollout.spec.check, cfg.rollout.options)
 
 
+@rule("layer_spec_needs_gpu_ranks", "model.layer_spec", "cluster.gpus_per_trainer_rank")
+def _layer_spec_needs_gpu_ranks(cfg: ExperimentConfig) -> str | None:
+    """transformer-engine's layer spec runs on trainer ranks with GPUs only."""
+    return layer_spec_device_refusal(cfg.model.options.layer_spec, gpu=cfg.cluster.gpus_per_trainer_rank > 0)
+
+
 # ---- rules over the config and the model's config.json ----
+
+@rule("layer_spec_installed", "model.layer_spec", model=True)
+def _layer_spec_installed(cfg: ExperimentConfig, hf: HFModelConfig) -> str | None:
+    """transformer-engine's layer spec needs transformer-engine in the trainer's environment (checked where
+    the model is: the cluster's driver shares its nodes' environment; each rank checks again)."""
+    return layer_spec_install_refusal(cfg.model.options.layer_spec)
+
 
 @rule("parallel_layout_fits_model", "parallel.tp", "parallel.pp", "parallel.ep", "parallel.etp", "model.path",
       model=True)

@@ -54,6 +54,12 @@ def _no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(platform, "has_cuda", lambda: False)
 
 
+def _no_transformer_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bpo_megatron import platform
+
+    monkeypatch.setattr(platform, "has_transformer_engine", lambda: False)
+
+
 # rule -> (overrides of the demo config that break it before any other rule, the error it raises,
 # what the machine or an engine is made to be first)
 BREAKING: dict[str, tuple[list[str], str, Setup | None]] = {
@@ -110,6 +116,14 @@ BREAKING: dict[str, tuple[list[str], str, Setup | None]] = {
     "engine_options": (
         ["rollout.hf.max_batch_rows=3"], r"^rollout.hf.max_batch_rows=3 is refused by this engine$",
         _embedded_engine(check=_refuse_max_batch_rows)),
+    "layer_spec_needs_gpu_ranks": (
+        ["model.layer_spec=transformer_engine"],
+        r"model.layer_spec=transformer_engine runs on GPUs only and this trainer runs on CPUs .*"
+        r"set model.layer_spec=local", None),
+    "layer_spec_installed": (
+        ["model.layer_spec=transformer_engine", "cluster.gpus_per_trainer_rank=1"],
+        r"model.layer_spec=transformer_engine needs transformer-engine, which this environment does not have: "
+        r"install it .*or set model.layer_spec=local", _no_transformer_engine),
     "parallel_layout_fits_model": (
         ["parallel.ep=8", "cluster.trainer_ranks=8"], "parallel.ep=8 must divide the model's 4 experts", None),
     "score_centering_top_k_within_vocabulary": (
@@ -183,9 +197,27 @@ def test_each_rule_refuses_its_breaking_input_naming_the_fields(name, monkeypatc
     assert isinstance(refused.value, ConfigError)  # what `train --check` and the CLI report (exit 2)
 
 
+def test_transformer_engines_spec_is_taken_where_it_is_installed_and_checked_where_the_model_is(monkeypatch):
+    """Without transformer-engine here, a config check without the model (a launch's submitting
+    machine) accepts the spec and leaves it to the cluster; with it, the experiment validates and
+    its ranks build transformer-engine's modules."""
+    from bpo_megatron import platform
+    from bpo_megatron.models import qwen3
+
+    gpu_ranks = ["model.layer_spec=transformer_engine", "cluster.gpus_per_trainer_rank=1"]
+    monkeypatch.setattr(platform, "has_transformer_engine", lambda: False)
+    assert load_experiment(DEMO, gpu_ranks, check_model=False).model.options.layer_spec == "transformer_engine"
+    with pytest.raises(ValueError, match="model.layer_spec=transformer_engine runs on GPUs only"):
+        qwen3.uses_transformer_engine("transformer_engine")  # a rank without a GPU
+    monkeypatch.setattr(platform, "has_transformer_engine", lambda: True)
+    assert load_experiment(DEMO, gpu_ranks).model.options.layer_spec == "transformer_engine"
+    monkeypatch.setattr(platform, "has_cuda", lambda: True)
+    assert qwen3.uses_transformer_engine("transformer_engine") and not qwen3.uses_transformer_engine("local")
+
+
 def test_the_model_rules_wait_for_the_model_check():
     """``check_model=False`` (a config read before its model exists) skips the rules that read config.json."""
     overrides, _, _ = BREAKING["parallel_layout_fits_model"]
     cfg = load_experiment(DEMO, overrides, check_model=False)
     assert (cfg.parallel.ep, cfg.cluster.trainer_ranks) == (8, 8)
-    assert [rule.name for rule in RULES if rule.model][0] == "parallel_layout_fits_model"
+    assert next(rule for rule in RULES if rule.name == "parallel_layout_fits_model").model
