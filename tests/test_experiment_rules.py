@@ -160,6 +160,8 @@ def test_every_rule_is_named_once_and_broken_by_an_input_here():
     assert len(set(names)) == len(names)
     assert list(BREAKING) == names, "BREAKING lists each rule of RULES once, in their order"
     assert all(rule.summary and rule.reads for rule in RULES)
+    # every rule over the config alone runs before the model's config.json is read, as before the table
+    assert [rule.model for rule in RULES] == sorted(rule.model for rule in RULES)
 
 
 def _flat(tree: dict, prefix: str = "") -> set[str]:
