@@ -4,7 +4,8 @@
 
 Each section is the typed config of the component that uses it; this module only composes them
 and checks what no single component can see (layouts against the model and the world, batch
-sizes against each other, R3 against the rollout engine).
+sizes against each other, R3 against the rollout engine): the named rules of
+:mod:`bpo_megatron.experiment_rules`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import ClassVar
 from bpo_megatron.config import ConfigError, apply_overrides, build, load_yaml, refuse_moved
 from bpo_megatron.data.config import DataConfig
 from bpo_megatron.eval.config import EvalConfig, background_engines
+from bpo_megatron.experiment_rules import RULES
 from bpo_megatron.losses import PolicyLossConfig
 from bpo_megatron.loop.config import CheckpointConfig, LoopConfig
 from bpo_megatron.models.config import ModelConfig
@@ -130,8 +132,6 @@ def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
     """Cross-section checks (:mod:`bpo_megatron.experiment_rules`, in their order; with
     ``check_model``, those that read the model's config.json too); the first broken rule is raised,
     naming the fields to change."""
-    from bpo_megatron.experiment_rules import RULES
-
     hf = None
     for rule in RULES:
         if rule.model and not check_model:

@@ -26,13 +26,17 @@ if TYPE_CHECKING:
     from bpo_megatron.models.hf_config import HFModelConfig
 
 
+# a rule's check: (cfg) or, for a model rule, (cfg, hf) -> its error, or None
+Check = Callable[..., str | None]
+
+
 @dataclass(frozen=True)
 class Rule:
     """``check(cfg)`` (a model rule: ``check(cfg, hf)``) returns the error, or None."""
 
     name: str
     reads: tuple[str, ...]  # the dotted config keys the check reads
-    check: Callable[..., str | None]
+    check: Check
     # checked where the model is (with the model check; on the cluster for a launch): it reads the
     # model's config.json, or the environment the trainer runs in
     model: bool
@@ -44,9 +48,6 @@ class Rule:
 
 
 RULES: list[Rule] = []
-
-
-Check = Callable[..., str | None]
 
 
 def rule(name: str, *reads: str, model: bool = False) -> Callable[[Check], Check]:
