@@ -4,7 +4,8 @@
 
 Each section is the typed config of the component that uses it; this module only composes them
 and checks what no single component can see (layouts against the model and the world, batch
-sizes against each other, R3 against the rollout engine).
+sizes against each other, R3 against the rollout engine): the named rules of
+:mod:`bpo_megatron.experiment_rules`.
 """
 
 from __future__ import annotations
@@ -13,15 +14,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
-from bpo_megatron import platform
 from bpo_megatron.config import ConfigError, apply_overrides, build, load_yaml, refuse_moved
 from bpo_megatron.data.config import DataConfig
 from bpo_megatron.eval.config import EvalConfig, background_engines
+from bpo_megatron.experiment_rules import RULES
 from bpo_megatron.losses import PolicyLossConfig
 from bpo_megatron.loop.config import CheckpointConfig, LoopConfig
 from bpo_megatron.models.config import ModelConfig
 from bpo_megatron.models.hf_config import HFModelConfig
-from bpo_megatron.models.qwen3 import check_megatron_builds
 from bpo_megatron.observability.config import LoggingConfig
 from bpo_megatron.orchestration.config import ClusterConfig
 from bpo_megatron.parallel import ParallelConfig
@@ -120,147 +120,27 @@ def load_experiment(path: str | Path | None, overrides: list[str] = (), *, check
     return cfg
 
 
+class RuleBroken(ConfigError):
+    """An experiment breaks the cross-section rule ``rule`` (:data:`~bpo_megatron.experiment_rules.RULES`)."""
+
+    def __init__(self, rule: str, message: str) -> None:
+        super().__init__(message)
+        self.rule = rule
+
+
 def validate(cfg: ExperimentConfig, *, check_model: bool = True) -> None:
-    """Cross-section checks; each error names the fields to change."""
-    try:
-        cfg.parallel.validate_world(cfg.cluster.trainer_ranks)
-    except ValueError as exc:
-        raise ConfigError(f"{exc} (cluster.trainer_ranks={cfg.cluster.trainer_ranks})") from exc
-    if cfg.responses_per_step % cfg.train.minibatches_per_step:
-        raise ConfigError(
-            f"train.prompts_per_step × rollout.group_size = {cfg.responses_per_step} responses cannot be split "
-            f"into train.minibatches_per_step={cfg.train.minibatches_per_step} equal minibatches")
-    if cfg.minibatch_size % cfg.data_parallel_size:
-        raise ConfigError(
-            f"minibatches of {cfg.minibatch_size} responses cannot be split over {cfg.data_parallel_size} "
-            "data-parallel ranks (cluster.trainer_ranks / (parallel.tp × parallel.pp))")
-    if cfg.model.options.routing_replay and not cfg.rollout.capture_routed_experts:
-        raise ConfigError("model.routing_replay=true (R3) needs rollout.capture_routed_experts=true: the trainer "
-                          "replays the experts the engine records")
-    spec = cfg.rollout.spec
-    if cfg.model.options.routing_replay and not spec.captures_routing_without_gpu and not platform.has_cuda():
-        raise ConfigError(f"model.routing_replay=true with rollout.engine={spec.name}: it records routed experts only "
-                          "on GPUs; use rollout.engine=hf on CPU")
-    if cfg.train.asynchronous.max_staleness and cfg.cluster.colocate:
-        raise ConfigError(f"train.async.max_staleness={cfg.train.asynchronous.max_staleness} generates while the trainer "
-                          "trains, which needs the engines on their own devices: set cluster.colocate=false (or "
-                          "train.async.max_staleness=0)")
-    if cfg.train.overlong_buffer >= cfg.rollout.max_new_tokens:
-        raise ConfigError(f"train.overlong_buffer={cfg.train.overlong_buffer} must be below rollout.max_new_tokens="
-                          f"{cfg.rollout.max_new_tokens}: the penalty starts that many tokens before the limit")
-    if cfg.loss.agg == "seq-mean-token-sum-norm" and cfg.loss.norm_length is None:
-        raise ConfigError("loss.agg=seq-mean-token-sum-norm divides each response's token sum by loss.norm_length, which "
-                          "is unset: the divisor would be each micro-batch's padded width, so the loss would depend on "
-                          f"how samples are grouped; set loss.norm_length (Dr. GRPO's constant: rollout.max_new_tokens="
-                          f"{cfg.rollout.max_new_tokens})")
-    if cfg.loss.correction.active and not cfg.train.recompute_old_logprobs:
-        raise ConfigError(f"loss.correction={cfg.loss.correction.name} corrects by the trainer's own log-probs under the weights "
-                          "at the step's start (those that sampled each response when train.async.max_staleness=0): set "
-                          "train.recompute_old_logprobs=true (or loss.correction=none)")
-    if cfg.loss.score_centering and spec.top_logprobs == "none":
-        raise ConfigError(f"loss.score_centering builds its term from the sampler's top-k log-probs of every generated "
-                          f"token, which rollout.engine={spec.name} does not return here (rollout.engine=hf and sglang do); "
-                          f"use another engine or loss.score_centering=false")
-    if cfg.loss.score_centering and spec.top_logprobs == "unfiltered" and (cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0):
-        raise ConfigError(f"loss.score_centering with rollout.engine={spec.name}: it reports the top-k of the distribution "
-                          f"before its top-k/top-p filters, not the one it draws from with rollout.top_p="
-                          f"{cfg.rollout.top_p}, rollout.top_k={cfg.rollout.top_k}; set rollout.top_p=1.0 and "
-                          "rollout.top_k=0 (or use rollout.engine=hf, which reports the filtered one)")
-    filters = cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0
-    if cfg.loss.score_centering and filters and (not cfg.train.recompute_old_logprobs or cfg.loss.correction.active):
-        raise ConfigError(f"loss.score_centering with rollout.top_p={cfg.rollout.top_p}, rollout.top_k={cfg.rollout.top_k}"
-                          ": the engine's log μ of each sampled token is taken before these filters and its top-k log "
-                          "q after them, so a ratio against μ (the loss's without train.recompute_old_logprobs, or "
-                          f"loss.correction={cfg.loss.correction.name}'s) would weigh the candidates against another "
-                          "distribution than the sampled token (losses/score_centering.py); set rollout.top_p=1.0 and "
-                          "rollout.top_k=0, or anchor the loss to π_old without a correction "
-                          "(train.recompute_old_logprobs=true, loss.correction=none)")
-    if cfg.loss.score_centering and cfg.rollout.agent.name is not None:
-        raise ConfigError(f"loss.score_centering with rollout.agent.name={cfg.rollout.agent.name}: a multi-turn response "
-                          "does not carry the sampler's top-k of its turns yet; set rollout.agent.name=null or "
-                          "loss.score_centering=false")
-    if cfg.rollout.group_size == 1 and cfg.train.steps > 0:
-        # advantages are group-relative (algo/advantages.py): a group of one response is its own
-        # baseline, so every advantage, and with it every policy-gradient and score-centering term, is 0
-        raise ConfigError("rollout.group_size=1: each response's advantage is its reward minus its group's mean, so in a "
-                          "group of one it is 0 and no RL step trains anything (score centering's term is scaled by "
-                          "the advantage too); set rollout.group_size >= 2 (the paper: 16)")
-    if cfg.weight_sync.verify and not spec.exposes_weights:
-        raise ConfigError(f"weight_sync.verify=true reads the engine's weights back, which rollout.engine="
-                          f"{spec.name} does not allow (rollout.engine=hf does)")
-    _check_token_budget(cfg)
-    try:
-        spec.check(cfg.rollout.options)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-    if not check_model:
-        return
-    try:
-        hf = cfg.hf_config()
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"model.path={cfg.model.path!r}: {exc}") from exc
-    try:
-        cfg.parallel.validate_model(num_layers=hf.num_hidden_layers, num_experts=hf.num_experts,
-                                    num_attention_heads=hf.num_attention_heads,
-                                    num_query_groups=hf.num_key_value_heads)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-    if cfg.loss.score_centering and cfg.loss.score_centering_top_k > hf.vocab_size:
-        raise ConfigError(f"loss.score_centering_top_k={cfg.loss.score_centering_top_k} asks the sampler for more of its "
-                          f"most likely tokens than the model's vocabulary holds (vocab_size={hf.vocab_size} in "
-                          f"{cfg.model.path}); set loss.score_centering_top_k <= {hf.vocab_size} (default 32)")
-    if cfg.model.options.routing_replay and not hf.num_experts:
-        raise ConfigError("model.routing_replay=true needs a Mixture-of-Experts model; model.path is dense")
-    if hf.multi_latent_attention and cfg.rollout.spec.weight_quantization(cfg.rollout.options) is not None:
-        # the FP8 weight rules (weights/fp8.py) name grouped-query attention's projections only: the
-        # latent projections would reach an FP8 server unquantized
-        raise ConfigError(f"rollout.{cfg.rollout.engine}.quantization=fp8 is not supported for {hf.architecture} "
-                          "(multi-head latent attention): serve it unquantized")
-    layout = cfg.rollout.quantized_layout(hf)
-    if layout is not None and not layout.ok:
-        # the engine cannot build these quantized layers at its layout (e.g. SGLang's 128-blocks per partition)
-        raise ConfigError(f"rollout.{cfg.rollout.engine}.quantization: " + layout.describe())
-    try:
-        check_megatron_builds(hf)
-    except ValueError as exc:
-        raise ConfigError(f"model.path={cfg.model.path!r}: {exc}") from exc
-    if hf.multi_latent_attention and cfg.parallel.cp > 1:
-        # the context-parallel attention (models/context_attention.py) gathers grouped-query keys and
-        # values; latent attention's query/key and value widths differ and have no CP path yet
-        raise ConfigError(f"parallel.cp={cfg.parallel.cp} is not supported for {hf.architecture} (multi-head latent "
-                          "attention): set parallel.cp=1")
-    _check_context_budget(cfg, hf)
-
-
-def _check_token_budget(cfg: ExperimentConfig) -> None:
-    """The longest sample a rollout can produce must fit one packed micro-batch (its share of one
-    under context parallelism, which needs packed micro-batches)."""
-    from bpo_megatron.trainer.packing import rank_positions
-
-    budget, cp = cfg.trainer.max_tokens_per_micro_batch, cfg.parallel.cp
-    if cp > 1 and not budget:
-        raise ConfigError(f"parallel.cp={cp} splits packed samples over its ranks: set "
-                          "trainer.max_tokens_per_micro_batch (packed micro-batches; under CP it counts one rank's "
-                          "positions)")
-    longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens - 1  # input positions: tokens[:-1]
-    per_rank = rank_positions(longest, cp)
-    if budget and per_rank > budget:
-        share = "" if cp == 1 else f", {per_rank} on each of parallel.cp={cp} ranks"
-        raise ConfigError(
-            f"trainer.max_tokens_per_micro_batch={budget} cannot hold the longest sample: data.max_prompt_tokens="
-            f"{cfg.data.max_prompt_tokens} + rollout.max_new_tokens={cfg.rollout.max_new_tokens} − 1 = {longest} "
-            f"input positions{share}; raise the budget or parallel.cp (each of its ranks holds 1/cp of a sample), "
-            "or lower those limits")
-
-
-def _check_context_budget(cfg: ExperimentConfig, hf: HFModelConfig) -> None:
-    """A prompt and its response must fit the model's positions (training and evaluation)."""
-    budgets = {"rollout.max_new_tokens": cfg.rollout.max_new_tokens}
-    if cfg.eval.every and cfg.eval.max_new_tokens:
-        budgets["eval.max_new_tokens"] = cfg.eval.max_new_tokens
-    for setting, new_tokens in budgets.items():
-        if cfg.data.max_prompt_tokens + new_tokens > hf.max_position_embeddings:
-            raise ConfigError(
-                f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + {setting}={new_tokens} = "
-                f"{cfg.data.max_prompt_tokens + new_tokens} tokens exceed the model's max_position_embeddings="
-                f"{hf.max_position_embeddings} (model.path={cfg.model.path}); lower them")
+    """Cross-section checks (:mod:`bpo_megatron.experiment_rules`, in their order; with
+    ``check_model``, those that read the model's config.json too); the first broken rule is raised,
+    naming the fields to change."""
+    hf = None
+    for rule in RULES:
+        if rule.model and not check_model:
+            continue
+        if rule.model and hf is None:
+            try:
+                hf = cfg.hf_config()
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"model.path={cfg.model.path!r}: {exc}") from exc
+        error = rule.check(cfg, hf) if rule.model else rule.check(cfg)
+        if error is not None:
+            raise RuleBroken(rule.name, error)

@@ -123,3 +123,14 @@ def test_a_key_nothing_documents_is_named():
         pass
 
     assert reference.undocumented([reference.Section("y.", Bare, False, [])]) == ["y (the section's docstring)"]
+
+
+def test_the_page_lists_every_cross_section_rule_with_the_keys_it_reads():
+    from bpo_megatron.experiment_rules import RULES
+
+    page = reference.PAGE.read_text()
+    table = page[page.index("## Cross-section rules"):]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == [rule.name for rule in RULES]
+    for row, rule in zip(rows, RULES, strict=True):
+        assert all(f"`{key}`" in row for key in rule.reads), row

@@ -12,7 +12,8 @@ key. Each engine's own section (``rollout.<engine>``) is its spec's options data
 (``EngineSpec.options``), one per entry of the engine registry. A key counts as documented when
 the comment above its field or at the end of its line says something (a field without one takes
 the comment of an earlier field of its run when that comment names it), or when its section's
-docstring names it in double backquotes.
+docstring names it in double backquotes. The page ends with the cross-section rules
+(``bpo_megatron.experiment_rules.RULES``): each rule's name, the keys it reads and what it asks.
 """
 
 from __future__ import annotations
@@ -269,7 +270,32 @@ def render(all_sections: list[Section] | None = None) -> str:
             lines.append(f"- **`{key.dotted}`** ({type_text(key.hint)}; default `{default_text(key)}`): {text}")
         if section.keys:
             lines.append("")
+    lines += rules_table()
     return "\n".join(lines).rstrip() + "\n"
+
+
+def rules_table() -> list[str]:
+    """The experiment's cross-section rules (``bpo_megatron.experiment_rules.RULES``) as a table, in
+    the order they are checked."""
+    from bpo_megatron.experiment_rules import RULES
+
+    lines = [
+        "## Cross-section rules",
+        "",
+        "What no single section checks: the experiment's rules (`bpo_megatron/experiment_rules.py`), in the order "
+        "`load_experiment`, `train --check` and `plan` apply them. The first one a config breaks is refused (exit 2), "
+        "naming the keys to change and how. A rule marked *model* runs where the model is checked (for a launch: on "
+        "the cluster, not the submitting machine): it reads the model's `config.json` or the trainer's environment. "
+        "`<engine>` is the section of `rollout.engine`.",
+        "",
+        "| rule | reads | asks |",
+        "|---|---|---|",
+    ]
+    for rule in RULES:
+        reads = ", ".join(f"`{key}`" for key in rule.reads)
+        asks = prose(rule.summary).replace("|", "\\|") + (" *model*" if rule.model else "")
+        lines.append(f"| `{rule.name}` | {reads} | {asks} |")
+    return lines + [""]
 
 
 def main(argv: list[str] | None = None) -> int:

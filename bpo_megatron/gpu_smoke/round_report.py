@@ -114,6 +114,19 @@ def gather(out: Path, device: str) -> dict[str, Any]:
     }
 
 
+def layer_specs_line(checks: list[dict[str, Any]]) -> str:
+    """Which trainer layer specs (``model.layer_spec``) the round trained: the kit's trainer_step
+    runs transformer-engine's beside the local spec where transformer-engine is installed."""
+    step = next((c for c in checks if c.get("name") == "trainer_step"), None)
+    if step is None:
+        return "Layer specs trained: none (trainer_step did not run)."
+    if "layer_specs" not in step.get("numbers", {}):
+        return "Layer specs trained: not reported (trainer_step failed first, or predates model.layer_spec)."
+    ran = step["numbers"]["layer_specs"]
+    why = next((note for note in step.get("notes", []) if note.startswith("model.layer_spec=transformer_engine")), "")
+    return f"Layer specs trained (trainer_step): {ran}" + (f"; {why}" if why else "") + "."
+
+
 def to_markdown(report: dict[str, Any]) -> str:
     r = report["round"]
     tests = r["cuda_tests"]
@@ -123,6 +136,7 @@ def to_markdown(report: dict[str, Any]) -> str:
              ""]
     if r["nvidia_smi"]:
         lines += [f"nvidia-smi: {r['nvidia_smi']}", ""]
+    lines += [layer_specs_line(report.get("checks", [])), ""]
     lines += goal_lines(r["goals"], dry_run=r["device"] == "cpu") + [""]
     lines += ["| part | limit (s) | seconds | result | note |", "|---|---|---|---|---|"]
     lines += [f"| {p.get('part')} | {p.get('limit_s')} | {p.get('seconds')} | {_part_result(p)} | "

@@ -21,6 +21,7 @@ from bpo_megatron.data.reward_values import record_of
 from bpo_megatron.data.rewards import REWARDS, reward_fn
 from bpo_megatron.data.tokenizer import load_tokenizer
 from bpo_megatron.eval.avg_at_k import EvalSet, load_eval_sets
+from bpo_megatron.models.options import describe_layer_spec
 from bpo_megatron.loop.run_dir import (RunRefused, RunState, check_config_unchanged, check_model_unchanged,
                                        check_unlocked, checkpoint_root, holds_a_run)
 from bpo_megatron.rollout.agents import Agent, Turn, load_agent
@@ -377,6 +378,7 @@ def summary(plan: RunPlan) -> str:
     else:
         lines.append("starts a new run")
     lines.append(f"training prompts: {plan.prompts.describe()}")
+    lines.append(f"trainer: {describe_layer_spec(cfg.model.options, gpu=cfg.cluster.gpus_per_trainer_rank > 0)}")
     for eval_set in plan.eval_sets:
         lines.append(f"eval set {eval_set.name}: {len(eval_set.prompts)} questions")
     for key, (old, new) in plan.changes.items():

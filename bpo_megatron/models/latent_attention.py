@@ -3,7 +3,7 @@
 Megatron-Core's ``MLASelfAttention`` builds its core attention with ``k_channels`` (a head's query
 and key dims: the part without RoPE, then the rotated part) and ``v_channels`` (a head's value
 dims), which differ; transformer-engine's attention takes both, Megatron's local
-``DotProductAttention`` neither, so MLA on the local spec (CPU, GPUs without TE) needs these. The
+``DotProductAttention`` neither, so MLA on the local spec (``model.layer_spec: local``, CPUs and GPUs) needs these. The
 softmax scale comes from ``MLASelfAttention`` (``1/sqrt(k_channels)`` times YaRN's mscale²), never
 from the head size.
 

@@ -15,6 +15,7 @@ TokenDispatcher = Literal["alltoall", "allgather"]
 ExpertGemm = Literal["grouped", "sequential"]
 CoreAttention = Literal["auto", "fused", "unfused"]
 MoeDispatch = Literal["sorted", "megatron"]
+LayerSpec = Literal["local", "transformer_engine"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -40,6 +41,49 @@ FAST_PATHS: dict[str, tuple[dict[str, str], dict[str, str]]] = {
 def fast_path_options(*, on: bool) -> dict[str, str]:
     """The options that turn every fast path of :data:`FAST_PATHS` on (or off)."""
     return {key: value for paths in FAST_PATHS.values() for key, value in paths[0 if on else 1].items()}
+
+
+_LOCAL_FALLBACK = "or set model.layer_spec=local, the supported path (docs/guide.md#the-trainers-layer-spec)"
+
+
+def layer_spec_device_refusal(layer_spec: LayerSpec, *, gpu: bool) -> str | None:
+    """Why ``model.layer_spec`` cannot run on a trainer with GPUs (``gpu``) or without, naming the
+    fix; None when it can: transformer-engine's runs on GPUs only."""
+    _check_choice("layer_spec", layer_spec, LayerSpec)
+    if layer_spec == "transformer_engine" and not gpu:
+        return ("model.layer_spec=transformer_engine runs on GPUs only and this trainer runs on CPUs "
+                f"(cluster.gpus_per_trainer_rank=0, or no GPU in this process): give its ranks GPUs, {_LOCAL_FALLBACK}")
+    return None
+
+
+def layer_spec_install_refusal(layer_spec: LayerSpec) -> str | None:
+    """Why ``model.layer_spec`` cannot be built in this environment, naming the fix; None when it
+    can: transformer-engine's needs the package (a GPU-only extra)."""
+    _check_choice("layer_spec", layer_spec, LayerSpec)
+    if layer_spec == "transformer_engine" and not platform.has_transformer_engine():
+        return ("model.layer_spec=transformer_engine needs transformer-engine, which this environment does not "
+                "have: install it (pip install -e \".[gpu]\", or tools/gpu/requirements-cluster.txt: "
+                f"docs/gpu-environment.md), {_LOCAL_FALLBACK}")
+    return None
+
+
+def layer_spec_refusal(layer_spec: LayerSpec, *, gpu: bool) -> str | None:
+    """Why ``model.layer_spec`` cannot be built here for a trainer with GPUs (``gpu``) or without;
+    None when it can. The local spec builds everywhere."""
+    return layer_spec_device_refusal(layer_spec, gpu=gpu) or layer_spec_install_refusal(layer_spec)
+
+
+def describe_layer_spec(options: ModelOptions, *, gpu: bool) -> str:
+    """The trainer's decoder modules as ``train --check`` and ``bpo-megatron plan`` state them, for
+    ranks on GPUs (``gpu``) or CPUs."""
+    if options.layer_spec == "transformer_engine":
+        return ("model.layer_spec=transformer_engine: transformer-engine's modules and fused kernels (an optional "
+                "accelerator, not yet validated on a GPU: the GPU kit's trainer_step_te runs it where "
+                "transformer-engine is installed)")
+    attention = local_core_attention(options.attention, gpu=gpu)
+    return (f"model.layer_spec=local: Megatron's torch modules with core attention {attention} "
+            f"(model.attention={options.attention}), experts {options.expert_gemm}, dispatch {options.moe_dispatch} "
+            "(the supported path, validated on GPUs by the GPU kit)")
 
 
 def local_core_attention(choice: CoreAttention, gpu: bool | None = None) -> CoreAttention:
@@ -91,6 +135,13 @@ class ModelOptions:
     # their expert ids, no host sync per layer at EP=1 and only the all-to-all's split sizes at EP>1
     # (models.sorted_dispatch); "megatron": Megatron's dispatchers as they are. Same parameters either way.
     moe_dispatch: MoeDispatch = "sorted"
+    # the decoder's modules: "local": Megatron's torch modules with the fast paths above, the
+    # supported path on CPUs and GPUs (what the tests and the GPU kit validate); "transformer_engine":
+    # transformer-engine's modules and fused kernels (its attention, experts, permutation and fused
+    # router; the three options above then do nothing), an optional accelerator for GPUs with
+    # transformer-engine installed, chosen only here and refused where it cannot run. Same
+    # parameters and checkpoints either way.
+    layer_spec: LayerSpec = "local"
 
     def __post_init__(self) -> None:
         if self.params_dtype is not None:
@@ -100,6 +151,7 @@ class ModelOptions:
         _check_choice("expert_gemm", self.expert_gemm, ExpertGemm)
         _check_choice("attention", self.attention, CoreAttention)
         _check_choice("moe_dispatch", self.moe_dispatch, MoeDispatch)
+        _check_choice("layer_spec", self.layer_spec, LayerSpec)
         if not isinstance(self.routing_replay, bool):
             raise ValueError(f"model.routing_replay={self.routing_replay!r} must be true or false")
         coeff = self.moe_aux_loss_coeff

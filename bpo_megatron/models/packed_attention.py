@@ -2,7 +2,7 @@
 contract of the packed-sequence parameters every local core attention takes.
 
 Megatron-Core's torch ``DotProductAttention`` refuses packed-sequence parameters; transformer-
-engine's attention takes them natively, so only the local spec (CPU, or GPUs without TE) needs
+engine's attention takes them natively, so only the local spec (``model.layer_spec: local``, CPUs and GPUs) needs
 this. Given ``thd`` parameters, ``Attention.forward`` hands core attention queries ``[t, heads, d]``
 and keys and values ``[t, query groups, d]`` of all packed samples; each segment between two
 ``cu_seqlens`` bounds is one sample, attended to causally on its own by the parent's own

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from bpo_megatron import platform
 from bpo_megatron.models.hf_config import HFModelConfig
-from bpo_megatron.models.options import CoreAttention, ExpertGemm, ModelOptions, MoeDispatch, local_core_attention
+from bpo_megatron.models.options import (CoreAttention, ExpertGemm, LayerSpec, ModelOptions, MoeDispatch,
+                                         layer_spec_refusal, local_core_attention)
 from bpo_megatron.parallel.config import ParallelConfig
 
 if TYPE_CHECKING:
@@ -31,10 +32,16 @@ if TYPE_CHECKING:
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 
-def uses_transformer_engine() -> bool:
-    """The one switch between transformer-engine modules and kernels (GPU) and Megatron's own
-    torch modules (CPU). Every TE-or-local choice of the model goes through it."""
-    return platform.has_cuda() and platform.has_transformer_engine()
+def uses_transformer_engine(layer_spec: LayerSpec) -> bool:
+    """The one switch between transformer-engine's modules and kernels and Megatron's own torch
+    modules: ``model.layer_spec``, chosen explicitly (the local spec unless it names
+    transformer-engine; never picked for being installed). Every TE-or-local choice of the model
+    goes through it; a transformer-engine spec this process cannot run is refused, naming the
+    setting."""
+    refusal = layer_spec_refusal(layer_spec, gpu=platform.has_cuda())
+    if refusal is not None:
+        raise ValueError(refusal)
+    return layer_spec == "transformer_engine"
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -93,7 +100,7 @@ def transformer_config(
         num_attention_heads=hf.num_attention_heads,
         num_query_groups=hf.num_key_value_heads,
     )
-    te = uses_transformer_engine()
+    te = uses_transformer_engine(options.layer_spec)
     config_class = MLATransformerConfig if hf.multi_latent_attention else TransformerConfig
     return config_class(
         num_layers=hf.num_hidden_layers,
@@ -233,9 +240,11 @@ def _router_fields(hf: HFModelConfig) -> dict[str, object]:
 
 
 def layer_spec(hf: HFModelConfig, config: TransformerConfig, *, attention: CoreAttention = "auto",
-               experts: ExpertGemm = "grouped", dispatch: MoeDispatch = "sorted") -> TransformerBlockSubmodules:
-    """The decoder's module spec: transformer-engine modules on GPUs with TE, Megatron's local
-    torch modules otherwise, with the local core attention ``attention`` names
+               experts: ExpertGemm = "grouped", dispatch: MoeDispatch = "sorted",
+               transformer_engine: bool = False) -> TransformerBlockSubmodules:
+    """The decoder's module spec: transformer-engine's modules with ``transformer_engine``
+    (:func:`uses_transformer_engine` of ``model.layer_spec``, as ``config`` was made), Megatron's
+    local torch modules otherwise, with the local core attention ``attention`` names
     (:func:`~bpo_megatron.models.options.local_core_attention`: ``"fused"``, torch's fused kernels,
     :class:`~bpo_megatron.models.fused_attention.FusedDotProductAttention`; ``"unfused"``,
     Megatron's extended to packed sequences,
@@ -258,7 +267,7 @@ def layer_spec(hf: HFModelConfig, config: TransformerConfig, *, attention: CoreA
     attention = local_core_attention(attention)
     if dispatch not in ("sorted", "megatron"):
         raise ValueError(f"layer_spec: dispatch={dispatch!r} must be 'sorted' or 'megatron'")
-    te = uses_transformer_engine()
+    te = transformer_engine
     # normalization="RMSNorm" makes the local spec use torch.nn.RMSNorm (WrappedTorchNorm) for
     # the layer and QK norms; TE's norms read config.normalization themselves.
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
@@ -421,7 +430,8 @@ def build_gpt_model(
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(hf, config, attention=options.attention,
-                                          experts=options.expert_gemm, dispatch=options.moe_dispatch),
+                                          experts=options.expert_gemm, dispatch=options.moe_dispatch,
+                                          transformer_engine=uses_transformer_engine(options.layer_spec)),
         vocab_size=model_vocab_size(hf, parallel, options),
         max_sequence_length=hf.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage() if pre_process is None else pre_process,
@@ -440,7 +450,7 @@ def build_gpt_model(
     for param in model.parameters():
         if param.dtype != options.torch_dtype:
             param.data = param.data.to(options.torch_dtype)
-    if hf.multi_latent_attention and not uses_transformer_engine() and platform.has_cuda():
+    if hf.multi_latent_attention and not uses_transformer_engine(options.layer_spec) and platform.has_cuda():
         # the local spec's duplicated down projections are torch Linears, made on the host
         model.to(platform.device())
     return model

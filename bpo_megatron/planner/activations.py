@@ -89,7 +89,7 @@ layer's full set is added once. The MoE dispatch adds the dispatched and the com
 ``2 · b · k · h / tp`` per token, live for one layer at a time (not kept for backward, so not
 measured).
 
-Transformer-engine (the spec on GPUs with TE) is assumed to keep no more than this: its norms are
+Transformer-engine's spec (``model.layer_spec: transformer_engine``) is assumed to keep no more than this: its norms are
 fused into the following linear (input, rstd and the normalised output it multiplies), its fused
 RoPE keeps no cos and sin, its attention keeps q, k, v, the output and the log-sum-exp as flash
 attention does here, and its grouped experts keep no weight copy; the plan's figure is an upper

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bpo_megatron.models.options import describe_layer_spec
 from bpo_megatron.planner.layout import Allocation
 from bpo_megatron.planner.plan import (RESERVED_BYTES, Plan, StagePlan, largest_budget, longest_sample, longest_share,
                                        suggested_context_parallelism)
@@ -63,6 +64,7 @@ def _header(plan: Plan) -> list[str]:
         f"etp {p.expert_tp} (expert dp {plan.expert_dp}); sequence parallel {'on' if p.sequence_parallel else 'off'}; "
         f"recompute {cfg.model.options.recompute}; {_DTYPE_NAMES[plan.precision.param_bytes]} weights, {optimizer}",
         f"         {_micro_batches(plan)}",
+        f"         {describe_layer_spec(cfg.model.options, gpu=a.gpus_per_node > 0)}",
     ]
     if p.cp > 1:
         lines.append(f"         context parallel: each sample split over cp {p.cp} ranks (2 × {p.cp} chunks, one from "

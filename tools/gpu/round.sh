@@ -12,6 +12,10 @@
 #   3. cuda_tests   the CUDA-only tests (the test files with a CUDA skip, the tests named for CUDA)
 #   4. kit (rest)   KIT_REST: every other check of the kit, most changed first
 #
+# The trainer's layer spec: the kit trains the local spec (model.layer_spec: local, the supported path);
+# trainer_step trains transformer-engine's beside it where transformer-engine is installed here, and
+# the round prints and reports which specs it trained ("[round] layer specs trained: ...").
+#
 # Budgets (seconds, caps) from the last run (docs/gpu-validation/h200-2026-11-28*.md; the table in
 # docs/gpu-validation.md, "The next GPU visit"). Compile caches (TORCHINDUCTOR_CACHE_DIR,
 # TRITON_CACHE_DIR) live under OUT/compile-cache while the round runs, so every check's process and
@@ -66,8 +70,9 @@ CUDA_TESTS="${CUDA_TESTS:-1}"
 KIT_GOALS=${KIT_GOALS-rl_loop,train_fast_paths,rollout_decode}
 KIT_REST=${KIT_REST-trainer_offload,ipc_weights,driver_payloads,trainer_step,engine_replay,fp8_rollout,rl_throughput,logprobs_kernel}
 # each check's cap: measured on 2026-11-28 (H200) plus what this round adds, with room (a slow CPU's dry
-# run may pass larger ones: KIT_BUDGETS=rl_loop=600,...)
-KIT_BUDGETS=${KIT_BUDGETS:-rl_loop=240,train_fast_paths=95,rollout_decode=100,trainer_offload=30,ipc_weights=30,driver_payloads=40,trainer_step=25,engine_replay=25,fp8_rollout=30,rl_throughput=55,logprobs_kernel=20}
+# run may pass larger ones: KIT_BUDGETS=rl_loop=600,...); trainer_step's covers a second actor, transformer-
+# engine's layer spec, where transformer-engine is installed
+KIT_BUDGETS=${KIT_BUDGETS:-rl_loop=240,train_fast_paths=95,rollout_decode=100,trainer_offload=30,ipc_weights=30,driver_payloads=40,trainer_step=45,engine_replay=25,fp8_rollout=30,rl_throughput=55,logprobs_kernel=20}
 
 T0=$(date +%s)
 left() { echo $((ROUND_S - ($(date +%s) - T0))); }
@@ -151,7 +156,7 @@ fi
 # this work tree first (the driver, the kit's checks and Ray's workers import the same code)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 imports=$("$PY" -c "import importlib.metadata as m
-for p in ('megatron-core', 'transformers', 'ray', 'jsonschema', 'math-verify'):
+for p in ('megatron-core', 'transformer-engine', 'transformers', 'ray', 'jsonschema', 'math-verify'):
     try: print(p, m.version(p), end='; ')
     except m.PackageNotFoundError: print(p, 'missing', end='; ')" 2>&1 | sed 's/; $//')
 record install "$INSTALL_S" $(($(date +%s) - start)) "$status" "${#wheels[@]} wheels into $SITE; $note; $imports; $cache_note"
@@ -195,6 +200,16 @@ fi
 
 # ---- 4. the rest of the kit
 kit kit-rest "$KIT_REST"
+# which trainer layer specs ran: trainer_step trains transformer-engine's beside the local spec where
+# transformer-engine is installed here (without it, the local spec alone); the report says so too
+specs=$("$PY" -c "import json, sys
+for part in ('kit', 'kit-rest'):
+    try: checks = json.load(open(f'$OUT/{part}/report.json'))['checks']
+    except (OSError, ValueError, KeyError): continue
+    for c in checks:
+        if c['name'] == 'trainer_step': print(c['numbers'].get('layer_specs', '?')); sys.exit()
+print('none (trainer_step did not run)')" 2>/dev/null)
+echo "[round] layer specs trained: ${specs:-unknown}"
 
 # ---- the report to commit, and what it was built from in one archive beside it
 "$PY" -m bpo_megatron.gpu_smoke.round_report "$OUT" --device "$DEVICE"
