@@ -10,7 +10,7 @@ tensors (the decoder layer's fused as SGLang fuses them: ``fused_qkv_a_proj_with
 same with or without the MTP tensors in the call; and the draft, given what a weight sync sends (the main
 model's tensors, new values), keeps every parameter, while new values of the MTP layer's own tensors change
 every one (the control). The stub of ``vllm._custom_ops`` is the one
-``test_deepseek_weight_buckets.py`` explains. Needs SGLang's environment (``bash tools/setup.sh --sglang``);
+``sglang_cpu.py`` explains. Needs SGLang's environment (``bash tools/setup.sh --sglang``);
 skips without it.
 """
 
@@ -24,6 +24,7 @@ import pytest
 
 from bpo_megatron.platform import free_port
 from bpo_megatron.testing.models import deepseek_v3_config, random_checkpoint_with_mtp
+from sglang_cpu import ONE_RANK_CPU
 
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
@@ -31,28 +32,11 @@ SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
 pytestmark = pytest.mark.skipif(not SGLANG_PYTHON.exists(),
                                 reason="SGLang's environment is missing: bash tools/setup.sh --sglang")
 
-LOAD_DRAFT_AND_TARGET = r"""
-import json, sys, types
+LOAD_DRAFT_AND_TARGET = ONE_RANK_CPU + r"""
 from pathlib import Path
-import torch
-
-vllm, ops = types.ModuleType("vllm"), types.ModuleType("vllm._custom_ops")
-ops.rotary_embedding, vllm._custom_ops = None, ops
-sys.modules.update({"vllm": vllm, "vllm._custom_ops": ops})
-
 from safetensors.torch import load_file
-from transformers import AutoConfig
-from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
-from sglang.srt.runtime_context import get_parallel, publish
-from sglang.srt.server_args import ServerArgs
 
-config_dir, weights_dir, out_file, port = sys.argv[1:5]
-publish(ServerArgs(model_path=config_dir, device="cpu", tp_size=1, skip_tokenizer_init=True), role="scheduler")
-init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                             distributed_init_method=f"tcp://127.0.0.1:{port}")
-initialize_model_parallel(backend="gloo")
-get_parallel().override_permanently(tp_rank=0, moe_ep_rank=0, moe_tp_rank=0, pp_rank=0, attn_tp_rank=0,
-                                    attn_dp_rank=0)
+config_dir, weights_dir, out_file = model_dir, sys.argv[2], sys.argv[3]
 from sglang.srt.models.deepseek_nextn import DeepseekV3ForCausalLMNextN
 from sglang.srt.models.deepseek_v2 import DeepseekV3ForCausalLM
 
