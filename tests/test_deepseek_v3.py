@@ -212,30 +212,6 @@ def test_pp2_tp2_round_trip_with_a_plain_query_projection(deepseek_models, tmp_p
     _check_export(checkpoint, tmp_path / "hf", hf_dir, ref, parallel=ParallelConfig(pp=2))
 
 
-def test_multi_token_prediction_layers_are_ignored_on_import(deepseek_models, tmp_path) -> None:
-    """A checkpoint with DeepSeek-V3's multi-token-prediction layer (``num_nextn_predict_layers=1``: its
-    tensors under ``model.layers.{num_hidden_layers}``) converts to the main model, with transformers'
-    logits; the export has the main model's tensors only."""
-    from safetensors.torch import load_file, save_file
-
-    hf_dir, ref = deepseek_models["q_lora"]
-    mtp_dir = tmp_path / "with_mtp"
-    mtp_dir.mkdir()
-    tensors = load_file(hf_dir / "model.safetensors")
-    generator = torch.Generator().manual_seed(5)
-    extra = {name.replace("model.layers.2.", "model.layers.3."): torch.randn(t.shape, generator=generator)
-             for name, t in tensors.items() if name.startswith("model.layers.2.")}
-    extra["model.layers.3.eh_proj.weight"] = torch.randn(64, 128, generator=generator)
-    extra["model.layers.3.enorm.weight"] = torch.randn(64, generator=generator)
-    save_file({**tensors, **extra}, mtp_dir / "model.safetensors", metadata={"format": "pt"})
-    write_config(deepseek_dict(num_nextn_predict_layers=1), mtp_dir)
-    (mtp_dir / "tokenizer.json").write_text('{"version": "1.0"}')
-    checkpoint = convert_hf_to_mcore(mtp_dir, tmp_path / "ckpt", parallel=ParallelConfig(ep=2),
-                                     progress=False, timeout=TIMEOUT)
-    _check_megatron_logits(checkpoint, {"ep": 2}, 2, ref)
-    _check_export(checkpoint, tmp_path / "hf", hf_dir, ref, parallel=ParallelConfig(ep=2))
-
-
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
 def test_a_checkpoint_with_more_experts_than_its_config_is_refused_naming_them(family, tmp_path) -> None:
     """A DeepSeek-V3 or GLM-4.5 checkpoint whose weights hold 10 experts per MoE layer (the routers' 8 rows) under a

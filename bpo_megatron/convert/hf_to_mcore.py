@@ -4,7 +4,8 @@ Everything that can be checked from file headers is checked first, in this proce
 parses, the layout fits the model, and every tensor exists with its expected shape. Then a local
 gloo world of the layout's size builds the model, each rank reads only its own slices, and the
 ranks save a trainer checkpoint (``root/latest`` → ``step-00000000``, model only, with the HF
-config in ``trainer_state.json``). It loads into ``TrainActor.load`` under any layout.
+config in ``trainer_state.json``, and the multi-token-prediction layers carried beside it in
+``mtp/``: :mod:`bpo_megatron.weights.mtp`). It loads into ``TrainActor.load`` under any layout.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from bpo_megatron.convert.world import (
 from bpo_megatron.models import HFModelConfig, ModelOptions
 from bpo_megatron.parallel import ParallelConfig, layout_record
 from bpo_megatron.weights.load import load_hf_weights
+from bpo_megatron.weights.mtp import MtpLayers, config_with_layers, find_in_checkpoint
 from bpo_megatron.weights.names import check_hf_checkpoint, hf_tensor_shapes
 from bpo_megatron.weights.safetensors_io import HFWeightsReader
 
@@ -71,14 +73,16 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, *,
     parallel.validate_world(world)
     with HFWeightsReader(hf_dir) as reader:
         raw = _checked_config_dict(hf, reader)
+        mtp = find_in_checkpoint(reader, hf)
+    raw = config_with_layers(raw, hf, mtp, where=f"the checkpoint in {hf_dir}")
     with staged_output(out, overwrite=overwrite) as staging:
         run_gloo_world(_convert_rank, world, str(Path(hf_dir).resolve()), str(staging), parallel,
-                       options or ModelOptions(), raw, progress, timeout=timeout)
+                       options or ModelOptions(), raw, mtp, progress, timeout=timeout)
     return Path(out)
 
 
 def _convert_rank(hf_dir: str, root: str, parallel: ParallelConfig, options: ModelOptions,
-                  raw: dict, progress: bool) -> int:
+                  raw: dict, mtp: MtpLayers | None, progress: bool) -> int:
     from bpo_megatron.trainer import checkpoint
 
     hf = HFModelConfig.load(raw)
@@ -86,6 +90,7 @@ def _convert_rank(hf_dir: str, root: str, parallel: ParallelConfig, options: Mod
     count = load_hf_weights(model, hf, hf_dir, progress=progress and dist.get_rank() == 0)
     state = {"actor_step": 0, "hf_config": raw, "converted_from": hf_dir}
     checkpoint.save(root, 0, model, None, state,
-                    layout=layout_record(parallel, dist.get_world_size()))
+                    layout=layout_record(parallel, dist.get_world_size()),
+                    beside=mtp.write if mtp is not None else None)
     tear_down()
     return count

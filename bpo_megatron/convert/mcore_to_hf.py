@@ -2,9 +2,10 @@
 
 A local gloo world (world size 1 by default; pass a layout to spread the model over processes)
 loads the checkpoint, and :func:`~bpo_megatron.weights.gather.iter_hf_weights` streams the
-Hugging Face tensors to rank 0, which writes them into size-bounded shards as they arrive. The
+Hugging Face tensors to rank 0, which writes them into size-bounded shards as they arrive, then
+the multi-token-prediction layers the checkpoint carries (:mod:`bpo_megatron.weights.mtp`). The
 config written is the one stored in the checkpoint, or ``hf_config`` after checking it describes
-the same network.
+the same network, counting the multi-token-prediction layers written.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from bpo_megatron.convert.world import (
 )
 from bpo_megatron.models import HFModelConfig, ModelOptions
 from bpo_megatron.parallel import ParallelConfig, layout_record
+from bpo_megatron.weights import mtp
 from bpo_megatron.weights.gather import iter_hf_weights
 from bpo_megatron.weights.names import hf_tensor_shapes
 from bpo_megatron.weights.safetensors_io import DEFAULT_MAX_SHARD_BYTES, ShardedSafetensorsWriter
@@ -79,9 +81,10 @@ def convert_mcore_to_hf(ckpt: str | Path, out: str | Path, *, hf_config: str | P
     if tokenizer_dir is None and hf_config is not None and Path(hf_config).is_dir():
         tokenizer_dir = hf_config
     world = world_size_for(parallel)
-    raw = hf.to_hf_dict()
+    carried = mtp.carried_in(directory)
+    raw = mtp.config_with_layers(hf.to_hf_dict(), hf, carried, where=f"checkpoint {directory}")
     with staged_output(out, overwrite=overwrite) as staging:
-        run_gloo_world(_export_rank, world, str(directory), str(staging), parallel, raw,
+        run_gloo_world(_export_rank, world, str(directory), str(staging), parallel, raw, carried,
                        max_shard_bytes, progress, timeout=timeout)
         (staging / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
         if tokenizer_dir is not None:
@@ -90,7 +93,7 @@ def convert_mcore_to_hf(ckpt: str | Path, out: str | Path, *, hf_config: str | P
 
 
 def _export_rank(directory: str, staging: str, parallel: ParallelConfig, raw: dict,
-                 max_shard_bytes: int, progress: bool) -> int | None:
+                 carried: mtp.MtpLayers | None, max_shard_bytes: int, progress: bool) -> int | None:
     from tqdm import tqdm
 
     from bpo_megatron.trainer import checkpoint
@@ -103,10 +106,15 @@ def _export_rank(directory: str, staging: str, parallel: ParallelConfig, raw: di
     model.eval()
     writing = dist.get_rank() == 0
     writer = ShardedSafetensorsWriter(staging, max_shard_bytes) if writing else None
-    with tqdm(total=len(hf_tensor_shapes(hf)), desc="writing HF tensors", unit="tensor",
+    extra = carried.names if carried is not None else ()
+    with tqdm(total=len(hf_tensor_shapes(hf)) + len(extra), desc="writing HF tensors", unit="tensor",
               disable=None if progress and writing else True) as bar:
         for name, tensor in iter_hf_weights(model, hf, dtype=_EXPORT_DTYPES[hf.weights_dtype]):
             writer.add(name, tensor)
             bar.update()
+        if writing and carried is not None:  # after the main model, as they came (their own dtype)
+            for name, tensor in carried.tensors():
+                writer.add(name, tensor)
+                bar.update()
     tear_down()
     return len(writer.close()["weight_map"]) if writer else None

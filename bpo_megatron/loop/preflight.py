@@ -247,13 +247,16 @@ def check_initial_weights(cfg, hf) -> None:
 
 def check_pretrained_weights(cfg, hf) -> None:
     """A run that starts from ``model.path``'s weights: every file readable (not cut short) and
-    every tensor there with the shape its config.json implies, and no expert it does not count."""
+    every tensor there with the shape its config.json implies, no expert it does not count, and its
+    multi-token-prediction layers (carried into the run's checkpoints) whole and counted."""
+    from bpo_megatron.weights.mtp import find_in_checkpoint
     from bpo_megatron.weights.names import check_hf_checkpoint
     from bpo_megatron.weights.safetensors_io import HFWeightsReader
 
     try:
         with HFWeightsReader(cfg.model.path) as reader:
             check_hf_checkpoint(reader, hf)
+            find_in_checkpoint(reader, hf)
     except (OSError, ValueError) as exc:
         raise RunRefused(f"model.path={cfg.model.path}: {exc}") from exc
 

@@ -51,6 +51,9 @@ class ModelFamily:
     rotary_default: float = 1.0
     embedded_decode: bool = True
     rope_scalings: tuple[str, ...] = ()  # RoPE scalings (rope_type) the family's Megatron counterpart reproduces
+    # the config.json field counting the family's multi-token-prediction layers (None: it has none);
+    # they are carried beside the model, never trained (bpo_megatron.weights.mtp)
+    mtp_layers_field: str | None = None
 
 
 def _nonnegative_number(name: str, value: Any) -> None:
@@ -176,7 +179,8 @@ def _sigmoid_moe_fields(hf: HFModelConfig) -> dict[str, Any]:
             "norm_topk_prob": hf.norm_topk_prob, "first_k_dense_replace": hf.first_k_dense_replace,
             "routed_scaling_factor": hf.routed_scaling_factor, "n_group": hf.n_group,
             "topk_group": hf.topk_group,
-            # the multi-token-prediction layers transformers does not build; none are exported
+            # a config built without a config.json carries no multi-token-prediction layers; an export
+            # writes the count it carries (bpo_megatron.weights.mtp)
             "num_nextn_predict_layers": 0}
 
 
@@ -284,12 +288,13 @@ FAMILIES: dict[str, ModelFamily] = {family.model_type: family for family in (
                 hf_fields=_qwen3_moe_fields),
     ModelFamily("glm4_moe", "Glm4MoeForCausalLM", moe=True, required=_SIGMOID_MOE_REQUIRED,
                 parse=_glm4_moe_parse, check=_glm4_moe_check, moe_layers=_sigmoid_moe_layers,
-                hf_fields=_glm4_moe_fields, rotary_default=0.5),
-    # the multi-token-prediction layers (num_nextn_predict_layers) are not part of the model: RL trains
-    # and samples the main model only, and transformers builds none either
+                hf_fields=_glm4_moe_fields, rotary_default=0.5, mtp_layers_field="num_nextn_predict_layers"),
+    # the multi-token-prediction layers (num_nextn_predict_layers) are not part of the Megatron model: RL
+    # trains and samples the main model only (transformers builds none either); their tensors travel
+    # beside it through conversion and checkpoints (bpo_megatron.weights.mtp)
     ModelFamily("deepseek_v3", "DeepseekV3ForCausalLM", moe=True, required=_SIGMOID_MOE_REQUIRED + _MLA_REQUIRED,
                 parse=_deepseek_v3_parse, check=_deepseek_v3_check, moe_layers=_sigmoid_moe_layers,
-                hf_fields=_deepseek_v3_fields, rope_scalings=("yarn",)),
+                hf_fields=_deepseek_v3_fields, rope_scalings=("yarn",), mtp_layers_field="num_nextn_predict_layers"),
 )}
 
 

@@ -73,11 +73,7 @@ class TrainWorker:
         return ranks.dp, ranks.dp_size, self.actor.returns_share_results
 
     def load_hf(self, directory: str) -> int:
-        from bpo_megatron.weights.load import load_hf_weights
-
-        loaded = load_hf_weights(self.actor.model, self.hf, directory)
-        self.actor.reload_optimizer_params()
-        return loaded
+        return self.actor.load_hf(directory)
 
     def set_learning_rate(self, lr: float) -> None:
         self.actor.set_learning_rate(lr)

@@ -104,6 +104,49 @@ def random_checkpoint(config, out: str | Path, *, seed: int) -> Path:
     return Path(out)
 
 
+def random_checkpoint_with_mtp(config: dict[str, Any], out: Path, *, seed: int, repeat_head: bool) -> Path:
+    """A random checkpoint of ``config`` (a GLM-4.5 or DeepSeek-V3 ``config.json`` dict counting
+    ``num_nextn_predict_layers``) with its multi-token-prediction layers, laid out as released
+    checkpoints are: the main model in one shard, the MTP layers (``model.layers.{num_hidden_layers + i}``)
+    in another, and the index. transformers builds no MTP layer, so each one's decoder layer is the
+    last layer of a transformers model with one more layer (its names as transformers saves them);
+    ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm`` are drawn like the model's norms and
+    projections. ``repeat_head``: the layer repeats the embedding and output head (DeepSeek-V3's do)."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    first, count = config["num_hidden_layers"], config["num_nextn_predict_layers"]
+    random_checkpoint(write_config(config, out) / "config.json", out, seed=seed)
+    main = load_file(str(out / "model.safetensors"))
+    generator = torch.Generator().manual_seed(seed + 1)
+    hidden = config["hidden_size"]
+    extra: dict[str, torch.Tensor] = {}
+    for i in range(count):
+        layer = first + i
+        with tempfile.TemporaryDirectory() as scratch:
+            longer = write_config({**config, "num_hidden_layers": layer + 1, "num_nextn_predict_layers": 0},
+                                  Path(scratch))
+            random_checkpoint(longer / "config.json", longer, seed=seed + 2 + i)
+            prefix = f"model.layers.{layer}."
+            extra.update((name, t) for name, t in load_file(str(longer / "model.safetensors")).items()
+                         if name.startswith(prefix))
+        for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+            extra[prefix + name] = 1.0 + 0.1 * torch.randn(hidden, generator=generator)
+        extra[prefix + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=generator) / math.sqrt(2 * hidden)
+        if repeat_head:
+            extra[prefix + "embed_tokens.weight"] = main["model.embed_tokens.weight"].clone()
+            extra[prefix + "shared_head.head.weight"] = main["lm_head.weight"].clone()
+    (out / "model.safetensors").unlink()
+    shards = {"model-00001-of-00002.safetensors": main, "model-00002-of-00002.safetensors": extra}
+    for file, tensors in shards.items():
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": sum(t.nbytes for part in shards.values() for t in part.values())},
+             "weight_map": {name: file for file, tensors in shards.items() for name in sorted(tensors)}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return out
+
+
 def spread_weights_(model) -> None:
     """Re-initialise a transformers model in place (torch's global generator) so that logits
     (~N(0, 2²)) and router scores (~N(0, 4²)) stay far from uniform: a wrong position, mask or

@@ -35,6 +35,7 @@ from bpo_megatron.trainer.packing import PackedMicroBatch, pack
 from bpo_megatron.trainer.replay import RoutingReplay
 from bpo_megatron.trainer.samples import MicroBatch, TrainSample, chunk, collate
 from bpo_megatron.trainer.shares import Shares, check_batch, prepare_shares
+from bpo_megatron.weights import mtp
 from bpo_megatron.weights.export import export_weights
 from bpo_megatron.weights.flat_bucket import FlatBucket
 from bpo_megatron.weights.gather import ExportPlan
@@ -130,6 +131,9 @@ class TrainActor:
         self._export_plan: ExportPlan | None = None
         # the pinned host buffer exported weights pass through on their way to host memory
         self._staging: HostStaging | None = None
+        # the multi-token-prediction layers the weights came with (never trained: each save carries
+        # them on from where they are, bpo_megatron.weights.mtp), set where the weights are loaded
+        self._mtp: mtp.MtpLayers | None = None
 
     # ------------------------------------------------------------------------------------ API
     @property
@@ -291,15 +295,22 @@ class TrainActor:
         if self._offload.offloaded:
             raise RuntimeError("the trainer's memory is offloaded (engines hold the device): call onload() "
                                "before save()")
-        # the HF config travels with the weights, so the checkpoint can be exported to HF alone
-        state = {"actor_step": self.step, "hf_config": self.hf.to_hf_dict(), **(trainer_state or {})}
+        # the HF config travels with the weights, so the checkpoint can be exported to HF alone; it
+        # counts the multi-token-prediction layers the checkpoint carries
+        hf_config = mtp.config_with_layers(self.hf.to_hf_dict(), self.hf, self._mtp,
+                                           where="the weights this trainer loaded")
+        state = {"actor_step": self.step, "hf_config": hf_config, **(trainer_state or {})}
         self._offload.before_save()
         if not background:
             self.saves.waited_s = self._timed_finish("a blocking save starts")
         try:
-            return str(checkpoint.save(root, self.step if step is None else step, self.model, self.optimizer,
-                                       state, layout=self._layout(), keep_last=keep_last,
-                                       background=self.saves if background else None))
+            saved = checkpoint.save(root, self.step if step is None else step, self.model, self.optimizer,
+                                    state, layout=self._layout(), keep_last=keep_last,
+                                    background=self.saves if background else None,
+                                    beside=self._mtp.write if self._mtp is not None else None)
+            if self._mtp is not None:  # the next save links them from this one (published before it starts)
+                self._mtp = mtp.MtpLayers(saved / mtp.CARRIED_DIR, self._mtp.names, self._mtp.layers)
+            return str(saved)
         finally:
             if not self.saves.in_flight:
                 release_host_cache()  # the pinned copies the writer staged the weights in
@@ -331,7 +342,19 @@ class TrainActor:
         meta = checkpoint.load(path, self.model, self.optimizer if load_optimizer else None,
                                layout=self._layout(), verify=verify)
         self.step = int(meta.get("actor_step", meta["step"]))
+        self._mtp = mtp.carried_in(checkpoint.resolve(path))
         return meta
+
+    def load_hf(self, directory: str) -> int:
+        """Set the model's weights from a Hugging Face checkpoint directory (any layout; its
+        multi-token-prediction layers, if any, are carried into this trainer's checkpoints);
+        returns how many tensors were read."""
+        from bpo_megatron.weights.load import load_hf_weights
+
+        count = load_hf_weights(self.model, self.hf, directory)
+        self.reload_optimizer_params()
+        self._mtp = mtp.find_in_hf_dir(directory, self.hf)
+        return count
 
     def export_weights(self, bucket_bytes: int, *, dtype: torch.dtype | None = None, host: bool = False,
                        all_ranks: bool = False, views: bool = False

@@ -5,6 +5,8 @@ Layout under a checkpoint root::
     root/latest                  name of the newest complete checkpoint ("step-00000012")
     root/step-00000012/          Megatron dist_checkpointing of {"model", "optimizer"}
         trainer_state.json       step, data cursor and anything else the caller passes
+        mtp/                     multi-token-prediction layers carried beside the model, if any
+                                 (Hugging Face safetensors, bpo_megatron.weights.mtp)
         rng/rank-00003.pt        this rank's RNG states (restored only under the same layout)
         checksums.json           size and SHA-256 of every other file
     root/.partial-step-00000013  a save in progress; never read
@@ -360,12 +362,16 @@ def check_checkpoint_writer() -> None:
 
 
 def save(root: str | Path, step: int, model: torch.nn.Module, optimizer, trainer_state: dict[str, Any],
-         *, layout: dict[str, int], keep_last: int | None = None, background: BackgroundSaves | None = None) -> Path:
+         *, layout: dict[str, int], keep_last: int | None = None, background: BackgroundSaves | None = None,
+         beside: Callable[[Path], None] | None = None) -> Path:
     """Collectively save ``model`` (the unwrapped GPTModel chunk) and ``optimizer`` (every rank calls).
 
     With ``background`` the save returns once the tensors are staged and is published later
     (:meth:`BackgroundSaves.poll`, :meth:`BackgroundSaves.finish`); the directory returned exists
-    only then. A save still in flight is finished first.
+    only then. A save still in flight is finished first. ``beside`` writes files that travel with
+    the model but are not its parameters (the multi-token-prediction layers,
+    :mod:`bpo_megatron.weights.mtp`) into the step directory: rank 0 calls it before returning,
+    and they are checksummed and published with the rest.
     """
     from megatron.core import dist_checkpointing
 
@@ -388,6 +394,8 @@ def save(root: str | Path, step: int, model: torch.nn.Module, optimizer, trainer
     dist.barrier()
     request = dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False)[0], str(partial),
                                       async_sharded_save=background is not None, **_async_writer(dist_checkpointing.save))
+    if beside is not None and rank == 0:
+        beside(partial)
     # the RNG and trainer state of this step, written now: the step saved is this one
     (partial / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), partial / "rng" / f"rank-{rank:05d}.pt")

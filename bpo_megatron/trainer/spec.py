@@ -48,11 +48,9 @@ class TrainerSpec:
     def build(self) -> "TrainActor":
         """This rank's actor, in the current torch.distributed world (every rank calls it)."""
         from bpo_megatron.trainer.actor import TrainActor
-        from bpo_megatron.weights.load import load_hf_weights
 
         actor = TrainActor(self.hf, parallel=self.parallel, model=self.model, loss=self.loss,
                            optimizer=self.optimizer, trainer=self.trainer)
         if self.weights is not None:
-            load_hf_weights(actor.model, self.hf, self.weights)
-            actor.reload_optimizer_params()
+            actor.load_hf(self.weights)
         return actor

@@ -273,16 +273,35 @@ def _applies(rule: WeightRule, hf: HFModelConfig, layer_is_moe: bool) -> bool:
                                     "expert": layer_is_moe}[rule.scope]
 
 
+def decoder_layer_keys(hf: HFModelConfig, layer: int, *, moe: bool) -> list[WeightKey]:
+    """The weights of decoder layer ``layer`` (a Mixture-of-Experts layer or a dense one), in
+    Hugging Face order."""
+    keys: list[WeightKey] = []
+    for rule in RULES:
+        if _PHASE[rule.scope] != 1 or not _applies(rule, hf, moe):
+            continue
+        experts = range(hf.num_experts) if rule.is_expert else (-1,)
+        keys.extend((rule.name, layer, expert) for expert in experts)
+    return keys
+
+
+def keys_shapes(hf: HFModelConfig, keys: list[WeightKey]) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face tensors of ``keys`` and their shapes, in order."""
+    dims = model_dims(hf)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, layer, expert in keys:
+        rule = RULES_BY_NAME[name]
+        shapes.update(zip(rule.hf_names(layer, expert), rule.hf_shapes(dims)))
+    return shapes
+
+
 def expected_keys(hf: HFModelConfig) -> list[WeightKey]:
-    """Every weight the model has, in Hugging Face order; the output layer only when untied."""
+    """Every weight the model has, in Hugging Face order; the output layer only when untied. The
+    multi-token-prediction layers are not the model's (:mod:`bpo_megatron.weights.mtp`)."""
     keys: list[WeightKey] = [("embedding", -1, -1)]
     moe_layers = set(hf.moe_layers)
     for layer in range(hf.num_hidden_layers):
-        for rule in RULES:
-            if _PHASE[rule.scope] != 1 or not _applies(rule, hf, layer in moe_layers):
-                continue
-            experts = range(hf.num_experts) if rule.is_expert else (-1,)
-            keys.extend((rule.name, layer, expert) for expert in experts)
+        keys.extend(decoder_layer_keys(hf, layer, moe=layer in moe_layers))
     keys.append(("final_norm", -1, -1))
     if not hf.tie_word_embeddings:
         keys.append(("output", -1, -1))
@@ -290,13 +309,9 @@ def expected_keys(hf: HFModelConfig) -> list[WeightKey]:
 
 
 def hf_tensor_shapes(hf: HFModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every Hugging Face tensor of the checkpoint and its shape, in export order."""
-    dims = model_dims(hf)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for name, layer, expert in expected_keys(hf):
-        rule = RULES_BY_NAME[name]
-        shapes.update(zip(rule.hf_names(layer, expert), rule.hf_shapes(dims)))
-    return shapes
+    """Every Hugging Face tensor of the model and its shape, in export order (the main model:
+    multi-token-prediction layers are carried beside it, :mod:`bpo_megatron.weights.mtp`)."""
+    return keys_shapes(hf, expected_keys(hf))
 
 
 # a routed expert's tensor on disk: model.layers.{layer}.mlp.experts.{expert}.<projection>
@@ -345,7 +360,10 @@ def check_hf_checkpoint(reader, hf: HFModelConfig) -> None:
 
 
 def hf_tensor_count(hf: HFModelConfig) -> int:
-    """How many Hugging Face tensors the checkpoint holds (what a weight sync announces)."""
+    """How many Hugging Face tensors the model has: what a weight sync announces and sends. The
+    multi-token-prediction layers are not among them: they are never trained, so the engines keep
+    the ones they loaded from the model's directory at start (SGLang's target model skips tensors
+    past ``num_hidden_layers``; its NEXTN/EAGLE draft model loads them, see :mod:`bpo_megatron.weights.mtp`)."""
     return sum(len(RULES_BY_NAME[name].hf) for name, _, _ in expected_keys(hf))
 
 

@@ -13,10 +13,7 @@ compares every parameter, and the ``w_kc``/``w_vc`` SGLang derives from ``kv_b_p
 call, with B loaded in one call. As a control, the same sweep cut greedily by size alone leaves
 exactly the layer whose pair it splits on its old ``fused_qkv_a_proj_with_mqa``.
 
-One thing is stubbed: the module ``vllm._custom_ops``, which the constructor of SGLang's rotary
-embedding imports on a platform that is neither CUDA nor its CPU engine (that engine needs
-``sgl_kernel``'s CPU build) to keep a fallback kernel it calls only in a forward; nothing here runs
-one. Everything that loads weights is SGLang's. Needs SGLang's environment
+One thing is stubbed: the module ``vllm._custom_ops`` (``sglang_cpu.py`` says why). Everything that loads weights is SGLang's. Needs SGLang's environment
 (``bash tools/setup.sh --sglang``); skips without it.
 """
 
@@ -34,6 +31,7 @@ from bpo_megatron.platform import free_port
 from bpo_megatron.testing import MODEL_CONFIGS
 from bpo_megatron.weights.buckets import buckets, tensor_bytes
 from bpo_megatron.weights.names import hf_tensor_shapes
+from sglang_cpu import ONE_RANK_CPU
 
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
@@ -42,27 +40,8 @@ DEEPSEEK = MODEL_CONFIGS / "tiny_deepseek_v3" / "config.json"
 pytestmark = pytest.mark.skipif(not SGLANG_PYTHON.exists(),
                                 reason="SGLang's environment is missing: bash tools/setup.sh --sglang")
 
-LOAD_IN_BUCKETS = r"""
-import json, sys, types
-import torch
-
-# the one stub (see the test's module docstring)
-vllm, ops = types.ModuleType("vllm"), types.ModuleType("vllm._custom_ops")
-ops.rotary_embedding, vllm._custom_ops = None, ops
-sys.modules.update({"vllm": vllm, "vllm._custom_ops": ops})
-
-from transformers import AutoConfig
-from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
-from sglang.srt.runtime_context import get_parallel, publish
-from sglang.srt.server_args import ServerArgs
-
-model_dir, weights_file, plans_file, out_file, port = sys.argv[1:6]
-publish(ServerArgs(model_path=model_dir, device="cpu", tp_size=1, skip_tokenizer_init=True), role="scheduler")
-init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                             distributed_init_method=f"tcp://127.0.0.1:{port}")
-initialize_model_parallel(backend="gloo")
-get_parallel().override_permanently(tp_rank=0, moe_ep_rank=0, moe_tp_rank=0, pp_rank=0, attn_tp_rank=0,
-                                    attn_dp_rank=0)
+LOAD_IN_BUCKETS = ONE_RANK_CPU + r"""
+weights_file, plans_file, out_file = sys.argv[2:5]
 from sglang.srt.models.deepseek_v2 import DeepseekV3ForCausalLM
 
 torch.manual_seed(0)
