@@ -112,7 +112,7 @@ class TrainActor:
         self.config = self.model.config
         # Micro-batches differ in length; pipeline stages exchange shapes before activations.
         self.config.variable_seq_lengths = parallel.pp > 1
-        self.ddp = wrap_ddp([self.model], self.config)
+        self.ddp = wrap_ddp([self.model], self.config, distributed=optimizer.distributed)
         self.optimizer = build_optimizer(optimizer, self.ddp)
         self.replay = (
             RoutingReplay(self.model, moe_layers=list(hf.moe_layers), tp_rank=self.ranks.tp,
