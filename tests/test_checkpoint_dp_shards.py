@@ -237,3 +237,33 @@ def test_a_resume_under_another_model_parallel_layout_is_refused_by_name():
     with pytest.raises(ValueError, match="holds megatron-dp-shards optimizer state, which this per-parameter optimizer "
                                          "does not read; it loads into the distributed optimizer"):
         optimizer_state.check_readable("ckpt", optimizer_state.DP_SHARDS, saved_layout, fp32, saved_layout)
+
+
+def test_a_run_resumed_under_another_model_parallel_layout_is_refused_before_it_starts(tmp_path):
+    """The preflight reads the checkpoint's format and layout (nothing starts)."""
+    import json
+    from pathlib import Path
+
+    from bpo_megatron.experiment import load_experiment
+    from bpo_megatron.loop.preflight import resume_point
+    from bpo_megatron.loop.run_dir import RunRefused
+    from bpo_megatron.parallel import layout_record
+    from bpo_megatron.trainer import checkpoint
+
+    cfg = load_experiment(Path(__file__).resolve().parents[1] / "configs" / "tiny_moe_cpu.yaml",
+                          [f"logging.run_dir={tmp_path / 'run'}"])
+    step = tmp_path / "run" / "checkpoints" / checkpoint.step_dir_name(4)
+    step.mkdir(parents=True)
+    run = layout_record(cfg.parallel, cfg.cluster.trainer_ranks)
+    assert run["ep"] == 2
+    saved = {**run, "ep": 1}
+    meta = {"step": 4, "rl_step": 4, "data_cursor": 16, "sft_done": True, "optimizer_state": True,
+            "optimizer_format": optimizer_state.DP_SHARDS, "layout": saved}
+    (step / checkpoint.STATE_FILE).write_text(json.dumps(meta))
+    with pytest.raises(RunRefused, match=r"it was saved with parallel\.ep=1 and this run has parallel\.ep=2\. Resume "
+                                         r"with parallel\.ep=1 \(any data-parallel size\)"):
+        resume_point(cfg, cfg.hf_config())
+    # the same layout but another data-parallel size resumes
+    (step / checkpoint.STATE_FILE).write_text(json.dumps({**meta, "layout": {**run, "dp": run["dp"] + 3}}))
+    state, _, _ = resume_point(cfg, cfg.hf_config())
+    assert state.data_cursor == 16

@@ -13,8 +13,8 @@ A save writes into the ``.partial-`` directory, renames it into place and only t
 ``latest`` marker (write to a temporary file, fsync, ``os.replace``), so a process killed at any
 point leaves the previous checkpoint loadable. The newest step directory is the checkpoint of a
 root, whatever ``latest`` says; a damaged one (checksums, torn state) is refused by name, never
-skipped. Model and optimizer tensors are saved with their global shapes, so a checkpoint loads
-under a different TP/EP/PP layout.
+skipped. Model tensors, and the fp32 optimizer's moments, are saved with their global shapes, so
+such a checkpoint loads under a different TP/EP/PP layout.
 
 A save either blocks until the checkpoint is published or, with a :class:`BackgroundSaves`,
 returns once this rank's tensors are staged (copied to host memory on a GPU; on a CPU the

@@ -109,17 +109,28 @@ def check_readable(directory, saved: str, saved_layout: dict, optimizer, layout:
         raise ValueError(f"{directory} holds {saved} optimizer state, which this {current} optimizer does not read; "
                          f"it loads into {hint}. Or load it without the optimizer state (load_optimizer=False) to "
                          "continue from its weights")
-    if saved == DP_SHARDS:
-        changed = {key: (saved_layout.get(key), layout.get(key)) for key in MODEL_PARALLEL
-                   if saved_layout.get(key) != layout.get(key)}
-        if changed:
-            was = ", ".join(f"parallel.{key}={old}" for key, (old, _) in changed.items())
-            now = ", ".join(f"parallel.{key}={new}" for key, (_, new) in changed.items())
-            raise ValueError(f"{directory} holds the distributed optimizer's state as each data-parallel rank's shard "
-                             f"of its model-parallel rank's buckets, which reshards across data parallelism only: it "
-                             f"was saved with {was} and this run has {now}. Resume with {was} (any data-parallel "
-                             "size), or load it without the optimizer state (load_optimizer=False) to continue from "
-                             "its weights under the new layout")
+    refusal = model_parallel_change(directory, saved, saved_layout, layout)
+    if refusal:
+        raise ValueError(refusal)
+
+
+def model_parallel_change(directory, saved: str, saved_layout: dict, layout: dict) -> str | None:
+    """Why optimizer state of format ``saved`` written under ``saved_layout`` cannot be resumed
+    under ``layout`` (the model-parallel entries of :func:`~bpo_megatron.parallel.layout_record`),
+    or None. Only :data:`DP_SHARDS` is tied to them."""
+    if saved != DP_SHARDS:
+        return None
+    changed = {key: (saved_layout.get(key), layout.get(key)) for key in MODEL_PARALLEL
+               if saved_layout.get(key) != layout.get(key)}
+    if not changed:
+        return None
+    was = ", ".join(f"parallel.{key}={old}" for key, (old, _) in changed.items())
+    now = ", ".join(f"parallel.{key}={new}" for key, (_, new) in changed.items())
+    return (f"{directory} holds the distributed optimizer's state as each data-parallel rank's shard of its "
+            f"model-parallel rank's buckets, which reshards across data parallelism only: it was saved with {was} and "
+            f"this run has {now}. Resume with {was} (any data-parallel size); or continue from its weights alone "
+            "under the new layout: load it without the optimizer state (TrainActor.load(load_optimizer=False)), or "
+            "export them (bpo-megatron convert mcore-to-hf) and start a run from them")
 
 
 class OptimizerState:
