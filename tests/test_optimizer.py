@@ -218,7 +218,7 @@ def _gpu_path_configs_rank() -> dict[str, Any]:
     opt = trainer_optimizer.optimizer_config(SETTINGS, bf16)
     return {
         "ddp": {k: getattr(ddp, k) for k in ("use_distributed_optimizer", "overlap_grad_reduce",
-                                             "grad_reduce_in_fp32", "average_in_collective")},
+                                             "grad_reduce_in_fp32", "average_in_collective", "bucket_size")},
         "opt": {k: getattr(opt, k) for k in ("use_distributed_optimizer", "bf16", "params_dtype",
                                              "main_params_dtype", "decoupled_weight_decay",
                                              "clip_grad", "adam_beta2")},
@@ -366,6 +366,8 @@ def test_gpu_path_uses_distributed_optimizer_with_fp32_master_weights() -> None:
     assert out["ddp"] == {
         "use_distributed_optimizer": True, "overlap_grad_reduce": True,
         "grad_reduce_in_fp32": True, "average_in_collective": False,
+        # the distributed optimizer's checkpoint follows the buckets: their size does not depend on DP
+        "bucket_size": 40_000_000,
     }
     assert out["opt"] == {
         "use_distributed_optimizer": True, "bf16": True, "params_dtype": torch.bfloat16,

@@ -77,10 +77,11 @@ def choose(environ: Mapping[str, str], interfaces: list[Interface], hostname: st
             raise ValueError(
                 f"NCCL_SOCKET_IFNAME={rule} matches no interface of {socket.gethostname()} that is up and has an IPv4 "
                 f"address (it has: {', '.join(i.name for i in usable) or 'none'}); the trainer's gloo groups "
-                "(optimizer state of older checkpoints) follow it: fix it, or set GLOO_SOCKET_IFNAME to the interface gloo should use")
+                "(optimizer state of older checkpoints) follow it: fix it, or set GLOO_SOCKET_IFNAME to the interface "
+                "gloo should use")
         fastest = max(matched, key=lambda i: i.speed_mbps)  # the first of equals
-        return fastest.name, (f"gloo (optimizer state of older checkpoints) uses {fastest.name} ({_speed(fastest)}), the fastest "
-                              f"interface NCCL_SOCKET_IFNAME={rule} names")
+        return fastest.name, (f"gloo (optimizer state of older checkpoints) uses {fastest.name} ({_speed(fastest)}), "
+                              f"the fastest interface NCCL_SOCKET_IFNAME={rule} names")
     default = gloo_default(interfaces, hostname)
     faster = [i for i in usable if i.speed_mbps > (default.speed_mbps if default else 0)]
     if default is not None and faster:

@@ -288,7 +288,8 @@ def _host(plan: Plan) -> list[str]:
         ["at a checkpoint save (blocking or background: the staged copy is held until written)", gb(host.at_save)],
         ["at a load (every rank: its shard's fp32 state, 12 B per parameter) + margin", gb(host.at_load)],
     ]
-    header = [f"host memory of the busiest trainer node (GB; {len(ranks)} ranks: {_writers(ranks, plan.distributed_optimizer)})", "node"]
+    writers = _writers(ranks, plan.distributed_optimizer)
+    header = [f"host memory of the busiest trainer node (GB; {len(ranks)} ranks: {writers})", "node"]
     where = f"{plan.allocation.host_memory_gb:g} GB per node (plan --host-memory-gb)"
     spare = host.node_bytes - host.peak
     verdict = (f"fits in {where}, {gb(spare)} GB spare" if spare >= 0

@@ -49,6 +49,9 @@ if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
 
 
+DDP_BUCKET_ELEMENTS = 40_000_000  # Megatron DDP's default bucket up to dp 40, kept at any dp (ddp_config)
+
+
 @dataclass(frozen=True)
 class OptimizerSettings:
     """AdamW hyper-parameters; the defaults are the paper's.
@@ -119,6 +122,11 @@ def ddp_config(distributed: bool | None = None) -> DistributedDataParallelConfig
         use_distributed_optimizer=plan.distributed_optimizer,
         # Pre-scale by 1/dp and sum (see the module docstring); the trainer's loss relies on it.
         average_in_collective=False,
+        # The distributed optimizer's checkpoint holds one tensor per gradient bucket
+        # (optimizer_state.DP_SHARDS): buckets of a size that does not depend on DP keep it
+        # loadable at any data-parallel size (Megatron's default grows them as 1e6 × dp above
+        # dp 40). Without overlapped reduction Megatron makes one bucket per buffer anyway.
+        bucket_size=DDP_BUCKET_ELEMENTS if plan.distributed_optimizer and plan.overlap_grad_reduce else None,
     )
 
 

@@ -1,4 +1,4 @@
-"""The optimizer's state in a checkpoint: per parameter, whatever the layout.
+"""The optimizer's state in a checkpoint, in the format each kind of optimizer saves (:data:`FORMATS`).
 
 Megatron-Core's ``ChainedOptimizer`` holds one inner optimizer per parameter kind, and the kinds
 depend on the layout: with expert parallelism the expert weights get their own optimizer (and
@@ -18,8 +18,9 @@ by every data-parallel rank, each writing its own shard and nothing else: Megatr
 rank's shard a slice of it at the rank's own index range. No rank gathers anything, so the host
 memory of a save is the rank's own shard (on a GPU the writer stages exactly that from the
 device; on a CPU the moments are saved as they are and the fp32 master weights, views into the
-model's parameter buffer, are copied out once), plus the alignment gaps between its parameters. A load at another data-parallel size reads, on
-each rank, its new range of the same bucket tensors. The buckets are those of the model-parallel
+model's parameter buffer, are copied out once), plus the alignment gaps between its parameters.
+A load at another data-parallel size reads, on each rank, its new range of the same bucket
+tensors. The buckets are those of the model-parallel
 rank, so the format reshards across data parallelism only: a resume under another TP, PP, EP or
 expert-TP is refused by name (:func:`check_readable`); the per-parameter format of the fp32
 optimizer below reshards across everything. Checkpoints written before this format hold
@@ -48,7 +49,9 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 # The formats of a checkpoint's optimizer state, as its trainer state records them (``optimizer_format``).
 PER_PARAMETER = "per-parameter"  # fp32 optimizers: moments named after their parameters
 DP_SHARDS = "megatron-dp-shards"  # distributed optimizer: each DP rank's own shard of each bucket
-GATHERED = "megatron"  # Megatron's fully reshardable format (older distributed saves; the unsharded mixed-precision optimizer)
+# Megatron's fully reshardable format: older saves of the distributed optimizer (gathered on DP rank 0),
+# and the unsharded mixed-precision optimizer's saves
+GATHERED = "megatron"
 
 # What Megatron's optimizers are asked for, by format (``sharded_state_dict(metadata=...)``).
 # Megatron 0.16's default (``fully_sharded_model_space``) is deprecated and refused by its own
