@@ -9,7 +9,8 @@ rank's own shard and against what the gathered format holds on DP rank 0. Resume
 and DP=4, every parameter's fp32 master weight and Adam moments (reassembled from the ranks'
 shards) equal the saved ones bit for bit; at DP=2 the continued run equals the uninterrupted
 one bit for bit (at another DP size the gradient's reduction order differs, so it agrees within
-fp32 rounding)."""
+fp32 rounding). At DP=4 the resumed state is saved again, measured the same way (each rank a
+quarter), and that save resumed too."""
 
 from __future__ import annotations
 
@@ -127,14 +128,21 @@ def _save_midway(roots: dict) -> dict:
     return out
 
 
-def _resume(roots: list[str]) -> list[dict]:
+def _resume(roots: list[str], save_to: str | None = None) -> list[dict]:
+    """Each of ``roots`` loaded and trained on; with ``save_to`` the first one, once loaded, is
+    saved again at this DP size (measured) and ``save_to`` is resumed last."""
     out = []
-    for root in roots:
+    for root in [*roots, *([save_to] if save_to else [])]:
         actor = _actor()
         actor.load(root)
         shards = _shards(actor)
+        measured = None
+        if save_to and root == roots[0]:
+            measured = _saved_bytes(actor, optimizer_state.DP_SHARDS)
+            actor.save(save_to)
         metrics = [_step(actor, STEPS + index) for index in range(STEPS)]
-        out.append({"shards": shards, "metrics": metrics, "logprobs": _probe(actor), "step": actor.step})
+        out.append({"shards": shards, "metrics": metrics, "logprobs": _probe(actor), "step": actor.step,
+                    "measured": measured})
         actor.close()
     return out
 
@@ -161,11 +169,10 @@ def test_each_rank_saves_its_own_shard_and_no_rank_gathers(saved):
     ranks = sorted(saved["ranks"], key=lambda r: r["dp"])
     total = sum(tensor.numel() for tensors in saved["state"].values() for key, tensor in tensors.items()
                 if key in STATE) * FP32
-    shard_bytes = [sum((end - start) * len(STATE) * FP32 for _, start, end, _, _ in r["shards"]) for r in ranks]
-    assert sum(shard_bytes) == total
-    for rank, own in zip(ranks, shard_bytes, strict=True):
+    assert sum(_own_and_gaps(r["shards"])[0] for r in ranks) == total
+    for rank in ranks:
+        own, gaps = _own_and_gaps(rank["shards"])
         ours = rank["measured"][optimizer_state.DP_SHARDS]
-        gaps = len(rank["shards"]) * (ALIGNMENT - 1) * len(STATE) * FP32
         assert own <= ours["written"] <= own + gaps, (ours, own, gaps)
         # allocated for the save: the gaps, and on a CPU a compact copy of the shard's fp32 master
         # weights (views into the model's parameter buffer, which the writer would copy itself);
@@ -192,12 +199,27 @@ def test_resumed_at_dp2_continues_the_uninterrupted_run_bit_for_bit(saved):
         assert all(torch.equal(a, b) for a, b in zip(resumed["logprobs"], straight["logprobs"], strict=True)), root
 
 
+def _own_and_gaps(shards: list) -> tuple[int, int]:
+    """The bytes of a rank's shard and the most its alignment gaps can add."""
+    own = sum((end - start) * len(STATE) * FP32 for _, start, end, _, _ in shards)
+    return own, len(shards) * (ALIGNMENT - 1) * len(STATE) * FP32
+
+
 @pytest.mark.parametrize("world", [1, 4], ids=["dp1", "dp4"])
-def test_resumed_at_another_dp_size_holds_the_saved_state_bit_for_bit(saved, world):
+def test_resumed_at_another_dp_size_holds_the_saved_state_bit_for_bit(saved, world, tmp_path):
     roots = saved["roots"]
-    # the older, gathered format loads too (at DP=1: under any layout)
+    # the older, gathered format loads too (at DP=1: under any layout); at DP=4 the resumed state
+    # is saved again (measured) and that save resumed as well
     names = ["blocking", "gathered"] if world == 1 else ["blocking"]
-    runs = run_gloo_world(_resume, world, [roots[name] for name in names], timeout=TIMEOUT)
+    save_to = str(tmp_path / "dp4") if world == 4 else None
+    runs = run_gloo_world(_resume, world, [roots[name] for name in names], save_to, timeout=TIMEOUT)
+    if save_to:
+        names.append("saved at DP=4")
+        total = sum(_own_and_gaps(r[0]["shards"])[0] for r in runs)
+        for rank in runs:
+            own, gaps = _own_and_gaps(rank[0]["shards"])
+            assert own <= rank[0]["measured"]["written"] <= own + gaps, (rank[0]["measured"], own, gaps)
+            assert own < 0.3 * total  # a quarter, not the whole
     straight = saved["ranks"][0]
     for index, name in enumerate(names):
         _same_state(_assemble([r[index]["shards"] for r in runs]), saved["state"])
