@@ -1,11 +1,13 @@
-"""A checkpoint save stays within a node's host memory (the GPU path's distributed optimizer).
+"""A checkpoint save stays within a node's host memory (the distributed optimizer).
 
-The distributed optimizer runs only on GPUs, so this checks the boundary with Megatron on CPU:
-the save asks Megatron for its fully reshardable format gathered on DP rank 0 alone, Megatron
-(the pinned version, and the newest with ``PYTHONPATH=.megatron-newest``) branches on exactly those
-keys, and the gathered state reaches Megatron's writer compact, so the writer copies none of it
-while the checkpoint's contents stay the same. The host-memory arithmetic is in test_planner.py;
-the offload buffers dropped before a save in test_trainer_offload.py.
+The state each rank writes, measured on a real distributed optimizer, is in
+test_checkpoint_dp_shards.py. This checks the boundary with Megatron: a save asks Megatron for
+its DP-reshardable format (each rank its own shard, no gather) and a load of an older checkpoint
+for the fully reshardable one (gathered on DP rank 0 alone at its save); Megatron (the pinned
+version, and the newest with ``PYTHONPATH=.megatron-newest``) branches on exactly those keys; and
+host state that is a slice of a larger tensor reaches Megatron's writer compact, so the writer
+copies none of it while the checkpoint's contents stay the same. The host-memory arithmetic is in
+test_planner.py; the offload buffers dropped before a save in test_trainer_offload.py.
 """
 
 from __future__ import annotations
@@ -17,20 +19,19 @@ import pytest
 import torch
 
 from bpo_megatron.parallel.local_world import run_gloo_world
-from bpo_megatron.trainer.optimizer_state import (DISTRIBUTED_OPTIMIZER_METADATA, OptimizerState,
+from bpo_megatron.trainer.optimizer_state import (DP_SHARDS, GATHERED, MEGATRON_METADATA, OptimizerState,
                                                   compact_host_views)
 
 MEM_EFFICIENT = "distrib_optim_fully_reshardable_mem_efficient"
 
 
-class _RecordingDistributedOptimizer:
-    """Stands in for Megatron's ChainedOptimizer over distributed optimizers (not FP32Optimizer,
-    so the state goes through Megatron's own format): records what the save asks it for and
-    returns gathered state as Megatron's fully reshardable format does, per-parameter slices of
-    one host tensor."""
+class _RecordingState:
+    """What the stand-in below does in place of Megatron's distributed optimizer: records what a
+    save or load asks it for and hands over host state that is slices of one host tensor."""
 
     def __init__(self) -> None:
         self.chained_optimizers = [self]
+        self.optimizer = SimpleNamespace(state={0: {}})  # it has stepped: nothing to initialise at a load
         self.calls: list[dict] = []
         self.gathered = torch.arange(10.0)
 
@@ -44,34 +45,53 @@ class _RecordingDistributedOptimizer:
                 "param_state_sharding_type": (metadata or {}).get("distrib_optim_sharding_type")}
 
 
-def test_the_save_asks_megatron_for_its_fully_reshardable_format_gathered_on_dp_rank_0():
-    optimizer = _RecordingDistributedOptimizer()
+def _recording_distributed_optimizer():
+    """A DistributedOptimizer (the type decides the checkpoint format) whose every method that a
+    save or load calls is :class:`_RecordingState`'s."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    class Recording(_RecordingState, DistributedOptimizer):
+        pass
+
+    return Recording()
+
+
+def test_the_save_asks_megatron_for_each_ranks_own_shard_and_an_older_load_for_the_gathered_format():
+    optimizer = _recording_distributed_optimizer()
     saved = OptimizerState(optimizer, {}, is_loading=False)
-    assert optimizer.calls == [{"is_loading": False, "metadata": {"distrib_optim_sharding_type": "fully_reshardable",
-                                                                  MEM_EFFICIENT: True}}]
+    assert optimizer.calls == [{"is_loading": False, "metadata": {"distrib_optim_sharding_type": "dp_reshardable"}}]
     # what is saved is compact: no tensor is a slice of the gathered one any more
     for entry in saved.sharded["param_state"].values():
         data = entry["exp_avg"].data
         assert data.untyped_storage().nbytes() == data.numel() * 4
         assert not (optimizer.gathered.data_ptr() <= data.data_ptr() < optimizer.gathered.data_ptr() + 40)
     assert torch.equal(torch.cat([saved.sharded["param_state"][i]["exp_avg"].data for i in (0, 1)]), torch.arange(10.0))
-    # a load asks for the same format, and Megatron reads into its own tensors: left as they are
-    loading = OptimizerState(optimizer, {}, is_loading=True)
-    assert optimizer.calls[-1] == {"is_loading": True, "metadata": DISTRIBUTED_OPTIMIZER_METADATA}
-    assert loading.sharded["param_state"][1]["exp_avg"].data.data_ptr() == optimizer.gathered.data_ptr() + 4 * 4
+    # a load asks for the format the checkpoint holds, and Megatron reads into its own tensors:
+    # left as they are
+    for saved_format in (DP_SHARDS, GATHERED):
+        loading = OptimizerState(optimizer, {}, is_loading=True, saved_format=saved_format)
+        assert optimizer.calls[-1] == {"is_loading": True, "metadata": MEGATRON_METADATA[saved_format]}
+        assert loading.sharded["param_state"][1]["exp_avg"].data.data_ptr() == optimizer.gathered.data_ptr() + 4 * 4
+    assert MEGATRON_METADATA[GATHERED] == {"distrib_optim_sharding_type": "fully_reshardable", MEM_EFFICIENT: True}
 
 
 class _GatherRecorder:
     """``self`` for Megatron's own DistributedOptimizer methods, recording how its state would be
-    gathered (``get_parameter_state_dp_zero``) instead of gathering it."""
+    gathered (``get_parameter_state_dp_zero``) or taken shard by shard
+    (``get_parameter_state_dp_reshardable``) instead of doing it."""
 
     def __init__(self) -> None:
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
         self.checkpoint_fully_reshardable_formats = DistributedOptimizer.checkpoint_fully_reshardable_formats
         self.ddp_config = SimpleNamespace(use_megatron_fsdp=False)
+        self.data_parallel_group_idx, self.distributed_optimizer_instance_id = 0, 0
+        self.data_parallel_group = SimpleNamespace(rank=lambda: 0, size=lambda: 2)
+        self.gbuf_ranges: list = []
         self.gathers: list[dict] = []
-        self._method = DistributedOptimizer.sharded_param_state_fully_reshardable
+        self.own_shards = 0
+        self._methods = {name: getattr(DistributedOptimizer, name) for name in
+                         ("sharded_param_state_fully_reshardable", "sharded_param_state_dp_reshardable")}
 
     def state_dict(self) -> dict:
         return {}
@@ -80,27 +100,41 @@ class _GatherRecorder:
         pass
 
     def sharded_param_state_fully_reshardable(self, model_state, is_loading, metadata):
-        return self._method(self, model_state, is_loading, metadata)
+        return self._methods["sharded_param_state_fully_reshardable"](self, model_state, is_loading, metadata)
+
+    def sharded_param_state_dp_reshardable(self, model_state, is_loading, metadata):
+        return self._methods["sharded_param_state_dp_reshardable"](self, model_state, is_loading, metadata)
 
     def get_parameter_state_dp_zero(self, **kwargs):
         self.gathers.append(kwargs)
         return None  # what a DP rank other than 0 gets back when only DP rank 0 gathers
 
+    def get_parameter_state_dp_reshardable(self):
+        self.own_shards += 1
+        return {"per_bucket_numel": [], "per_bucket_numel_unpadded": []}
 
+
+@pytest.mark.parametrize("saved_format", [DP_SHARDS, GATHERED])
 @pytest.mark.parametrize("is_loading", [False, True], ids=["save", "load"])
-def test_megatron_gathers_on_dp_rank_0_alone_over_gloo_with_these_settings(is_loading):
+def test_megatron_reads_the_keys_a_save_and_a_load_pass(saved_format, is_loading):
     """Megatron's own DistributedOptimizer code (0.16.1 here; 0.19.2 under
-    PYTHONPATH=.megatron-newest) reads the keys the save passes: a save gathers over gloo onto DP
-    rank 0 only, not onto every rank (its default); a load allocates the state on every rank."""
+    PYTHONPATH=.megatron-newest) reads the keys passed: the format of a save (each rank's own
+    shard) gathers nothing; the gathered format of older checkpoints gathers over gloo onto DP
+    rank 0 only, not onto every rank (its default), and its load allocates the state on every rank."""
     import megatron.core
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     ours, default = _GatherRecorder(), _GatherRecorder()
     state = DistributedOptimizer.sharded_state_dict(ours, {}, is_loading=is_loading,
-                                                    metadata=dict(DISTRIBUTED_OPTIMIZER_METADATA))
+                                                    metadata=dict(MEGATRON_METADATA[saved_format]))
+    sharding = MEGATRON_METADATA[saved_format]["distrib_optim_sharding_type"]
+    assert state["param_state_sharding_type"] == sharding, megatron.core.__version__
+    if saved_format == DP_SHARDS:
+        assert ours.gathers == [] and ours.own_shards == 1
+        assert sharding not in DistributedOptimizer.checkpoint_fully_reshardable_formats  # keyed per bucket
+        return
     DistributedOptimizer.sharded_state_dict(default, {}, is_loading=is_loading,
                                             metadata={"distrib_optim_sharding_type": "fully_reshardable"})
-    assert state["param_state_sharding_type"] == "fully_reshardable", megatron.core.__version__
     assert "fully_reshardable" in DistributedOptimizer.checkpoint_fully_reshardable_formats
     if is_loading:
         expected = {"use_gloo_comm": True, "empty_data": True, "return_on_all_ranks": True}

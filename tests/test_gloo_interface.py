@@ -1,4 +1,4 @@
-"""The trainer's gloo groups (the optimizer state's checkpoint gathers) follow NCCL's fast
+"""The trainer's gloo groups (the optimizer state of older, gathered checkpoints) follow NCCL's fast
 interface instead of gloo's default, the host name's (often the management network)."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_without_either_setting_a_faster_interface_than_gloos_default_is_named(m
     monkeypatch.setattr("socket.gethostbyname", lambda _: "10.0.0.5")
     value, line = choose({}, NODE)
     assert value is None
-    assert line.startswith("gloo (checkpoint gathers of the optimizer state) uses eno1 (1 Gb/s)")
+    assert line.startswith("gloo (optimizer state of older checkpoints) uses eno1 (1 Gb/s)")
     assert "GLOO_SOCKET_IFNAME=ib1" in line
     monkeypatch.setattr("socket.gethostbyname", lambda _: "10.2.0.5")  # already the fastest: nothing to say
     assert choose({}, NODE) == (None, None)

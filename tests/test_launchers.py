@@ -260,20 +260,22 @@ def test_kuberay_worker_memory_holds_the_planners_host_memory_at_a_checkpoint_sa
         assert figure == math.ceil(max(host.at_save, host.at_load) / 2**30)
         return figure
 
-    # the recipe: 715 GiB at a save fits the default of 96 GiB per GPU (768 GiB)
-    assert planned() == 715
+    # the recipe: 377 GiB at a save (each rank its own optimizer shard) fits the default of 96 GiB
+    # per GPU (768 GiB)
+    assert planned() == 377
     [job] = launch("kuberay", RECIPE_30B, ["model.path=/models/Qwen3-30B-A3B-Base"], _cluster_settings(tmp_path),
                    dryrun=True)
     assert _worker_memory_gib(job) == (768, 768)
-    # 4-way expert parallelism: 32 experts per rank, 812 GiB at a save, above the default
-    assert planned("parallel.ep=4") == 812
-    [wide] = launch("kuberay", RECIPE_30B, ["parallel.ep=4"], _cluster_settings(tmp_path), dryrun=True)
-    assert _worker_memory_gib(wide) == (812, 812)
-    dshm = yaml.safe_load(wide.text)["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["volumes"]
-    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "406Gi"}} in dshm
-    with pytest.raises(ValueError, match=r"--memory-per-node 512Gi is less than the 715Gi a trainer node holds at a "
-                                         r"checkpoint save .* pass --memory-per-node 715Gi or more"):
-        launch("kuberay", RECIPE_30B, [], _cluster_settings(tmp_path, memory_per_node="512Gi"), dryrun=True)
+    # the same on one node of 8 ranks (dp 2, expert dp 1): larger shards, 940 GiB at a save, above the default
+    one_node = ("cluster.nodes=1", "cluster.trainer_ranks=8")
+    assert planned(*one_node) == 940
+    [small] = launch("kuberay", RECIPE_30B, list(one_node), _cluster_settings(tmp_path), dryrun=True)
+    assert _worker_memory_gib(small) == (940, 940)
+    dshm = yaml.safe_load(small.text)["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["volumes"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "470Gi"}} in dshm
+    with pytest.raises(ValueError, match=r"--memory-per-node 256Gi is less than the 377Gi a trainer node holds at a "
+                                         r"checkpoint save .* pass --memory-per-node 377Gi or more"):
+        launch("kuberay", RECIPE_30B, [], _cluster_settings(tmp_path, memory_per_node="256Gi"), dryrun=True)
 
 
 def test_a_trainer_rank_binds_its_own_gpu(monkeypatch):

@@ -158,6 +158,7 @@ def _patch_targets() -> dict[str, Any]:
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
     import megatron.core.transformer.utils as transformer_utils
     from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -180,6 +181,8 @@ def _patch_targets() -> dict[str, Any]:
         "optimizer.multi_tensor_scale_impl": mcore_optimizer.multi_tensor_scale_impl,
         "rope_utils._apply_rotary_pos_emb_thd": rope_utils._apply_rotary_pos_emb_thd,
         "multi_latent_attention.HAVE_TE": multi_latent_attention.HAVE_TE,
+        "DistributedOptimizer._build_model_and_main_param_groups":
+            DistributedOptimizer.__dict__["_build_model_and_main_param_groups"],
     }
 
 

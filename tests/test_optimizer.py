@@ -161,7 +161,7 @@ def _layout_step_rank(
         tg.load_checkpoint(model, Path(initial_checkpoint))
     initial = named_params(model)
 
-    [ddp] = wrap_ddp([model], model.config)
+    [ddp] = wrap_ddp([model], model.config, distributed=settings.distributed)
     optimizer = build_optimizer(settings, [ddp])
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -218,7 +218,7 @@ def _gpu_path_configs_rank() -> dict[str, Any]:
     opt = trainer_optimizer.optimizer_config(SETTINGS, bf16)
     return {
         "ddp": {k: getattr(ddp, k) for k in ("use_distributed_optimizer", "overlap_grad_reduce",
-                                             "grad_reduce_in_fp32", "average_in_collective")},
+                                             "grad_reduce_in_fp32", "average_in_collective", "bucket_size")},
         "opt": {k: getattr(opt, k) for k in ("use_distributed_optimizer", "bf16", "params_dtype",
                                              "main_params_dtype", "decoupled_weight_decay",
                                              "clip_grad", "adam_beta2")},
@@ -307,11 +307,12 @@ def test_world_size_one_steps_match_torch_adamw() -> None:
 
 
 def _check_layout(
-    reference: dict[str, Any], layout: tg.Layout, tmp_path: Path, *, dp_size: int
+    reference: dict[str, Any], layout: tg.Layout, tmp_path: Path, *, dp_size: int,
+    settings: OptimizerSettings = SETTINGS,
 ) -> list[dict[str, Any]]:
     final = str(tmp_path / "final")
     ranks = run_gloo_world(
-        _layout_step_rank, 2, layout, reference["initial_checkpoint"], final, False,
+        _layout_step_rank, 2, layout, reference["initial_checkpoint"], final, False, settings,
         timeout=WORLD_TIMEOUT_S,
     )
     for out in ranks:
@@ -345,6 +346,17 @@ def test_data_parallel_step_matches_world_size_one(reference_step, tmp_path) -> 
     _check_layout(reference_step, tg.Layout(), tmp_path, dp_size=2)
 
 
+def test_distributed_optimizer_on_cpu_step_matches_world_size_one(reference_step, tmp_path) -> None:
+    # optimizer.distributed: true on a CPU: Megatron's distributed optimizer in fp32, each of the
+    # two data-parallel ranks updating its half of the state (gradients reduce-scattered, the
+    # parameters all-gathered over gloo); the step equals the unsharded fp32 optimizer's
+    import dataclasses
+
+    sharded = dataclasses.replace(SETTINGS, distributed=True)
+    ranks = _check_layout(reference_step, tg.Layout(), tmp_path, dp_size=2, settings=sharded)
+    assert all(out["optimizers"] == ["DistributedOptimizer"] for out in ranks)
+
+
 def test_pipeline_parallel_step_matches_world_size_one(reference_step, tmp_path) -> None:
     _check_layout(reference_step, tg.Layout(pp=2), tmp_path, dp_size=1)
 
@@ -354,6 +366,8 @@ def test_gpu_path_uses_distributed_optimizer_with_fp32_master_weights() -> None:
     assert out["ddp"] == {
         "use_distributed_optimizer": True, "overlap_grad_reduce": True,
         "grad_reduce_in_fp32": True, "average_in_collective": False,
+        # the distributed optimizer's checkpoint follows the buckets: their size does not depend on DP
+        "bucket_size": 40_000_000,
     }
     assert out["opt"] == {
         "use_distributed_optimizer": True, "bf16": True, "params_dtype": torch.bfloat16,

@@ -324,38 +324,34 @@ def test_plan_states_the_driver_memory_and_the_expected_weight_sync():
 def test_rank_host_memory_closed_forms():
     from bpo_megatron.planner.host import rank_host
 
-    # DP rank 0 of a dense optimizer of 100 M parameters over dp 2: 12 B per parameter gathered; the
-    # gather of one 40 M-element bucket (12 B each received, its own 1/2 sent) outweighs the compaction
-    # copy (4 B × 100 M) and the bf16 weights it writes (2 B × 100 M)
+    # DP rank 0 of a dense optimizer of 100 M parameters over dp 2: it writes its own half of the
+    # fp32 state (12 B per parameter it owns) and the bf16 weights (2 B × 100 M); nothing gathered
     r = rank_host(100_000_000, 0, stage=0, param_bytes=2, offload_bytes=7, dp=2, expert_dp=1,
                   dense_writer=True, expert_writer=False, distributed=True)
-    assert r.fp32_state == 12 * 100_000_000 and r.weights == 2 * 100_000_000
-    assert r.gather == 12 * 40_000_000 + 12 * 40_000_000 // 2 and r.compaction == 4 * 100_000_000
-    assert r.staging == 12 * 100_000_000 + 12 * 40_000_000 * 3 // 2
-    assert r.at_save == r.staging + 7 and r.load == 12 * 100_000_000
-    # a background save keeps its staged copy (the state and weights it writes) while it writes:
-    # less than the save's own peak, which stays the bound
-    assert r.background_staging == 12 * 100_000_000 + 2 * 100_000_000 < r.staging
-    # the other DP rank only sends its half of a bucket; a resume still reads its whole shard's state
+    assert r.fp32_state == 12 * 50_000_000 and r.weights == 2 * 100_000_000
+    assert r.staging == 12 * 50_000_000 + 2 * 100_000_000  # held until written, in the background too
+    assert r.at_save == r.staging + 7 and r.load == 12 * 50_000_000
+    # the other DP rank writes its own half of the state and no weights; a resume reads its half
     other = rank_host(100_000_000, 0, stage=0, param_bytes=2, offload_bytes=7, dp=2, expert_dp=1,
                       dense_writer=False, expert_writer=False, distributed=True)
-    assert (other.fp32_state, other.staging, other.load) == (0, 12 * 40_000_000 // 2, 12 * 100_000_000)
-    # a small model gathers its whole buffer at once: 1 M elements over dp 4
-    small = rank_host(1_000_000, 0, stage=0, param_bytes=4, offload_bytes=0, dp=4, expert_dp=1,
-                      dense_writer=True, expert_writer=False, distributed=True)
-    assert small.gather == 12 * 1_000_000 + 12 * 1_000_000 // 4
+    assert (other.fp32_state, other.weights, other.staging, other.load) == (12 * 50_000_000, 0, 12 * 50_000_000,
+                                                                           12 * 50_000_000)
+    # the state shrinks with DP (the gathered format held 12 B × 100 M on DP rank 0 at any dp);
+    # expert parameters are sharded over expert DP, shards rounded up
+    wide = rank_host(100_000_001, 30, stage=0, param_bytes=2, offload_bytes=0, dp=8, expert_dp=4,
+                     dense_writer=True, expert_writer=True, distributed=True)
+    assert wide.fp32_state == 12 * (12_500_001 + 8) and wide.weights == 2 * (100_000_001 + 30)
     # without the distributed optimizer the state is staged from the GPU and a load reads into it
     plain = rank_host(100, 50, stage=0, param_bytes=2, offload_bytes=0, dp=2, expert_dp=1,
                       dense_writer=True, expert_writer=True, distributed=False)
     assert (plain.staging, plain.load) == (12 * 150 + 2 * 150, 0)
 
 
-def _host_closed_form(ranks: list[tuple[int, int]], pinned: int) -> float:
-    """Node host memory at a save: each writing rank of (dense, expert) parameters it writes holds
-    12 B of fp32 state per parameter plus its largest transient, the compaction copy of its largest
-    part (4 B per parameter; larger than its bf16 weights and its gather here), plus its pinned
+def _host_closed_form(written: list[tuple[int, int]], shard: int, pinned: int) -> float:
+    """Node host memory at a save: each rank holds its own shard of the fp32 state (``shard``
+    bytes), the bf16 weights of the (dense, expert) parameters it writes (2 B each) and its pinned
     offload buffers; then the margin, 10 % and 8 GB per GPU of the 8."""
-    counted = sum(12 * (d + e) + 4 * max(d, e) + pinned for d, e in ranks)
+    counted = sum(shard + 2 * (d + e) + pinned for d, e in written)
     return counted * 1.1 + 8 * 8e9
 
 
@@ -363,53 +359,56 @@ def test_host_memory_at_a_save_for_both_30b_recipes_closed_forms(capsys):
     from bpo_megatron.cli import main
 
     hf = HFModelConfig.load(QWEN3_30B)
-    # colocated, tp 4 ep 8 dp 8 (expert dp 4) on 4 nodes of 8: node 0 holds DP rank 0 of the dense
-    # optimizer (ranks 0-3) and of the expert optimizer (ranks 0-7); all hold offload buffers of
-    # their optimizer shard (12 B per owned parameter: cluster.offload=optimizer, what auto would
-    # choose, offloads the optimizer state alone, the bf16 weights stay beside the engines),
-    # gradients not moved
+    # colocated, tp 4 ep 8 dp 8 (expert dp 4) on 4 nodes of 8: every rank writes its own shard of the
+    # optimizer state (12 B per owned parameter); node 0 holds DP rank 0 of the dense optimizer
+    # (ranks 0-3) and of the expert optimizer (ranks 0-7), which write the bf16 weights; all hold
+    # offload buffers of their optimizer shard (cluster.offload=optimizer, what auto would choose,
+    # offloads the optimizer state alone, the bf16 weights stay beside the engines), gradients not moved
     plan = make_plan(_recipe("cluster.offload=optimizer"), hf)
     [stage] = plan.stages
     d, e = stage.params.dense, stage.params.expert
-    pinned = 12 * (math.ceil(d / 8) + math.ceil(e / 4))
+    shard = 12 * (math.ceil(d / 8) + math.ceil(e / 4))
+    pinned = shard
     assert plan.offload.parts == "optimizer" and pinned == stage.static.optimizer
     host = plan.host
     assert sum(r.dense_writer for r in host.save_ranks) == 4 and all(r.expert_writer for r in host.save_ranks)
-    assert host.at_save == pytest.approx(_host_closed_form([(d, e)] * 4 + [(0, e)] * 4, pinned), rel=1e-12)
-    assert host.at_load == pytest.approx(8 * 12 * (d + e) * 1.1 + 64e9, rel=1e-12)
-    assert 650e9 < host.at_save < 750e9 and host.at_save <= 1000e9 and plan.fits
+    assert all(r.fp32_state == shard for r in host.ranks)  # every rank its own shard, none more
+    assert host.at_save == pytest.approx(_host_closed_form([(d, e)] * 4 + [(0, e)] * 4, shard, pinned), rel=1e-12)
+    assert host.at_load == pytest.approx(8 * shard * 1.1 + 64e9, rel=1e-12)
+    # the gathered format held 12 B of every parameter of the model shard on DP rank 0: on this node
+    # 4 × 12 (d + e) + 4 × 12 e more than the shards
+    gathered = host.at_save + 1.1 * (4 * 12 * (d + e) + 4 * 12 * e - 8 * shard)
+    assert 300e9 < host.at_save < 400e9 and gathered > 1.8 * host.at_save and plan.fits
     # offloading the weights too (the recipe's choice) pins 2 B more per parameter of every rank
     everything = make_plan(_recipe(), hf)
     assert everything.offload.parts == "everything"
-    assert everything.host.at_save == pytest.approx(
-        _host_closed_form([(d, e)] * 4 + [(0, e)] * 4, pinned + 2 * (d + e)), rel=1e-12)
+    colocated = _host_closed_form([(d, e)] * 4 + [(0, e)] * 4, shard, pinned + 2 * (d + e))
+    assert everything.host.at_save == pytest.approx(colocated, rel=1e-12)
     # disaggregated, tp 4 pp 1 dp 4 ep 8 (expert dp 2) on 16 ranks, no offloading: node 0 holds DP
     # rank 0 of the dense optimizer (ranks 0-3) and of the expert optimizer (ranks 0-7), the shards
     # of the colocated layout's
     plan = make_plan(load_experiment(ROOT / "configs" / "qwen3_30b_a3b_bpo_disaggregated.yaml", check_model=False), hf)
     [apart] = plan.stages
     assert (apart.params.dense, apart.params.expert) == (d, stage.params.expert)
-    e = apart.params.expert
-    expected = _host_closed_form([(d, e)] * 4 + [(0, e)] * 4, 0)
+    apart_shard = 12 * (math.ceil(d / 4) + math.ceil(e / 2))
+    expected = _host_closed_form([(d, e)] * 4 + [(0, e)] * 4, apart_shard, 0)
     assert plan.host.at_save == pytest.approx(expected, rel=1e-12)
-    assert plan.host.at_save < 600e9 and plan.fits
+    assert 300e9 < plan.host.at_save < 400e9 and plan.fits
     # what plan prints, and its verdict against the node's memory
-    # a background save holds the fp32 state (12 B) and bf16 weights (2 B) of what the node writes
-    staged = {"qwen3_30b_a3b_bpo.yaml": 14 * (4 * (d + stage.params.expert) + 4 * stage.params.expert),
-              "qwen3_30b_a3b_bpo_disaggregated.yaml": 14 * (4 * (d + e) + 4 * e)}
-    for recipe, at_save in (("qwen3_30b_a3b_bpo.yaml", _host_closed_form([(d, stage.params.expert)] * 4
-                                                                           + [(0, stage.params.expert)] * 4,
-                                                                           pinned + 2 * (d + stage.params.expert))),
-                            ("qwen3_30b_a3b_bpo_disaggregated.yaml", expected)):
+    for recipe, at_save, state in (("qwen3_30b_a3b_bpo.yaml", colocated, 8 * shard),
+                                   ("qwen3_30b_a3b_bpo_disaggregated.yaml", expected, 8 * apart_shard)):
         assert main(["plan", str(ROOT / "configs" / recipe)]) == 0
         out = capsys.readouterr().out
-        assert "at a checkpoint save  " in out and f"{at_save / 1e9:.2f}" in out
-        assert re.search(r"of it staged while a background save writes \(checkpoint.background: fp32 state \+ "
-                         rf"weights written\) +{staged[recipe] / 1e9:.2f}\n", out), out
+        assert re.search(r"at a checkpoint save \(blocking or background: the staged copy is held until written\) +"
+                         rf"{at_save / 1e9:.2f}\n", out), out
+        assert re.search(r"fp32 master weights \+ 2 Adam moments, each rank its own shard \(12 B per parameter it "
+                         rf"owns\) +{state / 1e9:.2f}\n", out), out
+        assert "8 ranks: each writes its own optimizer shard; 4 write dense and expert weights, 4 write expert " \
+               "weights" in out
         assert "fits in 1000 GB per node (plan --host-memory-gb)" in out and "verdict: FITS" in out
-    assert main(["plan", str(RECIPE_30B), "--host-memory-gb", "650"]) == 1
+    assert main(["plan", str(RECIPE_30B), "--host-memory-gb", "350"]) == 1
     out = capsys.readouterr().out
-    assert "does NOT fit in 650 GB per node" in out
+    assert "does NOT fit in 350 GB per node" in out
     assert "pinned offload buffers (cluster.offload: everything; allocated before step 1, dropped before each save, " \
            "counted)" in out
     assert "verdict: DOES NOT FIT (host memory exceeds the node)" in out

@@ -228,11 +228,27 @@ def resume_point(cfg, hf) -> tuple[RunState, str | None, list[str]]:
 
         check_model_unchanged(hf, HFModelConfig.load(meta["hf_config"]), what=f"the one {chosen.path} was trained with",
                               model_path=cfg.model.path)
+    check_optimizer_layout(cfg, chosen.path, meta)
     state, notes = RunState.from_checkpoint(meta), list(chosen.notes)
     if any(len(entry) < 3 for entry in state.eval_history):
         notes.append(f"{chosen.path} records its evaluations as means without their counts (saved before counts "
                      "were kept): while the best checkpoint is one of them, a new evaluation must beat its float mean")
     return state, str(root), notes
+
+
+def check_optimizer_layout(cfg, directory: Path, meta: dict[str, Any]) -> None:
+    """A checkpoint whose optimizer state reshards across data parallelism only (the distributed
+    optimizer's shards) resumes with the model-parallel layout it was saved with."""
+    from bpo_megatron.parallel import layout_record
+    from bpo_megatron.trainer import optimizer_state
+
+    if not meta.get("optimizer_state", False):
+        return
+    saved = meta.get("optimizer_format", optimizer_state.GATHERED)
+    layout = layout_record(cfg.parallel, cfg.cluster.trainer_ranks)
+    refusal = optimizer_state.model_parallel_change(directory, saved, meta.get("layout", {}), layout)
+    if refusal:
+        raise RunRefused(refusal)
 
 
 def check_initial_weights(cfg, hf) -> None:

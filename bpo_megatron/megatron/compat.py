@@ -19,8 +19,10 @@ needed. Every one was checked against the 0.16.1 source, and removing any one of
 (its Megatron tests pass with them, ``.ci/run``), less the fix 0.17 made upstream. Versions
 outside :data:`SUPPORTED_MINORS` are refused: a patch could miss its target silently there.
 
-Out of scope: the float16 and distributed optimizers (bf16/fp16 training, ZeRO-1 sharding). They
-accept only params whose ``type()`` is ``'torch.cuda.*Tensor'``; they are the GPU path.
+The distributed optimizer (ZeRO-1: master weights and moments sharded over data parallelism) runs
+on CPU in fp32 with one patch (its params' ``type()`` check), so its sharded checkpoint format is
+tested here (``OptimizerSettings.distributed``). Out of scope: the float16 optimizers (bf16/fp16
+training); they accept only CUDA params and are the GPU path.
 """
 
 from __future__ import annotations
@@ -533,3 +535,32 @@ def _tied_output_layer_stays_on_host() -> None:
             torch.Tensor.cuda = to_cuda  # type: ignore[method-assign]
 
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
+@_patch
+def _distributed_optimizer_accepts_host_fp32_params() -> None:
+    # DistributedOptimizer sorts the model's params by `param.type()`, a check of dtype *and*
+    # device: 'torch.cuda.FloatTensor' is an fp32 param whose shard is the optimizer's main param,
+    # anything else but the CUDA half types is refused. A CPU fp32 param reports 'torch.FloatTensor'.
+    # During that one call (where the shards are built) a host fp32 tensor reports the CUDA name;
+    # everything after it (reduce-scatter of the grads, the parameter all-gather, the checkpoint
+    # formats) is device-neutral and runs over gloo as it is.
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    build = DistributedOptimizer._build_model_and_main_param_groups.__func__
+
+    def build_model_and_main_param_groups(cls: type, *args: Any, **kwargs: Any) -> Any:
+        type_of = torch.Tensor.type
+
+        def host_fp32_as_cuda(tensor: torch.Tensor, *type_args: Any, **type_kwargs: Any) -> Any:
+            name = type_of(tensor, *type_args, **type_kwargs)
+            return "torch.cuda.FloatTensor" if not type_args and not type_kwargs and name == "torch.FloatTensor" \
+                else name
+
+        torch.Tensor.type = host_fp32_as_cuda  # type: ignore[method-assign,assignment]
+        try:
+            return build(cls, *args, **kwargs)
+        finally:
+            torch.Tensor.type = type_of  # type: ignore[method-assign]
+
+    DistributedOptimizer._build_model_and_main_param_groups = classmethod(build_model_and_main_param_groups)

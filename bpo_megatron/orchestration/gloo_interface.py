@@ -1,9 +1,9 @@
 """The network interface the trainer's gloo groups use between nodes.
 
-Gloo carries the checkpoint gathers of the distributed optimizer (Megatron's fully reshardable
-format gathers every DP rank's shard onto DP rank 0 over gloo, :mod:`bpo_megatron.trainer.optimizer_state`):
-for the 30B recipe on 4 nodes (EP 8 within a node, expert DP 4) three quarters of the expert
-parameters' fp32 state (12 bytes each) flow into one node at each save. Without
+A save sends no optimizer state between ranks (each data-parallel rank writes its own shard,
+:mod:`bpo_megatron.trainer.optimizer_state`), but gloo still carries the optimizer state of a
+resume from a checkpoint of the older, gathered format (Megatron's fully reshardable one, which
+the ranks exchange over gloo), and Megatron's gloo groups. Without
 ``GLOO_SOCKET_IFNAME`` gloo binds to the address the host name resolves to, which on most GPU clusters is the management network (often 1–25 Gb/s) rather than the fast one NCCL's
 bootstrap is pointed at with ``NCCL_SOCKET_IFNAME`` (IPoIB or a 100–400 Gb/s Ethernet).
 
@@ -77,15 +77,16 @@ def choose(environ: Mapping[str, str], interfaces: list[Interface], hostname: st
             raise ValueError(
                 f"NCCL_SOCKET_IFNAME={rule} matches no interface of {socket.gethostname()} that is up and has an IPv4 "
                 f"address (it has: {', '.join(i.name for i in usable) or 'none'}); the trainer's gloo groups "
-                "(checkpoint gathers) follow it: fix it, or set GLOO_SOCKET_IFNAME to the interface gloo should use")
+                "(optimizer state of older checkpoints) follow it: fix it, or set GLOO_SOCKET_IFNAME to the interface "
+                "gloo should use")
         fastest = max(matched, key=lambda i: i.speed_mbps)  # the first of equals
-        return fastest.name, (f"gloo (checkpoint gathers) uses {fastest.name} ({_speed(fastest)}), the fastest "
-                              f"interface NCCL_SOCKET_IFNAME={rule} names")
+        return fastest.name, (f"gloo (optimizer state of older checkpoints) uses {fastest.name} ({_speed(fastest)}), "
+                              f"the fastest interface NCCL_SOCKET_IFNAME={rule} names")
     default = gloo_default(interfaces, hostname)
     faster = [i for i in usable if i.speed_mbps > (default.speed_mbps if default else 0)]
     if default is not None and faster:
         best = max(faster, key=lambda i: i.speed_mbps)
-        return None, (f"gloo (checkpoint gathers of the optimizer state) uses {default.name} ({_speed(default)}), "
+        return None, (f"gloo (optimizer state of older checkpoints) uses {default.name} ({_speed(default)}), "
                       f"the interface of this host's name; {best.name} is faster ({_speed(best)}): set "
                       f"GLOO_SOCKET_IFNAME={best.name} (or NCCL_SOCKET_IFNAME) in the run's environment")
     return None, None

@@ -37,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="host memory of one node in GB, which a checkpoint save must fit in (default: "
                              f"{DEFAULT_NODE_HOST_MEMORY_GB:g})")
     parser.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
-                        help="shard optimizer states over DP (default: on for GPUs, as the trainer does)")
+                        help="shard optimizer states over DP (default: optimizer.distributed, unset on for GPUs, as the "
+                             "trainer does)")
     parser.add_argument("--lengths", choices=sorted(LENGTH_DISTRIBUTIONS), default="paper",
                         help="prompt and response lengths to estimate micro-batches per DP rank, imbalance and "
                              "useful tokens for, padded against packed (default: paper; max: every sample at "

@@ -45,29 +45,26 @@ def driver_memory_gib(cfg) -> int:
 
 # ------------------------------------------------------------------------------- trainer nodes
 # Host memory of a trainer node at a checkpoint save, with the distributed optimizer saved as
-# bpo_megatron.trainer.optimizer_state does it (Megatron's fully reshardable format, gathered
-# over gloo onto DP rank 0 only, then made compact). Per trainer rank, for each inner optimizer
-# (dense parameters over DP, expert parameters over expert DP) of which it is DP rank 0:
-#   * fp32 state: the DP-unsharded master weights and two Adam moments of its whole model shard
-#     of that kind, 12 bytes a parameter, which Megatron allocates on the host before gathering;
-#   * the largest of three transients, which come one after another: the gather's buffers
-#     (12 bytes × bucket × (1 + 1/dp)), the compaction copy (one 4-byte world tensor at a time,
-#     the largest part's), and the model weights it writes staged from the GPU (dtype bytes).
-# A rank that is DP rank 0 of neither only sends its shard of a bucket (12 bytes × bucket / dp).
-# Colocated ranks also hold their offload buffers (what cluster.offload moves: weights and
-# optimizer shard, or the optimizer shard alone, or nothing; gradients are not moved), allocated
-# before the first step. They are counted at a save: the trainer keeps them across saves when the
-# node holds both (NodeHost.fits), and drops them before each save otherwise (then the figure is
-# what the node would need to keep them).
-# A background save (checkpoint.background) holds its staged copy, the fp32 state and the weights
-# the rank writes, while the next steps train beside it (colocated: with its offload buffers);
-# that is never more than the save's own peak above, which is the bound either way.
-# At load (a resume, before any offload) every rank allocates the fp32 state of its whole shard.
+# bpo_megatron.trainer.optimizer_state does it (each data-parallel rank writes its own shard,
+# Megatron's DP-reshardable format; nothing is gathered). Per trainer rank:
+#   * fp32 state: its own shard of the master weights and two Adam moments, 12 bytes a parameter
+#     it owns (its 1/dp of the dense parameters, 1/expert-dp of the expert ones), which the writer
+#     stages from the GPU;
+#   * model weights: the DP rank 0 of each inner optimizer (dense parameters over DP, expert
+#     parameters over expert DP) writes its whole model shard of that kind, staged from the GPU
+#     (dtype bytes a parameter); the other ranks hold replicas that are not written.
+# A background save (checkpoint.background) holds the same staged copy while the next steps train
+# beside it. Colocated ranks also hold their offload buffers (what cluster.offload moves: weights
+# and optimizer shard, or the optimizer shard alone, or nothing; gradients are not moved),
+# allocated before the first step. They are counted at a save: the trainer keeps them across saves
+# when the node holds both (NodeHost.fits), and drops them before each save otherwise (then the
+# figure is what the node would need to keep them).
+# At load (a resume, before any offload) every rank reads its own shard's fp32 state. (A resume
+# from a checkpoint of the older, gathered format allocates the fp32 state of its whole model shard
+# on every rank instead, 12 bytes a parameter: not counted.)
 # The busiest node is taken to hold the ranks with the largest figures, a bound whatever the
 # placement (Megatron's rank order puts a stage's DP-rank-0 ranks first: on one node, that one).
 FP32_STATE_BYTES = 12  # master weight, exp_avg, exp_avg_sq
-WORLD_TENSOR_BYTES = 4  # one of the three
-DDP_BUCKET_ELEMENTS = 40_000_000  # Megatron DDP's default bucket: max(4e7, 1e6 × dp) elements
 HOST_MARGIN_FRACTION = 0.10  # allocator fragmentation, Ray's object store, what is not counted
 HOST_PROCESS_BYTES_PER_GPU = 8e9  # each GPU's processes: Python, CUDA/NCCL host state, SGLang's
 DEFAULT_NODE_HOST_MEMORY_GB = 1000.0  # a node's host memory unless `plan --host-memory-gb` says
@@ -78,27 +75,21 @@ class RankHost:
     """Host bytes of one trainer rank of pipeline stage ``stage``."""
 
     stage: int
-    dense_writer: bool  # DP rank 0 of the dense optimizer: gathers and writes its state
+    dense_writer: bool  # DP rank 0 of the dense optimizer: writes the dense weights (and, unsharded, their state)
     expert_writer: bool  # DP rank 0 of the expert optimizer (expert DP)
     pinned: int  # offload buffers (colocated runs)
-    fp32_state: int
-    gather: int
-    compaction: int
+    fp32_state: int  # optimizer state it writes, staged from the GPU
     weights: int  # model weights it writes, staged from the GPU
     load: int
 
     @property
     def staging(self) -> int:
-        return self.fp32_state + max(self.gather, self.compaction, self.weights)
-
-    @property
-    def background_staging(self) -> int:
-        """What a background save holds staged until its write is done."""
+        """What a save holds staged until its write is done (in the background too)."""
         return self.fp32_state + self.weights
 
     @property
     def at_save(self) -> int:
-        return self.pinned + max(self.staging, self.background_staging)
+        return self.pinned + self.staging
 
 
 @dataclass(frozen=True)
@@ -153,24 +144,15 @@ def rank_host(dense: int, expert: int, *, stage: int, param_bytes: int, offload_
               expert_dp: int, dense_writer: bool, expert_writer: bool, distributed: bool) -> RankHost:
     """Host bytes of a rank holding ``dense`` and ``expert`` parameters (see the notes above);
     ``offload_bytes``: what offloading keeps on the host (0 when not colocated)."""
-    parts = [(dense, dp, dense_writer), (expert, expert_dp, expert_writer)]
-    written = [params for params, _, writer in parts if writer and params]
-    fp32_state, weights = FP32_STATE_BYTES * sum(written), param_bytes * sum(written)
+    written = sum(params for params, writer in ((dense, dense_writer), (expert, expert_writer)) if writer)
+    weights = param_bytes * written
     if not distributed:
-        # Megatron's other optimizers keep their state on the GPU; the writer stages it from there
-        return RankHost(stage, dense_writer, expert_writer, offload_bytes, fp32_state=fp32_state, gather=0,
-                        compaction=0, weights=weights, load=0)
-    gather = 0
-    for params, group, writer in parts:
-        if params:
-            # Megatron's DDP buckets size its gather: max(4e7, 1e6 × dp) elements, the whole
-            # buffer if smaller; DP rank 0 receives whole buckets, every rank sends its 1/group
-            bucket = min(max(DDP_BUCKET_ELEMENTS, 1_000_000 * dp), params)
-            sent = _ceil_div(FP32_STATE_BYTES * bucket, group)
-            gather = max(gather, FP32_STATE_BYTES * bucket + sent if writer else sent)
-    return RankHost(stage, dense_writer, expert_writer, offload_bytes, fp32_state=fp32_state, gather=gather,
-                    compaction=WORLD_TENSOR_BYTES * max(written, default=0), weights=weights,
-                    load=FP32_STATE_BYTES * (dense + expert))
+        # Megatron's other optimizers keep the whole state on every DP rank, on the GPU; DP rank 0
+        # of each writes it, staged from there, and a load reads into it
+        return RankHost(stage, dense_writer, expert_writer, offload_bytes, fp32_state=FP32_STATE_BYTES * written,
+                        weights=weights, load=0)
+    shard = FP32_STATE_BYTES * (_ceil_div(dense, dp) + _ceil_div(expert, expert_dp))
+    return RankHost(stage, dense_writer, expert_writer, offload_bytes, fp32_state=shard, weights=weights, load=shard)
 
 
 def trainer_node_host(plan, node_memory_gb: float) -> NodeHost | None:

@@ -232,7 +232,8 @@ def _replay_and_logprob_pass(cfg: ExperimentConfig, hf: HFModelConfig, params: S
 def make_plan(cfg: ExperimentConfig, hf: HFModelConfig, allocation: Allocation | None = None, *,
               distributed_optimizer: bool | None = None, lengths: str | None = None) -> Plan:
     """Plan ``cfg`` on ``allocation`` (default: the cluster section's). The distributed optimizer
-    is what the trainer uses on GPUs (default: on for a GPU allocation, off for a CPU one).
+    is what the trainer uses (default: ``optimizer.distributed``, unset on for a GPU allocation and
+    off for a CPU one).
     ``lengths`` names a length distribution (:data:`~bpo_megatron.planner.batches.LENGTH_DISTRIBUTIONS`)
     to estimate micro-batches per rank, imbalance and useful tokens for; None skips it.
 
@@ -241,7 +242,8 @@ def make_plan(cfg: ExperimentConfig, hf: HFModelConfig, allocation: Allocation |
     sample padded, the token budget packed."""
     allocation = allocation or Allocation.of(cfg)
     if distributed_optimizer is None:
-        distributed_optimizer = allocation.gpus_per_node > 0
+        chosen = cfg.optimizer.distributed
+        distributed_optimizer = allocation.gpus_per_node > 0 if chosen is None else chosen
     checks = layout_checks(cfg, hf, allocation)
     # what the trainer ranks of this allocation build (an unset dtype: bf16 with GPUs, fp32 without)
     # and run (torch's fused RMSNorm on GPUs keeps less than its composite on CPUs)

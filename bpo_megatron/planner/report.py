@@ -251,16 +251,17 @@ def _batches(plan: Plan) -> list[str]:
             "the drawn lengths: bpo_megatron/planner/batches.py)"]
 
 
-def _writers(ranks) -> str:
+def _writers(ranks, distributed: bool) -> str:
     kinds = {}
     for r in ranks:
         kind = ("dense and expert" if r.dense_writer and r.expert_writer else "dense" if r.dense_writer
                 else "expert" if r.expert_writer else None)
         kinds[kind] = kinds.get(kind, 0) + 1
-    parts = [f"{n} write {kind} optimizer state" for kind, n in kinds.items() if kind]
+    parts = [f"{n} write {kind} weights{'' if distributed else ' and optimizer state'}"
+             for kind, n in kinds.items() if kind]
     if None in kinds:
-        parts.append(f"{kinds[None]} only send theirs")
-    return ", ".join(parts)
+        parts.append(f"{kinds[None]} no weights")
+    return ("each writes its own optimizer shard; " if distributed else "") + ", ".join(parts)
 
 
 def _host(plan: Plan) -> list[str]:
@@ -276,20 +277,21 @@ def _host(plan: Plan) -> list[str]:
     else:
         kept = "kept across saves" if host.fits else "dropped before each save, counted"
         pinned = f"pinned offload buffers (cluster.offload: {plan.offload.parts}; allocated before step 1, {kept})"
+    state_row = ("fp32 master weights + 2 Adam moments, each rank its own shard (12 B per parameter it owns)"
+                 if plan.distributed_optimizer else
+                 "fp32 master weights + 2 Adam moments, DP rank 0 of each optimizer (12 B per parameter)")
     rows = [
         [pinned, gb(sum(r.pinned for r in ranks))],
-        ["fp32 master weights + 2 Adam moments gathered to write (12 B per parameter)",
-         gb(sum(r.fp32_state for r in ranks))],
-        ["largest transient per rank (gather buffers, compaction copy or staged weights)",
-         gb(sum(r.staging - r.fp32_state for r in ranks))],
+        [state_row, gb(sum(r.fp32_state for r in ranks))],
+        ["model weights written (DP rank 0 of each optimizer), staged from the GPU",
+         gb(sum(r.weights for r in ranks))],
         [f"margin ({HOST_MARGIN_FRACTION:.0%} + {gb(HOST_PROCESS_BYTES_PER_GPU)} GB per GPU)",
          gb(host.at_save - counted)],
-        ["at a checkpoint save", gb(host.at_save)],
-        ["  of it staged while a background save writes (checkpoint.background: fp32 state + weights written)",
-         gb(sum(r.background_staging for r in ranks))],
+        ["at a checkpoint save (blocking or background: the staged copy is held until written)", gb(host.at_save)],
         ["at a load (every rank: its shard's fp32 state, 12 B per parameter) + margin", gb(host.at_load)],
     ]
-    header = [f"host memory of the busiest trainer node (GB; {len(ranks)} ranks: {_writers(ranks)})", "node"]
+    writers = _writers(ranks, plan.distributed_optimizer)
+    header = [f"host memory of the busiest trainer node (GB; {len(ranks)} ranks: {writers})", "node"]
     where = f"{plan.allocation.host_memory_gb:g} GB per node (plan --host-memory-gb)"
     spare = host.node_bytes - host.peak
     verdict = (f"fits in {where}, {gb(spare)} GB spare" if spare >= 0

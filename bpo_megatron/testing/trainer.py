@@ -10,12 +10,13 @@ from bpo_megatron.testing.models import tiny_moe
 
 def build_actor(hf=None, *, tp=1, pp=1, ep=1, etp=None, cp=1, replay=False, recompute="none", lr=1e-3, loss="bpo",
                 micro_batch_size=2, grad_clip=1.0, temperature=1.0, weights=None, max_tokens_per_micro_batch=0,
-                params_dtype=None, logprob_kernel="auto", model_options=None):
+                params_dtype=None, logprob_kernel="auto", model_options=None, distributed_optimizer=None):
     """A train actor of ``hf`` (an ``HFModelConfig``, a config dict or path; the tiny MoE by
     default) in the current torch.distributed world; ``loss``: a loss name or a
     ``PolicyLossConfig``; ``weights``: a Hugging Face directory to load; ``params_dtype``: fp32 or
     bf16 (None: the platform's default); ``model_options``: further ``ModelOptions`` fields (e.g.
-    ``{"expert_gemm": "sequential"}``). Release it with ``actor.close()``."""
+    ``{"expert_gemm": "sequential"}``); ``distributed_optimizer``: ``OptimizerSettings.distributed``.
+    Release it with ``actor.close()``."""
     from bpo_megatron.models import ModelOptions
     from bpo_megatron.parallel import ParallelConfig
     from bpo_megatron.trainer.config import TrainerConfig
@@ -28,7 +29,7 @@ def build_actor(hf=None, *, tp=1, pp=1, ep=1, etp=None, cp=1, replay=False, reco
         model=ModelOptions(routing_replay=replay, recompute=recompute, params_dtype=params_dtype,
                            **(model_options or {})),
         loss=loss,
-        optimizer=OptimizerSettings(lr=lr, grad_clip=grad_clip),
+        optimizer=OptimizerSettings(lr=lr, grad_clip=grad_clip, distributed=distributed_optimizer),
         trainer=TrainerConfig(micro_batch_size=micro_batch_size, temperature=temperature,
                               max_tokens_per_micro_batch=max_tokens_per_micro_batch, logprob_kernel=logprob_kernel),
         weights=weights,

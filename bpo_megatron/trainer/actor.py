@@ -113,7 +113,7 @@ class TrainActor:
         self.config = self.model.config
         # Micro-batches differ in length; pipeline stages exchange shapes before activations.
         self.config.variable_seq_lengths = parallel.pp > 1
-        self.ddp = wrap_ddp([self.model], self.config)
+        self.ddp = wrap_ddp([self.model], self.config, distributed=optimizer.distributed)
         self.optimizer = build_optimizer(optimizer, self.ddp)
         self.replay = (
             RoutingReplay(self.model, moe_layers=list(hf.moe_layers), tp_rank=self.ranks.tp,
@@ -288,7 +288,7 @@ class TrainActor:
         this call waited for it and then took itself.
 
         The host buffers offloading keeps for its next round are dropped first, so the optimizer
-        state the save gathers in host memory (``bpo_megatron.planner.host``) does not come on
+        state the save stages in host memory (``bpo_megatron.planner.host``) does not come on
         top of them (the next offload pins fresh ones), unless :meth:`plan_offload` said the
         node holds both. Refused while offloaded.
         """
@@ -335,7 +335,8 @@ class TrainActor:
         return time.perf_counter() - start
 
     def load(self, path: str, *, load_optimizer: bool = True, verify: bool = True) -> dict[str, Any]:
-        """Load a checkpoint saved under any layout; returns its trainer state. ``verify``
+        """Load a checkpoint saved under any layout (the distributed optimizer's state: under any
+        data-parallel size, TP, PP, EP and expert TP as saved); returns its trainer state. ``verify``
         checks its files against the checksums written at save (split over the ranks) first.
         A background save in flight is published first (it may be the newest checkpoint)."""
         self.finish_saves("a checkpoint is loaded")

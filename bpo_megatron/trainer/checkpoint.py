@@ -15,8 +15,8 @@ A save writes into the ``.partial-`` directory, renames it into place and only t
 ``latest`` marker (write to a temporary file, fsync, ``os.replace``), so a process killed at any
 point leaves the previous checkpoint loadable. The newest step directory is the checkpoint of a
 root, whatever ``latest`` says; a damaged one (checksums, torn state) is refused by name, never
-skipped. Model and optimizer tensors are saved with their global shapes, so a checkpoint loads
-under a different TP/EP/PP layout.
+skipped. Model tensors, and the fp32 optimizer's moments, are saved with their global shapes, so
+such a checkpoint loads under a different TP/EP/PP layout.
 
 A save either blocks until the checkpoint is published or, with a :class:`BackgroundSaves`,
 returns once this rank's tensors are staged (copied to host memory on a GPU; on a CPU the
@@ -27,10 +27,10 @@ exactly as a blocking one and a process killed while it writes leaves the previo
 the newest. At most one save is in flight: the next save, a load and the end of training wait
 for it first.
 
-The distributed optimizer (GPUs) is saved in Megatron's fully reshardable format with its state
-gathered on DP rank 0 of each inner optimizer alone, and made compact before the writer sees it
-(:mod:`bpo_megatron.trainer.optimizer_state`): a node then holds at most what
-``bpo-megatron plan`` prints as its host memory at a checkpoint save.
+The distributed optimizer (GPUs) is saved by every data-parallel rank, each writing its own shard
+of the state and nothing more (:mod:`bpo_megatron.trainer.optimizer_state`): no rank gathers, and
+a node holds at most what ``bpo-megatron plan`` prints as its host memory at a checkpoint save.
+It resumes at any data-parallel size; the model-parallel layout stays as saved.
 """
 
 from __future__ import annotations
@@ -194,19 +194,15 @@ def _restore_rng(state: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _sharded_state(model: torch.nn.Module, optimizer, *, is_loading: bool
+def _sharded_state(model: torch.nn.Module, optimizer, *, is_loading: bool, saved_format: str | None = None
                    ) -> tuple[dict[str, Any], OptimizerState | None]:
     model_state = model.sharded_state_dict(prefix="")
     state: dict[str, Any] = {"model": model_state}
     optimizer_part = None
     if optimizer is not None:
-        optimizer_part = OptimizerState(optimizer, model_state, is_loading=is_loading)
+        optimizer_part = OptimizerState(optimizer, model_state, is_loading=is_loading, saved_format=saved_format)
         state["optimizer"] = optimizer_part.sharded
     return state, optimizer_part
-
-
-def _optimizer_format(optimizer) -> str:
-    return "per-parameter" if optimizer_state.per_parameter(optimizer) else "megatron"
 
 
 NO_SPACE = os.strerror(errno.ENOSPC)  # "No space left on device", as a failure's text carries it
@@ -403,7 +399,7 @@ def save(root: str | Path, step: int, model: torch.nn.Module, optimizer, trainer
         meta = {"step": step, "layout": layout, "world_size": dist.get_world_size(),
                 "optimizer_state": optimizer is not None, **trainer_state}
         if optimizer is not None:
-            meta["optimizer_format"] = _optimizer_format(optimizer)
+            meta["optimizer_format"] = optimizer_state.save_format(optimizer)
             meta["optimizer_parts"] = len(optimizer_state.inner_optimizers(optimizer))
         _write_atomically(partial / STATE_FILE, json.dumps(meta, indent=2, sort_keys=True))
 
@@ -523,19 +519,21 @@ def _verify_collectively(directory: Path) -> None:
         raise DamagedCheckpoint(f"checkpoint {directory} is damaged:\n  " + "\n  ".join(problems))
 
 
-def _check_optimizer_format(directory: Path, meta: dict[str, Any], optimizer) -> None:
-    """A checkpoint's optimizer state must be one this optimizer reads (see
-    :mod:`bpo_megatron.trainer.optimizer_state`)."""
-    saved, current = meta.get("optimizer_format", "megatron"), _optimizer_format(optimizer)
-    if saved != current:
-        raise ValueError(f"{directory} holds {saved} optimizer state, which this {current} optimizer does not "
-                         "read (a checkpoint of the CPU path loads on the CPU path, one of the GPU path on GPUs); "
-                         "load it without the optimizer state (load_optimizer=False) to continue from its weights")
+def _check_optimizer_format(directory: Path, meta: dict[str, Any], optimizer, layout: dict[str, int]) -> str:
+    """The format of a checkpoint's optimizer state, refused by name unless this optimizer under
+    ``layout`` reads it (see :mod:`bpo_megatron.trainer.optimizer_state`)."""
+    saved = meta.get("optimizer_format", optimizer_state.GATHERED)
+    if saved not in optimizer_state.FORMATS:
+        raise ValueError(f"{directory} holds optimizer state of an unknown format {saved!r} (known: "
+                         f"{', '.join(optimizer_state.FORMATS)}): it was written by a newer version of bpo-megatron; "
+                         "load it with that version, or without the optimizer state (load_optimizer=False)")
+    optimizer_state.check_readable(directory, saved, meta.get("layout", {}), optimizer, layout)
     parts = len(optimizer_state.inner_optimizers(optimizer))
-    if saved == "megatron" and meta.get("optimizer_parts", parts) != parts:
+    if saved != optimizer_state.PER_PARAMETER and meta.get("optimizer_parts", parts) != parts:
         raise ValueError(f"{directory} was saved by an optimizer of {meta['optimizer_parts']} parts (dense and expert "
                          f"parameters apart or together: expert parallelism on or off) and this one has {parts}; "
                          "resume with expert parallelism as it was saved (parallel.ep = 1, or > 1)")
+    return saved
 
 
 def load(path: str | Path, model: torch.nn.Module, optimizer, *, layout: dict[str, int],
@@ -554,9 +552,10 @@ def load(path: str | Path, model: torch.nn.Module, optimizer, *, layout: dict[st
     meta = json.loads((directory / STATE_FILE).read_text())
     if not meta.get("optimizer_state", False):
         optimizer = None  # saved before the first step: a fresh optimizer is the right state
+    saved_format = None
     if optimizer is not None:
-        _check_optimizer_format(directory, meta, optimizer)
-    sharded, optimizer_part = _sharded_state(model, optimizer, is_loading=True)
+        saved_format = _check_optimizer_format(directory, meta, optimizer, layout)
+    sharded, optimizer_part = _sharded_state(model, optimizer, is_loading=True, saved_format=saved_format)
     state = dist_checkpointing.load(sharded, str(directory))
     model.load_state_dict(state["model"], strict=True)
     if optimizer_part is not None:

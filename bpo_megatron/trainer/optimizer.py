@@ -8,6 +8,11 @@ Two paths, chosen in :func:`_plan` from :mod:`bpo_megatron.platform` and nowhere
 * CPU: fp32 throughout, one ``FP32Optimizer`` per parameter kind, gradients all-reduced
   synchronously. Needs ``bpo_megatron.megatron.ensure_megatron_cpu_compat()``.
 
+``OptimizerSettings.distributed`` overrides the platform's choice of optimizer: ``true`` on a CPU
+shards the fp32 moments over data parallelism with Megatron's distributed optimizer (gradients
+reduce-scattered, parameters all-gathered over gloo), the optimizer and checkpoint format of the
+GPU path; ``false`` on a GPU keeps every moment on every data-parallel rank.
+
 Update rule. Megatron's ``"adam"`` with ``decoupled_weight_decay=True`` is AdamW: torch's
 ``torch.optim.AdamW`` without TE/apex (switched to torch's fused kernel, :func:`fuse_torch_adam`),
 TE or apex ``FusedAdam(adam_w_mode=True)`` otherwise. Each step does
@@ -44,6 +49,9 @@ if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
 
 
+DDP_BUCKET_ELEMENTS = 40_000_000  # Megatron DDP's default bucket up to dp 40, kept at any dp (ddp_config)
+
+
 @dataclass(frozen=True)
 class OptimizerSettings:
     """AdamW hyper-parameters; the defaults are the paper's.
@@ -57,6 +65,9 @@ class OptimizerSettings:
     eps: float = 1e-8  # AdamW's ε
     weight_decay: float = 0.1  # AdamW's decoupled weight decay
     grad_clip: float = 1.0
+    # shard master weights and Adam moments over data parallelism (Megatron's distributed optimizer,
+    # ZeRO-1); None: the platform's choice (on with GPUs, off on CPUs)
+    distributed: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -83,21 +94,24 @@ class _Plan:
     half_precision_allowed: bool  # bf16/fp16 params need the mixed-precision optimizers
 
 
-def _plan() -> _Plan:
+def _plan(distributed: bool | None = None) -> _Plan:
+    """The platform's path; ``distributed`` (``OptimizerSettings.distributed``) overrides whether
+    the optimizer is sharded over data parallelism."""
     if platform.has_cuda():
-        return _Plan(distributed_optimizer=True, overlap_grad_reduce=True,
-                     half_precision_allowed=True)
-    # Megatron's mixed-precision and distributed optimizers accept only CUDA tensors, and
-    # overlapping needs asynchronous communication that gloo on a CPU gains nothing from.
-    return _Plan(distributed_optimizer=False, overlap_grad_reduce=False,
+        return _Plan(distributed_optimizer=True if distributed is None else distributed,
+                     overlap_grad_reduce=True, half_precision_allowed=True)
+    # Megatron's mixed-precision optimizers accept only CUDA tensors (its distributed one runs in
+    # fp32 on CPU with the compat layer, when asked for), and overlapping needs asynchronous
+    # communication that gloo on a CPU gains nothing from.
+    return _Plan(distributed_optimizer=bool(distributed), overlap_grad_reduce=False,
                  half_precision_allowed=False)
 
 
-def ddp_config() -> DistributedDataParallelConfig:
-    """Megatron DDP settings for this platform."""
+def ddp_config(distributed: bool | None = None) -> DistributedDataParallelConfig:
+    """Megatron DDP settings for this platform (``distributed``: ``OptimizerSettings.distributed``)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    plan = _plan()
+    plan = _plan(distributed)
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,  # bf16 gradients summed over many ranks lose too much
         overlap_grad_reduce=plan.overlap_grad_reduce,
@@ -108,6 +122,11 @@ def ddp_config() -> DistributedDataParallelConfig:
         use_distributed_optimizer=plan.distributed_optimizer,
         # Pre-scale by 1/dp and sum (see the module docstring); the trainer's loss relies on it.
         average_in_collective=False,
+        # The distributed optimizer's checkpoint holds one tensor per gradient bucket
+        # (optimizer_state.DP_SHARDS): buckets of a size that does not depend on DP keep it
+        # loadable at any data-parallel size (Megatron's default grows them as 1e6 × dp above
+        # dp 40). Without overlapped reduction Megatron makes one bucket per buffer anyway.
+        bucket_size=DDP_BUCKET_ELEMENTS if plan.distributed_optimizer and plan.overlap_grad_reduce else None,
     )
 
 
@@ -117,7 +136,7 @@ def optimizer_config(
     """Megatron optimizer settings for this platform and the model's precision."""
     from megatron.core.optimizer import OptimizerConfig
 
-    plan = _plan()
+    plan = _plan(settings.distributed)
     half = transformer_config.bf16 or transformer_config.fp16
     if half and not plan.half_precision_allowed:
         raise ValueError(
@@ -142,7 +161,8 @@ def optimizer_config(
 
 
 def wrap_ddp(
-    model_chunks: Sequence[torch.nn.Module], transformer_config: TransformerConfig
+    model_chunks: Sequence[torch.nn.Module], transformer_config: TransformerConfig,
+    *, distributed: bool | None = None,
 ) -> list[DistributedDataParallel]:
     """Wrap each model chunk in Megatron's DDP and hook the chunks into Megatron's schedules.
 
@@ -150,10 +170,12 @@ def wrap_ddp(
     overlapped reduction ``grad_sync_func``) and ``finalize_model_grads_func``; so
     ``forward_backward_func`` reduces the gradients itself at its end. Call
     ``finalize_model_grads(ddp_chunks)`` yourself only after a backward pass you ran directly.
+    ``distributed``: ``OptimizerSettings.distributed`` (the optimizer built over the chunks must
+    be given the same).
     """
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 
-    config = ddp_config()
+    config = ddp_config(distributed)
     chunks = [
         DistributedDataParallel(
             config=transformer_config,
@@ -191,6 +213,11 @@ def build_optimizer(
     from megatron.core.optimizer import get_megatron_optimizer
 
     transformer_config = ddp_chunks[0].config
+    sharded = _plan(settings.distributed).distributed_optimizer
+    if any(chunk.ddp_config.use_distributed_optimizer != sharded for chunk in ddp_chunks):
+        raise ValueError(f"optimizer.distributed={settings.distributed} asks for a {'' if sharded else 'non-'}"
+                         "distributed optimizer over DDP chunks wrapped for the other kind: pass the same "
+                         "value to wrap_ddp(distributed=...)")
     optimizer = get_megatron_optimizer(
         optimizer_config(settings, transformer_config), list(ddp_chunks)
     )
