@@ -10,7 +10,8 @@ loader reads them: a nested dataclass is a section, ``metadata={"inline": True}`
 its parent's level, ``metadata={"key": ...}`` renames a key, ``metadata={"derived": ...}`` is no
 key, ``metadata={"sections": ...}`` is one section per entry of a registry, each under the entry's
 name at its parent's level (``rollout.<engine>``: its spec's options dataclass, one per entry of the
-engine registry). A key counts as documented when
+engine registry); a key with ``metadata={"choices": ...}`` (a function) takes the values it returns
+as its type (``rollout.engine``: the engine registry's names). A key counts as documented when
 the comment above its field or at the end of its line says something (a field without one takes
 the comment of an earlier field of its run when that comment names it), or when its section's
 docstring names it in double backquotes.
