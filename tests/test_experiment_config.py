@@ -154,6 +154,14 @@ def test_the_engine_groups_are_built_from_the_experiments_engine_sections():
     evaluation = cfg.engine_group_spec(evaluation=True)  # indexed after the two rollout engines
     assert (evaluation.role, evaluation.count, evaluation.first_index) == ("evaluation", 3, 2)
     assert evaluation.longest_sequence == 42 and evaluation.rollout is cfg.rollout
+    from bpo_megatron.orchestration.engine_group_spec import EngineGroupSpec
+
+    bare = EngineGroupSpec(hf=MOE)  # a test's group: the model's directory, every section at its defaults
+    assert bare.hf.num_experts == 4 and (bare.count, bare.longest_sequence) == (1, 16384)
+    with pytest.raises(ValueError, match="an engine group's role is 'rollout' or 'evaluation', not 'judge'"):
+        EngineGroupSpec(hf=MOE, role="judge")
+    with pytest.raises(ValueError, match="at least one engine, got num_engines=0"):
+        EngineGroupSpec(hf=MOE, role="evaluation", num_engines=0)
 
 
 SHIPPED = sorted((ROOT / "configs").glob("*.yaml"))
