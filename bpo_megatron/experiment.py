@@ -24,6 +24,8 @@ from bpo_megatron.models.config import ModelConfig
 from bpo_megatron.models.hf_config import HFModelConfig
 from bpo_megatron.observability.config import LoggingConfig
 from bpo_megatron.orchestration.config import ClusterConfig
+from bpo_megatron.orchestration.engine_group_spec import EngineGroupSpec
+from bpo_megatron.orchestration.placement import EVALUATION
 from bpo_megatron.parallel import ParallelConfig
 from bpo_megatron.rollout.config import RolloutConfig
 from bpo_megatron.trainer.config import TrainerConfig
@@ -104,6 +106,17 @@ class ExperimentConfig:
         return TrainerSpec(hf=self.hf_config(), parallel=self.parallel, model=self.model.options, loss=self.loss,
                            optimizer=self.optimizer,
                            trainer=replace(self.trainer, temperature=self.rollout.temperature, seed=self.seed))
+
+    def engine_group_spec(self, *, evaluation: bool = False) -> EngineGroupSpec:
+        """What the rollout engines are built from (``evaluation``: the background evaluation
+        engines, ``evaluation_engines`` of them, indexed after the rollout engines): the engines'
+        sections of this experiment."""
+        spec = EngineGroupSpec(hf=self.hf_config(), rollout=self.rollout, cluster=self.cluster,
+                               max_staleness=self.train.asynchronous.max_staleness,
+                               max_prompt_tokens=self.data.max_prompt_tokens)
+        if not evaluation:
+            return spec
+        return replace(spec, role=EVALUATION, num_engines=self.evaluation_engines, first_index=self.rollout.num_engines)
 
 
 # Settings given relative to the config file that sets them (e.g. ``model.path: models/tiny``).

@@ -626,7 +626,7 @@ def test_an_engine_that_dies_between_turns_costs_that_turn_only(ray_session, mod
     cfg = load_experiment(None, [f"model.path={model_dir}", "model.tokenizer=char", "rollout.engine=hf",
                                  "rollout.num_engines=2", "rollout.max_restarts=2", "data.max_prompt_tokens=16",
                                  "rollout.max_new_tokens=14"], check_model=True)
-    group = EngineGroup(cfg, model_dir)
+    group = EngineGroup(cfg.engine_group_spec(), model_dir)
     try:
         agent = KillingCalculator(AgentConfig(name=f"{__name__}:KillingCalculator"))
         agent.group = group

@@ -25,7 +25,8 @@ POSITIONS = (18, 3, 15, 4, 5, 14, 2, 6)  # the demo's samples hold at most 16 + 
 def group(ray_session, small_run, tmp_path_factory):
     from bpo_megatron.orchestration.groups import TrainerGroup
 
-    trainer = TrainerGroup(small_run(tmp_path_factory.mktemp("run"), f"trainer.max_tokens_per_micro_batch={BUDGET}"))
+    cfg = small_run(tmp_path_factory.mktemp("run"), f"trainer.max_tokens_per_micro_batch={BUDGET}")
+    trainer = TrainerGroup(cfg.trainer_spec(), cfg.cluster)
     yield trainer
     trainer.shutdown()
 

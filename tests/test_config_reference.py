@@ -134,3 +134,57 @@ def test_the_page_lists_every_cross_section_rule_with_the_keys_it_reads():
     assert [row.split("`")[1] for row in rows] == [rule.name for rule in RULES]
     for row, rule in zip(rows, RULES, strict=True):
         assert all(f"`{key}`" in row for key in rule.reads), row
+
+
+# ------------------------------------------------------------------ an engine is its folder and one line
+@dataclasses.dataclass(frozen=True)
+class ToyEngineOptions:
+    """A toy engine's own section (``rollout.toy``)."""
+
+    slots: int = 4  # rows it decodes at once
+    mode: str = "exact"  # how it samples
+
+
+def _toy_engine():
+    from bpo_megatron.rollout.engine import EngineProfile, EngineSpec
+
+    def build(options, context):
+        raise AssertionError("the toy engine is configured, never started")
+
+    return EngineSpec(name="toy", options=ToyEngineOptions, build=build,
+                      profile=lambda options, requests, gpus: EngineProfile(tp=1, sequences=options.slots),
+                      transport=lambda options, colocated, gpus: "object_store", exposes_weights=True)
+
+
+TOY_ENGINE = _toy_engine()
+
+
+def test_a_registered_engine_brings_its_config_section_and_its_name(monkeypatch):
+    """One registry line makes the engine's name a value of ``rollout.engine`` and its options
+    class the ``rollout.<name>`` section: loaded, typed, written back, listed in this page and
+    carried to the engine group; nothing else lists the engines."""
+    from bpo_megatron.config import ConfigError, to_dict
+    from bpo_megatron.experiment import load_experiment
+    from bpo_megatron.rollout.engine import ENGINES
+
+    demo = ROOT / "configs" / "tiny_moe_cpu.yaml"
+    with pytest.raises(ConfigError, match=r"rollout.engine='toy' is unknown; choose one of \['hf', 'sglang', 'vllm'\]"):
+        load_experiment(demo, ["rollout.engine=toy"], check_model=False)
+    with pytest.raises(ConfigError, match="unknown key rollout.toy; valid keys of rollout: "):
+        load_experiment(demo, ["rollout.toy.slots=7"], check_model=False)
+
+    monkeypatch.setitem(ENGINES, "toy", f"{__name__}:TOY_ENGINE")
+    cfg = load_experiment(demo, ["rollout.engine=toy", "rollout.toy.slots=7"], check_model=False)
+    assert cfg.rollout.spec is TOY_ENGINE and cfg.rollout.options == ToyEngineOptions(slots=7, mode="exact")
+    assert to_dict(cfg)["rollout"]["toy"] == {"slots": 7, "mode": "exact"}
+    assert cfg.engine_group_spec().rollout.options.slots == 7  # what the engine group starts the engines with
+    with pytest.raises(ConfigError, match="unknown key rollout.toy.slotz; valid keys of rollout.toy: mode, slots"):
+        load_experiment(demo, ["rollout.engine=toy", "rollout.toy.slotz=7"], check_model=False)
+    with pytest.raises(ConfigError, match="rollout.toy.slots='many' must be an integer"):
+        load_experiment(demo, ["rollout.toy.slots=many"], check_model=False)
+    # under another engine its section is never read, and the preflight says so
+    assert load_experiment(demo, ["rollout.toy.slots=7"], check_model=False).rollout.unused_settings() == [("toy", "slots", 7)]
+    toy_keys = [key for section in reference.sections() if section.prefix == "rollout.toy." for key in section.keys]
+    assert [(k.dotted, k.documentation) for k in toy_keys] == [("rollout.toy.slots", "rows it decodes at once"),
+                                                               ("rollout.toy.mode", "how it samples")]
+    assert '- **`rollout.engine`** ("hf" \\| "sglang" \\| "vllm" \\| "toy"; default `"hf"`)' in reference.render()

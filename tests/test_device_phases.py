@@ -25,8 +25,8 @@ def colocated(ray_session, small_run, tmp_path):
 
     cfg = small_run(tmp_path, "cluster.colocate=true", "rollout.num_engines=2")
     model_dir = initial_hf_dir(cfg)
-    placement = run_placement(cfg)
-    engines = EngineGroup(cfg, model_dir, placement=placement)
+    placement = run_placement(cfg.cluster, cfg.rollout.num_engines)
+    engines = EngineGroup(cfg.engine_group_spec(), model_dir, placement=placement)
     trainer = None
     transport = cfg.weight_transport()
 
@@ -35,7 +35,7 @@ def colocated(ray_session, small_run, tmp_path):
                             verify=True, only=only, dtype=cfg.rollout.sync_dtype)
 
     phases = DevicePhases(engines, push, shared=True)
-    trainer = TrainerGroup(cfg, placement=placement)
+    trainer = TrainerGroup(cfg.trainer_spec(), cfg.cluster, placement=placement)
     phases.attach_trainer(trainer)
     engines.on_restart = phases.resync
     trainer.call("load_hf", model_dir)

@@ -52,7 +52,7 @@ def group(ray_session, checkpoints):
     cfg = load_experiment(None, [f"model.path={start_dir}", "model.tokenizer=char", "rollout.engine=hf",
                                  "rollout.num_engines=2", "rollout.max_restarts=3", "data.max_prompt_tokens=16",
                                  "rollout.max_new_tokens=240"], check_model=True)
-    engines = EngineGroup(cfg, start_dir)
+    engines = EngineGroup(cfg.engine_group_spec(), start_dir)
     yield engines
     engines.shutdown()
 
@@ -231,10 +231,6 @@ def test_an_engine_that_stops_answering_is_killed_replaced_and_its_share_sent_ag
 
 
 def test_a_timeout_must_be_positive():
-    from bpo_megatron.orchestration.groups import EngineGroup
-
-    with pytest.raises(ValueError, match="generate_timeout_s"):
-        EngineGroup(None, "unused", generate_timeout_s=0)
     from bpo_megatron.rollout.config import RolloutConfig
 
     with pytest.raises(ValueError, match=r"rollout.generate_timeout_s must be > 0 \(or null: no limit\)"):
@@ -388,7 +384,7 @@ def async_group(ray_session, checkpoints):
                                  "rollout.num_engines=2", "rollout.max_restarts=4", "data.max_prompt_tokens=16",
                                  "rollout.max_new_tokens=240", "train.async.max_staleness=2",
                                  "cluster.colocate=false", f"rollout.stall_timeout_s={STALL_S}"], check_model=True)
-    engines = EngineGroup(cfg, start_dir)
+    engines = EngineGroup(cfg.engine_group_spec(), start_dir)
     assert engines.partial_rollouts
     yield engines
     engines.shutdown()

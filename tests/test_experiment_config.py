@@ -60,7 +60,7 @@ def test_resolved_config_round_trips(tmp_path):
         # wrong types and values
         (["train.steps=many"], "train.steps='many' must be an integer"),
         (["model.routing_replay=maybe"], "model.routing_replay='maybe' must be true or false"),
-        (["rollout.engine=tgi"], "rollout.engine='tgi' must be one of 'hf', 'sglang', 'vllm'"),
+        (["rollout.engine=tgi"], r"rollout.engine='tgi' is unknown; choose one of \['hf', 'sglang', 'vllm'\]"),
         (["loss.name=ppo"], "PolicyLossConfig.name='ppo' is unknown"),
         # parallel sizes that do not divide the world ...
         (["parallel.tp=3", "parallel.ep=1"], "world size 2 is not divisible by parallel.tp × parallel.pp = 3 × 1"),
@@ -140,6 +140,47 @@ def test_settings_reach_their_owners_sections_and_the_trainer_spec():
     assert spec.model == cfg.model.options and spec.model.recompute == "full" and spec.hf.num_experts == 4
     assert (cfg.weight_sync.bucket_bytes, cfg.weight_sync.verify) == (64 * 2**20, True)
     assert cfg.rollout.options.max_batch_rows == 32  # the chosen engine's section, built by its spec's class
+
+
+def test_the_engine_groups_are_built_from_the_experiments_engine_sections():
+    cfg = load_experiment(DEMO, ["rollout.num_engines=2", "rollout.max_restarts=5", "rollout.hf.max_batch_rows=32",
+                                 "data.max_prompt_tokens=12", "rollout.max_new_tokens=30", "eval.mode=background",
+                                 "eval.engines=3", "cluster.colocate=false", "train.async.max_staleness=2"])
+    rollout = cfg.engine_group_spec()
+    assert (rollout.role, rollout.count, rollout.first_index) == ("rollout", 2, 0)
+    assert rollout.rollout is cfg.rollout and rollout.cluster is cfg.cluster and rollout.hf == cfg.hf_config()
+    assert rollout.rollout.options.max_batch_rows == 32 and rollout.rollout.max_restarts == 5
+    assert (rollout.longest_sequence, rollout.max_staleness) == (12 + 30, 2)
+    evaluation = cfg.engine_group_spec(evaluation=True)  # indexed after the two rollout engines
+    assert (evaluation.role, evaluation.count, evaluation.first_index) == ("evaluation", 3, 2)
+    assert evaluation.longest_sequence == 42 and evaluation.rollout is cfg.rollout
+    from bpo_megatron.orchestration.engine_group_spec import EngineGroupSpec
+
+    bare = EngineGroupSpec(hf=MOE)  # a test's group: the model's directory, every section at its defaults
+    assert bare.hf.num_experts == 4 and (bare.count, bare.longest_sequence) == (1, 16384)
+    with pytest.raises(ValueError, match="an engine group's role is 'rollout' or 'evaluation', not 'judge'"):
+        EngineGroupSpec(hf=MOE, role="judge")
+    with pytest.raises(ValueError, match="at least one engine, got num_engines=0"):
+        EngineGroupSpec(hf=MOE, role="evaluation", num_engines=0)
+
+
+SHIPPED = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_every_shipped_config_loads_and_its_engine_sections_hold_what_it_writes(path):
+    """Each config of configs/ validates, and what it writes under ``rollout.<engine>`` is that
+    engine's section (one per registered engine), written back under the same keys."""
+    from bpo_megatron.config import load_yaml, to_dict
+    from bpo_megatron.experiment import RELATIVE_PATHS
+    from bpo_megatron.rollout.engine import ENGINES, engine_spec
+
+    cfg = load_experiment(path)
+    written, recorded = load_yaml(path, relative_paths=RELATIVE_PATHS).get("rollout") or {}, to_dict(cfg)["rollout"]
+    for engine in ENGINES:
+        assert isinstance(cfg.rollout.engine_sections[engine], engine_spec(engine).options)
+        assert {key: recorded[engine][key] for key in written.get(engine) or {}} == (written.get(engine) or {})
+    assert len(SHIPPED) >= 14 and cfg.rollout.engine in ENGINES
 
 
 def test_a_correction_by_name_takes_its_bounds_from_the_file_or_later_overrides(tmp_path):

@@ -287,3 +287,30 @@ def test_transports_import_no_engine_group_and_the_loop_imports_no_transport():
             assert not any(_top(t) == "rollout" for t in imported), f"{module} imports an engine"
     allowed = _package_map()
     assert "rollout" not in _reached("weight_sync", allowed) and "weight_sync" in allowed["rollout"]
+
+
+def test_orchestration_reads_no_experiment_config():
+    """The groups are built from their specs (``TrainerSpec``, ``EngineGroupSpec``) and the sections
+    they are given, never from the experiment: no module of ``orchestration`` imports it, the config
+    loader or the loop (type-only imports included), takes a ``cfg`` or reads a member only the
+    experiment has (``cfg.trainer_spec()``, ``cfg.hf_config()``, ...)."""
+    import ast
+    import dataclasses
+
+    from bpo_megatron.experiment import ExperimentConfig
+
+    sections = {f.name for f in dataclasses.fields(ExperimentConfig)}  # a spec may hold sections of the same names
+    experiment_only = {name for name in vars(ExperimentConfig) if not name.startswith("__")} - sections
+    assert {"trainer_spec", "engine_group_spec", "hf_config", "weight_transport"} <= experiment_only
+    modules = sorted((ROOT / "bpo_megatron" / "orchestration").glob("*.py"))
+    assert len(modules) >= 10
+    for path in modules:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                assert not any(n.startswith(("bpo_megatron.experiment", "bpo_megatron.config", "bpo_megatron.loop"))
+                               for n in names), f"{path.name} imports {names}"
+            if isinstance(node, ast.arg):
+                assert node.arg not in {"cfg", "config", "experiment"}, f"{path.name}: a parameter {node.arg!r}"
+            if isinstance(node, ast.Attribute):
+                assert node.attr not in experiment_only, f"{path.name} reads .{node.attr} of an experiment"

@@ -22,7 +22,7 @@ def group(ray_session, small_run, tmp_path_factory):
     from bpo_megatron.orchestration.groups import TrainerGroup
 
     cfg = small_run(tmp_path_factory.mktemp("run"))
-    trainer = TrainerGroup(cfg)
+    trainer = TrainerGroup(cfg.trainer_spec(), cfg.cluster)
     yield trainer, cfg.hf_config()
     trainer.shutdown()
 

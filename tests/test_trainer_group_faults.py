@@ -64,7 +64,8 @@ def _wait_gone(pids: list[int], seconds: float) -> bool:
 def trainer(ray_session, small_run, tmp_path):
     from bpo_megatron.orchestration.groups import TrainerGroup
 
-    group = TrainerGroup(small_run(tmp_path / "run"))
+    cfg = small_run(tmp_path / "run")
+    group = TrainerGroup(cfg.trainer_spec(), cfg.cluster)
     yield group
     group.shutdown()
 

@@ -8,8 +8,10 @@ field or at the end of its line).
 The keys are those of :class:`bpo_megatron.experiment.ExperimentConfig`, walked as the config
 loader reads them: a nested dataclass is a section, ``metadata={"inline": True}`` shows its keys at
 its parent's level, ``metadata={"key": ...}`` renames a key, ``metadata={"derived": ...}`` is no
-key. Each engine's own section (``rollout.<engine>``) is its spec's options dataclass
-(``EngineSpec.options``), one per entry of the engine registry. A key counts as documented when
+key, ``metadata={"sections": ...}`` is one section per entry of a registry, each under the entry's
+name at its parent's level (``rollout.<engine>``: its spec's options dataclass, one per entry of the
+engine registry); a key with ``metadata={"choices": ...}`` (a function) takes the values it returns
+as its type (``rollout.engine``: the engine registry's names). A key counts as documented when
 the comment above its field or at the end of its line says something (a field without one takes
 the comment of an earlier field of its run when that comment names it), or when its section's
 docstring names it in double backquotes. The page ends with the cross-section rules
@@ -121,19 +123,11 @@ def _section_class(hint: Any) -> type | None:
     return next((o for o in options if dataclasses.is_dataclass(o)), None)
 
 
-def _engine_sections() -> dict[str, type]:
-    """``rollout.<engine>`` -> the options dataclass of that engine's spec, for every registered engine."""
-    from bpo_megatron.rollout.engine import ENGINES, engine_spec
-
-    return {f"rollout.{name}": engine_spec(name).options for name in ENGINES}
-
-
 def sections() -> list[Section]:
     """Every section of the experiment config, parents before their children, in field order."""
-    from bpo_megatron.config.loader import config_key, derived_from
+    from bpo_megatron.config.loader import config_key, derived_from, registered_sections
     from bpo_megatron.experiment import ExperimentConfig
 
-    engine_sections = _engine_sections()
     out: list[Section] = []
 
     def walk(cls: type, prefix: str, inline: bool) -> None:
@@ -148,16 +142,15 @@ def sections() -> list[Section]:
             if f.metadata.get("inline"):
                 children.append((hints[f.name], prefix, True))
                 continue
+            if (registered := registered_sections(f)) is not None:  # one section per registry entry
+                children += [(options, f"{prefix}{name}.", False) for name, options in registered.items()]
+                continue
             dotted = prefix + config_key(f)
-            child = engine_sections.get(dotted) or _section_class(hints[f.name])
+            child = _section_class(hints[f.name])
             if child is not None:
                 children.append((child, dotted + ".", False))
             else:
                 section.keys.append(Key(dotted, f, hints[f.name], cls, comments.get(f.name, "")))
-        if prefix == "rollout.":  # an engine whose section is not (yet) a field of RolloutConfig
-            named = {p for _, p, _ in children}
-            children += [(options, dotted + ".", False) for dotted, options in engine_sections.items()
-                         if dotted + "." not in named]
         for child_cls, child_prefix, child_inline in children:
             walk(child_cls, child_prefix, child_inline)
 
@@ -267,7 +260,10 @@ def render(all_sections: list[Section] | None = None) -> str:
                 text = f"see `{first_with[key.documentation]}`"
             elif key.documentation:
                 first_with[key.documentation] = key.dotted
-            lines.append(f"- **`{key.dotted}`** ({type_text(key.hint)}; default `{default_text(key)}`): {text}")
+            # a name of a registry: its entries now (metadata={"choices": ...})
+            kind = " \\| ".join(f'"{c}"' for c in key.field.metadata["choices"]()) \
+                if "choices" in key.field.metadata else type_text(key.hint)
+            lines.append(f"- **`{key.dotted}`** ({kind}; default `{default_text(key)}`): {text}")
         if section.keys:
             lines.append("")
     lines += rules_table()

@@ -4,10 +4,12 @@ from bpo_megatron.config.loader import (
     ConfigError,
     apply_overrides,
     build,
+    build_sections,
     expand_shorthands,
     load_yaml,
     refuse_moved,
     to_dict,
 )
 
-__all__ = ["ConfigError", "apply_overrides", "build", "expand_shorthands", "load_yaml", "refuse_moved", "to_dict"]
+__all__ = ["ConfigError", "apply_overrides", "build", "build_sections", "expand_shorthands", "load_yaml", "refuse_moved",
+           "to_dict"]

@@ -6,8 +6,12 @@ refused with the list of valid ones; a value of the wrong type names its full do
 whose value another section decides (``field(metadata={"derived": "rollout.temperature"})``) is
 no key; a section composed of another whose keys it shows as its own
 (``field(metadata={"inline": True})``: ``model.routing_replay`` builds ``model.options``) reads
-and writes them at its level; a section class with ``SHORTHAND = "name"`` also accepts a plain
-value as that one key (``loss.correction: tis``); a key that moved is refused naming its new home (:func:`refuse_moved`).
+and writes them at its level; a field holding one section per entry of a registry
+(``field(metadata={"sections": engine_options})``, a function returning key -> dataclass:
+``rollout.sglang`` builds ``rollout.engine_sections["sglang"]``) reads and writes each at its level under
+the entry's name, so a new entry brings its section with it; a section class with ``SHORTHAND = "name"``
+also accepts a plain value as that one key (``loss.correction: tis``); a key that moved is refused naming
+its new home (:func:`refuse_moved`).
 """
 
 from __future__ import annotations
@@ -133,6 +137,8 @@ def expand_shorthands(cls: type, data: Any) -> Any:
         key = config_key(f)
         if _inline(f):
             out.update(expand_shorthands(hints[f.name], {k: v for k, v in out.items() if k in _keys(hints[f.name])}))
+        elif (sections := registered_sections(f)) is not None:
+            out.update({k: expand_shorthands(sections[k], v) for k, v in out.items() if k in sections})
         elif key in out:
             hint = hints[f.name]
             options = [o for o in get_args(hint) if o is not type(None)] if get_origin(hint) in (Union, types.UnionType) \
@@ -163,9 +169,34 @@ def _inline(field: dataclasses.Field) -> bool:
     return bool(field.metadata.get("inline"))
 
 
+def registered_sections(field: dataclasses.Field) -> Mapping[str, type] | None:
+    """For a field holding one section per entry of a registry: each entry's key and the dataclass
+    of its section, as the registry has them now (None: the field is no such holder)."""
+    sections = field.metadata.get("sections")
+    return None if sections is None else sections()
+
+
+def build_sections(sections: Mapping[str, type], data: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """Every section of ``sections`` (key -> dataclass) from ``data`` (key -> a mapping, null, or a
+    section already built), at its defaults where ``data`` has none; a key of ``data`` that is no
+    entry is refused naming the entries."""
+    unknown = sorted(set(data) - set(sections))
+    if unknown:
+        raise ConfigError(f"unknown key {_join(path, unknown[0])}; the sections of {path or 'the top level'} "
+                          f"by registered name: {', '.join(sections)}")
+    return {key: value if isinstance(value := data.get(key), cls)
+            else _coerce(cls, {} if value is None else value, _join(path, key))
+            for key, cls in sections.items()}
+
+
 def _keys(cls: type) -> set[str]:
     """The keys a section of ``cls`` accepts."""
-    return {config_key(f) for f in dataclasses.fields(cls) if f.init and not derived_from(f)}
+    keys = set()
+    for f in dataclasses.fields(cls):
+        if f.init and not derived_from(f):
+            sections = registered_sections(f)
+            keys |= {config_key(f)} if sections is None else set(sections)
+    return keys
 
 
 def derived_from(field: dataclasses.Field) -> str | None:
@@ -181,9 +212,11 @@ def build(cls: type[T], data: Mapping[str, Any] | None, path: str = "") -> T:
             raise ConfigError(f"{_join(path, config_key(f))} is not a setting of its own: it is {derived_from(f)}; "
                               f"set that instead")
     hints = typing.get_type_hints(cls)
-    fields = {config_key(f): f for f in dataclasses.fields(cls) if f.init and not derived_from(f) and not _inline(f)}
+    registered = {f.name: sections for f in dataclasses.fields(cls) if (sections := registered_sections(f)) is not None}
+    fields = {config_key(f): f for f in dataclasses.fields(cls)
+              if f.init and not derived_from(f) and not _inline(f) and f.name not in registered}
     inline = {f.name: _keys(hints[f.name]) for f in dataclasses.fields(cls) if _inline(f)}
-    valid = set(fields).union(*inline.values())
+    valid = set(fields).union(*inline.values(), *registered.values())
     unknown = sorted(set(data) - valid)
     if unknown:
         where = f"{path}." if path else ""
@@ -197,6 +230,8 @@ def build(cls: type[T], data: Mapping[str, Any] | None, path: str = "") -> T:
               for key, value in data.items() if key in fields}
     for name, keys in inline.items():  # its keys written at this level, under this section's path
         kwargs[name] = build(hints[name], {k: v for k, v in data.items() if k in keys}, path)
+    for name, sections in registered.items():  # each entry's section written at this level under its name
+        kwargs[name] = build_sections(sections, {k: v for k, v in data.items() if k in sections}, path)
     try:
         return cls(**kwargs)
     except ConfigError:
@@ -211,7 +246,7 @@ def to_dict(config: Any) -> dict[str, Any]:
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             out: dict[str, Any] = {}
             for f in dataclasses.fields(value):
-                if _inline(f):
+                if _inline(f) or registered_sections(f) is not None:
                     out.update(plain(getattr(value, f.name)))
                 elif not derived_from(f):
                     out[config_key(f)] = plain(getattr(value, f.name))

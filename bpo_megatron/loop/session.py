@@ -29,7 +29,6 @@ from bpo_megatron.observability.metrics import MetricsWriter, summary_line
 from bpo_megatron.observability.plot import plot_runs
 from bpo_megatron.orchestration.cluster import start_ray, stop_ray
 from bpo_megatron.orchestration.groups import EngineGroup, TrainerFailed, TrainerGroup, run_placement
-from bpo_megatron.orchestration.placement import EVALUATION
 from bpo_megatron.orchestration.phases import DevicePhases
 from bpo_megatron.rollout.agents import with_agent
 from bpo_megatron.trainer.checkpoint import checkpoint_bytes, space_shortfall, step_dir_name
@@ -77,22 +76,23 @@ class RunSession:
         evaluating = background_engines(cfg.eval, cfg.rollout.num_engines)  # 0: inline evaluation
         self._started_ray = start_ray(cfg.cluster,
                                       cpus_needed=cfg.cluster.trainer_ranks + cfg.rollout.num_engines + evaluating)
-        self.placement = run_placement(cfg, eval_engines=evaluating)  # engines on the trainer's devices, or apart
+        # engines on the trainer's devices, or apart
+        self.placement = run_placement(cfg.cluster, cfg.rollout.num_engines, eval_engines=evaluating)
         # how the weights are sent to engines that hold them quantized (the same at every push)
         self._sync_quantization = cfg.rollout.sync_quantization(cfg.hf_config())
-        self.engines = EngineGroup(cfg, self.hf_dir, placement=self.placement)
+        self.engines = EngineGroup(cfg.engine_group_spec(), self.hf_dir, placement=self.placement)
         # what generates: the engines, or conversations of theirs with rollout.agent's tool
         self.rollouts = with_agent(self.engines, self.plan.agent, self.tokenizer)
         offload = self.plan.offload  # colocated: what the trainer hands the engines (the planner's choice)
         self.phases = DevicePhases(self.engines, self._push, shared=offload is not None,
                                    offload=offload.parts if offload else "nothing",
                                    keep_spares_across_saves=offload.keep_across_saves if offload else False)
-        self.trainer = TrainerGroup(cfg, placement=self.placement)
+        self.trainer = TrainerGroup(cfg.trainer_spec(), cfg.cluster, placement=self.placement)
         self.phases.attach_trainer(self.trainer)
         self.engines.on_restart = self.phases.resync
         if evaluating:  # the evaluation engines start while the run warms up; the first to use them waits
-            self._evaluators = in_thread(EngineGroup, cfg, self.hf_dir, placement=self.placement, role=EVALUATION,
-                                         num_engines=evaluating)
+            self._evaluators = in_thread(EngineGroup, cfg.engine_group_spec(evaluation=True), self.hf_dir,
+                                         placement=self.placement)
         self.evaluations = Evaluations.of(self.plan, self.verify, self.best, self.metrics_out, self.echo,
                                           evaluators=self._evaluators, trainer=self.trainer, phases=self.phases)
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, Callable
 
+from bpo_megatron.orchestration.engine_group_spec import EngineGroupSpec
 from bpo_megatron.orchestration.placement import EVALUATION, ROLLOUT, Placement
 from bpo_megatron.orchestration.stall_watch import StallWatch
 from bpo_megatron.orchestration.workers import EngineWorker
@@ -298,7 +299,9 @@ def place(requests: list, load: list[int], starts: list[int], backlog: int) -> l
 
 
 class EngineGroup:
-    """``rollout.num_engines`` engines (``num_engines``: that many). ``role`` evaluation: a run's
+    """The engines ``spec`` describes (:class:`EngineGroupSpec`: ``rollout.num_engines`` of them, or
+    its ``num_engines``), started from the checkpoint in ``model_dir``, on their slots of
+    ``placement`` (None: each with the resources of ``spec.cluster``). Role evaluation: a run's
     background evaluation engines, on their slots of the placement, without routing capture, one
     generation at a time; log lines and errors name them so.
 
@@ -310,37 +313,28 @@ class EngineGroup:
     state. ``max_restarts`` per engine, on average, bounds the replacements over the group's life.
     """
 
-    def __init__(self, cfg, model_dir: str, *, max_restarts: int | None = None,
-                 generate_timeout_s: float | None = None, placement: Placement | None = None,
-                 role: str = ROLLOUT, num_engines: int | None = None) -> None:
+    def __init__(self, spec: EngineGroupSpec, model_dir: str, *, placement: Placement | None = None) -> None:
         import ray
 
-        if generate_timeout_s is not None and not generate_timeout_s > 0:
-            raise ValueError(f"generate_timeout_s must be > 0 (or None: wait forever), got {generate_timeout_s}")
-        self.cfg, self.model_dir, self.placement, self.role = cfg, model_dir, placement, role
-        self._hf = cfg.hf_config()
-        if role not in (ROLLOUT, EVALUATION):
-            raise ValueError(f"an engine group's role is {ROLLOUT!r} or {EVALUATION!r}, not {role!r}")
-        count = cfg.rollout.num_engines if num_engines is None else num_engines
-        # engine indices (an SGLang server's port is its base port + index): evaluation's follow the rollout's
-        self._first_index = 0 if role == ROLLOUT else cfg.rollout.num_engines
-        self.max_restarts = cfg.rollout.max_restarts if max_restarts is None else max_restarts
-        self.generate_timeout_s = cfg.rollout.generate_timeout_s if generate_timeout_s is None else generate_timeout_s
-        self.stall_timeout_s = cfg.rollout.stall_timeout_s
+        self.spec, self.model_dir, self.placement, self.role = spec, model_dir, placement, spec.role
+        count = spec.count
+        self.max_restarts = spec.rollout.max_restarts
+        self.generate_timeout_s = spec.rollout.generate_timeout_s
+        self.stall_timeout_s = spec.rollout.stall_timeout_s
         self.restarts = 0
         self.on_restart: Callable[[list[int]], None] | None = None  # reload weights into new engines
         self.start_hook: Callable[[list[int], Callable[[], None]], None] | None = None
         self.unsynced: set[int] = set()  # replaced engines that hold the initial weights
         self.starts = [0] * count  # how often each engine index was started again (a replacement's cache is empty)
         self.pending: weakref.WeakSet = weakref.WeakSet()  # the generations under way: the engines' load
-        self.affinity_backlog = cfg.rollout.agent.affinity_backlog
+        self.affinity_backlog = spec.rollout.agent.affinity_backlog
         self.weight_group: tuple[str, ...] | None = None  # the engines (actor ids) a weight group joined
-        generating = cfg.train.asynchronous.max_staleness + 1 if self.partial_rollouts else 1
-        if cfg.rollout.agent.enabled and self._updates_apart:  # each conversation batch's turns go in batches
+        generating = spec.max_staleness + 1 if self.partial_rollouts else 1
+        if spec.rollout.agent.enabled and self._updates_apart:  # each conversation batch's turns go in batches
             generating *= TURN_BATCHES_IN_FLIGHT
         self._actor = ray.remote(concurrency_groups={LIVENESS: 2, UPDATE: 1, GENERATE: generating})(EngineWorker)
         # the engine's own start bound (a server's, with an FP8 server's copy and kernel compilation)
-        self._start_timeout_s = getattr(cfg.rollout.options, "start_bound_s", 0.0) + START_ALLOWANCE_S
+        self._start_timeout_s = getattr(spec.rollout.options, "start_bound_s", 0.0) + START_ALLOWANCE_S
         self.workers: list = []
         self.workers = self._start(list(range(count)))
 
@@ -402,7 +396,7 @@ class EngineGroup:
         libraries and loading the model, mostly waiting on the disk."""
         import ray
 
-        rollout = self.cfg.rollout
+        rollout = self.spec.rollout
         workers = [self._actor.options(**self._options(i)).remote(rollout.engine, rollout.options, self._context(i))
                    for i in indices]
         try:  # raise here if an engine cannot start
@@ -420,33 +414,32 @@ class EngineGroup:
         from bpo_megatron.models.routing import RoutingLayout
         from bpo_megatron.rollout import EngineContext
 
-        evaluation = self.role == EVALUATION
-        capture = self.cfg.rollout.capture_routed_experts and self._hf.num_experts > 0 and not evaluation
-        return EngineContext(model_dir=self.model_dir, index=self._first_index + index,
-                             routing=RoutingLayout.of(self._hf) if capture else None,
-                             threads=self.cfg.rollout.threads_per_engine,
-                             colocated=self.cfg.cluster.colocate and not evaluation,
+        spec, evaluation = self.spec, self.role == EVALUATION
+        capture = spec.rollout.capture_routed_experts and spec.hf.num_experts > 0 and not evaluation
+        return EngineContext(model_dir=self.model_dir, index=spec.first_index + index,
+                             routing=RoutingLayout.of(spec.hf) if capture else None,
+                             threads=spec.rollout.threads_per_engine,
+                             colocated=spec.cluster.colocate and not evaluation,
                              devices=self._devices(index), node_address="",
-                             longest_sequence=self.cfg.data.max_prompt_tokens + self.cfg.rollout.max_new_tokens)
+                             longest_sequence=spec.longest_sequence)
 
     def _options(self, index: int) -> dict[str, Any]:
         if self.placement is not None:  # on its slots of the run's placement (shared or its own)
             return self.placement.engine_options(index, self.role)
-        return {"num_cpus": self.cfg.cluster.cpus_per_actor, "num_gpus": self.cfg.cluster.gpus_per_engine}
+        return {"num_cpus": self.spec.cluster.cpus_per_actor, "num_gpus": self.spec.cluster.gpus_per_engine}
 
     @property
     def partial_rollouts(self) -> bool:
         """Whether the engines pause a generation under way for a weight update (train.async with
         an engine that can): their updates then run beside their generations."""
-        return (self.role == ROLLOUT and bool(self.cfg.train.asynchronous.max_staleness)
-                and self.cfg.rollout.spec.partial_rollouts)
+        return self.role == ROLLOUT and bool(self.spec.max_staleness) and self.spec.rollout.spec.partial_rollouts
 
     @property
     def _updates_apart(self) -> bool:
         """Whether weight updates go in a concurrency group of their own: engines that can take one
         while they generate (partial rollouts). The others get them in the ``generate`` group, one
         call at a time, so that an update never runs beside a generation."""
-        return self.role == ROLLOUT and self.cfg.rollout.spec.partial_rollouts
+        return self.role == ROLLOUT and self.spec.rollout.spec.partial_rollouts
 
     def _devices(self, index: int) -> tuple[int, ...]:
         return self.placement.engine_gpus(index, self.role) if self.placement is not None else ()

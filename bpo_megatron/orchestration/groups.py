@@ -10,24 +10,30 @@ waiting in a collective: the group then kills every rank at once and raises that
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+from bpo_megatron.orchestration.config import ClusterConfig
 from bpo_megatron.orchestration.engine_group import EngineGroup, EnginesFailed, PendingGeneration
+from bpo_megatron.orchestration.engine_group_spec import EngineGroupSpec
 from bpo_megatron.orchestration.placement import Placement, plan_layout
 from bpo_megatron.orchestration.workers import TrainWorker
 
-__all__ = ["EngineGroup", "EnginesFailed", "PendingGeneration", "TrainerFailed", "TrainerGroup", "run_placement"]
+if TYPE_CHECKING:
+    from bpo_megatron.trainer.spec import TrainerSpec
+
+__all__ = ["EngineGroup", "EngineGroupSpec", "EnginesFailed", "PendingGeneration", "TrainerFailed", "TrainerGroup",
+           "run_placement"]
 
 log = logging.getLogger(__name__)
 
 FAILURE_GRACE_S = 2.0  # after a rank fails, how long the others get to report why they did
 
 
-def run_placement(cfg, *, eval_engines: int = 0) -> Placement:
-    """The placement of a run's trainer and engines (``cluster`` and ``rollout.num_engines``), and
-    of ``eval_engines`` background evaluation engines."""
-    return Placement(plan_layout(cfg.cluster, num_engines=cfg.rollout.num_engines, eval_engines=eval_engines),
-                     timeout_s=cfg.cluster.placement_timeout_s)
+def run_placement(cluster: ClusterConfig, num_engines: int, *, eval_engines: int = 0) -> Placement:
+    """The placement of a run's trainer and ``num_engines`` rollout engines on ``cluster``, and of
+    ``eval_engines`` background evaluation engines."""
+    return Placement(plan_layout(cluster, num_engines=num_engines, eval_engines=eval_engines),
+                     timeout_s=cluster.placement_timeout_s)
 
 
 class TrainerFailed(RuntimeError):
@@ -73,20 +79,20 @@ def _cause(exc: Exception) -> Exception:
 
 
 class TrainerGroup:
-    """The trainer ranks, on their slots of ``placement`` (by default a placement of their own)."""
+    """``cluster.trainer_ranks`` ranks, each built from ``spec``, on their slots of ``placement`` (by
+    default a placement of their own on ``cluster``)."""
 
-    def __init__(self, cfg, *, threads_per_rank: int = 1, placement: Placement | None = None) -> None:
+    def __init__(self, spec: TrainerSpec, cluster: ClusterConfig, *, threads_per_rank: int = 1,
+                 placement: Placement | None = None) -> None:
         import ray
 
         from bpo_megatron.trainer.balance import CostModel
 
-        ranks = cfg.cluster.trainer_ranks
+        ranks = cluster.trainer_ranks
         self.workers: list = []
         self._owns_placement = placement is None
-        self.placement = placement or Placement(plan_layout(cfg.cluster, num_engines=0),
-                                                timeout_s=cfg.cluster.placement_timeout_s)
+        self.placement = placement or run_placement(cluster, 0)
         actor = ray.remote(TrainWorker)
-        spec = cfg.trainer_spec()
         self.workers = [actor.options(**self.placement.trainer_options(rank)).remote(spec, rank, ranks, threads_per_rank)
                         for rank in range(ranks)]
         # Rank 0 hosts the rendezvous, on a port bound as it was chosen; then every rank joins.

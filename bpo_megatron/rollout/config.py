@@ -6,14 +6,11 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from collections.abc import Mapping
-from typing import Any, Literal, get_args
+from typing import Any
 
-from bpo_megatron.config import ConfigError, build
+from bpo_megatron.config import build_sections
 from bpo_megatron.rollout.agents.config import AgentConfig
-from bpo_megatron.rollout.engine import EngineSpec, engine_spec
-
-EngineName = Literal["hf", "sglang", "vllm"]
-_ENGINE_SECTIONS = get_args(EngineName)  # one section each, named as the engine registry names it
+from bpo_megatron.rollout.engine import ENGINES, EngineSpec, engine_options, engine_spec
 
 
 @dataclass(frozen=True)
@@ -21,14 +18,17 @@ class RolloutConfig:
     """Sampling for training (the paper: G=16 at T=1.0, top-p 1.0, no top-k, 16k tokens).
 
     ``capture_routed_experts`` makes the engine record the experts of every processed token;
-    R3 (``model.routing_replay``) needs it. ``hf``, ``sglang`` and ``vllm`` are each engine's own
-    typed options, built from a mapping by the dataclass its spec names (``EngineSpec.options``,
-    ``rollout/<engine>/options.py``), so this section imports no engine; only the section of the
-    chosen engine is used, by that engine alone. ``agent`` makes every response a conversation
-    with a tool (``rollout/agents``; off by default).
+    R3 (``model.routing_replay``) needs it. Every engine of the registry (``ENGINES``,
+    ``rollout/engine.py``) has its own section here, ``rollout.<engine>`` (``rollout.hf``,
+    ``rollout.sglang``, ``rollout.vllm``, ...): its typed options, built from a mapping by the
+    dataclass its spec names (``EngineSpec.options``, ``rollout/<engine>/options.py``), so this
+    section imports no engine and lists none; only the section of the chosen engine is used, by
+    that engine alone. ``agent`` makes every response a conversation with a tool
+    (``rollout/agents``; off by default).
     """
 
-    engine: EngineName = "hf"
+    # the engine that generates: a name of the engine registry (ENGINES), whose own section is rollout.<engine>
+    engine: str = field(default="hf", metadata={"choices": lambda: tuple(ENGINES)})
     num_engines: int = 1  # rollout engines; each generates its share of a step's requests
     group_size: int = 16  # responses per prompt (G), the group its advantages are computed in
     temperature: float = 1.0  # sampling temperature; the trainer's log π is computed at the same one
@@ -48,20 +48,15 @@ class RolloutConfig:
     generate_timeout_s: float | None = None
     stall_timeout_s: float = 120.0
     max_restarts: int = 2
-    # each engine's section (None or a mapping: built by its spec's options dataclass)
-    hf: Any = None
-    sglang: Any = None
-    vllm: Any = None
+    # every registered engine's section, written at this level as rollout.<engine> (the config
+    # loader's "sections": one per entry of the registry, built by its spec's options dataclass)
+    engine_sections: Mapping[str, Any] = field(default_factory=dict, metadata={"sections": engine_options})
     agent: AgentConfig = field(default_factory=AgentConfig)
 
     def __post_init__(self) -> None:
-        for engine in _ENGINE_SECTIONS:
-            section = getattr(self, engine)
-            options = engine_spec(engine).options
-            if not isinstance(section, options):
-                if section is not None and not isinstance(section, Mapping):
-                    raise ConfigError(f"rollout.{engine} must be a section (mapping), got {section!r}")
-                object.__setattr__(self, engine, build(options, section or {}, f"rollout.{engine}"))
+        ENGINES.check(self.engine)
+        # every engine's section, at its defaults where none was given
+        object.__setattr__(self, "engine_sections", build_sections(engine_options(), self.engine_sections, "rollout"))
         for name in ("num_engines", "group_size", "max_new_tokens", "threads_per_engine"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
@@ -86,17 +81,16 @@ class RolloutConfig:
     @property
     def options(self) -> Any:
         """The chosen engine's own section (``rollout.<engine>``)."""
-        return getattr(self, self.engine)
+        return self.engine_sections[self.engine]
 
     def unused_settings(self) -> list[tuple[str, str, Any]]:
         """``(engine, field, value)`` for every setting in the section of an engine other than
         ``engine`` that differs from its default: that section is never read, so what it says
         (``rollout.sglang.quantization=fp8`` under ``rollout.engine=hf``, say) does not happen."""
         unused = []
-        for engine in _ENGINE_SECTIONS:
+        for engine, section in self.engine_sections.items():
             if engine == self.engine:
                 continue
-            section = getattr(self, engine)
             for option in dataclasses.fields(section):
                 if option.default is not dataclasses.MISSING:
                     default = option.default

@@ -287,3 +287,8 @@ ENGINES = LazyRegistry({
 
 def engine_spec(name: str) -> EngineSpec:
     return ENGINES.load(name)
+
+
+def engine_options() -> dict[str, type]:
+    """Each registered engine's name and the dataclass of its own section (``rollout.<name>``)."""
+    return {name: engine_spec(name).options for name in ENGINES}

@@ -312,7 +312,7 @@ def test_a_lost_engine_is_replaced_and_given_the_current_weights_before_its_requ
         f"rollout.sglang.extra_args=[--standin-marker-dir, {tmp_path}, --standin-die-after, '2']",
         "rollout.sglang.startup_timeout_s=300",
         "rollout.sglang.max_inflight=3"], check_model=True)
-    group = EngineGroup(cfg, str(checkpoints[0]))
+    group = EngineGroup(cfg.engine_group_spec(), str(checkpoints[0]))
     given: list[tuple[list[int], int]] = []
 
     def give_current_weights(indices: list[int]) -> None:
@@ -359,8 +359,8 @@ def test_trainer_rank_0_broadcasts_each_bucket_to_every_engine_rank_at_once(ray_
         f"rollout.sglang.launcher=[{SGLANG_PYTHON}, {STANDIN}]", f"rollout.sglang.tp_size={TP}",
         "rollout.sglang.startup_timeout_s=300"], check_model=True)
     transport = cfg.weight_transport()
-    engines = EngineGroup(cfg, str(served))
-    trainer = TrainerGroup(cfg)
+    engines = EngineGroup(cfg.engine_group_spec(), str(served))
+    trainer = TrainerGroup(cfg.trainer_spec(), cfg.cluster)
     try:
         trainer.call("load_hf", str(pushed_dir))
         want = fingerprints(pushed_of(pushed_dir).items())
@@ -428,8 +428,8 @@ def test_colocated_engine_ranks_each_map_the_trainer_rank_beside_them(ray_sessio
         "rollout.max_new_tokens=8", f"rollout.sglang.launcher=[{SGLANG_PYTHON}, {STANDIN}]",
         f"rollout.sglang.tp_size={TP}", "rollout.sglang.startup_timeout_s=300"], check_model=True)
     transport = cfg.weight_transport()
-    engines = EngineGroup(cfg, str(served))
-    trainer = TrainerGroup(cfg)
+    engines = EngineGroup(cfg.engine_group_spec(), str(served))
+    trainer = TrainerGroup(cfg.trainer_spec(), cfg.cluster)
     try:
         trainer.call("load_hf", str(pushed_dir))
         ray.get([w.__ray_call__.remote(_tag_ipc_payloads) for w in trainer.workers])
