@@ -151,10 +151,10 @@ CASES: dict[str, FamilyCase] = {
 }
 
 WHAT_A_FAMILY_NEEDS = (
-    "a tiny config.json at bpo_megatron/testing/configs/tiny_<model_type>/ (every kind of layer the family "
-    "has, at the smallest size) and a FamilyCase entry in tests/family_kit.py CASES: its tiny checkpoints "
-    "and conversion layouts, the description and TransformerConfig fields its tiny config gives, its recipe "
-    "(configs/<recipe>.yaml, configs/models/<model>/config.json) with transformers' parameter count")
+    "the tiny config: every kind of layer the family has, at the smallest size; the FamilyCase: its tiny "
+    "checkpoints with their conversion layouts, the description and TransformerConfig fields the tiny config "
+    "gives, its recipe (configs/<recipe>.yaml on configs/models/<model>/config.json) and transformers' parameter "
+    "count of that model")
 
 
 def missing_test_data(model_type: str) -> str | None:
