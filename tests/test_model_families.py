@@ -126,6 +126,7 @@ def test_the_megatron_config_maps_the_description(family: str) -> None:
     from bpo_megatron.models import transformer_config
 
     want = case_of(family).megatron
+    _megatron_builds(family)
     config = transformer_config(HFModelConfig.load(tiny_config_path(family)), ParallelConfig(),
                                 ModelOptions(params_dtype="fp32"))
     assert {name: getattr(config, name) for name in want} == want
