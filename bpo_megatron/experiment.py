@@ -21,7 +21,7 @@ from bpo_megatron.losses import PolicyLossConfig
 from bpo_megatron.loop.config import CheckpointConfig, LoopConfig
 from bpo_megatron.models.config import ModelConfig
 from bpo_megatron.models.hf_config import HFModelConfig
-from bpo_megatron.models.qwen3 import check_megatron_builds
+from bpo_megatron.models.megatron_model import check_megatron_builds
 from bpo_megatron.observability.config import LoggingConfig
 from bpo_megatron.orchestration.config import ClusterConfig
 from bpo_megatron.parallel import ParallelConfig

@@ -70,7 +70,7 @@ def _required_fields() -> list[tuple[str, str]]:
 def _megatron_builds(model_type: str) -> None:
     """Skip, with the package's own refusal, where the installed megatron-core does not build the family
     (CI's newest-megatron leg: latent attention)."""
-    from bpo_megatron.models.qwen3 import check_megatron_builds
+    from bpo_megatron.models.megatron_model import check_megatron_builds
 
     try:
         check_megatron_builds(HFModelConfig.load(tiny_config_path(model_type)))
