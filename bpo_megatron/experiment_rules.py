@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from bpo_megatron import platform
 from bpo_megatron.models.options import layer_spec_device_refusal, layer_spec_install_refusal
-from bpo_megatron.models.qwen3 import check_megatron_builds
+from bpo_megatron.models.megatron_model import check_megatron_builds
 
 if TYPE_CHECKING:
     from bpo_megatron.experiment import ExperimentConfig

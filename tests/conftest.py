@@ -3,9 +3,9 @@
 * The tests' one tiny MoE is ``bpo_megatron/testing/configs/tiny_qwen3_moe`` (head_dim ≠
   hidden/heads and a vocabulary that gives both TP=2 shards real tokens); ``tiny_gpt.py`` builds
   the same sizes as a plain Megatron GPT. End-to-end tests run the CPU demo's own model instead.
-  ``tiny_glm4_moe`` is the GLM-4.5 MoE family's (``tests/test_glm4_moe.py``; also parametrized into
-  the embedded engine's, routing layout's and activation memory's tests); ``tiny_deepseek_v3`` the
-  DeepSeek-V3 family's (``tests/test_deepseek_v3.py``; also in the embedded engine's tests).
+  Every model family has a tiny config there, ``tiny_<model_type>``, and its test data in
+  ``tests/family_kit.py``: ``tests/test_model_families.py`` runs one contract over them all, the
+  families' own modules (``tests/test_glm4_moe.py``, ``tests/test_deepseek_v3.py``) what only one has.
 * Code that runs inside gloo ranks cannot use fixtures: ``bpo_megatron.testing`` (the kit the
   benchmarks and the GPU kit use too) holds the one train actor builder (``build_actor``, through
   ``TrainerSpec``) and the sample makers; ``bpo_megatron.parallel.local_world`` starts the ranks
@@ -14,6 +14,8 @@
 * ``ray_session``: one embedded Ray for the whole session (starting one takes ~20 s here),
   bound to loopback, never joining a cluster this machine may know of. A loop run inside it
   leaves it running (``run`` stops only a Ray it started itself).
+* ``family_models``: each family's tiny random checkpoints and R3 reference
+  (``tests/family_kit.py``), made once per session for the contract and the families' own tests.
 * ``small_run``: the CPU demo experiment cut to a few small steps, in a given run directory.
 * ``tiny_checkpoint``: the one maker of random Hugging Face checkpoints for the tests, each made once
   a session per model and seed and shared by every module that asks for it. They are read-only: a
@@ -67,6 +69,13 @@ def ray_session():
             yield
         finally:
             stop_ray()
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory):
+    from family_kit import FamilyModels
+
+    return FamilyModels(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from packaging.version import Version
 
 from bpo_megatron.experiment import ConfigError, load_experiment
 from bpo_megatron.megatron import compat
-from bpo_megatron.models.qwen3 import LATENT_ATTENTION_MEGATRON_MINORS
+from bpo_megatron.models.megatron_model import LATENT_ATTENTION_MEGATRON_MINORS
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_FILES = (ROOT / "tools" / "gpu" / "requirements-cluster.txt",

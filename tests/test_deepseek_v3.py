@@ -1,77 +1,43 @@
-"""DeepSeek-V3 (``DeepseekV3ForCausalLM``: DeepSeek-V3/R1, Kimi-K2, Moonlight) against transformers' own model.
+"""What only DeepSeek-V3 (``DeepseekV3ForCausalLM``: DeepSeek-V3/R1, Kimi-K2, Moonlight) has, against
+transformers' own model.
 
-The tiny random DeepSeek-V3 (``bpo_megatron/testing/configs/tiny_deepseek_v3``) has what the family
-adds: multi-head latent attention (a compressed query of ``q_lora_rank`` dims, and in a variant a
-plain query projection as Moonlight's; one compressed key/value latent; query/key heads of 32 + 16
-RoPE dims, value heads of 24), a dense first layer, a sigmoid router with a non-zero expert bias,
-group-limited top-4 of 8 experts (4 groups, the best 2 kept: the limit decides choices), a scale of
-2.5 and a shared expert. Conversion must give transformers' logits at fp32 and export every tensor
-back bit for bit, at TP=2 / EP=2 and PP=2.
+The family's contract (its tiny config onto the description and Megatron's latent-attention config,
+conversion at TP=2/EP=2, PP=2 with a plain query projection as Moonlight's and TP=2 with YaRN, the
+engine's weight updates, the trainer's group-limited router against the engine's capture, R3 at
+TP=2/EP=2 also under full recompute, the weight sync, the planner, the recipe's count and ``train
+--check``) is ``tests/test_model_families.py``. Here: the refusals, multi-head latent attention's core
+attention, the multi-token-prediction layers, experts a config does not count, the expert bias and
+the group limit deciding choices, packed micro-batches, SGLang's routing rows, YaRN, Moonlight's sizes
+and what a run refuses up front for latent attention.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from family_kit import ROOT, TIMEOUT, YARN, assert_same_step, engine_samples, r3_rank, tiny_config_path, tiny_dict
 
-from test_glm4_moe import _engine_samples, _r3_rank
-
-from test_convert import (
-    TIMEOUT,
-    _batch,
-    _check_export,
-    _check_megatron_logits,
-    _hf_model,
-    _live_export,
-    _safetensors,
-    _save,
-)
+from test_convert import _batch, _check_export, _check_megatron_logits, _hf_model
 
 from bpo_megatron.convert import convert_hf_to_mcore
 from bpo_megatron.models import HFModelConfig, ModelOptions
 from bpo_megatron.parallel import ParallelConfig
-from bpo_megatron.testing import MODEL_CONFIGS
 from bpo_megatron.testing.models import write_config
 from bpo_megatron.weights import hf_tensor_shapes
 
-FIXTURE = MODEL_CONFIGS / "tiny_deepseek_v3" / "config.json"
-# YaRN as DeepSeek-V3 configures it, at the tiny model's scale; mscale ≠ mscale_all_dim so that both
-# the factor on cos and sin and the softmax scale's mscale² differ from 1
-YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
-        "mscale": 1.0, "mscale_all_dim": 0.8}
+FIXTURE = tiny_config_path("deepseek_v3")
 
 
 def deepseek_dict(**overrides: Any) -> dict[str, Any]:
-    raw = json.loads(FIXTURE.read_text())
-    raw.update(overrides)
-    return raw
-
-
-@pytest.fixture(scope="module")
-def deepseek_models(tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor]]:
-    return {"q_lora": _save(deepseek_dict(), tmp_path_factory.mktemp("ds_q_lora"), seed=31),
-            "plain_q": _save(deepseek_dict(q_lora_rank=None, num_hidden_layers=4),
-                              tmp_path_factory.mktemp("ds_plain_q"), seed=32),
-            "yarn": _save(deepseek_dict(rope_scaling=YARN), tmp_path_factory.mktemp("ds_yarn"), seed=33)}
+    return tiny_dict("deepseek_v3", **overrides)
 
 
 # ------------------------------------------------------------------------------------ config
-def test_config_maps_onto_the_family_neutral_description() -> None:
-    hf = HFModelConfig.load(FIXTURE)
-    assert hf.architecture == "DeepseekV3ForCausalLM" and hf.moe_layers == (1, 2)
-    assert (hf.num_experts, hf.num_experts_per_tok, hf.n_group, hf.topk_group) == (8, 4, 4, 2)
-    assert hf.shared_expert_intermediate_size == 32 and hf.first_k_dense_replace == 1
-    assert (hf.router_score, hf.router_expert_bias, hf.routed_scaling_factor) == ("sigmoid", True, 2.5)
-    assert hf.multi_latent_attention and not hf.qk_norm and hf.rotary_percent == 1.0
-    assert (hf.q_lora_rank, hf.kv_lora_rank, hf.qk_nope_head_dim, hf.head_dim, hf.v_head_dim) == (32, 32, 32, 16, 24)
-    assert (hf.query_key_head_dim, hf.value_head_dim) == (48, 24)
+def test_a_null_q_lora_rank_is_a_plain_query_projection() -> None:
     assert HFModelConfig.load(deepseek_dict(q_lora_rank=None)).q_lora_rank is None
-    bare = HFModelConfig(**{f: getattr(hf, f) for f in hf.__dataclass_fields__ if f != "source"})
-    assert HFModelConfig.load(bare.to_hf_dict()) == hf
+    assert HFModelConfig.load(deepseek_dict()).q_lora_rank == 32
 
 
 @pytest.mark.parametrize("overrides, field", [
@@ -93,25 +59,6 @@ def test_configs_megatron_cannot_reproduce_are_refused(overrides: dict, field: s
     with pytest.raises(ValueError, match="config.json") as info:
         HFModelConfig.load(deepseek_dict(**overrides))
     assert field in str(info.value)
-    for name in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
-        raw = deepseek_dict()
-        del raw[name]  # transformers' defaults are DeepSeek-V3's sizes, never this checkpoint's
-        with pytest.raises(ValueError, match=f"required field '{name}'"):
-            HFModelConfig.load(raw)
-
-
-def test_transformer_config_maps_latent_attention() -> None:
-    from bpo_megatron.models import transformer_config
-
-    config = transformer_config(HFModelConfig.load(FIXTURE), ParallelConfig(), ModelOptions(params_dtype="fp32"))
-    assert config.multi_latent_attention and config.qk_layernorm  # the latent norms
-    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_head_dim, config.qk_pos_emb_head_dim,
-            config.v_head_dim) == (32, 32, 32, 16, 24)
-    assert config.rope_type == "rope" and config.rotary_base == 10000.0
-    assert config.moe_layer_freq == [0, 1, 1] and config.moe_shared_expert_intermediate_size == 32
-    assert (config.moe_router_num_groups, config.moe_router_group_topk, config.moe_router_topk) == (4, 2, 4)
-    assert config.moe_router_enable_expert_bias and config.moe_router_bias_update_rate == 0.0
-    assert config.moe_router_topk_scaling_factor == 2.5
 
 
 # ---------------------------------------------------------------------- latent core attention
@@ -186,30 +133,6 @@ def test_latent_core_attention_equals_plain_autograd() -> None:
 
 
 # -------------------------------------------------------------------------------- conversion
-@pytest.mark.parametrize("name", ["q_lora", "plain_q", "yarn"])
-def test_expected_names_and_shapes_are_what_transformers_writes(deepseek_models, name: str) -> None:
-    directory, _ = deepseek_models[name]
-    written = {n: tuple(t.shape) for n, t in _safetensors(directory).items()}
-    assert hf_tensor_shapes(HFModelConfig.load(directory)) == written
-
-
-def test_tp2_ep2_round_trip_gives_transformers_logits(deepseek_models, tmp_path) -> None:
-    hf_dir, ref = deepseek_models["q_lora"]
-    layout = {"tp": 2, "ep": 2}
-    checkpoint = convert_hf_to_mcore(hf_dir, tmp_path / "ckpt", parallel=ParallelConfig(**layout),
-                                     progress=False, timeout=TIMEOUT)
-    _check_megatron_logits(checkpoint, layout, 2, ref)
-    _check_megatron_logits(checkpoint, {}, 1, ref)  # resharded on load
-    _check_export(checkpoint, tmp_path / "hf", hf_dir, ref, parallel=ParallelConfig(**layout))
-
-
-def test_pp2_tp2_round_trip_with_a_plain_query_projection(deepseek_models, tmp_path) -> None:
-    hf_dir, ref = deepseek_models["plain_q"]
-    checkpoint = convert_hf_to_mcore(hf_dir, tmp_path / "ckpt", parallel=ParallelConfig(pp=2),
-                                     progress=False, timeout=TIMEOUT)
-    _check_megatron_logits(checkpoint, {"pp": 2}, 2, ref)
-    _check_megatron_logits(checkpoint, {"tp": 2}, 2, ref)
-    _check_export(checkpoint, tmp_path / "hf", hf_dir, ref, parallel=ParallelConfig(pp=2))
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
@@ -258,11 +181,11 @@ def test_a_checkpoint_with_more_experts_than_its_config_is_refused_naming_them(f
 
 
 # ------------------------------------------------------------------------- routing and R3
-def test_the_expert_bias_and_the_group_limit_change_which_experts_win(deepseek_models) -> None:
+def test_the_expert_bias_and_the_group_limit_change_which_experts_win(family_models) -> None:
     """The fixture routes so that both matter: without the bias, or without the group limit, the
     router would choose differently for many tokens (a trainer that dropped either could not
     reproduce the engine's choice); with both, each token's 4 experts lie in 2 of the 4 groups."""
-    model = _hf_model(deepseek_models["q_lora"][0])
+    model = _hf_model(family_models.checkpoint("deepseek_v3")[0])
     tokens = _batch(model.config.vocab_size)
     hidden = model.model.embed_tokens(tokens).view(-1, model.config.hidden_size)
     changed = {"bias": 0.0, "groups": 0.0}
@@ -284,105 +207,25 @@ def test_the_expert_bias_and_the_group_limit_change_which_experts_win(deepseek_m
     assert min(changed.values()) > 0.2, changed
 
 
-@pytest.fixture(scope="module")
-def r3_reference(deepseek_models):
-    from bpo_megatron.parallel.local_world import run_gloo_world
-
-    hf_dir = deepseek_models["q_lora"][0]
-    samples = _engine_samples(hf_dir)
-    (result,) = run_gloo_world(_r3_rank, 1, str(hf_dir), samples, {}, timeout=TIMEOUT)
-    return hf_dir, samples, result
+MOONLIGHT = ROOT / "configs" / "models" / "moonlight_16b_a3b" / "config.json"
 
 
-def test_the_trainers_router_chooses_what_the_engine_captured(r3_reference) -> None:
-    """Teacher-forced, Megatron's group-limited sigmoid router with the converted expert bias picks
-    exactly the experts the embedded engine captured at every position of every MoE layer (100%);
-    the trainer's log π with the engine's routing replayed equals the engine's log μ."""
-    _, samples, got = r3_reference
-    positions = 0
-    for sample, routing in zip(samples, got["free_routing"], strict=True):
-        engine = sample.routed_experts.long().sort(dim=-1).values
-        assert torch.equal(routing.long().sort(dim=-1).values, engine)
-        positions += engine.shape[0]
-    assert positions == sum(s.tokens.numel() - 1 for s in samples)
-    for sample, logprobs in zip(samples, got["replayed"], strict=True):
-        torch.testing.assert_close(logprobs, sample.rollout_logprobs, rtol=0, atol=2e-5)
-
-
-@pytest.mark.parametrize("layout", [{"tp": 2}, {"ep": 2}, {"tp": 2, "ep": 2}, {"tp": 2, "ep": 2, "recompute": "full"}],
-                         ids=["tp2", "ep2", "tp2_ep2", "tp2_ep2_recompute"])
-def test_r3_training_at_tp2_and_ep2_equals_one_rank(r3_reference, layout: dict) -> None:
-    """Also under full recompute (the recipe's), where the replayed routing is used again in backward."""
-    from bpo_megatron.parallel.local_world import run_gloo_world
-
-    hf_dir, samples, ref = r3_reference
-    results = [r for r in run_gloo_world(_r3_rank, 2, str(hf_dir), samples, layout, timeout=TIMEOUT) if r]
-    for got in results:
-        for name in ("loss", "grad_norm"):
-            assert abs(got["metrics"][name] - ref["metrics"][name]) <= 1e-5 * abs(ref["metrics"][name]), name
-        for key in ("replayed", "after"):
-            for a, b in zip(got[key], ref[key], strict=True):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        for a, b in zip(got["free_routing"], ref["free_routing"], strict=True):
-            assert torch.equal(a.long().sort(dim=-1).values, b.long().sort(dim=-1).values)
-        assert all(torch.equal(a, b) for a, b in zip(got["bias"], ref["bias"], strict=True))  # never trained
-    moved = max((a - b).abs().max().item() for a, b in zip(ref["after"], ref["replayed"]))
-    assert moved > 1e-3, "the step must change log π for the comparison to cover it"
-
-
-# ------------------------------------------------------------------------------- planner
-def _rank_parameter_count(config: str, layout: dict) -> int:
-    from bpo_megatron.models.qwen3 import build_gpt_model
-    from bpo_megatron.parallel.state import initialize_parallel
-
-    parallel = ParallelConfig(**layout)
-    initialize_parallel(parallel, seed=0)
-    model = build_gpt_model(HFModelConfig.load(config), parallel, ModelOptions(params_dtype="fp32"))
-    return sum(p.numel() for p in model.parameters())
-
-
-@pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": None}], ids=["q_lora", "plain_q"])
-def test_planner_counts_the_parameters_megatron_builds(overrides: dict, tmp_path) -> None:
-    """Per rank at TP=2 with EP=2: the planner's count of the latent attention (down projections whole on
-    every rank, up and output projections split by heads) is the built model's."""
-    from bpo_megatron.parallel.local_world import run_gloo_world
-    from bpo_megatron.planner.params import rank_parameters
-
-    write_config(deepseek_dict(**overrides), tmp_path)
-    hf = HFModelConfig.load(tmp_path)
-    layout = {"tp": 2, "ep": 2}
-    counts = run_gloo_world(_rank_parameter_count, 2, str(tmp_path), layout, timeout=TIMEOUT)
-    [stage] = rank_parameters(hf, ParallelConfig(**layout), ModelOptions(params_dtype="fp32"))
-    assert counts == [stage.total, stage.total]
-
-
-MOONLIGHT = Path(__file__).resolve().parents[1] / "configs" / "models" / "moonlight_16b_a3b" / "config.json"
-
-
-def test_moonlight_parameter_counts_and_kv_cache_are_transformers_and_the_latent_sizes() -> None:
-    """Moonlight-16B-A3B (the recipe's model): the planner's parameters are transformers' own count
-    (15.96 B, "16B"; 2.91 B active with the embeddings, "A3B"), and an engine's KV cache per token is the
-    latent and the shared rotated key of every layer, whole on every TP rank."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from bpo_megatron.planner.params import rank_parameters
+def test_moonlight_active_parameters_and_kv_cache_are_the_latent_sizes() -> None:
+    """Moonlight-16B-A3B (the recipe's model; its total against transformers' own count, 15.96 B, "16B",
+    is the contract's): 2.91 B active with the embeddings, "A3B", and an engine's KV cache per token is
+    the latent and the shared rotated key of every layer, whole on every TP rank."""
     from bpo_megatron.planner.rollout import kv_bytes_per_token
     from bpo_megatron.weights.names import parameter_counts
 
     hf = HFModelConfig.load(MOONLIGHT)
     assert (hf.q_lora_rank, hf.kv_lora_rank, hf.routed_scaling_factor, hf.n_group) == (None, 512, 2.446, 1)
-    total, active = parameter_counts(hf)
-    with torch.device("meta"):
-        reference = AutoModelForCausalLM.from_config(AutoConfig.for_model(**json.loads(MOONLIGHT.read_text())))
-    assert total == sum(p.numel() for p in reference.parameters()) == 15_960_108_544
+    _, active = parameter_counts(hf)
     assert active == 2_914_774_528
-    [whole] = rank_parameters(hf, ParallelConfig(), ModelOptions(params_dtype="bf16"))
-    assert whole.total == total
     assert kv_bytes_per_token(hf, tp=1, dtype_bytes=2) == kv_bytes_per_token(hf, tp=4, dtype_bytes=2) \
         == 27 * (512 + 64) * 2
 
 
-MOONLIGHT_RECIPE = Path(__file__).resolve().parents[1] / "configs" / "moonlight_16b_a3b_bpo.yaml"
+MOONLIGHT_RECIPE = ROOT / "configs" / "moonlight_16b_a3b_bpo.yaml"
 
 
 def _packed_r3_rank(hf_dir: str, samples: list, layout: dict) -> dict | None:
@@ -400,30 +243,26 @@ def _packed_r3_rank(hf_dir: str, samples: list, layout: dict) -> dict | None:
 
 @pytest.mark.parametrize("layout", [{}, {"tp": 2}, {"tp": 2, "model_options": {"attention": "fused"}}],
                          ids=["tp1", "tp2", "tp2_fused"])
-def test_packed_micro_batches_train_as_padded_ones(r3_reference, layout: dict) -> None:
+def test_packed_micro_batches_train_as_padded_ones(family_models, layout: dict) -> None:
     """Samples packed into rows of up to 64 tokens (latent attention and its RoPE per segment; the
     reference core attention, and the fused one) give the padded run's log π, loss, grad norm and log π
     after the step."""
     from bpo_megatron.parallel.local_world import run_gloo_world
 
-    hf_dir, samples, ref = r3_reference
+    hf_dir, samples, ref = family_models.r3_reference("deepseek_v3")
     world = 2 if layout else 1
     results = [r for r in run_gloo_world(_packed_r3_rank, world, str(hf_dir), samples, layout, timeout=TIMEOUT) if r]
     assert results
     for got in results:
-        for name in ("loss", "grad_norm"):
-            assert abs(got["metrics"][name] - ref["metrics"][name]) <= 1e-5 * abs(ref["metrics"][name]), name
-        for key in ("replayed", "after"):
-            for a, b in zip(got[key], ref[key], strict=True):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert_same_step(got, ref)
 
 
-def test_sglangs_routing_rows_become_the_routing_the_trainer_replays(r3_reference) -> None:
+def test_sglangs_routing_rows_become_the_routing_the_trainer_replays(family_models) -> None:
     """SGLang's response format (int32 rows over every layer, zeros for the dense first layer) of the
     engine's captured routing decodes to exactly the MoE-layer routing the R3 tests replay."""
     from bpo_megatron.models.routing import RoutingLayout
 
-    hf_dir, samples, _ = r3_reference
+    hf_dir, samples, _ = family_models.r3_reference("deepseek_v3")
     layout = RoutingLayout.of(HFModelConfig.load(hf_dir))
     assert (layout.moe_layers, layout.num_hidden_layers, layout.topk, layout.num_experts) == ((1, 2), 3, 4, 8)
     for sample in samples:
@@ -452,79 +291,27 @@ def test_yarn_maps_onto_megatrons_yarn() -> None:
     assert (config.rope_type, config.rotary_scaling_factor, config.original_max_position_embeddings) == ("yarn", 4.0, 32)
     assert (config.mscale, config.mscale_all_dim, config.beta_fast, config.beta_slow) == (1.0, 0.8, 32.0, 1.0)
     with pytest.raises(ValueError, match="rope_scaling=.* is not supported for glm4_moe"):
-        from test_glm4_moe import glm_dict
-        HFModelConfig.load(glm_dict(rope_scaling=YARN))
+        HFModelConfig.load(tiny_dict("glm4_moe", rope_scaling=YARN))
 
 
-def test_yarn_conversion_gives_transformers_logits(deepseek_models, tmp_path) -> None:
-    hf_dir, ref = deepseek_models["yarn"]
-    checkpoint = convert_hf_to_mcore(hf_dir, tmp_path / "ckpt", parallel=ParallelConfig(tp=2),
-                                     progress=False, timeout=TIMEOUT)
-    _check_megatron_logits(checkpoint, {"tp": 2}, 2, ref)
-    _check_export(checkpoint, tmp_path / "hf", hf_dir, ref, parallel=ParallelConfig(tp=2))
-
-
-def test_yarn_engine_and_trainer_agree(deepseek_models) -> None:
+def test_yarn_engine_and_trainer_agree(family_models) -> None:
     """With YaRN, the embedded engine's log μ and routing are a teacher-forced transformers pass's, and
     the trainer's router picks the captured experts with log π equal to log μ."""
     from bpo_megatron.parallel.local_world import run_gloo_world
     from bpo_megatron.testing.recompute import teacher_forced
 
-    hf_dir = deepseek_models["yarn"][0]
-    samples = _engine_samples(hf_dir)
+    hf_dir = family_models.checkpoint("deepseek_v3", "yarn")[0]
+    samples = engine_samples(hf_dir)
     model = _hf_model(hf_dir)
     for sample in samples:
         logprobs, routing = teacher_forced(model, sample.tokens, temperature=1.0)
         want = logprobs[sample.response_start - 1:].gather(1, sample.tokens[sample.response_start:, None])[:, 0]
         torch.testing.assert_close(sample.rollout_logprobs, want, rtol=0, atol=2e-5)
         assert torch.equal(sample.routed_experts.long(), routing.long())
-    (got,) = run_gloo_world(_r3_rank, 1, str(hf_dir), samples, {}, timeout=TIMEOUT)
+    (got,) = run_gloo_world(r3_rank, 1, str(hf_dir), samples, {}, timeout=TIMEOUT)
     for sample, routing, logprobs in zip(samples, got["free_routing"], got["replayed"], strict=True):
         assert torch.equal(routing.long().sort(dim=-1).values, sample.routed_experts.long().sort(dim=-1).values)
         torch.testing.assert_close(logprobs, sample.rollout_logprobs, rtol=0, atol=2e-5)
-
-
-def test_engine_weight_updates_by_on_disk_names_reach_every_weight(deepseek_models, tmp_path) -> None:
-    """What a weight sync sends (the on-disk names: the latent attention's projections and norms,
-    per-expert tensors, the shared expert, the router's expert bias) lands in the live DeepSeek-V3 engine,
-    which then samples exactly as an engine started from those weights."""
-    from safetensors.torch import load_file
-
-    from bpo_megatron.rollout import GenerationRequest, SamplingParams
-    from bpo_megatron.rollout.hf.engine import HFEngine
-
-    other, _ = _save(deepseek_dict(), tmp_path / "other", seed=34)
-    new = load_file(other / "model.safetensors")
-    assert "model.layers.0.self_attn.kv_b_proj.weight" in new
-    engine = HFEngine(deepseek_models["q_lora"][0], capture_routing=True)
-    assert engine.update_weights(iter(new.items())) == sum(t.numel() * t.element_size() for t in new.values())
-    live = dict(engine.named_hf_weights())
-    assert sorted(live) == sorted(new) and all(torch.equal(live[name], tensor) for name, tensor in new.items())
-    requests = [GenerationRequest("q", (5, 9, 13), SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=1))]
-    fresh = HFEngine(other, capture_routing=True)
-    for a, b in zip(engine.generate(requests), fresh.generate(requests), strict=True):
-        assert torch.equal(a.response_tokens, b.response_tokens) and torch.equal(a.routed_experts, b.routed_experts)
-
-
-
-def test_weight_sync_streams_every_hf_tensor_from_a_tp2_ep2_trainer(deepseek_models) -> None:
-    """The trainer's weight export (what a weight sync sends) at TP=2 with EP=2 yields every on-disk
-    tensor of the checkpoint once, bit for bit, on every rank (the latent projections whole: the down
-    projections from any rank, the up and output projections gathered over TP)."""
-    from bpo_megatron.parallel.local_world import run_gloo_world
-
-    hf_dir, _ = deepseek_models["q_lora"]
-    ranks = run_gloo_world(_live_export, 2, str(hf_dir), {"tp": 2, "ep": 2}, True, timeout=TIMEOUT)
-    original = _safetensors(hf_dir)
-    for rank in ranks:
-        assert sorted(rank["names"]) == sorted(original)
-        assert all(torch.equal(tensor, original[name]) for name, tensor in rank["tensors"].items())
-        # a layer's latent down projections come one after the other (a load group: SGLang fuses them
-        # only when one load call brings both, tests/test_weight_load_groups.py)
-        for layer in range(HFModelConfig.load(hf_dir).num_hidden_layers):
-            q_a = rank["names"].index(f"model.layers.{layer}.self_attn.q_a_proj.weight")
-            assert rank["names"][q_a + 1] == f"model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight"
-
 
 
 @pytest.mark.parametrize("override, refusal", [

@@ -204,17 +204,17 @@ def test_transformer_engines_spec_is_taken_where_it_is_installed_and_checked_whe
     machine) accepts the spec and leaves it to the cluster; with it, the experiment validates and
     its ranks build transformer-engine's modules."""
     from bpo_megatron import platform
-    from bpo_megatron.models import qwen3
+    from bpo_megatron.models import megatron_model
 
     gpu_ranks = ["model.layer_spec=transformer_engine", "cluster.gpus_per_trainer_rank=1"]
     monkeypatch.setattr(platform, "has_transformer_engine", lambda: False)
     assert load_experiment(DEMO, gpu_ranks, check_model=False).model.options.layer_spec == "transformer_engine"
     with pytest.raises(ValueError, match="model.layer_spec=transformer_engine runs on GPUs only"):
-        qwen3.uses_transformer_engine("transformer_engine")  # a rank without a GPU
+        megatron_model.uses_transformer_engine("transformer_engine")  # a rank without a GPU
     monkeypatch.setattr(platform, "has_transformer_engine", lambda: True)
     assert load_experiment(DEMO, gpu_ranks).model.options.layer_spec == "transformer_engine"
     monkeypatch.setattr(platform, "has_cuda", lambda: True)
-    assert qwen3.uses_transformer_engine("transformer_engine") and not qwen3.uses_transformer_engine("local")
+    assert megatron_model.uses_transformer_engine("transformer_engine") and not megatron_model.uses_transformer_engine("local")
 
 
 def test_the_model_rules_wait_for_the_model_check():

@@ -139,7 +139,7 @@ def _specs_and_refusals() -> dict:
 
     from bpo_megatron.models import ModelOptions
     from bpo_megatron.models.fused_attention import FusedDotProductAttention
-    from bpo_megatron.models.qwen3 import layer_spec, transformer_config
+    from bpo_megatron.models.megatron_model import layer_spec, transformer_config
 
     ps.initialize_model_parallel()
     try:

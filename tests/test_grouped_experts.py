@@ -302,7 +302,7 @@ def _build_with_bias() -> str:
 
     from bpo_megatron.models import ModelOptions
     from bpo_megatron.models.grouped_experts import GroupedSequentialMLP
-    from bpo_megatron.models.qwen3 import layer_spec, transformer_config
+    from bpo_megatron.models.megatron_model import layer_spec, transformer_config
     from bpo_megatron.parallel import ParallelConfig
 
     ps.initialize_model_parallel()

@@ -53,7 +53,7 @@ def test_plan_and_train_check_state_the_spec(capsys, tmp_path):
 
 def test_a_rank_refuses_transformer_engines_spec_before_building_anything():
     from bpo_megatron.models import ModelOptions
-    from bpo_megatron.models.qwen3 import transformer_config
+    from bpo_megatron.models.megatron_model import transformer_config
     from bpo_megatron.parallel import ParallelConfig
     from bpo_megatron.testing import tiny_moe
 

@@ -185,7 +185,7 @@ def _refusal(parallel, model: dict, **config) -> str:
     from megatron.core.transformer.spec_utils import build_module
 
     from bpo_megatron.models import ModelOptions
-    from bpo_megatron.models.qwen3 import layer_spec, transformer_config
+    from bpo_megatron.models.megatron_model import layer_spec, transformer_config
     from bpo_megatron.models.sorted_dispatch import SortedDispatchMoELayer
 
     hf = th.tiny_moe()

@@ -5,10 +5,11 @@ A family turns its ``config.json`` into the fields of
 vocabulary (``qk_norm``, ``rotary_percent``, ``router_score``, ``router_expert_bias``,
 ``shared_expert_intermediate_size``, ``moe_layers`` ...), refuses what Megatron-Core cannot
 reproduce, and writes the family's fields back for export. Everything downstream — the Megatron
-``TransformerConfig`` and layer spec (:mod:`bpo_megatron.models.qwen3`), the Hugging Face name rules
-(:mod:`bpo_megatron.weights.names`), routing capture and replay, the planner — reads that
+``TransformerConfig`` and layer spec (:mod:`bpo_megatron.models.megatron_model`), the Hugging Face
+name rules (:mod:`bpo_megatron.weights.names`), routing capture and replay, the planner — reads that
 description, never the ``model_type``; a new family is a new entry here (plus name rules for weights
-no family had before).
+no family had before) and its test data for the contract every family passes
+(``tests/test_model_families.py``).
 """
 
 from __future__ import annotations

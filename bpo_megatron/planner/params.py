@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from bpo_megatron.models.hf_config import HFModelConfig
 from bpo_megatron.models.options import ModelOptions
-from bpo_megatron.models.qwen3 import model_vocab_size
+from bpo_megatron.models.megatron_model import model_vocab_size
 from bpo_megatron.parallel import ParallelConfig
 
 

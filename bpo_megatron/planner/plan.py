@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from bpo_megatron.models.hf_config import HFModelConfig
 from bpo_megatron.weights.names import parameter_counts
-from bpo_megatron.models.qwen3 import model_vocab_size
+from bpo_megatron.models.megatron_model import model_vocab_size
 from bpo_megatron.planner.activations import (context_gather_bytes, forward_only_activation_bytes, logits_bytes,
                                               micro_batch_positions, micro_batches_in_flight, stage_activation_bytes,
                                               stage_replay_bytes)

@@ -58,6 +58,9 @@ class HFWeightsReader:
             raise FileNotFoundError(f"Hugging Face checkpoint directory {self.directory} does not exist")
         self._files = ExitStack()
         self._open: dict[str, Any] = {}
+        # each file's tensor names, read once: safe_open's keys() builds the whole list on every call,
+        # which per tensor made checking a 19k-tensor checkpoint minutes of header reads
+        self._names: dict[str, frozenset[str]] = {}
         self.weight_map = self._weight_map()
 
     def _weight_map(self) -> dict[str, str]:
@@ -72,7 +75,7 @@ class HFWeightsReader:
                  else sorted(self.directory.glob("*.safetensors")))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {self.directory}")
-        return {name: file.name for file in files for name in self._handle(file.name).keys()}
+        return {name: file.name for file in files for name in self._names_in(file.name)}
 
     def _handle(self, file: str) -> Any:
         if file not in self._open:
@@ -85,6 +88,11 @@ class HFWeightsReader:
             self._open[file] = self._files.enter_context(handle)
         return self._open[file]
 
+    def _names_in(self, file: str) -> frozenset[str]:
+        if file not in self._names:
+            self._names[file] = frozenset(self._handle(file).keys())
+        return self._names[file]
+
     def file_of(self, name: str) -> str:
         if name not in self.weight_map:
             raise ValueError(f"tensor {name!r} is missing from the checkpoint in {self.directory} "
@@ -93,11 +101,10 @@ class HFWeightsReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         file = self.file_of(name)
-        handle = self._handle(file)
-        if name not in handle.keys():
+        if name not in self._names_in(file):
             raise ValueError(f"tensor {name!r} is not in {self.directory / file}, although the index "
                              f"lists it there")
-        return tuple(handle.get_slice(name).get_shape())
+        return tuple(self._handle(file).get_slice(name).get_shape())
 
     def slice(self, name: str, expected_shape: tuple[int, ...] | None = None) -> Any:
         """The lazily read tensor ``name``, after checking its shape."""
@@ -128,6 +135,7 @@ class HFWeightsReader:
     def close(self) -> None:
         self._files.close()
         self._open.clear()
+        self._names.clear()
 
     def __enter__(self) -> HFWeightsReader:
         return self
