@@ -12,7 +12,8 @@ def _build(options: VLLMOptions, context: EngineContext) -> RolloutEngine:
     from bpo_megatron.rollout.vllm.engine import VLLMEngine
 
     config = VLLMConfig(**asdict(options), model_path=context.model_dir,
-                        capture_routed_experts=context.routing is not None)
+                        capture_routed_experts=context.routing is not None,
+                        weight_bucket_bytes=context.weight_bucket_bytes)
     return VLLMEngine(context.model_dir, capture_routing=config.capture_routed_experts, config=config)
 
 
