@@ -114,8 +114,8 @@ class ExperimentConfig:
         from bpo_megatron.models.options import TORCH_DTYPES
 
         dtype = self.rollout.sync_dtype
-        return SyncPlan(transport=self.weight_transport(evaluation=evaluation), bucket_bytes=self.weight_sync.bucket_bytes,
-                        dtype=TORCH_DTYPES[dtype] if dtype else None,
+        return SyncPlan(transport=self.weight_transport(evaluation=evaluation),
+                        bucket_bytes=self.weight_sync.bucket_bytes, dtype=TORCH_DTYPES[dtype] if dtype else None,
                         quantization=self.rollout.sync_quantization(self.hf_config()), verify=self.weight_sync.verify)
 
     def trainer_spec(self) -> TrainerSpec:

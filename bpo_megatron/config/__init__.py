@@ -11,5 +11,5 @@ from bpo_megatron.config.loader import (
     to_dict,
 )
 
-__all__ = ["ConfigError", "apply_overrides", "build", "expand_shorthands", "load_yaml", "refuse_moved", "refuse_removed",
-           "to_dict"]
+__all__ = ["ConfigError", "apply_overrides", "build", "expand_shorthands", "load_yaml", "refuse_moved",
+           "refuse_removed", "to_dict"]

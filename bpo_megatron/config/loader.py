@@ -7,8 +7,8 @@ whose value another section decides (``field(metadata={"derived": "rollout.tempe
 no key; a section composed of another whose keys it shows as its own
 (``field(metadata={"inline": True})``: ``model.routing_replay`` builds ``model.options``) reads
 and writes them at its level; a section class with ``SHORTHAND = "name"`` also accepts a plain
-value as that one key (``loss.correction: tis``); a key that moved is refused naming its new home (:func:`refuse_moved`),
-one that was removed naming what replaces it (:func:`refuse_removed`).
+value as that one key (``loss.correction: tis``); a key that moved is refused naming its new home
+(:func:`refuse_moved`), one that was removed naming what replaces it (:func:`refuse_removed`).
 """
 
 from __future__ import annotations
