@@ -4,8 +4,8 @@ between rollouts.
 The session's embedded Ray (``ray_session``) and one group of two embedded
 (``hf``) engines built from an experiment config. Before each fault the engines get new weights
 (another random checkpoint), so a replacement engine, which starts from ``model.path``, only
-produces the expected samples if its custodian (``resync``) pushed the weights into it again. The expected
-samples come from an in-process engine holding the new weights: per-row seeds make them
+produces the expected samples if the group's custodian (its ``resync``) pushed the weights into it
+again. The expected samples come from an in-process engine holding the new weights: per-row seeds make them
 independent of how requests are split over engines.
 """
 
@@ -288,13 +288,12 @@ SHARED_MEMORY = "bpo_megatron.rollout.hf.shared_memory:SharedMemory"
 
 def test_an_engine_that_died_between_rollouts_is_replaced_by_the_next_sync(group, pushed_weights, expected):
     """Killed while the trainer trains: the sync replaces it and gives it the new weights."""
-    
     restarted = _arm(group, pushed_weights)
     restarts_before = group.restarts
     victim = group.workers[0]
     ray.kill(victim)
     _sync(_WeightPusher(pushed_weights), group, transport="object_store", version=1, bucket_bytes=1 << 20,
-                 verify=True)
+          verify=True)
     assert group.workers[0] is not victim and group.restarts == restarts_before + 1
     assert restarted == [], "the sync itself loads the new engine; no separate reload"
     _check_samples(group.generate(SMALL), SMALL, expected["small"])
@@ -319,7 +318,6 @@ def test_shared_memory_sync_writes_each_engines_weights_in_place(group, pushed_w
     """The embedded engines keep their weights in a shared memory file the driver (here, as
     trainer rank 0 on this node) writes into; the file has no name anywhere, so once a killed
     engine is replaced nothing holds its memory, and the replacement gets a file of its own."""
-    
     pusher = _WeightPusher(pushed_weights)
     _sync(pusher, group, transport=SHARED_MEMORY, version=7, bucket_bytes=1 << 16, verify=True)
     _check_samples(group.generate(SMALL), SMALL, expected["small"])
@@ -346,7 +344,7 @@ def test_shared_memory_sync_writes_each_engines_weights_in_place(group, pushed_w
 def test_engines_whose_weights_cannot_be_mapped_get_them_through_the_object_store(group, pushed_weights, expected,
                                                                                     monkeypatch):
     """A trainer that may not open an engine's memory (a /proc that forbids it) still syncs it."""
-        from bpo_megatron.rollout.hf import shared_memory
+    from bpo_megatron.rollout.hf import shared_memory
 
     def refused(layout):
         raise PermissionError(f"/proc/{layout.pid}/fd/{layout.fd}: operation not permitted")
@@ -369,7 +367,7 @@ def test_the_cuda_ipc_transport_loads_each_bucket_through_the_engines_actor(grou
     from safetensors.torch import load_file
 
     from bpo_megatron.rollout.hf.cuda_ipc import CudaIpc
-        from bpo_megatron.weights.checksums import fingerprints
+    from bpo_megatron.weights.checksums import fingerprints
     from bpo_megatron.weights.shared_bucket import by_value
 
     start = list(load_file(Path(checkpoints[0]) / "model.safetensors").items())
@@ -377,7 +375,7 @@ def test_the_cuda_ipc_transport_loads_each_bucket_through_the_engines_actor(grou
         pusher = _WeightPusher(weights)
         pusher.transports[CUDA_IPC] = CudaIpc(share=by_value)
         report = _sync(pusher, group, transport=CUDA_IPC, version=version, bucket_bytes=1 << 16, verify=True,
-                              only=[0])
+                       only=[0])
         assert report["sync_bytes"] == sum(t.numel() * t.element_size() for _, t in weights) and report["push_s"] > 0
         assert group.call("fingerprints")[0] == fingerprints(weights)
         assert group.call("weight_version")[0] == version
@@ -417,7 +415,6 @@ def test_control_calls_are_answered_while_generations_fill_the_engine(async_grou
     sync's health check, version and a whole weight update still go through at once, and no
     busy engine is taken for a hung one (it used to be: two generations filled the actor's two
     call slots, the health check timed out after 30 s and the engine was killed)."""
-    
     restarted = _arm(async_group, pushed_weights)
     restarts_before = async_group.restarts
     pending = [async_group.submit(BIG) for _ in range(3)]
@@ -429,7 +426,7 @@ def test_control_calls_are_answered_while_generations_fill_the_engine(async_grou
     checked_s = time.monotonic() - start
     still_generating = len(ray.wait(calls, num_returns=len(calls), timeout=0)[1])
     _sync(_WeightPusher(pushed_weights), async_group, transport="object_store", version=1,
-                 bucket_bytes=1 << 20, verify=True)
+          bucket_bytes=1 << 20, verify=True)
     answered_s = time.monotonic() - start
     samples = [p.result() for p in pending]
     # health and version answered at once, beside the generations (each engine's 3 take seconds)
