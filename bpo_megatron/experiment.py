@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
-from bpo_megatron.config import ConfigError, apply_overrides, build, load_yaml, refuse_moved
+from bpo_megatron import platform
+from bpo_megatron.config import ConfigError, apply_overrides, build, load_yaml, refuse_moved, refuse_removed
 from bpo_megatron.data.config import DataConfig
 from bpo_megatron.eval.config import EvalConfig, background_engines
 from bpo_megatron.experiment_rules import RULES
@@ -32,6 +33,7 @@ from bpo_megatron.trainer.config import TrainerConfig
 from bpo_megatron.trainer.optimizer import OptimizerSettings
 from bpo_megatron.trainer.spec import TrainerSpec
 from bpo_megatron.weight_sync.config import WeightSyncConfig
+from bpo_megatron.weight_sync.plan import SyncPlan
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,13 @@ class ExperimentConfig:
         "loss.mis_cap": "loss.correction.mis_cap",
         "loss.icepop_low": "loss.correction.icepop_low",
         "loss.icepop_high": "loss.correction.icepop_high",
+    }
+    # settings that no longer exist, and what to write instead (refused naming it)
+    REMOVED_KEYS: ClassVar[dict[str, str]] = {
+        f"rollout.{engine}.weight_bucket_bytes": "the one weight bucket size, the trainer's buckets and each engine's "
+                                                 "weight-update calls alike, is weight_sync.bucket_mb, in MiB (e.g. "
+                                                 "weight_sync.bucket_mb=512 for 536870912 bytes)"
+        for engine in ("sglang", "vllm")
     }
 
     name: str = "experiment"  # the run's name: {name} in logging.run_dir (default runs/{name})
@@ -100,6 +109,18 @@ class ExperimentConfig:
         return self.rollout.spec.weight_transport(self.rollout.options, self.cluster.colocate and not evaluation,
                                                   self.cluster.gpus_per_engine > 0)
 
+    def sync_plan(self, *, evaluation: bool = False) -> SyncPlan:
+        """How the trainer's weights reach the rollout engines (``evaluation``: the background
+        evaluation engines), the same at every sync: the transport for where they sit
+        (:meth:`weight_transport`), ``weight_sync``'s bucket size and check, the precision the
+        engine's spec takes them in and the form it holds quantized layers in."""
+        from bpo_megatron.models.options import TORCH_DTYPES
+
+        dtype = self.rollout.sync_dtype
+        return SyncPlan(transport=self.weight_transport(evaluation=evaluation),
+                        bucket_bytes=self.weight_sync.bucket_bytes, dtype=TORCH_DTYPES[dtype] if dtype else None,
+                        quantization=self.rollout.sync_quantization(self.hf_config()), verify=self.weight_sync.verify)
+
     def trainer_spec(self) -> TrainerSpec:
         """What each trainer rank is built from: the trainer's sections of this experiment (its
         log π at the engines' sampling temperature, the distribution log μ comes from)."""
@@ -113,7 +134,8 @@ class ExperimentConfig:
         sections of this experiment."""
         spec = EngineGroupSpec(hf=self.hf_config(), rollout=self.rollout, cluster=self.cluster,
                                max_staleness=self.train.asynchronous.max_staleness,
-                               max_prompt_tokens=self.data.max_prompt_tokens)
+                               max_prompt_tokens=self.data.max_prompt_tokens,
+                               weight_bucket_bytes=self.weight_sync.bucket_bytes)
         if not evaluation:
             return spec
         return replace(spec, role=EVALUATION, num_engines=self.evaluation_engines, first_index=self.rollout.num_engines)
@@ -128,6 +150,7 @@ def load_experiment(path: str | Path | None, overrides: list[str] = (), *, check
     data = load_yaml(path, relative_paths=RELATIVE_PATHS) if path is not None else {}
     data = apply_overrides(data, list(overrides), ExperimentConfig)
     refuse_moved(data, ExperimentConfig.MOVED_KEYS)
+    refuse_removed(data, ExperimentConfig.REMOVED_KEYS)
     cfg = build(ExperimentConfig, data)
     validate(cfg, check_model=check_model)
     return cfg

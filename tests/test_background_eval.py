@@ -4,7 +4,7 @@ evaluation step's weights and generate while training goes on; the results land 
 best-checkpoint rule sees them. With as many evaluation engines as rollout engines they decode the
 same batches, so every number equals inline evaluation's.
 
-The fast tests drive the bookkeeping (:class:`~bpo_megatron.loop.evaluation.Evaluations`, the
+The fast tests drive the bookkeeping (:class:`~bpo_megatron.eval.scheduler.Evaluations`, the
 metrics writer and the tracker mirror) without Ray; the others run the CPU demo through Ray.
 """
 
@@ -109,7 +109,10 @@ class FakeEvaluators:
     """Evaluation engines that hold the version of the last sync."""
 
     def __init__(self) -> None:
-        self.version, self.generations, self.on_restart = None, [], None
+        self.version, self.generations, self.custodian = None, [], None
+
+    def entrust(self, custodian) -> None:
+        self.custodian = custodian
 
     def submit(self, requests) -> FakeGeneration:
         self.generations.append(FakeGeneration(self.version))
@@ -127,7 +130,7 @@ def evaluations(tmp_path, monkeypatch):
 
     from bpo_megatron.eval.avg_at_k import BestCheckpoint, EvalResult
     from bpo_megatron.experiment import load_experiment
-    from bpo_megatron.loop import evaluation
+    from bpo_megatron.eval import scheduler as evaluation
 
     monkeypatch.setattr(evaluation, "eval_requests", lambda sets, tokenizer, cfg, step: [step])
     monkeypatch.setattr(evaluation, "score_evaluation", lambda samples, sets, tokenizer, reward, cfg, step:
@@ -136,18 +139,30 @@ def evaluations(tmp_path, monkeypatch):
     engines, trainer = FakeEvaluators(), {"version": 0}
     synced: list[tuple[int, list | None]] = []
 
-    def sync(version, only=None):
-        synced.append((version, only))
-        engines.version = version
-        return {}
+    class Sync:  # the evaluation engines' weight sync, recording what it sends
+        def __init__(self, trainer, engines, plan) -> None:
+            self.engines = engines
+
+        def sync(self, version, only=None):
+            synced.append((version, only))
+            self.engines.version = version
+            return {}
+
+    class Phases:  # the rollout engines' device phases: the trainer's weights version, devices unshared
+        version = property(lambda self: trainer["version"])
+
+        def train(self) -> None:
+            pass
+
+    monkeypatch.setattr(evaluation, "WeightSync", Sync)
 
     lines: list[str] = []
     writer = MetricsWriter(tmp_path)
     # the engines as the loop hands them over: still starting, waited for by the first evaluation
     plan = SimpleNamespace(cfg=cfg, eval_sets=[], tokenizer=None, agent=None)
     evals = evaluation.Evaluations(plan, None, BestCheckpoint(), writer, lines.append,
-                                   engines=evaluation.in_thread(lambda: engines), sync=sync,
-                                   trainer_version=lambda: trainer["version"])
+                                   engines=evaluation.in_thread(lambda: engines), trainer=object(), phases=Phases(),
+                                   sync_plan=cfg.sync_plan(evaluation=True))
     return SimpleNamespace(evals=evals, engines=engines, trainer=trainer, synced=synced, lines=lines, writer=writer,
                            run_dir=tmp_path)
 
@@ -198,17 +213,17 @@ def test_an_evaluation_whose_engine_is_replaced_after_training_moved_on_is_repor
     """A replacement engine gets the evaluated weights while the trainer still holds them; once
     the trainer moved past them the evaluation cannot finish: an echo line names it, nothing is
     recorded, and the next evaluation goes on."""
-    from bpo_megatron.loop.evaluation import StaleEvaluation
+    from bpo_megatron.eval.scheduler import StaleEvaluation
 
     ev, engines = evaluations.evals, evaluations.engines
     ev.start(0)
     generation = engines.generations[0]
-    generation.on_done = lambda: engines.on_restart([1])
+    generation.on_done = lambda: engines.custodian.resync([1])
     ev.poll()
     assert ev.pending_steps() == [0] and evaluations.synced[-1] == (0, [1]), "same version: the replacement is synced"
     evaluations.trainer["version"] = 1  # step 1 trained
     with pytest.raises(StaleEvaluation, match=r"engines \[1\] were replaced while evaluating the weights of step 0"):
-        engines.on_restart([1])
+        engines.custodian.resync([1])
     ev.poll()
     assert ev.pending_steps() == [] and not (evaluations.run_dir / "metrics.jsonl").exists()
     assert evaluations.lines == ["eval step 0 (background) lost: evaluation engines [1] were replaced while "

@@ -20,24 +20,17 @@ ray = pytest.importorskip("ray")
 def colocated(ray_session, small_run, tmp_path):
     from bpo_megatron.loop.run_dir import initial_hf_dir
     from bpo_megatron.orchestration.groups import EngineGroup, TrainerGroup, run_placement
-    from bpo_megatron.orchestration.phases import DevicePhases
-    from bpo_megatron.weight_sync.session import sync_weights
+    from bpo_megatron.orchestration.phases import DevicePhases, hand_devices_to_trainer
+    from bpo_megatron.weight_sync.session import WeightSync
 
-    cfg = small_run(tmp_path, "cluster.colocate=true", "rollout.num_engines=2")
+    cfg = small_run(tmp_path, "cluster.colocate=true", "rollout.num_engines=2", "weight_sync.bucket_mb=1",
+                    "weight_sync.verify=true")
     model_dir = initial_hf_dir(cfg)
     placement = run_placement(cfg.cluster, cfg.rollout.num_engines)
     engines = EngineGroup(cfg.engine_group_spec(), model_dir, placement=placement)
-    trainer = None
-    transport = cfg.weight_transport()
-
-    def push(only, version):
-        return sync_weights(trainer, engines, transport=transport, version=version, bucket_bytes=1 << 20,
-                            verify=True, only=only, dtype=cfg.rollout.sync_dtype)
-
-    phases = DevicePhases(engines, push, shared=True)
+    hand_devices_to_trainer(engines, shared=True)
     trainer = TrainerGroup(cfg.trainer_spec(), cfg.cluster, placement=placement)
-    phases.attach_trainer(trainer)
-    engines.on_restart = phases.resync
+    phases = DevicePhases(engines, trainer, WeightSync(trainer, engines, cfg.sync_plan()), shared=True)
     trainer.call("load_hf", model_dir)
     yield phases, engines, trainer
     engines.shutdown()
@@ -104,7 +97,10 @@ class _Engines:
     """The engine group as the phases use it, recording the calls."""
 
     def __init__(self, events: list[str]) -> None:
-        self.events, self.unsynced, self.start_hook = events, set(), None
+        self.events, self.unsynced, self.custodian = events, set(), None
+
+    def entrust(self, custodian) -> None:
+        self.custodian = custodian
 
     def release_memory(self, only=None) -> None:
         self.events.append("release")
@@ -125,16 +121,19 @@ class _Trainer:
 
 
 def _phases(offload: str, shared: bool = True):
-    from bpo_megatron.orchestration.phases import DevicePhases
+    from bpo_megatron.orchestration.phases import DevicePhases, hand_devices_to_trainer
 
     events: list[str] = []
 
-    def push(only, version):
-        events.append(f"push {version}")
-        return {"sync_bytes": 64.0, "push_s": 0.25}
+    class Weights:
+        def sync(self, version, only=None):
+            events.append(f"push {version}")
+            return {"sync_bytes": 64.0, "push_s": 0.25}
 
-    phases = DevicePhases(_Engines(events), push, shared=shared, offload=offload, keep_spares_across_saves=True)
-    phases.attach_trainer(_Trainer(events))
+    engines = _Engines(events)
+    hand_devices_to_trainer(engines, shared=shared, offload=offload)
+    phases = DevicePhases(engines, _Trainer(events), Weights(), shared=shared, offload=offload,
+                          keep_spares_across_saves=True)
     return phases, events
 
 

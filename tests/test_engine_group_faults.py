@@ -4,8 +4,8 @@ between rollouts.
 The session's embedded Ray (``ray_session``) and one group of two embedded
 (``hf``) engines built from an experiment config. Before each fault the engines get new weights
 (another random checkpoint), so a replacement engine, which starts from ``model.path``, only
-produces the expected samples if ``on_restart`` pushed the weights into it again. The expected
-samples come from an in-process engine holding the new weights: per-row seeds make them
+produces the expected samples if the group's custodian (its ``resync``) pushed the weights into it
+again. The expected samples come from an in-process engine holding the new weights: per-row seeds make them
 independent of how requests are split over engines.
 """
 
@@ -81,11 +81,15 @@ def _arm(group, pushed_weights) -> list[list[int]]:
     """Push the new weights into every engine; record (and re-push on) every restart."""
     restarted: list[list[int]] = []
 
-    def on_restart(indices: list[int]) -> None:
-        restarted.append(list(indices))
-        ray.get([group.workers[i].update_weights.remote(pushed_weights) for i in indices])
+    class Reloads:  # the group's custodian: replacements start at once and get the pushed weights
+        def starting_engines(self, indices: list[int], start) -> None:
+            start()
 
-    group.on_restart = on_restart
+        def resync(self, indices: list[int]) -> None:
+            restarted.append(list(indices))
+            ray.get([group.workers[i].update_weights.remote(pushed_weights) for i in indices])
+
+    group.custodian = Reloads()  # each test arms the module's group afresh
     group.call("update_weights", pushed_weights)
     return restarted
 
@@ -122,7 +126,7 @@ def test_an_engine_that_dies_mid_generate_is_replaced_and_its_share_sent_again(
     finally:
         kill.join()
     # a kill that landed after the engine answered would leave nothing to restart
-    assert restarted == [[victim_index]], "the engine was not replaced (or on_restart not called)"
+    assert restarted == [[victim_index]], "the engine was not replaced (or its custodian's resync not called)"
     assert group.restarts == restarts_before + 1 and group.workers[victim_index] is not victim
     _check_samples(samples, BIG, expected["big"])
     assert group.captures_routing()
@@ -242,7 +246,7 @@ def test_the_restart_budget_and_timeout_come_from_the_config(group):
 
 
 class _WeightPusher:
-    """The trainer's side of a sync as ``TrainWorker.push_weights`` does it (an engine that dies
+    """The trainer's side of a sync as ``weight_sync.sender.send_weights`` does it (an engine that dies
     is reported in ``failed``), sending fixed Hugging Face weights."""
 
     def __init__(self, weights) -> None:
@@ -252,15 +256,23 @@ class _WeightPusher:
         self.fingerprints = {name: fingerprint(tensor) for name, tensor in weights}
         self.transports = {}
 
-    def push_weights(self, transport, endpoints, version, bucket_bytes, verify, dtype, role="rollout",
-                     quantization=None):
+    def push_weights(self, plan, endpoints, version, role="rollout"):
         from bpo_megatron.weight_sync import transport_class
         from bpo_megatron.weights.buckets import buckets
 
-        sender = self.transports.setdefault(transport, transport_class(transport)())
+        sender = self.transports.setdefault(plan.transport, transport_class(plan.transport)())
         sender.prepare(endpoints)
-        report = sender.send(buckets(self.weights, bucket_bytes), version)
+        report = sender.send(buckets(self.weights, plan.bucket_bytes), version)
         return {**report, "seconds": 1.0, "fingerprints": self.fingerprints}
+
+
+def _sync(trainer, engines, *, transport: str, version: int, bucket_bytes: int, verify: bool = False,
+          only: list[int] | None = None) -> dict:
+    """One sync of ``engines`` by their owner, built as the loop builds it (a plan of these settings)."""
+    from bpo_megatron.weight_sync.plan import SyncPlan
+    from bpo_megatron.weight_sync.session import WeightSync
+
+    return WeightSync(trainer, engines, SyncPlan(transport, bucket_bytes, verify=verify)).sync(version, only)
 
 
 # the embedded engine's own transport, as its spec declares it (the driver hands the trainer this)
@@ -269,14 +281,12 @@ SHARED_MEMORY = "bpo_megatron.rollout.hf.shared_memory:SharedMemory"
 
 def test_an_engine_that_died_between_rollouts_is_replaced_by_the_next_sync(group, pushed_weights, expected):
     """Killed while the trainer trains: the sync replaces it and gives it the new weights."""
-    from bpo_megatron.weight_sync.session import sync_weights
-
     restarted = _arm(group, pushed_weights)
     restarts_before = group.restarts
     victim = group.workers[0]
     ray.kill(victim)
-    sync_weights(_WeightPusher(pushed_weights), group, transport="object_store", version=1, bucket_bytes=1 << 20,
-                 verify=True)
+    _sync(_WeightPusher(pushed_weights), group, transport="object_store", version=1, bucket_bytes=1 << 20,
+          verify=True)
     assert group.workers[0] is not victim and group.restarts == restarts_before + 1
     assert restarted == [], "the sync itself loads the new engine; no separate reload"
     _check_samples(group.generate(SMALL), SMALL, expected["small"])
@@ -301,10 +311,8 @@ def test_shared_memory_sync_writes_each_engines_weights_in_place(group, pushed_w
     """The embedded engines keep their weights in a shared memory file the driver (here, as
     trainer rank 0 on this node) writes into; the file has no name anywhere, so once a killed
     engine is replaced nothing holds its memory, and the replacement gets a file of its own."""
-    from bpo_megatron.weight_sync.session import sync_weights
-
     pusher = _WeightPusher(pushed_weights)
-    sync_weights(pusher, group, transport=SHARED_MEMORY, version=7, bucket_bytes=1 << 16, verify=True)
+    _sync(pusher, group, transport=SHARED_MEMORY, version=7, bucket_bytes=1 << 16, verify=True)
     _check_samples(group.generate(SMALL), SMALL, expected["small"])
     layouts = [layout for _, layout in group.call("weight_details")]
     assert all(layout is not None and _holders(layout.name) == {layout.pid, os.getpid()} for layout in layouts)
@@ -317,7 +325,7 @@ def test_shared_memory_sync_writes_each_engines_weights_in_place(group, pushed_w
     deadline = time.monotonic() + 20  # a kill is asynchronous; the next sync finds the process gone
     while Path(f"/proc/{layouts[0].pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
-    sync_weights(pusher, group, transport=SHARED_MEMORY, version=8, bucket_bytes=1 << 16, verify=True)
+    _sync(pusher, group, transport=SHARED_MEMORY, version=8, bucket_bytes=1 << 16, verify=True)
     assert group.workers[0] is not victim
     fresh = group.call("weight_details")[0][1]
     assert fresh.name != layouts[0].name and set(attached) == {fresh.name, layouts[1].name}
@@ -329,7 +337,6 @@ def test_shared_memory_sync_writes_each_engines_weights_in_place(group, pushed_w
 def test_engines_whose_weights_cannot_be_mapped_get_them_through_the_object_store(group, pushed_weights, expected,
                                                                                     monkeypatch):
     """A trainer that may not open an engine's memory (a /proc that forbids it) still syncs it."""
-    from bpo_megatron.weight_sync.session import sync_weights
     from bpo_megatron.rollout.hf import shared_memory
 
     def refused(layout):
@@ -337,7 +344,7 @@ def test_engines_whose_weights_cannot_be_mapped_get_them_through_the_object_stor
 
     monkeypatch.setattr(shared_memory, "attach", refused)
     pusher = _WeightPusher(pushed_weights)
-    sync_weights(pusher, group, transport=SHARED_MEMORY, version=9, bucket_bytes=1 << 16, verify=True)
+    _sync(pusher, group, transport=SHARED_MEMORY, version=9, bucket_bytes=1 << 16, verify=True)
     assert pusher.transports[SHARED_MEMORY]._attached == {}
     _check_samples(group.generate(SMALL), SMALL, expected["small"])
     assert group.call("weight_version") == [9, 9]
@@ -353,7 +360,6 @@ def test_the_cuda_ipc_transport_loads_each_bucket_through_the_engines_actor(grou
     from safetensors.torch import load_file
 
     from bpo_megatron.rollout.hf.cuda_ipc import CudaIpc
-    from bpo_megatron.weight_sync.session import sync_weights
     from bpo_megatron.weights.checksums import fingerprints
     from bpo_megatron.weights.shared_bucket import by_value
 
@@ -361,8 +367,8 @@ def test_the_cuda_ipc_transport_loads_each_bucket_through_the_engines_actor(grou
     for weights, version in ((start, 10), (pushed_weights, 11)):  # other weights, then back to the pushed ones
         pusher = _WeightPusher(weights)
         pusher.transports[CUDA_IPC] = CudaIpc(share=by_value)
-        report = sync_weights(pusher, group, transport=CUDA_IPC, version=version, bucket_bytes=1 << 16, verify=True,
-                              only=[0])
+        report = _sync(pusher, group, transport=CUDA_IPC, version=version, bucket_bytes=1 << 16, verify=True,
+                       only=[0])
         assert report["sync_bytes"] == sum(t.numel() * t.element_size() for _, t in weights) and report["push_s"] > 0
         assert group.call("fingerprints")[0] == fingerprints(weights)
         assert group.call("weight_version")[0] == version
@@ -402,8 +408,6 @@ def test_control_calls_are_answered_while_generations_fill_the_engine(async_grou
     sync's health check, version and a whole weight update still go through at once, and no
     busy engine is taken for a hung one (it used to be: two generations filled the actor's two
     call slots, the health check timed out after 30 s and the engine was killed)."""
-    from bpo_megatron.weight_sync.session import sync_weights
-
     restarted = _arm(async_group, pushed_weights)
     restarts_before = async_group.restarts
     pending = [async_group.submit(BIG) for _ in range(3)]
@@ -414,8 +418,8 @@ def test_control_calls_are_answered_while_generations_fill_the_engine(async_grou
     assert async_group.call("weight_version") == [0, 0]
     checked_s = time.monotonic() - start
     still_generating = len(ray.wait(calls, num_returns=len(calls), timeout=0)[1])
-    sync_weights(_WeightPusher(pushed_weights), async_group, transport="object_store", version=1,
-                 bucket_bytes=1 << 20, verify=True)
+    _sync(_WeightPusher(pushed_weights), async_group, transport="object_store", version=1,
+          bucket_bytes=1 << 20, verify=True)
     answered_s = time.monotonic() - start
     samples = [p.result() for p in pending]
     # health and version answered at once, beside the generations (each engine's 3 take seconds)
@@ -461,7 +465,7 @@ def test_every_call_to_a_stopped_engine_is_bounded(async_group, pushed_weights, 
     assert versions == [0, 0] and async_group.workers[1] is not victim
     assert async_group.restarts == restarts_before + 1 and async_group.unsynced == {1}
     assert STALL_S <= elapsed < STALL_S + 30
-    async_group.on_restart([1])  # what the next sync does
+    async_group.custodian.resync([1])  # what the next sync does
     async_group.unsynced.clear()
     _check_samples(async_group.generate(SMALL), SMALL, expected["small"])
 

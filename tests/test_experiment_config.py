@@ -124,6 +124,11 @@ def test_bad_configs_are_refused_naming_the_field(overrides, match):
     ("rollout.hf.decode=transformers", r"rollout.hf.decode='transformers' is gone: the embedded engine has one "
                                        r"decode loop now .*write rollout.hf.decode=eager"),
     ("rollout.hf.decode=static", r"rollout.hf.decode='static' is gone: .*rollout.hf.decode=eager"),
+    # the engines' own bucket sizes, in bytes: one bucket setting now, in MiB
+    ("rollout.sglang.weight_bucket_bytes=4096", r"rollout.sglang.weight_bucket_bytes is no longer a setting: the one "
+                                                r"weight bucket size.* is weight_sync.bucket_mb, in MiB"),
+    ("rollout.vllm.weight_bucket_bytes=4096", r"rollout.vllm.weight_bucket_bytes is no longer a setting: .*"
+                                              r"weight_sync.bucket_mb, in MiB"),
 ])
 def test_a_key_that_moved_is_refused_naming_its_new_home(override, match):
     with pytest.raises(ConfigError, match=match):
@@ -181,6 +186,32 @@ def test_every_shipped_config_loads_and_its_engine_sections_hold_what_it_writes(
         assert isinstance(cfg.rollout.engine_sections[engine], engine_spec(engine).options)
         assert {key: recorded[engine][key] for key in written.get(engine) or {}} == (written.get(engine) or {})
     assert len(SHIPPED) >= 14 and cfg.rollout.engine in ENGINES
+
+
+def test_the_sync_plan_is_made_once_from_the_sections_that_decide_it():
+    """Transport, the one bucket size (in bytes, from weight_sync.bucket_mb), dtype, FP8 form and
+    check: what every sync of an engine group does, from the experiment as the loop makes it."""
+    import torch
+
+    cfg = load_experiment(DEMO, ["weight_sync.bucket_mb=64", "weight_sync.verify=true", "rollout.hf.dtype=bf16"])
+    plan = cfg.sync_plan()
+    assert (plan.transport, plan.bucket_bytes, plan.dtype, plan.quantization, plan.verify) == (
+        cfg.weight_transport(), 64 * 2**20, torch.bfloat16, None, True)
+    assert cfg.sync_plan(evaluation=True).transport == cfg.weight_transport(evaluation=True)
+
+
+def test_each_engine_loads_weights_in_buckets_of_the_one_setting(tmp_path):
+    """The engines' weight-update calls take buckets of weight_sync.bucket_mb, as the trainer's export does."""
+    from bpo_megatron.rollout.engine import EngineContext
+    from bpo_megatron.rollout.sglang import spec as sglang
+    from bpo_megatron.rollout.vllm import spec as vllm
+
+    for engine, spec in (("sglang", sglang), ("vllm", vllm)):
+        cfg = load_experiment(DEMO, ["weight_sync.bucket_mb=3", f"rollout.engine={engine}", "model.routing_replay=false"],
+                              check_model=False)
+        context = EngineContext(model_dir=str(tmp_path), index=0, routing=None,
+                                weight_bucket_bytes=cfg.weight_sync.bucket_bytes)
+        assert spec.engine_config(cfg.rollout.options, context).weight_bucket_bytes == 3 * 2**20, engine
 
 
 def test_a_correction_by_name_takes_its_bounds_from_the_file_or_later_overrides(tmp_path):

@@ -462,7 +462,7 @@ def test_an_evaluation_the_reward_failed_on_is_counted_and_left_out_of_the_best_
 
     from bpo_megatron.eval.avg_at_k import BestCheckpoint, evaluate, load_eval_sets
     from bpo_megatron.experiment import load_experiment
-    from bpo_megatron.loop.evaluation import Evaluations
+    from bpo_megatron.eval.scheduler import Evaluations
     from bpo_megatron.tasks.prompts import PromptFormat
 
     cfg = load_experiment(DEMO, [f"data.reward={user_module}:judge", "eval.k=2", "eval.limit=3",

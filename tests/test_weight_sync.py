@@ -105,3 +105,71 @@ def test_the_engine_group_asks_its_engines_only_for_what_the_transport_needs():
     assert asked == ["weight_details"]
     with pytest.raises(ValueError, match=r"needs \['cfg'\]"):
         group.weight_endpoints([0], frozenset({"details", "cfg"}))
+
+
+# ------------------------------------------------------------------------------ a rank's side of a sync
+class _Actor:
+    """A train actor's export as the sender calls it: fixed buckets, the arguments recorded."""
+
+    def __init__(self, buckets) -> None:
+        self.buckets, self.asked = buckets, None
+
+    def export_weights(self, bucket_bytes, *, dtype=None, host=False, all_ranks=False, views=False):
+        self.asked = (bucket_bytes, dtype, host, all_ranks, views)
+        yield from self.buckets
+
+
+class _Recorder:
+    """A transport that keeps what it was prepared for and sent."""
+
+    host_tensors, views, every_rank, whole_group = True, False, False, False
+    needs = frozenset()
+
+    def prepare(self, endpoints) -> None:
+        self.endpoints, self.sent = endpoints, []
+
+    def send(self, buckets, version):
+        self.sent = [list(bucket) for bucket in buckets]
+        return {"bytes": sum(t.numel() * t.element_size() for bucket in self.sent for _, t in bucket), "failed": [1]}
+
+
+def test_a_rank_exports_converts_quantizes_fingerprints_and_sends_as_the_plan_says():
+    """export (the plan's bucket size and dtype, the transport's memory) → the engines' FP8 form
+    (linear weights rounded through e4m3, the others as they are) → fingerprints of exactly what
+    is sent (rank 0, with verify) → the transport; a rank that does not send only takes part in
+    the gather."""
+    import torch
+
+    from bpo_megatron.weight_sync.plan import SyncPlan
+    from bpo_megatron.weight_sync.sender import send_weights
+    from bpo_megatron.weights.checksums import fingerprint
+    from bpo_megatron.weights.fp8 import SyncQuantization, round_through_fp8
+
+    gen = torch.Generator().manual_seed(0)
+    linear, norm = "model.layers.0.mlp.down_proj.weight", "model.layers.0.input_layernorm.weight"
+    buckets = [[(linear, torch.randn(256, 128, generator=gen))], [(norm, torch.randn(128, generator=gen))]]
+    plan = SyncPlan("object_store", 4096, dtype=torch.bfloat16, quantization=SyncQuantization("fp8"), verify=True)
+    actor, transport = _Actor(buckets), _Recorder()
+    report = send_weights(actor, transport, plan, ["e0", "e1"], 3, rank=0)
+    assert actor.asked == (4096, torch.bfloat16, True, False, False)
+    assert transport.endpoints == ["e0", "e1"]
+    (sent_linear,), (sent_norm,) = transport.sent
+    assert torch.equal(sent_linear[1], round_through_fp8(buckets[0][0][1]))
+    assert not torch.equal(sent_linear[1], buckets[0][0][1]) and sent_norm[1] is buckets[1][0][1]
+    assert report["bytes"] == (256 * 128 + 128) * 4 and report["failed"] == [1] and report["seconds"] > 0
+    assert report["fingerprints"] == {linear: fingerprint(sent_linear[1]), norm: fingerprint(sent_norm[1])}
+
+    quiet = _Recorder()
+    drained = _Actor(iter(buckets))
+    assert send_weights(drained, quiet, plan, ["e0"], 3, rank=1) == {"bytes": 0, "failed": [], "seconds": 0.0,
+                                                                     "fingerprints": {}}
+    assert not hasattr(quiet, "endpoints") and list(drained.buckets) == [], "rank 1 ran its export through"
+    unchecked = send_weights(_Actor(buckets), _Recorder(), SyncPlan("object_store", 4096), ["e0"], 4, rank=0)
+    assert unchecked["fingerprints"] == {}
+
+
+def test_a_plan_refuses_empty_buckets():
+    from bpo_megatron.weight_sync.plan import SyncPlan
+
+    with pytest.raises(ValueError, match="at least one byte"):
+        SyncPlan("object_store", 0)

@@ -8,8 +8,9 @@ from bpo_megatron.config.loader import (
     expand_shorthands,
     load_yaml,
     refuse_moved,
+    refuse_removed,
     to_dict,
 )
 
 __all__ = ["ConfigError", "apply_overrides", "build", "build_sections", "expand_shorthands", "load_yaml", "refuse_moved",
-           "to_dict"]
+           "refuse_removed", "to_dict"]

@@ -11,7 +11,8 @@ and writes them at its level; a field holding one section per entry of a registr
 ``rollout.sglang`` builds ``rollout.engine_sections["sglang"]``) reads and writes each at its level under
 the entry's name, so a new entry brings its section with it; a section class with ``SHORTHAND = "name"``
 also accepts a plain value as that one key (``loss.correction: tis``); a key that moved is refused naming
-its new home (:func:`refuse_moved`).
+its new home (:func:`refuse_moved`), one that was removed naming what replaces it
+(:func:`refuse_removed`).
 """
 
 from __future__ import annotations
@@ -163,6 +164,19 @@ def refuse_moved(data: Mapping[str, Any], moved: Mapping[str, str]) -> None:
             for section in reversed(new_sections):
                 nested = f"{section}: {{{nested}}}"
             raise ConfigError(f"{old} moved to {new}: write {nested} (override: {new}={node[name]!r})")
+
+
+def refuse_removed(data: Mapping[str, Any], removed: Mapping[str, str]) -> None:
+    """A ConfigError for the first key of ``data`` (nested sections) that ``removed`` maps from its
+    old dotted name to what to write instead (a setting that no longer exists, its job done by
+    another that is not simply its new home: another unit, or one setting for several)."""
+    for old, instead in removed.items():
+        *sections, name = old.split(".")
+        node: Any = data
+        for section in sections:
+            node = node.get(section) if isinstance(node, Mapping) else None
+        if isinstance(node, Mapping) and name in node:
+            raise ConfigError(f"{old} is no longer a setting: {instead}; remove it")
 
 
 def _inline(field: dataclasses.Field) -> bool:

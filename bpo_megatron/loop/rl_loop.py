@@ -5,7 +5,7 @@ scores each response; advantages are normalised within each prompt's group; the 
 shuffled into ``minibatches_per_step`` equal minibatches with one optimizer step each; the new
 weights go to the engines. With ``train.async.max_staleness`` k > 0 the batches of the next k
 steps generate while a step trains (:mod:`bpo_megatron.loop.rollout_pipeline`). Evaluation and
-checkpoints every few steps, evaluation inline or beside training (:mod:`bpo_megatron.loop.evaluation`);
+checkpoints every few steps, evaluation inline or beside training (:mod:`bpo_megatron.eval.scheduler`);
 a killed run resumes from its newest checkpoint exactly (same data, same seeds), and its metrics
 record each step once. A batch a user's reward failed on is never trained on
 (``data.on_reward_failure``: the run stops, or the step is skipped).

@@ -43,7 +43,8 @@ RESUME_SAFE = (
     "name", "train.steps", "trainer.micro_batch_size", "trainer.max_tokens_per_micro_batch", "weight_sync.verify",
     "train.routing_agreement_samples", "parallel.", "cluster.", "logging.", "checkpoint.every",
     "checkpoint.keep_last", "checkpoint.resume", "checkpoint.background", "rollout.num_engines", "rollout.threads_per_engine",
-    "weight_sync.bucket_mb", "rollout.hf.max_batch_rows", "rollout.hf.decode", "rollout.hf.refill_every",
+    "weight_sync.bucket_mb", "rollout.sglang.weight_bucket_bytes", "rollout.vllm.weight_bucket_bytes",
+    "rollout.hf.max_batch_rows", "rollout.hf.decode", "rollout.hf.refill_every",
     "rollout.generate_timeout_s",
     "rollout.max_restarts", "rollout.stall_timeout_s", "eval.mode", "eval.engines", "trainer.logprob_kernel",
 )

@@ -20,8 +20,8 @@ from bpo_megatron.data.reward_values import RecordReward
 from bpo_megatron.data.rewards import reward_fn
 from bpo_megatron.eval.avg_at_k import BestCheckpoint
 from bpo_megatron.eval.config import background_engines
+from bpo_megatron.eval.scheduler import Evaluations, in_thread
 from bpo_megatron.loop.draw import StepRequests
-from bpo_megatron.loop.evaluation import Evaluations, in_thread
 from bpo_megatron.loop.preflight import RunPlan
 from bpo_megatron.loop.run_dir import RunLock, checkpoint_root, initial_hf_dir, read_recorded_config, record_config
 from bpo_megatron.loop.sft import sft_warmup
@@ -29,10 +29,10 @@ from bpo_megatron.observability.metrics import MetricsWriter, summary_line
 from bpo_megatron.observability.plot import plot_runs
 from bpo_megatron.orchestration.cluster import start_ray, stop_ray
 from bpo_megatron.orchestration.groups import EngineGroup, TrainerFailed, TrainerGroup, run_placement
-from bpo_megatron.orchestration.phases import DevicePhases
+from bpo_megatron.orchestration.phases import DevicePhases, hand_devices_to_trainer
 from bpo_megatron.rollout.agents import with_agent
 from bpo_megatron.trainer.checkpoint import checkpoint_bytes, space_shortfall, step_dir_name
-from bpo_megatron.weight_sync.session import sync_weights
+from bpo_megatron.weight_sync.session import WeightSync
 
 
 class RunSession:
@@ -78,32 +78,24 @@ class RunSession:
                                       cpus_needed=cfg.cluster.trainer_ranks + cfg.rollout.num_engines + evaluating)
         # engines on the trainer's devices, or apart
         self.placement = run_placement(cfg.cluster, cfg.rollout.num_engines, eval_engines=evaluating)
-        # how the weights are sent to engines that hold them quantized (the same at every push)
-        self._sync_quantization = cfg.rollout.sync_quantization(cfg.hf_config())
         self.engines = EngineGroup(cfg.engine_group_spec(), self.hf_dir, placement=self.placement)
         # what generates: the engines, or conversations of theirs with rollout.agent's tool
         self.rollouts = with_agent(self.engines, self.plan.agent, self.tokenizer)
         offload = self.plan.offload  # colocated: what the trainer hands the engines (the planner's choice)
-        self.phases = DevicePhases(self.engines, self._push, shared=offload is not None,
-                                   offload=offload.parts if offload else "nothing",
-                                   keep_spares_across_saves=offload.keep_across_saves if offload else False)
+        shared, parts = offload is not None, offload.parts if offload else "nothing"
+        hand_devices_to_trainer(self.engines, shared=shared, offload=parts)
         self.trainer = TrainerGroup(cfg.trainer_spec(), cfg.cluster, placement=self.placement)
-        self.phases.attach_trainer(self.trainer)
-        self.engines.on_restart = self.phases.resync
+        self.phases = DevicePhases(self.engines, self.trainer, WeightSync(self.trainer, self.engines, cfg.sync_plan()),
+                                   shared=shared, offload=parts,
+                                   keep_spares_across_saves=offload.keep_across_saves if offload else False)
         if evaluating:  # the evaluation engines start while the run warms up; the first to use them waits
             self._evaluators = in_thread(EngineGroup, cfg.engine_group_spec(evaluation=True), self.hf_dir,
                                          placement=self.placement)
-        self.evaluations = Evaluations.of(self.plan, self.verify, self.best, self.metrics_out, self.echo,
-                                          evaluators=self._evaluators, trainer=self.trainer, phases=self.phases)
-
-    def _push(self, only: list[int] | None, version: int) -> dict:
-        """The trainer's weights, the ``version``-th update, to the rollout engines (``only``: those)."""
-        cfg = self.cfg
-        return sync_weights(self.trainer, self.engines,
-                            transport=cfg.weight_transport(),
-                            version=version, bucket_bytes=cfg.weight_sync.bucket_bytes,
-                            verify=cfg.weight_sync.verify, only=only, dtype=cfg.rollout.sync_dtype,
-                            quantization=self._sync_quantization)
+            self.evaluations = Evaluations(self.plan, self.verify, self.best, self.metrics_out, self.echo,
+                                           engines=self._evaluators, trainer=self.trainer, phases=self.phases,
+                                           sync_plan=cfg.sync_plan(evaluation=True))
+        else:
+            self.evaluations = Evaluations(self.plan, self.verify, self.best, self.metrics_out, self.echo)
 
     def start(self) -> None:
         """The weights (the checkpoint resumed from, or the initial ones), the warm start, and the

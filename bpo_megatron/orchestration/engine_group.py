@@ -30,7 +30,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from bpo_megatron.orchestration.engine_group_spec import EngineGroupSpec
 from bpo_megatron.orchestration.placement import EVALUATION, ROLLOUT, Placement
@@ -298,6 +298,19 @@ def place(requests: list, load: list[int], starts: list[int], backlog: int) -> l
     return shares
 
 
+class Custodian(Protocol):
+    """Who owns an engine group's devices and weights, and so its replacements: the device phases
+    (rollout engines), the evaluation scheduler (evaluation engines)."""
+
+    def starting_engines(self, indices: list[int], start: Callable[[], None]) -> None:
+        """Run ``start()``, which brings up new engines for ``indices``, when their devices are
+        free, and leave them in their peers' memory state."""
+
+    def resync(self, indices: list[int]) -> None:
+        """Give the engines ``indices``, just replaced (they hold the initial weights), the
+        current ones before any of their requests is sent again."""
+
+
 class EngineGroup:
     """The engines ``spec`` describes (:class:`EngineGroupSpec`: ``rollout.num_engines`` of them, or
     its ``num_engines``), started from the checkpoint in ``model_dir``, on their slots of
@@ -305,12 +318,11 @@ class EngineGroup:
     background evaluation engines, on their slots of the placement, without routing capture, one
     generation at a time; log lines and errors name them so.
 
-    ``on_restart`` is called with the indices of engines replaced while their requests wait (to
-    give them the current weights) before the requests are sent again; other replacements are
-    recorded in :attr:`unsynced` for the next weight sync.
-    ``start_hook(indices, start)`` (set by the device phases) runs ``start()``, which brings the
-    new engines up, at a moment their devices are free, and leaves them in their peers' memory
-    state. ``max_restarts`` per engine, on average, bounds the replacements over the group's life.
+    Its replacements go through its :class:`Custodian`, the owner of its devices and weights
+    (the device phases for the rollout engines, the evaluation scheduler for the evaluation
+    engines), which takes charge as it is built (:meth:`entrust`; until then a replacement starts
+    at once and is recorded in :attr:`unsynced`). ``max_restarts`` per engine, on average, bounds
+    the replacements over the group's life.
     """
 
     def __init__(self, spec: EngineGroupSpec, model_dir: str, *, placement: Placement | None = None) -> None:
@@ -322,8 +334,7 @@ class EngineGroup:
         self.generate_timeout_s = spec.rollout.generate_timeout_s
         self.stall_timeout_s = spec.rollout.stall_timeout_s
         self.restarts = 0
-        self.on_restart: Callable[[list[int]], None] | None = None  # reload weights into new engines
-        self.start_hook: Callable[[list[int], Callable[[], None]], None] | None = None
+        self.custodian: Custodian | None = None  # who starts replacements and gives them the weights
         self.unsynced: set[int] = set()  # replaced engines that hold the initial weights
         self.starts = [0] * count  # how often each engine index was started again (a replacement's cache is empty)
         self.pending: weakref.WeakSet = weakref.WeakSet()  # the generations under way: the engines' load
@@ -421,7 +432,8 @@ class EngineGroup:
                              threads=spec.rollout.threads_per_engine,
                              colocated=spec.cluster.colocate and not evaluation,
                              devices=self._devices(index), node_address="",
-                             longest_sequence=spec.longest_sequence)
+                             longest_sequence=spec.longest_sequence,
+                             weight_bucket_bytes=spec.weight_bucket_bytes)
 
     def _options(self, index: int) -> dict[str, Any]:
         if self.placement is not None:  # on its slots of the run's placement (shared or its own)
@@ -522,10 +534,18 @@ class EngineGroup:
     def captures_routing(self) -> bool:
         return all(self.call("captures_routing"))
 
+    def entrust(self, custodian: Custodian) -> None:
+        """``custodian`` starts this group's replacements and gives them the weights from now on
+        (it calls this as it is built: the group starts first, its engines' memory handed back
+        before the trainer is built beside them). One custodian per group."""
+        if self.custodian is not None and self.custodian is not custodian:
+            raise RuntimeError(f"the {self.role} engines already have a custodian ({type(self.custodian).__name__})")
+        self.custodian = custodian
+
     def replace(self, indices: list[int], *, load_weights: bool = True) -> None:
-        """New engines for ``indices``; ``load_weights``: give them the current weights
-        (``on_restart``) at once; otherwise they are recorded in :attr:`unsynced` (the caller, or
-        the next weight sync, gives them the weights)."""
+        """New engines for ``indices``, started by the custodian; ``load_weights``: it gives them
+        the current weights at once; otherwise they are recorded in :attr:`unsynced` (the caller,
+        or the next weight sync, gives them the weights)."""
         import ray
 
         if self.restarts + len(indices) > self.max_restarts * max(1, len(self.workers)):
@@ -541,12 +561,12 @@ class EngineGroup:
         self.restarts += len(indices)
         for i in indices:
             self.starts[i] += 1
-        if self.start_hook is not None:
-            self.start_hook(indices, start)
+        if self.custodian is not None:
+            self.custodian.starting_engines(indices, start)
         else:
             start()
-        if load_weights and self.on_restart is not None:
-            self.on_restart(indices)
+        if load_weights and self.custodian is not None:
+            self.custodian.resync(indices)
         else:
             self.unsynced.update(indices)
 
@@ -560,8 +580,8 @@ class EngineGroup:
         if current:
             self.replace(current)
         behind = sorted(i for i in failed if i not in current and i in self.unsynced)
-        if behind and self.on_restart is not None:
-            self.on_restart(behind)
+        if behind and self.custodian is not None:
+            self.custodian.resync(behind)
             self.unsynced.difference_update(behind)
 
     def replace_unhealthy(self) -> list[int]:

@@ -14,6 +14,7 @@ from bpo_megatron.models import HFModelConfig
 from bpo_megatron.orchestration.config import ClusterConfig
 from bpo_megatron.orchestration.placement import EVALUATION, ROLLOUT
 from bpo_megatron.rollout.config import RolloutConfig
+from bpo_megatron.weight_sync.config import WeightSyncConfig
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,9 @@ class EngineGroupSpec:
     sequence a request reaches. ``role``: rollout, or evaluation (a run's background evaluation
     engines: devices of their own, no routing capture); ``num_engines`` of them (None:
     ``rollout.num_engines``), indexed from ``first_index`` (an SGLang server's port is its base
-    port plus its index: the evaluation engines' follow the rollout engines')."""
+    port plus its index: the evaluation engines' follow the rollout engines').
+    ``weight_bucket_bytes`` (``weight_sync.bucket_mb``): the size of the buckets a weight sync
+    sends, which an engine loads one at a time."""
 
     hf: HFModelConfig
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -38,6 +41,7 @@ class EngineGroupSpec:
     role: str = ROLLOUT
     num_engines: int | None = None
     first_index: int = 0
+    weight_bucket_bytes: int = field(default_factory=lambda: WeightSyncConfig().bucket_bytes)
 
     def __post_init__(self) -> None:
         if not isinstance(self.hf, HFModelConfig):

@@ -190,13 +190,11 @@ class TrainerGroup:
         self.call("release_cached_memory")
 
     # ---------------------------------------------------------------------- weights to engines
-    def push_weights(self, transport: str, endpoints: list, version: int, bucket_bytes: int, verify: bool,
-                     dtype: str | None, role: str, quantization: str | None = None) -> dict[str, Any]:
-        """The weights, the ``version``-th update, to the engines at ``endpoints`` over
-        ``transport`` (every rank takes part in the gather); rank 0's report (bytes, seconds,
-        failed endpoints, fingerprints)."""
-        return self.call("push_weights", transport, endpoints, version, bucket_bytes, verify, dtype, role,
-                         quantization)[0]
+    def push_weights(self, plan, endpoints: list, version: int, role: str) -> dict[str, Any]:
+        """The weights, the ``version``-th update, to the engines of ``role`` at ``endpoints`` as
+        ``plan`` (a :class:`~bpo_megatron.weight_sync.plan.SyncPlan`) says (every rank takes part
+        in the gather); rank 0's report (bytes, seconds, failed endpoints, fingerprints)."""
+        return self.call("push_weights", plan, endpoints, version, role)[0]
 
     def nccl_version(self):
         """The NCCL version rank 0 runs (None without NCCL)."""

@@ -1,6 +1,9 @@
 """Who holds the devices between the phases of an RL step, and which weights the engines hold.
 
-The loop calls :meth:`DevicePhases.rollout` before the engines generate and
+Built whole, once the trainer stands beside its engines: the engine group, the trainer group and
+the rollout engines' weight sync (a :class:`~bpo_megatron.weight_sync.session.WeightSync`). On
+shared devices the engines hand their memory back before the trainer is built
+(:func:`hand_devices_to_trainer`). The loop calls :meth:`DevicePhases.rollout` before the engines generate and
 :meth:`DevicePhases.train` before the trainer computes; :meth:`DevicePhases.weights_changed` after
 every optimizer update.
 
@@ -41,41 +44,46 @@ HELD, WEIGHTS_ONLY, RELEASED = "held", "weights", "released"
 MOVE_KEYS = ("sync_bytes", "push_s", "offload_bytes", "offload_s", "onload_s", "resume_s")
 
 
-class DevicePhases:
-    """Create it right after the engines started (holding their initial weights and caches): on
-    shared devices they hand that memory back at once, so the trainer can be built; then
-    :meth:`attach_trainer`. It also starts every replacement engine (``engines.start_hook``): on
-    shared devices only while the trainer is off them, and brought to its peers' memory state."""
+def taking_turns(shared: bool, offload: str) -> bool:
+    """Whether the devices change hands between phases: engines beside a trainer that offloads
+    (with ``cluster.offload=nothing`` both hold them throughout, as engines on devices of their own)."""
+    return shared and offload != "nothing"
 
-    def __init__(self, engines: Any, push: Callable[[list[int] | None, int], dict[str, float]], *,
-                 shared: bool, offload: str = "everything", keep_spares_across_saves: bool = False) -> None:
-        """``push(only, version)``: a weight sync, returning its ``sync_bytes`` and ``push_s``.
-        ``shared``: the engines sit on the trainer's devices; ``offload``: what the trainer hands
-        them for a rollout phase (``cluster.offload``, resolved by the planner: ``everything``,
-        ``optimizer`` or ``nothing``, which keeps both on the devices as if apart), its host
-        buffers kept across checkpoint saves with ``keep_spares_across_saves``."""
-        self._trainer: Any = None
+
+def hand_devices_to_trainer(engines: Any, *, shared: bool, offload: str = "everything") -> None:
+    """Engines that just started (holding their initial weights and caches) on devices they take
+    turns at with a trainer not built yet hand that memory back, so the trainer can be built."""
+    if taking_turns(shared, offload):
+        engines.release_memory()
+
+
+class DevicePhases:
+    """The devices between the trainer and its rollout engines, and which weights the engines
+    hold; also the engines' :class:`~bpo_megatron.orchestration.engine_group.Custodian`: it
+    starts every replacement (on shared devices only while the trainer is off them, brought to
+    its peers' memory state) and gives it the weights."""
+
+    def __init__(self, engines: Any, trainer: Any, weights: Any, *, shared: bool, offload: str = "everything",
+                 keep_spares_across_saves: bool = False) -> None:
+        """``weights``: the engines' weight sync (its ``sync(version, only)`` returns the push's
+        ``sync_bytes`` and ``push_s``). ``shared``: the engines sit on the trainer's devices
+        (their memory handed back by :func:`hand_devices_to_trainer` before the trainer was
+        built); ``offload``: what the trainer hands them for a rollout phase (``cluster.offload``,
+        resolved by the planner: ``everything``, ``optimizer`` or ``nothing``, which keeps both on
+        the devices as if apart), its host buffers allocated now, before the first step, and kept
+        across checkpoint saves with ``keep_spares_across_saves``."""
         self.version = 0  # the trainer's weights: how many updates (RL steps) they have taken
-        self._engines, self._push = engines, push
-        # the devices change hands between phases: engines beside a trainer that offloads (with
-        # cluster.offload=nothing both hold them throughout, as engines on devices of their own)
-        self.taking_turns = shared and offload != "nothing"
-        self.offload, self._keep_spares = offload, keep_spares_across_saves
+        self._engines, self._trainer, self._weights = engines, trainer, weights
+        self.taking_turns = taking_turns(shared, offload)
+        self.offload = offload
         self._moved = dict.fromkeys(MOVE_KEYS, 0.0)
         self._owner = "train"  # who holds the devices: the trainer ("train") or the engines ("rollout")
         self._stale = True  # the engines do not hold the trainer's current weights
-        self._memory = HELD  # what the engines hold of their device memory
-        engines.start_hook = self.starting_engines
+        # what the engines hold of their device memory
+        self._memory = RELEASED if self.taking_turns else HELD
         if self.taking_turns:
-            self._engines_hold(RELEASED)
-
-    def attach_trainer(self, trainer: Any) -> int:
-        """The trainer whose devices the engines share; on shared devices it plans its offload
-        (its host buffers allocated now, before the first step). The bytes allocated."""
-        self._trainer = trainer
-        if not self.taking_turns:
-            return 0
-        return trainer.plan_offload(self.offload, self._keep_spares)
+            trainer.plan_offload(offload, keep_spares_across_saves)
+        engines.entrust(self)
 
     def take_moves(self) -> dict[str, float]:
         """What moved since the last call (:data:`MOVE_KEYS`, every key, zero when nothing ran)
@@ -132,7 +140,7 @@ class DevicePhases:
         """Run ``start()`` (new engines for ``indices``) when their devices are free, then leave
         them holding what their peers hold. A server that starts beside a trainer holding the
         devices would find no memory for its KV cache, or fail to start."""
-        trainer_on_device = self.taking_turns and self._owner == "train" and self._trainer is not None
+        trainer_on_device = self.taking_turns and self._owner == "train"
         if trainer_on_device:
             self._offload_trainer()
         start()
@@ -144,7 +152,7 @@ class DevicePhases:
             self._onload_trainer()
 
     def _pushed(self, only: list[int] | None) -> None:
-        report = self._push(only, self.version)
+        report = self._weights.sync(self.version, only)
         self._moved["sync_bytes"] += report["sync_bytes"]
         self._moved["push_s"] += report["push_s"]
 

@@ -7,7 +7,6 @@ Keeping Ray out of them keeps them testable and lets the trainer world run witho
 from __future__ import annotations
 
 import datetime
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,7 +19,8 @@ from bpo_megatron.orchestration.cluster import host_rendezvous
 from bpo_megatron.orchestration.host_values import returns_host_values
 
 if TYPE_CHECKING:
-    from bpo_megatron.weights import fp8
+    from bpo_megatron.weight_sync.plan import SyncPlan
+    from bpo_megatron.weight_sync.sender import SentReport
 
 # How long a rendezvous waits for its members: a trainer rank for rank 0's store, a weight group's
 # host for the engines' TP ranks.
@@ -137,49 +137,14 @@ class TrainWorker:
             self._transport(transport, channel).open(self._weight_stores.pop(channel), world_size,
                                                      platform.distributed_backend())
 
-    def push_weights(self, transport: str, endpoints: list, version: int, bucket_bytes: int, verify: bool,
-                     dtype: str | None = None, channel: str = "rollout",
-                     quantization: fp8.SyncQuantization | None = None) -> dict[str, Any]:
-        """Stream the model as Hugging Face tensors (the actor's export); rank 0 sends the buckets
-        over ``transport`` to the engines at ``endpoints`` (the driver's
-        :class:`~bpo_megatron.weight_sync.transport.EngineEndpoint` records): the transport is
-        prepared for them, then sends.
+    def push_weights(self, plan: SyncPlan, endpoints: list, version: int, channel: str = "rollout") -> SentReport:
+        """This rank's part of a sync to the engines of ``channel`` at ``endpoints`` (the driver's
+        :class:`~bpo_megatron.weight_sync.transport.EngineEndpoint` records), as ``plan`` says:
+        :func:`~bpo_megatron.weight_sync.sender.send_weights` over this rank's transport."""
+        from bpo_megatron.weight_sync.sender import send_weights
 
-        Every rank takes part in gathering the shards; rank 0 alone talks to the engines, or every
-        rank for a transport that sends from every GPU (``cuda_ipc``). ``dtype``
-        (``fp32``/``bf16``) converts the tensors to the engines' precision first, and
-        ``quantization`` sends the linear layers' weights as the engines hold them
-        (:class:`bpo_megatron.weights.fp8.SyncQuantization`: rounded through e4m3, or e4m3 values
-        and block scales, the modules the engines serve unquantized as they are; the one place
-        that decides it). Engines that
-        died meanwhile are reported in ``failed`` (their positions in ``endpoints``). With
-        ``verify``, rank 0 also returns the fingerprints of what it sent.
-        """
-        from bpo_megatron.models.options import TORCH_DTYPES
-        from bpo_megatron.weights.checksums import fingerprint
-
-        start, expected = time.perf_counter(), {}
-        sender = self._transport(transport, channel)
-        stream = self.actor.export_weights(bucket_bytes, dtype=TORCH_DTYPES[dtype] if dtype else None,
-                                           host=sender.host_tensors, all_ranks=sender.every_rank, views=sender.views)
-
-        form = None if quantization is None else quantization.tensors
-
-        def fingerprinted(buckets):
-            for bucket in buckets:
-                if form is not None:  # a flattened bucket too: its tensors, each as the engines load it
-                    bucket = [pair for name, tensor in bucket for pair in form(name, tensor)]
-                if verify and self.rank == 0:
-                    expected.update((name, fingerprint(tensor)) for name, tensor in bucket)
-                yield bucket
-
-        if self.rank != 0 and not sender.every_rank:
-            for _ in stream:  # this rank's shards go to rank 0 while the stream runs
-                pass
-            return {"bytes": 0, "seconds": 0.0, "fingerprints": {}, "failed": []}
-        sender.prepare(endpoints)
-        report = sender.send(fingerprinted(stream), version)
-        return {**report, "seconds": time.perf_counter() - start, "fingerprints": expected}
+        return send_weights(self.actor, self._transport(plan.transport, channel), plan, endpoints, version,
+                            rank=self.rank)
 
     def close_transport(self, transport: str, channel: str = "rollout") -> None:
         """Release what this rank's ``transport`` to the engines of ``channel`` holds (a weight

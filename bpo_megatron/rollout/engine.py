@@ -22,6 +22,7 @@ import torch
 from bpo_megatron.models.routing import RoutingLayout
 from bpo_megatron.registry import LazyRegistry
 from bpo_megatron.rollout.types import EngineHealth, GenerationRequest, Sample
+from bpo_megatron.weights.buckets import DEFAULT_BUCKET_BYTES
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,8 @@ class EngineContext:
     node_address: str = "127.0.0.1"  # its node's address as other nodes reach it (a server binds it)
     # the longest sequence a request can reach (max prompt + max response tokens); 0: unknown
     longest_sequence: int = 0
+    # the most one weight-update call takes (weight_sync.bucket_mb: the trainer's buckets' size too)
+    weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,14 @@
 """Trainer → rollout-engine weight sync: the generic seam between the trainer and the engines.
 
+* :mod:`~bpo_megatron.weight_sync.plan`: what every sync of an engine group does (transport,
+  bucket size, dtype, quantized form, check), made once from the config;
 * :mod:`~bpo_megatron.weight_sync.transport`: what a transport is (``prepare(endpoints)``,
   ``send(buckets, version)``, ``close()``) and the endpoint records it receives;
-* :mod:`~bpo_megatron.weight_sync.session`: the driver, which opens each engine's update session,
-  gathers the engines' endpoints, lets the trainer send, closes the sessions and replaces engines
-  lost on the way;
+* :mod:`~bpo_megatron.weight_sync.sender`: a trainer rank's side (export → dtype → quantized
+  form → fingerprints → send);
+* :mod:`~bpo_megatron.weight_sync.session`: the driver's owner of an engine group's syncs
+  (``WeightSync``), which opens each engine's update session, gathers the engines' endpoints,
+  lets the trainer's ranks send, closes the sessions and replaces engines lost on the way;
 * :mod:`~bpo_megatron.weight_sync.object_store`: the one transport no engine owns: trainer rank 0
   puts each bucket of host tensors into Ray's object store once; every engine actor loads it
   (vLLM; the embedded engine's engines off the trainer's node).

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class WeightSyncConfig:
-    """``bucket_mb``: the size of the Hugging Face-named buckets the trainer exports and a
-    transport sends (one bucket bounds the staging memory on either side). ``verify``: after every
+    """``bucket_mb``: the one weight bucket size, in MiB: the Hugging Face-named buckets the
+    trainer exports and a transport sends, and the most an engine loads in one weight-update call
+    (one bucket bounds the staging memory on either side). ``verify``: after every
     sync, fingerprint what each engine holds against the trainer's export, bit for bit (slow on big
     models; only engines that expose their weights allow it)."""
 

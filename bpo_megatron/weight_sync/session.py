@@ -1,101 +1,109 @@
-"""Trainer → engines weight sync: HF-named tensors in buckets, inside each engine's update session.
+"""Trainer → engines weight sync, the driver's side: :class:`WeightSync`, one per engine group.
 
-The driver's side: it talks to the trainer group (``push_weights`` and, for a transport that forms
-one group with every engine, the group's rendezvous) and to the engine group (update sessions,
-endpoints, versions, replacements). The transport itself runs on the trainer's ranks and receives
-plain endpoint records (:mod:`bpo_megatron.weight_sync.transport`); it is known here by name only.
+It talks to the trainer group (each rank's :func:`~bpo_megatron.weight_sync.sender.send_weights`
+and, for a transport that forms one group with every engine, the group's rendezvous) and to the
+engine group (update sessions, endpoints, versions, replacements). The transport itself runs on
+the trainer's ranks and receives plain endpoint records
+(:mod:`bpo_megatron.weight_sync.transport`); it is known here by name only.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from bpo_megatron.weight_sync import transport_class
+from bpo_megatron.weight_sync.plan import SyncPlan
 from bpo_megatron.weights.checksums import compare
 
 log = logging.getLogger(__name__)
 
 
-def sync_weights(trainer, engines, *, transport: str, version: int, bucket_bytes: int, verify: bool = False,
-                 only: list[int] | None = None, dtype: str | None = None, quantization: str | None = None) -> dict:
-    """Push the trainer's weights, the ``version``-th update, to the engines (``only``: those
-    indices) over ``transport``, converted to ``dtype`` when given and rounded as the engines hold
-    them (``quantization``: ``fp8``, :mod:`bpo_megatron.weights.fp8`); returns the bytes the
-    trainer sent (``sync_bytes``) and the push's wall-clock seconds (``push_s``: the engines'
-    update sessions, the trainer's export and send, the versions asked; not the verification).
+class WeightSync:
+    """The one owner of the syncs of ``engines`` (an engine group) from ``trainer`` (the trainer
+    group), as ``plan`` says. It holds no state of its own between syncs: what a sync needs to
+    know of earlier ones (the engines a weight group joined, the engines replaced since) the
+    groups hold."""
 
-    A full sync first replaces the engines that died since the last one; an engine that dies
-    during the sync is replaced and synced again (within the engines' restart budget), so every
-    engine holds the new weights when this returns. A broadcast reaches every member of its group,
-    so a ``whole_group`` transport always syncs all engines (re-forming the group when they
-    changed). Each engine then reports the version it holds. With ``verify`` every engine's
-    weights are fingerprinted afterwards and compared with what the trainer sent; any difference
-    raises ``WeightMismatch`` naming the tensors.
-    """
-    start, verifying = time.perf_counter(), 0.0
-    sender = transport_class(transport)
-    broadcast = sender.whole_group
-    if only is None or broadcast:
-        engines.replace_unhealthy()
-    targets = list(range(len(engines.workers))) if only is None or broadcast else list(only)
-    engines.unsynced.difference_update(targets)  # an engine replaced from here on is synced below
-    sent = 0.0
-    while targets:
-        if broadcast:
-            _form_weight_group(trainer, engines, transport, sender)
-        lost = engines.begin_weight_update(version, only=targets)
-        if broadcast and lost:  # a group with a dead member cannot broadcast: replace, re-form, retry
-            engines.replace(lost, load_weights=False)
-            engines.unsynced.difference_update(lost)
-            continue
-        opened = [i for i in targets if i not in lost]
-        endpoints = engines.weight_endpoints(opened, sender.needs)
-        report = trainer.push_weights(transport, endpoints, version, bucket_bytes, verify, dtype, engines.role,
-                                      quantization)
-        for j in report["failed"]:
-            log.warning("%s engine %d lost its server while receiving weights version %d; replacing it",
-                        engines.role, opened[j], version)
-        lost += [opened[j] for j in report["failed"]]
-        lost += engines.end_weight_update(only=[i for i in opened if i not in lost])
-        synced = [i for i in targets if i not in lost]
-        held, died = engines.held_versions(only=synced)
-        lost += died
-        synced = [i for i in synced if i not in died]
-        if any(held[i] != version for i in synced):
-            raise RuntimeError(f"after the weight sync, engines {synced} report weight versions "
-                               f"{[held[i] for i in synced]}, not {version}")
-        sent += report["bytes"]
-        if verify:
-            began = time.perf_counter()
-            for index, fingerprints in zip(synced, engines.fingerprints(only=synced)):
-                compare(report["fingerprints"], fingerprints, engine=f"{engines.role} engine {index}")
-            verifying += time.perf_counter() - began
-        if lost:
-            engines.replace(lost, load_weights=False)
-            engines.unsynced.difference_update(lost)  # synced by the next round of this loop
-        targets = lost
-    return {"sync_bytes": float(sent), "push_s": time.perf_counter() - start - verifying}
+    def __init__(self, trainer: Any, engines: Any, plan: SyncPlan) -> None:
+        self.trainer, self.engines, self.plan = trainer, engines, plan
+        self._sender = transport_class(plan.transport)
 
+    def sync(self, version: int, only: list[int] | None = None) -> dict[str, float]:
+        """Push the trainer's weights, the ``version``-th update, to the engines (``only``: those
+        indices); returns the bytes the trainer sent (``sync_bytes``) and the push's wall-clock
+        seconds (``push_s``: the engines' update sessions, the trainer's export and send, the
+        versions asked; not the verification).
 
-def _form_weight_group(trainer, engines, transport: str, sender: type) -> None:
-    """Trainer rank 0 and every engine TP rank in one group of ``transport`` (once, and again when
-    engines were replaced: the survivors leave the old group first); one group per engine group
-    (``role``). The transport class says where each engine's ranks join and which members it
-    refuses; trainer rank 0 hosts the rendezvous while the engines join."""
-    members = engines.actor_ids()
-    if engines.weight_group == members:
-        return
-    if engines.weight_group is not None:
-        survivors = [i for i, actor in enumerate(members) if actor in engines.weight_group]
-        engines.leave_weight_group(only=survivors)
-        trainer.close_transport(transport, engines.role)
-    details = [endpoint.details for endpoint in engines.weight_endpoints(list(range(len(members))),
-                                                                          frozenset({"details"}))]
-    sender.check_members(trainer.nccl_version(), engines.nccl_versions)
-    address, port = trainer.host_weight_group(engines.role)
-    offsets, world = sender.group_ranks(details)
-    opening = trainer.open_weight_group(transport, world, engines.role)  # rank 0 hosts, engines join
-    engines.join_weight_group(address, port, offsets, world)
-    trainer.wait(opening, "open_weight_group")
-    engines.weight_group = members
+        A full sync first replaces the engines that died since the last one; an engine that dies
+        during the sync is replaced and synced again (within the engines' restart budget), so
+        every engine holds the new weights when this returns. A broadcast reaches every member of
+        its group, so a ``whole_group`` transport always syncs all engines (re-forming the group
+        when they changed). Each engine then reports the version it holds. With the plan's
+        ``verify`` every engine's weights are fingerprinted afterwards and compared with what the
+        trainer sent; any difference raises ``WeightMismatch`` naming the tensors.
+        """
+        engines, broadcast = self.engines, self._sender.whole_group
+        start, verifying, sent = time.perf_counter(), 0.0, 0.0
+        if only is None or broadcast:
+            engines.replace_unhealthy()
+        targets = list(range(len(engines.workers))) if only is None or broadcast else list(only)
+        engines.unsynced.difference_update(targets)  # an engine replaced from here on is synced below
+        while targets:
+            if broadcast:
+                self._form_weight_group()
+            lost = engines.begin_weight_update(version, only=targets)
+            if broadcast and lost:  # a group with a dead member cannot broadcast: replace, re-form, retry
+                engines.replace(lost, load_weights=False)
+                engines.unsynced.difference_update(lost)
+                continue
+            opened = [i for i in targets if i not in lost]
+            report = self.trainer.push_weights(self.plan, engines.weight_endpoints(opened, self._sender.needs),
+                                               version, engines.role)
+            for j in report["failed"]:
+                log.warning("%s engine %d lost its server while receiving weights version %d; replacing it",
+                            engines.role, opened[j], version)
+            lost += [opened[j] for j in report["failed"]]
+            lost += engines.end_weight_update(only=[i for i in opened if i not in lost])
+            synced = [i for i in targets if i not in lost]
+            held, died = engines.held_versions(only=synced)
+            lost += died
+            synced = [i for i in synced if i not in died]
+            if any(held[i] != version for i in synced):
+                raise RuntimeError(f"after the weight sync, engines {synced} report weight versions "
+                                   f"{[held[i] for i in synced]}, not {version}")
+            sent += report["bytes"]
+            if self.plan.verify:
+                began = time.perf_counter()
+                for index, fingerprints in zip(synced, engines.fingerprints(only=synced)):
+                    compare(report["fingerprints"], fingerprints, engine=f"{engines.role} engine {index}")
+                verifying += time.perf_counter() - began
+            if lost:
+                engines.replace(lost, load_weights=False)
+                engines.unsynced.difference_update(lost)  # synced by the next round of this loop
+            targets = lost
+        return {"sync_bytes": float(sent), "push_s": time.perf_counter() - start - verifying}
+
+    def _form_weight_group(self) -> None:
+        """Trainer rank 0 and every engine TP rank in one group of the transport (once, and again
+        when engines were replaced: the survivors leave the old group first); one group per engine
+        group (``role``). The transport class says where each engine's ranks join and which
+        members it refuses; trainer rank 0 hosts the rendezvous while the engines join."""
+        trainer, engines, transport = self.trainer, self.engines, self.plan.transport
+        members = engines.actor_ids()
+        if engines.weight_group == members:
+            return
+        if engines.weight_group is not None:
+            survivors = [i for i, actor in enumerate(members) if actor in engines.weight_group]
+            engines.leave_weight_group(only=survivors)
+            trainer.close_transport(transport, engines.role)
+        details = [endpoint.details for endpoint in engines.weight_endpoints(list(range(len(members))),
+                                                                              frozenset({"details"}))]
+        self._sender.check_members(trainer.nccl_version(), engines.nccl_versions)
+        address, port = trainer.host_weight_group(engines.role)
+        offsets, world = self._sender.group_ranks(details)
+        opening = trainer.open_weight_group(transport, world, engines.role)  # rank 0 hosts, engines join
+        engines.join_weight_group(address, port, offsets, world)
+        trainer.wait(opening, "open_weight_group")
+        engines.weight_group = members

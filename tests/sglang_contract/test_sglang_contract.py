@@ -323,8 +323,15 @@ def test_a_lost_engine_is_replaced_and_given_the_current_weights_before_its_requ
         group.call("end_weight_update", only=indices)
         given.append((indices, group.call("weight_version", only=indices)[0]))
 
+    class GivesCurrentWeights:  # the group's custodian: a replacement starts at once and gets version 7
+        def starting_engines(self, indices: list[int], start) -> None:
+            start()
+
+        def resync(self, indices: list[int]) -> None:
+            give_current_weights(indices)
+
     try:
-        group.on_restart = give_current_weights
+        group.entrust(GivesCurrentWeights())
         give_current_weights([0])
         first_server = ray.get(group.workers[0].__ray_call__.remote(_server_pids))
         samples = group.generate(requests(count=6))
@@ -350,7 +357,8 @@ def test_trainer_rank_0_broadcasts_each_bucket_to_every_engine_rank_at_once(ray_
 
     from bpo_megatron.experiment import load_experiment
     from bpo_megatron.orchestration.groups import EngineGroup, TrainerGroup
-    from bpo_megatron.weight_sync.session import sync_weights
+    from bpo_megatron.weight_sync.plan import SyncPlan
+    from bpo_megatron.weight_sync.session import WeightSync
 
     served, pushed_dir = checkpoints
     cfg = load_experiment(None, [
@@ -369,7 +377,7 @@ def test_trainer_rank_0_broadcasts_each_bucket_to_every_engine_rank_at_once(ray_
             return [server.get("standin/state", timeout=30) for server in engines.call("endpoint")]
 
         assert transport == "bpo_megatron.rollout.sglang.nccl_broadcast:NcclBroadcast" and all(s["fingerprints"][0] != want for s in states())
-        report = sync_weights(trainer, engines, transport=transport, version=1, bucket_bytes=8192)
+        report = WeightSync(trainer, engines, SyncPlan(transport, bucket_bytes=8192)).sync(1)
         assert report["sync_bytes"] == sum(t.numel() * t.element_size() for t in pushed_of(pushed_dir).values())
         after = states()
         assert all(ranks == want for s in after for ranks in s["fingerprints"])
@@ -381,7 +389,7 @@ def test_trainer_rank_0_broadcasts_each_bucket_to_every_engine_rank_at_once(ray_
         assert [j[0]["rank_offset"] for j in joins] == [1, 1 + TP] and {j[0]["world_size"] for j in joins} == {5}
 
         ray.kill(engines.workers[1], no_restart=True)  # dies between syncs
-        sync_weights(trainer, engines, transport=transport, version=2, bucket_bytes=8192)
+        WeightSync(trainer, engines, SyncPlan(transport, bucket_bytes=8192)).sync(2)
         assert engines.restarts == 1
         assert [s["versions"] for s in states()] == [["2"] * TP] * 2
         assert all(ranks == want for s in states() for ranks in s["fingerprints"])
@@ -405,7 +413,8 @@ def test_colocated_engine_ranks_each_map_the_trainer_rank_beside_them(ray_sessio
 
     from bpo_megatron.experiment import load_experiment
     from bpo_megatron.orchestration.groups import EngineGroup, TrainerGroup
-    from bpo_megatron.weight_sync.session import sync_weights
+    from bpo_megatron.weight_sync.plan import SyncPlan
+    from bpo_megatron.weight_sync.session import WeightSync
 
     def _tag_ipc_payloads(worker) -> None:  # defined here: Ray ships it by value to the trainer actor
         """The trainer rank's CUDA IPC transport with the test's serializer (host bytes inline, as no
@@ -433,7 +442,7 @@ def test_colocated_engine_ranks_each_map_the_trainer_rank_beside_them(ray_sessio
     try:
         trainer.call("load_hf", str(pushed_dir))
         ray.get([w.__ray_call__.remote(_tag_ipc_payloads) for w in trainer.workers])
-        report = sync_weights(trainer, engines, transport=transport, version=1, bucket_bytes=8192)
+        report = WeightSync(trainer, engines, SyncPlan(transport, bucket_bytes=8192)).sync(1)
         after = engines.call("endpoint")[0].get("standin/state", timeout=30)
         want = fingerprints(pushed_of(pushed_dir).items())
         assert transport == "bpo_megatron.rollout.sglang.cuda_ipc:CudaIpc"

@@ -8,6 +8,8 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from bpo_megatron.weights.buckets import DEFAULT_BUCKET_BYTES
+
 # SGLang's spellings of the expert-parallel size (--ep-size and its aliases): rollout.sglang.ep_size's
 EP_FLAGS = frozenset({"--ep-size", "--ep", "--expert-parallel-size"})
 
@@ -63,7 +65,6 @@ class SGLangOptions:
     # found by rollout.stall_timeout_s (decoding steps) and replaced.
     request_timeout_s: float | None = None
     max_retries: int = 2  # per request, after the first attempt (timeouts, 5xx, a connection lost to a live server)
-    weight_bucket_bytes: int = 512 * 1024 * 1024  # tensors sent per weight-update call
     # requests posted at once, one per sample (SGLang admits them as its KV pool allows and queues
     # the rest); None: as many as the server's KV pool holds at full length (max prompt + max
     # response tokens), so none is retracted for space, and no more than the server's own limit of
@@ -85,7 +86,7 @@ class SGLangOptions:
     def __post_init__(self) -> None:
         if self.max_inflight is not None and self.max_inflight < 1:
             raise ValueError("rollout.sglang.max_inflight must be >= 1 (or null: from the server)")
-        for name in ("tp_size", "ep_size", "weight_bucket_bytes"):
+        for name in ("tp_size", "ep_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.sglang.{name} must be >= 1")
         if self.tp_size % self.ep_size:
@@ -122,9 +123,12 @@ class SGLangConfig(SGLangOptions):
     memory_saver: bool = False  # colocated: the server can release and resume its GPU memory
     visible_devices: tuple[int, ...] = ()  # the GPUs of its placement slots (the server's CUDA_VISIBLE_DEVICES)
     sequence_tokens: int = 0  # the longest sequence a request can reach (prompt + response); 0: unknown
+    weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES  # the most one weight-update call sends (weight_sync.bucket_mb)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.weight_bucket_bytes < 1:
+            raise ValueError(f"an SGLang engine's weight buckets hold at least one byte, got {self.weight_bucket_bytes}")
         if not self.url and not self.model_path:
             raise ValueError("an SGLang engine needs model_path (model.path) unless rollout.sglang.url attaches to a server")
 

@@ -14,7 +14,8 @@ def engine_config(options: SGLangOptions, context: EngineContext) -> SGLangConfi
     return SGLangConfig(**asdict(options), model_path=context.model_dir,
                         capture_routed_experts=context.routing is not None,
                         memory_saver=context.colocated, node_address=context.node_address,
-                        visible_devices=context.devices, sequence_tokens=context.longest_sequence).with_port(
+                        visible_devices=context.devices, sequence_tokens=context.longest_sequence,
+                        weight_bucket_bytes=context.weight_bucket_bytes).with_port(
                             None if options.port is None else options.port + context.index)
 
 

@@ -28,15 +28,14 @@ class VLLMOptions:
     # exact without top-k/top-p) or raw_logprobs (before temperature; exact at temperature 1)
     logprobs_mode: LogprobsMode = "processed_logprobs"
     seed: int = 0  # vllm.LLM's own seed (each request brings its sampling seeds)
-    weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES  # tensors loaded per weight-update call
     engine_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r}: choose 'processed_logprobs' or 'raw_logprobs' "
                              "(the modes vLLM's GPU model runner supports)")
-        if self.tensor_parallel_size < 1 or self.weight_bucket_bytes < 1:
-            raise ValueError("rollout.vllm.tensor_parallel_size and weight_bucket_bytes must be >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("rollout.vllm.tensor_parallel_size must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -45,9 +44,12 @@ class VLLMConfig(VLLMOptions):
 
     model_path: str = ""
     capture_routed_experts: bool = True
+    weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES  # the most one weight-update call loads (weight_sync.bucket_mb)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.weight_bucket_bytes < 1:
+            raise ValueError(f"a vLLM engine's weight buckets hold at least one byte, got {self.weight_bucket_bytes}")
         if not self.model_path:
             raise ValueError("the vLLM engine needs model_path (a Hugging Face checkpoint directory)")
 

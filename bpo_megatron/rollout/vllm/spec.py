@@ -8,11 +8,16 @@ from bpo_megatron.rollout.engine import EngineContext, EngineProfile, EngineSpec
 from bpo_megatron.rollout.vllm.options import VLLMConfig, VLLMOptions
 
 
+def engine_config(options: VLLMOptions, context: EngineContext) -> VLLMConfig:
+    """An engine of a run: its checkpoint, capture and weight buckets as the run decides."""
+    return VLLMConfig(**asdict(options), model_path=context.model_dir,
+                      capture_routed_experts=context.routing is not None, weight_bucket_bytes=context.weight_bucket_bytes)
+
+
 def _build(options: VLLMOptions, context: EngineContext) -> RolloutEngine:
     from bpo_megatron.rollout.vllm.engine import VLLMEngine
 
-    config = VLLMConfig(**asdict(options), model_path=context.model_dir,
-                        capture_routed_experts=context.routing is not None)
+    config = engine_config(options, context)
     return VLLMEngine(context.model_dir, capture_routing=config.capture_routed_experts, config=config)
 
 

@@ -4,8 +4,9 @@
 evaluation while training waits; its metrics join the step's record.
 
 **Background**: evaluation engines of their own (``eval.engines``). At an evaluation step s the
-trainer's weights of version s go to them (the weight-sync session, over the transport the
-engine's spec chooses for engines apart from the trainer), the requests are submitted and the
+trainer's weights of version s go to them (their own
+:class:`~bpo_megatron.weight_sync.session.WeightSync`, over the transport the engine's spec
+chooses for engines apart from the trainer), the requests are submitted and the
 loop goes on training. At every later step boundary :meth:`Evaluations.poll` looks, without
 waiting, whether the evaluation finished; when it has, it is scored, the best-checkpoint rule
 sees it and its metrics are written as a record of step s of their own (``MetricsWriter``: a
@@ -39,6 +40,8 @@ from typing import Any, Callable
 
 from bpo_megatron.eval.avg_at_k import BestCheckpoint, EvalResult, eval_requests, evaluate, score_evaluation
 from bpo_megatron.rollout.agents import with_agent
+from bpo_megatron.weight_sync.plan import SyncPlan
+from bpo_megatron.weight_sync.session import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -61,43 +64,24 @@ class Evaluations:
 
     ``engines``: the background evaluation engines (an ``EngineGroup`` of role evaluation, or a
     future of one still starting, waited for at the first background evaluation), None for inline
-    evaluation. ``sync(version)`` gives them the trainer's current weights, which are
-    the ``version``-th update; ``trainer_version()`` says which version the trainer holds now.
+    evaluation. They are given the weights of ``trainer`` (whose devices ``phases``, the rollout
+    engines' device phases, hand out; ``phases.version``: the update the trainer holds) by a
+    :class:`~bpo_megatron.weight_sync.session.WeightSync` of their own, as ``sync_plan`` says.
+    The scheduler is their custodian (``orchestration.engine_group.Custodian``): a replacement
+    starts at once (their devices are their own) and is given the evaluated weights.
     """
 
     def __init__(self, plan, reward_fn, best: BestCheckpoint, metrics_out, echo: Callable[[str], None], *,
-                 engines=None, sync: Callable[[int], dict] | None = None,
-                 trainer_version: Callable[[], int] | None = None) -> None:
+                 engines=None, trainer=None, phases=None, sync_plan: SyncPlan | None = None) -> None:
+        if engines is not None and (trainer is None or phases is None or sync_plan is None):
+            raise ValueError("background evaluation engines need the trainer, its device phases and a sync plan")
         self.cfg, self._plan, self._reward_fn = plan.cfg, plan, reward_fn
         self.best, self._metrics_out, self._echo = best, metrics_out, echo
-        self._engines, self._sync, self._trainer_version = engines, sync, trainer_version
+        self._engines, self._trainer, self._phases, self._sync_plan = engines, trainer, phases, sync_plan
+        self._weights: WeightSync | None = None
         self._running: _Running | None = None
         if engines is not None and not isinstance(engines, Future):
-            engines.on_restart = self._resync
-
-    @classmethod
-    def of(cls, plan, reward_fn, best: BestCheckpoint, metrics_out, echo: Callable[[str], None], *, evaluators,
-           trainer, phases) -> "Evaluations":
-        """A run's evaluations; ``evaluators``: its evaluation engines or the future of them (None:
-        inline evaluation), given the weights of ``trainer`` (whose devices ``phases`` hands out)."""
-        if evaluators is None:
-            return cls(plan, reward_fn, best, metrics_out, echo)
-        from bpo_megatron.weight_sync.session import sync_weights
-
-        cfg = plan.cfg
-        apart = cfg.weight_transport(evaluation=True)  # the evaluation engines' devices are theirs
-        quantization = cfg.rollout.sync_quantization(cfg.hf_config())
-
-        def sync(version: int, only: list[int] | None = None) -> dict:
-            phases.train()  # the weights are read where the trainer computes (colocated: it holds the devices)
-            return sync_weights(trainer, evaluations.engines, transport=apart, version=version,
-                                bucket_bytes=cfg.weight_sync.bucket_bytes,
-                                verify=cfg.weight_sync.verify, only=only, dtype=cfg.rollout.sync_dtype,
-                                quantization=quantization)
-
-        evaluations = cls(plan, reward_fn, best, metrics_out, echo, engines=evaluators, sync=sync,
-                          trainer_version=lambda: phases.version)
-        return evaluations
+            self._take_charge(engines)
 
     @property
     def background(self) -> bool:
@@ -107,9 +91,13 @@ class Evaluations:
     def engines(self):
         """The evaluation engines (waits for them to start, the first time)."""
         if isinstance(self._engines, Future):
-            self._engines = self._engines.result()
-            self._engines.on_restart = self._resync
+            self._take_charge(self._engines.result())
         return self._engines
+
+    def _take_charge(self, engines) -> None:
+        """The started evaluation engines: their weight sync, and this scheduler their custodian."""
+        self._engines, self._weights = engines, WeightSync(self._trainer, engines, self._sync_plan)
+        engines.entrust(self)
 
     def pending_steps(self) -> list[int]:
         """The steps whose background evaluation has not been recorded yet."""
@@ -127,9 +115,9 @@ class Evaluations:
         """Evaluate the trainer's current weights (version ``step``) on the evaluation engines,
         without waiting for the result: the evaluation under way finishes first. Returns the
         seconds this took (``time/eval_wait_s``, ``time/eval_sync_s``)."""
-        if self._trainer_version() != step:
+        if self._phases.version != step:
             raise RuntimeError(f"an evaluation of step {step} was asked for while the trainer holds the weights of "
-                               f"step {self._trainer_version()}")
+                               f"step {self._phases.version}")
         t0 = time.perf_counter()
         self.wait(why=f"before the weights of step {step} go to the evaluation engines")
         engines = self.engines  # started beside the trainer: at the first evaluation, waited for
@@ -188,15 +176,26 @@ class Evaluations:
         log.warning(message)
         self._echo(message)
 
-    def _resync(self, indices: list[int]) -> None:
+    # ------------------------------------------------------------- the evaluation engines' custodian
+    def starting_engines(self, indices: list[int], start: Callable[[], None]) -> None:
+        """Replacements start at once: the evaluation engines' devices are their own."""
+        start()
+
+    def resync(self, indices: list[int]) -> None:
         """Engines replaced while an evaluation waits for them: given its weights if the trainer
         still holds them; otherwise that evaluation cannot finish (:class:`StaleEvaluation`)."""
         running = self._running
-        version = self._trainer_version()
+        version = self._phases.version
         if running is not None and running.step != version:
             raise StaleEvaluation(f"evaluation engines {indices} were replaced while evaluating the weights of step "
                                   f"{running.step}, and the trainer holds those of step {version} now")
         self._sync(version, only=indices)
+
+    def _sync(self, version: int, only: list[int] | None = None) -> None:
+        """The trainer's weights, the ``version``-th update, to the evaluation engines (``only``:
+        those), read where the trainer computes (colocated: it takes the devices back first)."""
+        self._phases.train()
+        self._weights.sync(version, only)
 
     # ---------------------------------------------------------------------------- recording
     def _record(self, result: EvalResult, *, write: bool, how: str) -> dict[str, float]:
