@@ -189,3 +189,23 @@ def test_host_rates_are_measured():
 
     rates = measure_host_rates(mib=4, repeats=1)
     assert rates.measured and rates.copy_gbps > 0 and rates.diff_gbps > 0
+
+
+def test_the_changed_share_table_from_its_csv():
+    """experiments/changed_share/table.py: shares per sync and per kind, and delta over full bytes."""
+    import sys
+
+    sys.path.insert(0, str(CONFIGS.parent / "experiments" / "changed_share"))
+    from table import table
+
+    def row(step, kind, elements, changed):
+        return {"run": "r", "config": "c.yaml", "lr": "1e-05", "step": str(step), "updates_per_step": "8",
+                "kind": kind, "elements": str(elements), "changed": str(changed), "dense_bytes": str(2 * elements),
+                "delta_bytes": str(bucket_wire_bytes(elements, changed))}
+
+    rows = [row(1, "experts", 900, 9), row(1, "attention", 100, 50), row(2, "experts", 900, 0), row(2, "attention", 100, 0)]
+    lines = table(rows).splitlines()
+    assert lines[0] == ("| run | recipe | lr | updates a sync | syncs | changed, all weights: mean [min-max] | experts | "
+                        "attention | delta / full bytes |")
+    # syncs: 59/1000 and 0/1000 changed; experts 9/1800, attention 50/200; bytes (54 + 200) / 4000
+    assert lines[2] == "| r | c.yaml | 1e-05 | 8 | 2 | 2.95% [0.00%-5.90%] | 0.50% | 25.00% | 0.06 |"

@@ -9,13 +9,18 @@ at these sizes. Nothing here runs a cluster: the transfer is the planner's model
 rule of bpo_megatron/weight_sync/delta_estimate.py, and the host's copy and diff rates are measured
 on this machine at the start (``--host-copy-gbps`` / ``--host-diff-gbps`` give them instead).
 
-The engine side, read from SGLang 0.5.23: every update path hands Hugging Face-named tensors to the
-model's ``load_weights``, which makes one weight-loader call per tensor, and per expert: a MoE
-layer's experts cost 3 calls per expert the rank holds (its ``ep_size`` share), whatever a post
-carries. ``update_weights_from_tensor`` (the colocated path, CUDA IPC) also hands its tensors to a
-custom loader registered at the server's start (``--custom-weight-loader``): the one path that takes
-a partial (sparse) update, applied as one call per bucket. ``update_weights_from_distributed`` (NCCL
-broadcast) and ``update_weights_from_disk`` load whole tensors only.
+The engine side, read from SGLang 0.5.23 (``model_executor/model_runner_components/weight_updater.py``,
+``models/qwen3_moe.py``): ``update_weights_from_distributed`` (NCCL broadcast),
+``update_weights_from_disk`` and ``update_weights_from_tensor`` in its default and
+``flattened_bucket`` formats (what this project's transports send) hand Hugging Face-named whole
+tensors to the model's ``load_weights``, which makes one weight-loader call per tensor, and per
+expert: a MoE layer's experts cost 3 calls per expert the rank holds (its ``ep_size`` share),
+whatever a post carries. Only ``update_weights_from_tensor`` (the colocated CUDA IPC path, one
+payload per TP rank) goes further: ``load_format="direct"`` copies whole SGLang parameters by their
+own names (a layer's local experts in 2 calls, ``w13_weight`` and ``w2_weight``, in the rank's own
+layout), and a loader registered at the server's start (``--custom-weight-loader``) receives the
+payload as it is sent: the one path that can apply a partial (sparse) update, here one call per
+bucket.
 """
 
 from __future__ import annotations
