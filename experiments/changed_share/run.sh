@@ -8,4 +8,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHONPATH=$PWD nice -n 10 .venv/bin/python experiments/changed_share/measure.py --out experiments/changed_share/runs.csv
-.venv/bin/python experiments/changed_share/table.py experiments/changed_share/runs.csv
+PYTHONPATH=$PWD .venv/bin/python experiments/changed_share/table.py experiments/changed_share/runs.csv
