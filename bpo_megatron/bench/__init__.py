@@ -18,6 +18,7 @@ BENCHMARKS = LazyRegistry({
     "packing": "bpo_megatron.bench.packing",
     "rollout": "bpo_megatron.bench.rollout",
     "step": "bpo_megatron.bench.step",
+    "sync": "bpo_megatron.bench.sync",
 }, unknown="unknown benchmark {name!r}; choose one of {sorted_listed}")
 
 

@@ -332,14 +332,25 @@ def _pace(plan: Plan) -> list[str]:
 
 
 def _sync(plan: Plan) -> list[str]:
-    from bpo_megatron.planner.sync import expected_sync
+    from bpo_megatron.planner.sync import diffed_params, expected_delta_sync, expected_sync
 
     estimate = expected_sync(plan.cfg, plan.hf, plan.model_size[0])
     if estimate is None:
         return []
     parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in estimate.parts.items())
+    delta = expected_delta_sync(plan.cfg, plan.hf, plan.model_size[0], diffed_params(plan))
+    sent = (f"{delta.wire_bytes / 1e9:.2f} of {plan.model_size[0] * 2 / 1e9:.1f} GB at {delta.changed_share:.1%} of the "
+            "bf16 weights changed")
+    if delta.seconds is None:
+        delta_line = (f"delta weight sync ({delta.transport}): none; SGLang's update_weights_from_distributed loads "
+                      f"whole tensors only, and every tensor has a change ({sent} if it took sparse pieces)")
+    else:
+        delta_parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in delta.parts.items())
+        delta_line = (f"delta weight sync ({delta.transport}; not built yet): ≈ {delta.seconds:.1f} s per step, {sent} "
+                      f"({delta_parts}, the busiest rank comparing {delta.diff_bytes / 1e9:.1f} GB held on its GPU; "
+                      "bpo-megatron bench sync sets it beside full syncs and measured anchors)")
     return [f"weight sync ({estimate.transport}): ≈ {estimate.seconds:.1f} s per step ({parts}; assumptions in "
-            "bpo_megatron/planner/sync.py)"]
+            "bpo_megatron/planner/sync.py)", delta_line]
 
 
 def format_plan(plan: Plan) -> str:
