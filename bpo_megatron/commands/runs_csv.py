@@ -183,3 +183,13 @@ def _parse(column: str, text: str | None):
     if column == "accuracy":
         return float(text)
     return text
+
+
+def mean_over_steps(rows: list[dict], metric: str) -> float | None:
+    """A run's mean of a training ``metric`` over its RL steps, from its rows as read by
+    ``csv.DictReader``: each evaluation row holds the mean over the ``trained_steps`` since the
+    previous one (None: no row with the metric, e.g. no such tokens)."""
+    pairs = [(int(r["trained_steps"]), float(r[metric])) for r in rows
+             if r.get(metric) and int(r["trained_steps"] or 0)]
+    total = sum(n for n, _ in pairs)
+    return sum(n * x for n, x in pairs) / total if total else None

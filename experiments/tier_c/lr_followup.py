@@ -16,6 +16,7 @@ import csv
 import statistics
 from pathlib import Path
 
+from bpo_megatron.commands.runs_csv import mean_over_steps
 from bpo_megatron.commands.statistics import holm, paired_t
 
 HERE = Path(__file__).resolve().parent
@@ -51,14 +52,6 @@ def largest_drop(rows: list[dict]) -> float:
     points = curve(rows)
     return max([0.0] + [a - b for a, b in zip(points, points[1:])])
 
-
-def step_mean(rows: list[dict], metric: str) -> float | None:
-    """The run's mean of a training metric over its RL steps (each evaluation row holds the mean
-    over the steps since the previous one; a row without the metric had no such tokens)."""
-    pairs = [(int(r["trained_steps"]), float(r[metric])) for r in rows
-             if r.get(metric) and int(r["trained_steps"] or 0)]
-    total = sum(n for n, _ in pairs)
-    return sum(n * x for n, x in pairs) / total if total else None
 
 
 def fmt(x: float, signed: bool = False) -> str:
@@ -133,7 +126,7 @@ def main() -> None:
             cells = []
             for sign in ("pos", "neg"):
                 for b in MU_BINS:
-                    values = [v for s in seeds if (v := step_mean(runs[rate][(m, s)], f"clip_frac_{sign}_mu_{b}"))
+                    values = [v for s in seeds if (v := mean_over_steps(runs[rate][(m, s)], f"clip_frac_{sign}_mu_{b}"))
                               is not None]
                     cells.append(f"{100 * statistics.fmean(values):.1f}" if values else "—")
             out(f"| {name} | {rate} | " + " | ".join(cells) + " |")
@@ -142,7 +135,7 @@ def main() -> None:
     out("| method | lr | −log μ (nats per token) |")
     out("|---|---|---:|")
     for m, name in METHODS.items():
-        values = [step_mean(runs["1e-4"][(m, s)], ENTROPY_PROXY) for s in seeds]
+        values = [mean_over_steps(runs["1e-4"][(m, s)], ENTROPY_PROXY) for s in seeds]
         out(f"| {name} | 1e-4 | {statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f} |")
 
 

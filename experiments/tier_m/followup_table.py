@@ -14,6 +14,7 @@ import csv
 import statistics
 from pathlib import Path
 
+from bpo_megatron.commands.runs_csv import mean_over_steps
 from bpo_megatron.commands.statistics import area_under_curve, holm, paired_t
 
 HERE = Path(__file__).resolve().parent
@@ -49,14 +50,6 @@ def curve(rows: list[dict]) -> list[tuple[int, float]]:
 def final_window(rows: list[dict]) -> float:
     return statistics.fmean(value for _, value in curve(rows)[-WINDOW:])
 
-
-def step_mean(rows: list[dict], metric: str) -> float | None:
-    """The run's mean of a training metric over its RL steps (each evaluation row holds the mean
-    over the steps since the previous one)."""
-    pairs = [(int(r["trained_steps"]), float(r[metric])) for r in rows
-             if r.get(metric) and int(r["trained_steps"] or 0)]
-    total = sum(n for n, _ in pairs)
-    return sum(n * x for n, x in pairs) / total if total else None
 
 
 def fmt(x: float, signed: bool = False) -> str:
@@ -133,7 +126,7 @@ def main(out=print) -> None:
     out("|---|---:|")
     for method in ("grpo_sc", "bpo_sc"):
         values = [v for (m, _), rows in sorted(runs["new"].items()) if m == method
-                  and (v := step_mean(rows, RHO)) is not None]
+                  and (v := mean_over_steps(rows, RHO)) is not None]
         if len(values) > 1:
             out(f"| {NAMES[method]} | {statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f} |")
 
