@@ -30,7 +30,7 @@ GLM_AIR = CONFIGS / "glm4_5_air_bpo.yaml"  # the main setting on GLM-4.5-Air
 MOONLIGHT = CONFIGS / "moonlight_16b_a3b_bpo.yaml"  # the main setting on Moonlight-16B-A3B
 # every family's recipe also passes `plan` and `train --check` in tests/test_model_families.py
 RECIPES = [MAIN, DISAGGREGATED, ABLATION, *(CONFIGS / f"qwen3_30b_a3b_{b}.yaml" for b in BASELINES), GLM_AIR,
-           MOONLIGHT]
+           MOONLIGHT, CONFIGS / "qwen3_235b_a22b_bpo.yaml"]
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
