@@ -30,7 +30,9 @@ SECONDARY = (("GRPO-CH + SC − GRPO-CH + TIS", "grpo_sc", "new", "grpo_tis", "n
              ("BPO + SC − GRPO-CH + TIS", "bpo_sc", "new", "grpo_tis", "new"),
              ("GRPO-CH + SC, new − old term", "grpo_sc", "new", "grpo_sc", "main"),
              ("BPO + SC, new − old term", "bpo_sc", "new", "bpo_sc", "main"),
-             ("GRPO-CH − GRPO-CH + TIS (the anchor alone)", "grpo", "new", "grpo_tis", "new"))
+             ("GRPO-CH − GRPO-CH + TIS (the anchor alone)", "grpo", "new", "grpo_tis", "new"),
+             ("GRPO-CH + TIS, re-run − committed (how far the unchanged arm moved)", "grpo_tis", "new", "grpo_tis",
+              "main"))
 RHO = "score_centering_rho"
 
 
