@@ -533,3 +533,68 @@ def test_the_tier_m_followup_table_is_the_hand_computation(capsys, monkeypatch, 
     seeds = sorted(s for m, s in new if m == "grpo" and ("grpo_tis", s) in new)
     anchor = statistics.fmean(window(new["grpo", s]) - window(new["grpo_tis", s]) for s in seeds)
     assert f"| GRPO-CH − GRPO-CH + TIS (the anchor alone) | {len(seeds)} | {signed(anchor)} |" in table
+    rerun_csv = TIER_M / "followup_bpo" / "runs.csv"
+    if rerun_csv.exists():  # BPO re-run at the follow-up's commit, added after the check failed
+        bpo = _runs(rerun_csv)
+        for label, arm, arm_runs, reference_runs in (("(2′) BPO + SC − BPO (re-run)", "bpo_sc", new, bpo),
+                                                     ("BPO, re-run − committed", "bpo", bpo, main)):
+            seeds = sorted(s for m, s in arm_runs if m == arm and ("bpo", s) in reference_runs)
+            deltas = [window(arm_runs[arm, s]) - window(reference_runs["bpo", s]) for s in seeds]
+            mean, sd = statistics.fmean(deltas), statistics.stdev(deltas)
+            half = T_975[len(deltas) - 1] * sd / math.sqrt(len(deltas))
+            assert (f"| {label}" in table and f"| {len(seeds)} | {signed(mean)} | "
+                    f"[{signed(mean - half)}, {signed(mean + half)}] |" in table), label
+
+
+def test_the_tier_m_followup_readings_quote_their_table(capsys, monkeypatch, tmp_path):
+    """The follow-up's readings in experiments/tier_m/README.md quote the registered script's rows: each
+    contrast's mean and interval (and the primary ones' Holm p, the added check's p) as the table has them."""
+    table, _ = _followup_sc_table(capsys, monkeypatch, tmp_path)
+    readings = TIER_M_TEXT.split("**Readings** (every number from `followup_sc/results.md`")
+    if len(readings) < 2:
+        pytest.skip("the follow-up's readings are not written yet")
+    text = " ".join(readings[1].split())
+
+    def cells(label: str) -> list[str]:
+        row = next(line for line in table.splitlines() if line.startswith(f"| {label} |"))
+        return [cell.strip() for cell in row.strip("|").split("|")]
+
+    for label, quoted in (("GRPO-CH + SC − GRPO-CH", "(1) GRPO-CH + SC − GRPO-CH: worse**, {mean} {interval} points "
+                                                     "(Holm p {holm})"),
+                          ("BPO + SC − BPO", "(2) BPO + SC − BPO: worse as registered**, {mean} {interval} points "
+                                             "(Holm p {holm})"),
+                          ("(2′) BPO + SC − BPO (re-run)", "(2′) {mean} {interval} points (p {p}, unadjusted)"),
+                          ("BPO, re-run − committed (how far the code change moved BPO)",
+                           "committed BPO is {mean} {interval}"),
+                          ("GRPO-CH + SC − GRPO-CH + TIS", "GRPO-CH + SC is {mean} {interval}"),
+                          ("BPO + SC − GRPO-CH + TIS", "BPO + SC {mean} {interval}. As in the main runs"),
+                          ("GRPO-CH − GRPO-CH + TIS (the anchor alone)", "GRPO-CH + TIS) is {mean} {interval}"),
+                          ("GRPO-CH + SC, new − old term", "GRPO-CH + SC {mean} {interval}, BPO"),
+                          ("BPO + SC, new − old term", "BPO + SC {mean} {interval}. The")):
+        c = cells(label)
+        fields = {"mean": c[2], "interval": c[3], "p": c[4], "holm": c[5] if len(c) > 6 else ""}
+        assert quoted.format(**fields) in text, (label, quoted.format(**fields))
+    assert "(0 of 10)" in text and "The re-run BPO curves equal the committed ones for 0 of 10 seeds." in table
+    assert "(1.006 ± 0.010)" in text and "| GRPO-CH + SC | 1.006 ± 0.010 |" in table
+    anchor = float(cells("GRPO-CH − GRPO-CH + TIS (the anchor alone)")[2].replace("−", "-"))
+    gap = float(cells("GRPO-CH + SC − GRPO-CH + TIS")[2].replace("−", "-"))
+    assert round(anchor / gap, 1) == 0.4 and "about\n  two fifths" in TIER_M_TEXT
+
+
+def test_the_results_page_quotes_the_tier_m_followup(capsys, monkeypatch, tmp_path):
+    """docs/results.md's Tier M row quotes the follow-up's table: the contrasts it names, as tabled."""
+    table, _ = _followup_sc_table(capsys, monkeypatch, tmp_path)
+    page = (ROOT / "docs" / "results.md").read_text()
+    if "pre-registered follow-up (GRPO-CH + SC" not in page:
+        pytest.skip("the results page does not quote the follow-up yet")
+
+    def numbers(label: str) -> str:
+        row = next(line for line in table.splitlines() if line.startswith(f"| {label} |"))
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        return f"{cells[2]} {cells[3]}"
+
+    assert f"GRPO-CH + SC {numbers('GRPO-CH + SC − GRPO-CH + TIS')} against GRPO-CH + TIS" in page
+    assert (f"{numbers('GRPO-CH + SC, new − old term')} and {numbers('BPO + SC, new − old term')}") in page
+    assert f"made GRPO-CH worse, {numbers('GRPO-CH + SC − GRPO-CH')} (Holm p 0.018" in page
+    assert "| GRPO-CH + SC − GRPO-CH | 10 | −1.5 | [−2.7, −0.3] | 0.017 | 0.018 | worse |" in table
+    assert f"re-run on the follow-up's commit it is {numbers('(2′) BPO + SC − BPO (re-run)')}" in page

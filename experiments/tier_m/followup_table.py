@@ -19,6 +19,9 @@ from bpo_megatron.commands.statistics import area_under_curve, holm, paired_t
 
 HERE = Path(__file__).resolve().parent
 FOLLOWUP, MAIN = HERE / "followup_sc" / "runs.csv", HERE / "main" / "runs.csv"
+# BPO re-run at the follow-up's commit, added after the registered check failed (README: "Added after
+# the check failed"); read as a check of contrast (2), unadjusted, outside the Holm family
+BPO_RERUN = HERE / "followup_bpo" / "runs.csv"
 NAMES = {"grpo_tis": "GRPO-CH + TIS", "grpo": "GRPO-CH", "grpo_sc": "GRPO-CH + SC", "bpo_sc": "BPO + SC",
          "bpo": "BPO"}
 WINDOW = 3  # the final window: the evaluations at steps 20, 30 and 40
@@ -26,6 +29,8 @@ ALPHA = 0.05  # the primary family's level (Holm over the two contrasts)
 # the registered primary family: (label, arm, its CSV, reference, its CSV)
 PRIMARY = (("GRPO-CH + SC − GRPO-CH", "grpo_sc", "new", "grpo", "new"),
            ("BPO + SC − BPO", "bpo_sc", "new", "bpo", "main"))
+ADDED = (("(2′) BPO + SC − BPO (re-run)", "bpo_sc", "new", "bpo", "rerun"),
+         ("BPO, re-run − committed (how far the code change moved BPO)", "bpo", "rerun", "bpo", "main"))
 SECONDARY = (("GRPO-CH + SC − GRPO-CH + TIS", "grpo_sc", "new", "grpo_tis", "new"),
              ("BPO + SC − GRPO-CH + TIS", "bpo_sc", "new", "grpo_tis", "new"),
              ("GRPO-CH + SC, new − old term", "grpo_sc", "new", "grpo_sc", "main"),
@@ -110,6 +115,21 @@ def main(out=print) -> None:
     out(f"The check that the commit did not move the unchanged arms: the re-run GRPO-CH + TIS curves equal the "
         f"committed ones for {len(same)} of {len(rerun)} seeds"
         + (f" (differing: {', '.join(str(s) for s in rerun if s not in same)})." if len(same) < len(rerun) else "."))
+    if BPO_RERUN.exists():
+        runs["rerun"] = read_runs(BPO_RERUN)
+        same = [s for (m, s), rows in sorted(runs["rerun"].items()) if m == "bpo"
+                and ("bpo", s) in runs["main"] and curve(rows) == curve(runs["main"]["bpo", s])]
+        rerun = sorted(s for (m, s) in runs["rerun"] if m == "bpo")
+        out("\nAdded after the check failed (not registered; a check of contrast (2), paired on one commit, "
+            "unadjusted, outside the Holm family): BPO re-run at the follow-up's commit "
+            "(`followup_bpo/runs.csv`).\n")
+        out("| contrast | pairs | mean (points) | 95% interval | p |")
+        out("|---|---:|---:|---:|---:|")
+        for label, *arms in ADDED:
+            seeds, c = contrast(runs, *arms)
+            if c is not None:
+                out(row(label, seeds, c))
+        out(f"\nThe re-run BPO curves equal the committed ones for {len(same)} of {len(rerun)} seeds.")
     out("\nSecondary (no verdicts, unadjusted):\n")
     out("| contrast | pairs | mean (points) | 95% interval | p |")
     out("|---|---:|---:|---:|---:|")
