@@ -1,5 +1,6 @@
 """A trainer rank's side of a weight sync (:func:`send_weights`): export → dtype → the engines'
-quantized form → fingerprints → the transport."""
+quantized form → fingerprints → (a delta sync: the diff against what the engines hold) → the
+transport."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, TypedDict
 
+from bpo_megatron.weight_sync.delta import HeldWeights, encode
 from bpo_megatron.weight_sync.plan import SyncPlan
 from bpo_megatron.weight_sync.transport import Bucket, EngineEndpoint, Transport
 from bpo_megatron.weights.checksums import fingerprint
@@ -16,11 +18,12 @@ class SentReport(TypedDict):
     bytes: int  # what this rank sent (each bucket once, however many engines received it)
     failed: list[int]  # positions (in the endpoints) of the engines found lost meanwhile
     seconds: float  # the export and the send
-    fingerprints: dict[str, str]  # what was sent, by tensor (rank 0 with the plan's verify; else empty)
+    fingerprints: dict[str, str]  # what the engines now hold, by tensor (rank 0 with the plan's verify; else empty)
+    delta: bool  # whether this sync sent a delta (only what changed since the version the engines held)
 
 
 def send_weights(actor: Any, transport: Transport, plan: SyncPlan, endpoints: list[EngineEndpoint], version: int, *,
-                 rank: int) -> SentReport:
+                 rank: int, record: HeldWeights | None = None, held: int | None = None) -> SentReport:
     """The model of ``actor`` (a train actor: its ``export_weights``) as Hugging Face tensors in
     buckets of the plan's size, in the plan's ``dtype``, each linear weight in the form the
     engines hold it (the plan's ``quantization``; a flattened bucket too), fingerprinted with the
@@ -28,19 +31,52 @@ def send_weights(actor: Any, transport: Transport, plan: SyncPlan, endpoints: li
     as the ``version``-th update.
 
     Every rank takes part in gathering the shards; rank 0 alone sends, or every rank for a
-    transport that sends from every GPU (``every_rank``): the others return an empty report."""
+    transport that sends from every GPU (``every_rank``): the others return an empty report.
+
+    With the plan's ``delta``, ``record`` is this rank's :class:`HeldWeights` for these engines,
+    kept across syncs: the sync is a delta when the engines all hold its version (``held``, as
+    the driver found them) and the last full sync is fewer than ``full_every`` versions back
+    (:meth:`HeldWeights.delta_from`), a full sync otherwise; either way the record then holds
+    what was sent. The fingerprints are of the whole tensors the engines end up with, delta or not.
+    """
     start = time.perf_counter()
     stream = actor.export_weights(plan.bucket_bytes, dtype=plan.dtype, host=transport.host_tensors,
                                   all_ranks=transport.every_rank, views=transport.views)
     if rank != 0 and not transport.every_rank:
         for _ in stream:  # this rank's shards go to rank 0 while the stream runs
             pass
-        return {"bytes": 0, "failed": [], "seconds": 0.0, "fingerprints": {}}
+        return {"bytes": 0, "failed": [], "seconds": 0.0, "fingerprints": {}, "delta": False}
+    if plan.delta is not None and record is None:
+        raise ValueError("a delta sync needs the rank's record of what the engines hold (record=HeldWeights())")
     sent: dict[str, str] = {}
     transport.prepare(endpoints)
-    report = transport.send(_as_engines_hold(stream, plan, sent if plan.verify and rank == 0 else None), version)
+    buckets = _as_engines_hold(stream, plan, sent if plan.verify and rank == 0 else None)
+    delta = plan.delta is not None and record.delta_from(held, version, plan.full_every)
+    if plan.delta is not None:
+        record.version = None  # unknown until the transport has sent every bucket
+        buckets = _delta(buckets, record, plan.delta) if delta else _kept(buckets, record)
+    report = transport.send(buckets, version)
+    if plan.delta is not None:
+        record.version = version
+        record.full_version = record.full_version if delta else version
     return {"bytes": report["bytes"], "failed": report["failed"], "seconds": time.perf_counter() - start,
-            "fingerprints": sent}
+            "fingerprints": sent, "delta": delta}
+
+
+def _delta(buckets: Iterable[Bucket], record: HeldWeights, mode: str) -> Iterator[Bucket]:
+    """Each bucket as a delta against ``record`` (:func:`~bpo_megatron.weight_sync.delta.encode`);
+    a bucket with nothing changed is not sent."""
+    for bucket in buckets:
+        encoded = encode(bucket, record, mode)
+        if encoded.tensors:
+            yield encoded.tensors
+
+
+def _kept(buckets: Iterable[Bucket], record: HeldWeights) -> Iterator[Bucket]:
+    """Each bucket of a full sync, copied into ``record`` as it goes."""
+    for bucket in buckets:
+        record.keep(bucket)
+        yield bucket
 
 
 def _as_engines_hold(buckets: Iterable[Bucket], plan: SyncPlan, fingerprints: dict[str, str] | None
