@@ -276,3 +276,129 @@ def test_an_fp8_embedded_engine_fed_deltas_equals_one_fed_full_syncs(tiny_checkp
     experts = [m for m in delta_engine.model.modules() if hasattr(m, "gate_up_proj")]
     assert experts and torch.equal(experts[0].gate_up_proj, next(
         m for m in full_engine.model.modules() if hasattr(m, "gate_up_proj")).gate_up_proj)
+
+
+# ------------------------------------------------------------- every embedded transport, with Ray
+SHARED_MEMORY = "bpo_megatron.rollout.hf.shared_memory:SharedMemory"
+CUDA_IPC = "bpo_megatron.rollout.hf.cuda_ipc:CudaIpc"
+BUCKET_BYTES = 1 << 14
+
+
+@pytest.fixture(scope="module")
+def group(ray_session, tiny_checkpoint):
+    """Two embedded engines (fp32) started from one random checkpoint."""
+    from bpo_megatron.experiment import load_experiment
+    from bpo_megatron.orchestration.groups import EngineGroup
+
+    start = str(tiny_checkpoint("tiny_qwen3_moe", seed=0))
+    cfg = load_experiment(None, [f"model.path={start}", "model.tokenizer=char", "rollout.engine=hf",
+                                 "rollout.num_engines=2", "rollout.max_restarts=3", "data.max_prompt_tokens=16",
+                                 "rollout.max_new_tokens=16"],
+                          check_model=True)
+    engines = EngineGroup(cfg.engine_group_spec(), start)
+    yield engines
+    engines.shutdown()
+
+
+class _Trainer:
+    """Trainer rank 0 as ``TrainWorker.push_weights`` runs it: ``send_weights`` over this rank's
+    transport with its record of what the engines hold, exporting ``weights`` (changed in place
+    between syncs); every report kept."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        from bpo_megatron.rollout.hf.cuda_ipc import CudaIpc
+        from bpo_megatron.weights.shared_bucket import by_value
+
+        self.weights, self.records, self.reports = weights, {}, []
+        self.transports = {CUDA_IPC: CudaIpc(share=by_value)}  # the buffers by value where a GPU would map them
+
+    def push_weights(self, plan, endpoints, version, role="rollout", held=None):
+        from bpo_megatron.weight_sync import transport_class
+
+        transport = self.transports.setdefault(plan.transport, transport_class(plan.transport)())
+        record = self.records.setdefault(role, HeldWeights()) if plan.delta else None
+        report = send_weights(_Export(self.weights), transport, plan, endpoints, version, rank=0, record=record,
+                              held=held)
+        self.reports.append({**report, "engines": [endpoint.index for endpoint in endpoints]})
+        return report
+
+
+def _held(group, index: int) -> dict[str, torch.Tensor]:
+    import ray
+
+    return ray.get(group.workers[index].__ray_call__.remote(
+        lambda self: {name: view.clone() for name, view in self.engine.named_hf_weights()}))
+
+
+def _start_weights(tiny_checkpoint, seed: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return dict(load_file(tiny_checkpoint("tiny_qwen3_moe", seed=seed) / "model.safetensors"))
+
+
+@pytest.mark.parametrize("transport", ["object_store", SHARED_MEMORY, CUDA_IPC])
+def test_every_embedded_transport_delivers_deltas_that_equal_full_syncs(group, tiny_checkpoint, transport):
+    """A full sync, 4 versions of small updates (1% of every second tensor), one with no change,
+    then a full sync of the same weights: the engines' weights equal the trainer's after every
+    delta (and the session's fingerprint check passes), the bytes handed to the transport are
+    c × (4 + 4) per sync (fp32 values, int32 indices; none for the unchanged model), and the full
+    sync at the end changes nothing the deltas wrote."""
+    from bpo_megatron.weight_sync.session import WeightSync
+
+    only = [0] if transport == CUDA_IPC else None  # the stand-in trainer is one rank: engine 0 sits beside it
+    engines = only or [0, 1]
+    trainer = _Trainer(_start_weights(tiny_checkpoint, seed=11))
+    total = sum(t.numel() * t.element_size() for t in trainer.weights.values())
+    delta = WeightSync(trainer, group, SyncPlan(transport, BUCKET_BYTES, verify=True, delta="sparse", full_every=8))
+    base = 100 * (1 + ["object_store", SHARED_MEMORY, CUDA_IPC].index(transport))  # versions of this test's own
+    assert delta.sync(base + 1, only)["sync_bytes"] == total, "the first sync is a full one"
+    gen = torch.Generator().manual_seed(12)
+    for step in range(2, 7):
+        changed = _perturb(trainer.weights, 0.01, gen) if step < 6 else 0
+        report = delta.sync(base + step, only)
+        assert trainer.reports[-1]["delta"] and report["sync_bytes"] == changed * 8, step
+        for i in engines:
+            held = _held(group, i)
+            assert all(torch.equal(held[n], trainer.weights[n]) for n in trainer.weights), (step, i)
+    assert trainer.reports[-1]["bytes"] == 0, "an unchanged model's delta hands the transport no byte"
+    by_deltas = {i: _held(group, i) for i in engines}
+    full = WeightSync(trainer, group, SyncPlan(transport, BUCKET_BYTES, verify=True))
+    assert full.sync(base + 7, only)["sync_bytes"] == total and not trainer.reports[-1]["delta"]
+    for i in engines:
+        after = _held(group, i)
+        assert all(torch.equal(after[n], by_deltas[i][n]) for n in after), i
+    assert group.call("weight_version", only=engines) == [base + 7] * len(engines)
+
+
+def test_an_engine_replaced_mid_run_gets_a_full_sync_and_its_peer_the_delta(group, tiny_checkpoint):
+    """Engine 0 killed between two delta syncs: the next sync replaces it; engine 1, holding the
+    trainer's last version, gets the delta (c × 8 bytes), the new engine a full sync of its own
+    (the model's bytes); both then hold the trainer's weights bit for bit, and deltas go on."""
+    import ray
+
+    from bpo_megatron.weight_sync.session import WeightSync
+
+    trainer = _Trainer(_start_weights(tiny_checkpoint, seed=13))
+    total = sum(t.numel() * t.element_size() for t in trainer.weights.values())
+    sync = WeightSync(trainer, group, SyncPlan(SHARED_MEMORY, BUCKET_BYTES, verify=True, delta="sparse",
+                                               full_every=8)).sync
+    gen = torch.Generator().manual_seed(14)
+    sync(401)
+    _perturb(trainer.weights, 0.01, gen)
+    sync(402)
+    victim = group.workers[0]
+    ray.kill(victim)
+    changed = _perturb(trainer.weights, 0.01, gen)
+    trainer.reports.clear()
+    report = sync(403)
+    assert group.workers[0] is not victim
+    assert [(r["engines"], r["delta"], r["bytes"]) for r in trainer.reports] == [([1], True, changed * 8),
+                                                                                ([0], False, total)]
+    assert report["sync_bytes"] == changed * 8 + total
+    changed = _perturb(trainer.weights, 0.01, gen)
+    trainer.reports.clear()
+    assert sync(404)["sync_bytes"] == changed * 8
+    assert [(r["engines"], r["delta"]) for r in trainer.reports] == [([0, 1], True)]
+    for i in (0, 1):
+        held = _held(group, i)
+        assert all(torch.equal(held[n], trainer.weights[n]) for n in trainer.weights), i
