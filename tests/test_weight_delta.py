@@ -278,6 +278,26 @@ def test_an_fp8_embedded_engine_fed_deltas_equals_one_fed_full_syncs(tiny_checkp
         m for m in full_engine.model.modules() if hasattr(m, "gate_up_proj")).gate_up_proj)
 
 
+def test_the_plan_takes_delta_from_weight_sync_and_its_form_from_the_engine_and_bad_values_stop_the_check(capsys):
+    """``weight_sync.delta`` on: the embedded engine takes sparse pieces, SGLang changed tensors whole
+    (its NCCL broadcast and this project's IPC path load whole tensors), with ``full_every``; off,
+    every sync is full. A bad ``full_every`` stops ``train`` with exit 2, naming the field."""
+    from pathlib import Path
+
+    from bpo_megatron.cli import main
+    from bpo_megatron.experiment import load_experiment
+
+    demo = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_moe_cpu.yaml")
+    on = ["weight_sync.delta=true", "weight_sync.full_every=4"]
+    hf = load_experiment(demo, on).sync_plan()
+    assert (hf.delta, hf.full_every) == ("sparse", 4)
+    sglang = load_experiment(demo, on + ["rollout.engine=sglang", "model.routing_replay=false"], check_model=False)
+    assert sglang.sync_plan().delta == "tensors"
+    assert load_experiment(demo, []).sync_plan().delta is None
+    assert main(["train", demo, "weight_sync.full_every=0"]) == 2
+    assert "weight_sync.full_every must be a positive integer" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------- every embedded transport, with Ray
 SHARED_MEMORY = "bpo_megatron.rollout.hf.shared_memory:SharedMemory"
 CUDA_IPC = "bpo_megatron.rollout.hf.cuda_ipc:CudaIpc"
