@@ -422,3 +422,13 @@ def test_an_engine_replaced_mid_run_gets_a_full_sync_and_its_peer_the_delta(grou
     for i in (0, 1):
         held = _held(group, i)
         assert all(torch.equal(held[n], trainer.weights[n]) for n in trainer.weights), i
+    # drift: an engine whose bytes differ from the record where no delta writes is caught by the
+    # fingerprints after the next delta, naming the tensor, not carried on silently
+    from bpo_megatron.weights.checksums import WeightMismatch
+
+    name = "model.norm.weight"
+    ray.get(group.workers[1].__ray_call__.remote(
+        lambda self: dict(self.engine.named_hf_weights())[name].add_(1.0).sum().item()))
+    _perturb(trainer.weights, 0.01, gen, names=["model.layers.0.self_attn.q_proj.weight"])
+    with pytest.raises(WeightMismatch, match=r"rollout engine 1.*model\.norm\.weight"):
+        sync(405)

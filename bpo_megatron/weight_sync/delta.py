@@ -125,7 +125,8 @@ def encode(bucket: Iterable[tuple[str, torch.Tensor]], record: HeldWeights, mode
         index_dtype = torch.int32 if index_bytes(size) == 4 else torch.int64
         for name, tensor, where in changed:
             if sparse and where is not None:
-                values = tensor.detach().contiguous().view(-1)[where.to(tensor.device)]
+                where = where.to(device=tensor.device)  # beside the values: a device bucket stays on its device
+                values = tensor.detach().contiguous().view(-1)[where]
                 sent += [(name + INDICES, where.to(index_dtype)), (name + VALUES, values)]
             else:
                 sent.append((name, tensor))
