@@ -198,9 +198,14 @@ def test_the_sender_sends_full_at_first_then_deltas_then_full_every_n_and_nothin
 
     first = sync(1, held=None)
     assert (first["delta"], first["bytes"]) == (False, total) and (record.version, record.full_version) == (1, 1)
+    assert len(transport.buckets) == len(list(buckets(list(trainer.items()), 8192))) == len(trainer) == 5
+    engine = {name: tensor.clone() for bucket in transport.buckets for name, tensor in bucket}
     changed = _perturb(trainer, 0.01, gen)
     second = sync(2, held=1)
     assert (second["delta"], second["bytes"]) == (True, changed * 8)
+    assert changed * 8 < 8192 and len(transport.buckets) == 1, "the export buckets' small deltas go in one call"
+    _apply(engine, transport.buckets[0])
+    assert all(torch.equal(engine[n], trainer[n]) for n in trainer)
     assert second["fingerprints"] == fingerprints(trainer.items())
     unchanged = sync(3, held=2)
     assert (unchanged["delta"], unchanged["bytes"], transport.buckets) == (True, 0, [])

@@ -8,9 +8,10 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, TypedDict
 
-from bpo_megatron.weight_sync.delta import HeldWeights, encode
+from bpo_megatron.weight_sync.delta import INDICES, VALUES, HeldWeights, encode
 from bpo_megatron.weight_sync.plan import SyncPlan
 from bpo_megatron.weight_sync.transport import Bucket, EngineEndpoint, Transport
+from bpo_megatron.weights.buckets import tensor_bytes
 from bpo_megatron.weights.checksums import fingerprint
 
 
@@ -54,7 +55,8 @@ def send_weights(actor: Any, transport: Transport, plan: SyncPlan, endpoints: li
     delta = plan.delta is not None and record.delta_from(held, version, plan.full_every)
     if plan.delta is not None:
         record.version = None  # unknown until the transport has sent every bucket
-        buckets = _delta(buckets, record, plan.delta) if delta else _kept(buckets, record)
+        buckets = (_delta(buckets, record, plan.delta, plan.bucket_bytes, transport.host_tensors) if delta
+                   else _kept(buckets, record))
     report = transport.send(buckets, version)
     if plan.delta is not None:
         record.version = version
@@ -63,13 +65,30 @@ def send_weights(actor: Any, transport: Transport, plan: SyncPlan, endpoints: li
             "fingerprints": sent, "delta": delta}
 
 
-def _delta(buckets: Iterable[Bucket], record: HeldWeights, mode: str) -> Iterator[Bucket]:
-    """Each bucket as a delta against ``record`` (:func:`~bpo_megatron.weight_sync.delta.encode`);
-    a bucket with nothing changed is not sent."""
+def _delta(buckets: Iterable[Bucket], record: HeldWeights, mode: str, bucket_bytes: int, host: bool
+           ) -> Iterator[Bucket]:
+    """Each bucket as a delta against ``record`` (:func:`~bpo_megatron.weight_sync.delta.encode`),
+    consecutive ones sent together while they fit in ``bucket_bytes``: a delta's pieces are small,
+    and every bucket is an update call on every engine (an export bucket's pieces stay in one, so a
+    load group is never split). A bucket with nothing changed sends nothing.
+
+    The export may write its next bucket where the last one lies, so what is kept past it is not
+    the export's: a sparse piece's indices and values are new tensors; a whole tensor is the
+    record's host copy of the same bytes (``host``: the transport sends host tensors), else a copy
+    on its device (at most one bucket's worth)."""
+    merged: Bucket = []
+    size = 0
     for bucket in buckets:
-        encoded = encode(bucket, record, mode)
-        if encoded.tensors:
-            yield encoded.tensors
+        encoded = encode(bucket, record, mode).tensors
+        nbytes = sum(tensor_bytes(tensor) for _, tensor in encoded)
+        if merged and size + nbytes > bucket_bytes:
+            yield merged
+            merged, size = [], 0
+        merged += [(name, tensor if name.endswith((INDICES, VALUES)) else
+                    record.tensors[name] if host else tensor.clone()) for name, tensor in encoded]
+        size += nbytes
+    if merged:
+        yield merged
 
 
 def _kept(buckets: Iterable[Bucket], record: HeldWeights) -> Iterator[Bucket]:
