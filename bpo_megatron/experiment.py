@@ -112,14 +112,17 @@ class ExperimentConfig:
     def sync_plan(self, *, evaluation: bool = False) -> SyncPlan:
         """How the trainer's weights reach the rollout engines (``evaluation``: the background
         evaluation engines), the same at every sync: the transport for where they sit
-        (:meth:`weight_transport`), ``weight_sync``'s bucket size and check, the precision the
+        (:meth:`weight_transport`), ``weight_sync``'s bucket size, check and delta, the precision the
         engine's spec takes them in and the form it holds quantized layers in."""
         from bpo_megatron.models.options import TORCH_DTYPES
 
         dtype = self.rollout.sync_dtype
+        delta = (self.rollout.sync_delta(self.cluster.colocate and not evaluation, self.cluster.gpus_per_engine > 0)
+                 if self.weight_sync.delta else None)
         return SyncPlan(transport=self.weight_transport(evaluation=evaluation),
                         bucket_bytes=self.weight_sync.bucket_bytes, dtype=TORCH_DTYPES[dtype] if dtype else None,
-                        quantization=self.rollout.sync_quantization(self.hf_config()), verify=self.weight_sync.verify)
+                        quantization=self.rollout.sync_quantization(self.hf_config()), verify=self.weight_sync.verify,
+                        delta=delta, full_every=self.weight_sync.full_every)
 
     def trainer_spec(self) -> TrainerSpec:
         """What each trainer rank is built from: the trainer's sections of this experiment (its

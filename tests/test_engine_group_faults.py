@@ -256,7 +256,7 @@ class _WeightPusher:
         self.fingerprints = {name: fingerprint(tensor) for name, tensor in weights}
         self.transports = {}
 
-    def push_weights(self, plan, endpoints, version, role="rollout"):
+    def push_weights(self, plan, endpoints, version, role="rollout", held=None):
         from bpo_megatron.weight_sync import transport_class
         from bpo_megatron.weights.buckets import buckets
 

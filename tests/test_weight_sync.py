@@ -162,7 +162,7 @@ def test_a_rank_exports_converts_quantizes_fingerprints_and_sends_as_the_plan_sa
     quiet = _Recorder()
     drained = _Actor(iter(buckets))
     assert send_weights(drained, quiet, plan, ["e0"], 3, rank=1) == {"bytes": 0, "failed": [], "seconds": 0.0,
-                                                                     "fingerprints": {}}
+                                                                     "fingerprints": {}, "delta": False}
     assert not hasattr(quiet, "endpoints") and list(drained.buckets) == [], "rank 1 ran its export through"
     unchecked = send_weights(_Actor(buckets), _Recorder(), SyncPlan("object_store", 4096), ["e0"], 4, rank=0)
     assert unchecked["fingerprints"] == {}

@@ -190,11 +190,12 @@ class TrainerGroup:
         self.call("release_cached_memory")
 
     # ---------------------------------------------------------------------- weights to engines
-    def push_weights(self, plan, endpoints: list, version: int, role: str) -> dict[str, Any]:
+    def push_weights(self, plan, endpoints: list, version: int, role: str, held: int | None = None) -> dict[str, Any]:
         """The weights, the ``version``-th update, to the engines of ``role`` at ``endpoints`` as
         ``plan`` (a :class:`~bpo_megatron.weight_sync.plan.SyncPlan`) says (every rank takes part
-        in the gather); rank 0's report (bytes, seconds, failed endpoints, fingerprints)."""
-        return self.call("push_weights", plan, endpoints, version, role)[0]
+        in the gather; a delta where the plan asks for one and those engines all hold ``held``);
+        rank 0's report (bytes, seconds, failed endpoints, fingerprints, whether it was a delta)."""
+        return self.call("push_weights", plan, endpoints, version, role, held)[0]
 
     def nccl_version(self):
         """The NCCL version rank 0 runs (None without NCCL)."""

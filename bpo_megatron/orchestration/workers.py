@@ -48,6 +48,7 @@ class TrainWorker:
             print(f"trainer: {network_note}", flush=True)
         self.rank, self.world_size, self.spec, self.hf = rank, world_size, spec, spec.hf
         self._transports: dict[tuple[str, str], Any] = {}  # (transport, engine group) -> it (a group stays open)
+        self._held_weights: dict[str, Any] = {}  # engine group -> what its engines hold (delta syncs' HeldWeights)
         self._weight_stores: dict[str, Any] = {}  # engine group -> the store its weight group will meet at
         self._store = host_rendezvous(START_TIMEOUT.total_seconds())[0] if rank == 0 else None
 
@@ -137,14 +138,18 @@ class TrainWorker:
             self._transport(transport, channel).open(self._weight_stores.pop(channel), world_size,
                                                      platform.distributed_backend())
 
-    def push_weights(self, plan: SyncPlan, endpoints: list, version: int, channel: str = "rollout") -> SentReport:
+    def push_weights(self, plan: SyncPlan, endpoints: list, version: int, channel: str = "rollout",
+                     held: int | None = None) -> SentReport:
         """This rank's part of a sync to the engines of ``channel`` at ``endpoints`` (the driver's
         :class:`~bpo_megatron.weight_sync.transport.EngineEndpoint` records), as ``plan`` says:
-        :func:`~bpo_megatron.weight_sync.sender.send_weights` over this rank's transport."""
+        :func:`~bpo_megatron.weight_sync.sender.send_weights` over this rank's transport, a delta
+        against this rank's record of what those engines hold where they all hold ``held``."""
+        from bpo_megatron.weight_sync.delta import HeldWeights
         from bpo_megatron.weight_sync.sender import send_weights
 
+        record = self._held_weights.setdefault(channel, HeldWeights()) if plan.delta is not None else None
         return send_weights(self.actor, self._transport(plan.transport, channel), plan, endpoints, version,
-                            rank=self.rank)
+                            rank=self.rank, record=record, held=held)
 
     def close_transport(self, transport: str, channel: str = "rollout") -> None:
         """Release what this rank's ``transport`` to the engines of ``channel`` holds (a weight

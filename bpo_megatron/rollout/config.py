@@ -116,6 +116,11 @@ class RolloutConfig:
         None: it does not quantize)."""
         return self.spec.quantized_layout(self.options, hf)
 
+    def sync_delta(self, colocated: bool, gpus: bool) -> str:
+        """How a delta weight sync reaches the engines placed so (``EngineSpec.weight_delta``):
+        "sparse" or "tensors"."""
+        return self.spec.weight_delta(self.options, self.spec.transport(self.options, colocated, gpus))
+
     def sync_quantization(self, hf: Any) -> Any:
         """How the engines hold the model's (``hf``) weights beyond their dtype (``fp8``), so the
         trainer sends them so: a :class:`bpo_megatron.weights.fp8.SyncQuantization`, or None (as

@@ -221,6 +221,10 @@ def _no_quantization(_options: Any) -> str | None:
     return None
 
 
+def _whole_tensors(_options: Any, _transport: str) -> str:
+    return "tensors"
+
+
 def _no_notes(_options: Any) -> list[str]:
     return []
 
@@ -260,6 +264,10 @@ class EngineSpec:
     # serves in its dtype instead and which it cannot serve (QuantizedLayout; None: it does not
     # quantize, or builds any shape); checked at `train --check` and by `bpo-megatron plan`
     quantized_layout: Callable[[Any, Any], QuantizedLayout | None] = _no_layout
+    # how a delta weight sync (weight_sync.delta) reaches it over a transport, given its options and
+    # the transport's name: "sparse" (changed elements as flat indices and values, written in place)
+    # or "tensors" (the changed tensors whole; what any engine that loads named tensors takes)
+    weight_delta: Callable[[Any, str], str] = _whole_tensors
     captures_routing_without_gpu: bool = True  # R3 capture works on a CPU-only machine
     exposes_weights: bool = False  # can report what it holds (weight_sync.verify)
     # a generation under way pauses for a weight update and continues with the new weights, each

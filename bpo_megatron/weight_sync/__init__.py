@@ -5,7 +5,9 @@
 * :mod:`~bpo_megatron.weight_sync.transport`: what a transport is (``prepare(endpoints)``,
   ``send(buckets, version)``, ``close()``) and the endpoint records it receives;
 * :mod:`~bpo_megatron.weight_sync.sender`: a trainer rank's side (export → dtype → quantized
-  form → fingerprints → send);
+  form → fingerprints → delta → send);
+* :mod:`~bpo_megatron.weight_sync.delta`: a delta sync (``weight_sync.delta``): the sending rank's
+  record of what the engines hold, each bucket's diff against it, and how an engine applies it;
 * :mod:`~bpo_megatron.weight_sync.session`: the driver's owner of an engine group's syncs
   (``WeightSync``), which opens each engine's update session, gathers the engines' endpoints,
   lets the trainer's ranks send, closes the sessions and replaces engines lost on the way;

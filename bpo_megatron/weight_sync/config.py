@@ -11,14 +11,35 @@ class WeightSyncConfig:
     trainer exports and a transport sends, and the most an engine loads in one weight-update call
     (one bucket bounds the staging memory on either side). ``verify``: after every
     sync, fingerprint what each engine holds against the trainer's export, bit for bit (slow on big
-    models; only engines that expose their weights allow it)."""
+    models; only engines that expose their weights allow it).
+
+    ``delta``: send only what changed since the version the engines hold (per bucket, the changed
+    elements as flat indices and values, or the changed tensors whole where that is fewer bytes;
+    engines that take whole tensors only get the changed tensors whole); each sending trainer rank
+    (rank 0; every rank beside an engine for the CUDA IPC transports) keeps a host copy of what the
+    engines hold to diff against (one copy of the model in the sync's dtype, per engine group). Off by default, by the changed share measured here (docs/benchmarks.md, "The changed
+    share per sync, measured"): at the learning rates of the CPU recipes (1e-4 to 3e-4) 30–58 % of
+    the elements change per sync and a delta sends 0.87–0.98 of a full sync's bytes; at 1e-6 (the
+    cluster recipes') 1–3 % change, so a sparse delta sends 3–6 % of the bytes, but every tensor has
+    a change, so over the paths that take whole tensors only (SGLang's NCCL broadcast and IPC) a
+    delta skips nothing while the host copy costs a model's bytes. Turn it on for the embedded
+    engine at small learning rates. ``full_every``: with ``delta``, every this many versions the
+    sync is a full one (bounds any drift between the copy and the engines; the first sync, and any
+    engine replaced or holding another version, get a full sync anyway)."""
 
     bucket_mb: int = 512
     verify: bool = False
+    delta: bool = False
+    full_every: int = 16
 
     def __post_init__(self) -> None:
         if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, int) or self.bucket_mb < 1:
             raise ValueError(f"weight_sync.bucket_mb must be a positive integer (MiB), got {self.bucket_mb!r}")
+        if not isinstance(self.delta, bool):
+            raise ValueError(f"weight_sync.delta must be true or false, got {self.delta!r}")
+        if isinstance(self.full_every, bool) or not isinstance(self.full_every, int) or self.full_every < 1:
+            raise ValueError(f"weight_sync.full_every must be a positive integer (versions between full syncs), "
+                             f"got {self.full_every!r}")
 
     @property
     def bucket_bytes(self) -> int:

@@ -43,24 +43,32 @@ class WeightSync:
         when they changed). Each engine then reports the version it holds. With the plan's
         ``verify`` every engine's weights are fingerprinted afterwards and compared with what the
         trainer sent; any difference raises ``WeightMismatch`` naming the tensors.
+
+        With the plan's ``delta``, the engines that hold the trainer's last version get a delta
+        against it (the trainer's ranks decide, :meth:`HeldWeights.delta_from`); engines replaced
+        since, or holding another version, get a full sync of their own afterwards (all engines at
+        once for a broadcast). A delta is verified like a full sync: the whole tensors' fingerprints.
         """
         engines, broadcast = self.engines, self._sender.whole_group
         start, verifying, sent = time.perf_counter(), 0.0, 0.0
         if only is None or broadcast:
             engines.replace_unhealthy()
         targets = list(range(len(engines.workers))) if only is None or broadcast else list(only)
+        fresh = engines.unsynced & set(targets)  # replaced: they hold the initial weights, whatever version they say
         engines.unsynced.difference_update(targets)  # an engine replaced from here on is synced below
         while targets:
             if broadcast:
                 self._form_weight_group()
+            held, targets, later = self._delta_base(targets, fresh)
             lost = engines.begin_weight_update(version, only=targets)
             if broadcast and lost:  # a group with a dead member cannot broadcast: replace, re-form, retry
                 engines.replace(lost, load_weights=False)
                 engines.unsynced.difference_update(lost)
+                fresh.update(lost)
                 continue
             opened = [i for i in targets if i not in lost]
             report = self.trainer.push_weights(self.plan, engines.weight_endpoints(opened, self._sender.needs),
-                                               version, engines.role)
+                                               version, engines.role, held)
             for j in report["failed"]:
                 log.warning("%s engine %d lost its server while receiving weights version %d; replacing it",
                             engines.role, opened[j], version)
@@ -82,8 +90,26 @@ class WeightSync:
             if lost:
                 engines.replace(lost, load_weights=False)
                 engines.unsynced.difference_update(lost)  # synced by the next round of this loop
-            targets = lost
+                fresh.update(lost)
+            targets = lost + later
         return {"sync_bytes": float(sent), "push_s": time.perf_counter() - start - verifying}
+
+    def _delta_base(self, targets: list[int], fresh: set[int]) -> tuple[int | None, list[int], list[int]]:
+        """The version the engines of ``targets`` a delta may reach hold (None: a full sync), those
+        engines, and the others (synced by the next round). Only engines that hold a version
+        this group's trainer sent (one or more; not ``fresh``: replaced) may take a delta, those
+        holding the newest such version; a broadcast reaches all or none of them."""
+        if self.plan.delta is None:
+            return None, targets, []
+        held, _ = self.engines.held_versions(only=targets)  # one found dead is found again when its update opens
+        candidates = [i for i in targets if i in held and i not in fresh and held[i] >= 1]
+        if not candidates:
+            return None, targets, []
+        base = max(held[i] for i in candidates)
+        now = [i for i in candidates if held[i] == base]
+        if self._sender.whole_group:
+            return (base, targets, []) if now == targets else (None, targets, [])
+        return base, now, [i for i in targets if i not in now]
 
     def _form_weight_group(self) -> None:
         """Trainer rank 0 and every engine TP rank in one group of the transport (once, and again

@@ -44,6 +44,7 @@ from bpo_megatron.rollout.hf.slots import (DecodeState, DecodeStates, RowOutput,
                                             StateShape)
 from bpo_megatron.rollout.hf.weights import HFWeights
 from bpo_megatron.rollout.types import EngineHealth, GenerationRequest, Sample
+from bpo_megatron.weight_sync.delta import Sparse, updates
 from bpo_megatron.weights import fp8
 
 log = logging.getLogger(__name__)
@@ -215,6 +216,7 @@ class HFEngine(RolloutEngine):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy each tensor into the weight of that on-disk name, in order; returns bytes received.
+        A delta's sparse pieces (:mod:`bpo_megatron.weight_sync.delta`) are written in place.
 
         Each tensor is checked (name, shape) before it is written; a refused one raises ValueError
         and leaves its weight untouched (tensors before it are already applied).
@@ -225,8 +227,10 @@ class HFEngine(RolloutEngine):
             # does for weights written in place); rounding again changes nothing but catches a sender
             # that did not (same dtype and shape: the bytes are those received)
             # (their e4m3 copies follow at end_weight_update, which closes every update)
+            # (a delta's sparse pieces are the rounded bytes already: a block cannot be rounded in part)
             round_ = fp8.round_named if self._fp8 else (lambda name, tensor: tensor)
-            received = sum(self._weights.load(name, round_(name, tensor)) for name, tensor in named_tensors)
+            received = sum(self._weights.load(name, tensor if isinstance(tensor, Sparse) else round_(name, tensor))
+                           for name, tensor in updates(named_tensors))
             self._refresh_fused_qkv()  # a call outside begin/end_weight_update decodes with its weights too
             return received
 

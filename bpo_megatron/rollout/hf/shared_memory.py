@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from bpo_megatron.rollout.hf.shared_weights import SegmentLayout, attach
+from bpo_megatron.weight_sync.delta import Sparse, scatter, updates
 from bpo_megatron.weight_sync.object_store import deliver, pack
 from bpo_megatron.weight_sync.transport import Bucket, EngineEndpoint, SendReport
 from bpo_megatron.weights.buckets import tensor_bytes
@@ -56,8 +57,11 @@ class SharedMemory:
         for bucket in buckets:
             for weights in local.values():
                 with torch.no_grad():
-                    for name, tensor in bucket:
-                        _place(weights, name, tensor).copy_(tensor)
+                    for name, tensor in updates(bucket):  # a delta's sparse pieces written in place
+                        if isinstance(tensor, Sparse):
+                            scatter(_place(weights, name, None), tensor)
+                        else:
+                            _place(weights, name, tensor).copy_(tensor)
             if remote:
                 lost = deliver(pack([(name, tensor.clone()) for name, tensor in bucket]), remote)  # see pack()
                 remote = {i: actor for i, actor in remote.items() if i not in lost}
@@ -91,12 +95,14 @@ class SharedMemory:
         self._forget(list(self._attached))
 
 
-def _place(weights: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> torch.Tensor:
+def _place(weights: dict[str, torch.Tensor], name: str, tensor: torch.Tensor | None) -> torch.Tensor:
+    """The engine's weight ``name``, checked to take ``tensor`` whole (None: a delta's piece, which
+    :func:`~bpo_megatron.weight_sync.delta.scatter` checks)."""
     target = weights.get(name)
     if target is None:
         raise ValueError(f"weight sync: {name!r} is not a weight of the engine (expected Hugging Face on-disk "
                          f"names such as {next(iter(weights))!r})")
-    if target.shape != tensor.shape:
+    if tensor is not None and target.shape != tensor.shape:
         raise ValueError(f"weight sync: {name!r} has shape {tuple(tensor.shape)}, the engine expects "
                          f"{tuple(target.shape)}")
     return target

@@ -38,6 +38,8 @@ SPEC = EngineSpec(
     # weights are sent in the engine's own precision, so what it holds is exactly what was sent
     weight_dtype=lambda options: options.dtype,
     weight_quantization=lambda options: None if options.quantization == "none" else options.quantization,
+    # a delta's sparse pieces are written in place over every transport (rollout/hf/weights.py, shared_memory.py)
+    weight_delta=lambda options, transport: "sparse",
     exposes_weights=True,
     partial_rollouts=True,  # its forward gate (rollout/hf/engine.py)
     top_logprobs="drawn",  # of the distribution it drew from (rollout/hf/sampling.py)

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from bpo_megatron.weight_sync.delta import Sparse, scatter
+
 
 def _fused_experts(module: nn.Module) -> bool:
     gate_up = getattr(module, "gate_up_proj", None)
@@ -78,15 +80,24 @@ class HFWeights:
         """(name, live view); the views alias the model, clone them to keep a snapshot."""
         yield from self._views.items()
 
-    def load(self, name: str, tensor: torch.Tensor) -> int:
-        """Copy ``tensor`` into the weight called ``name``; returns the bytes received.
-
-        Checks come first, so a refused tensor leaves the model untouched.
-        """
+    def _view(self, name: str) -> torch.Tensor:
         view = self._views.get(name)
         if view is None:
             raise ValueError(f"update_weights: {name!r} is not a weight of this model (expected Hugging "
                              f"Face on-disk names such as {next(iter(self._views))!r})")
+        return view
+
+    def load(self, name: str, tensor: torch.Tensor | Sparse) -> int:
+        """Copy ``tensor`` into the weight called ``name`` (a :class:`Sparse` piece of a delta: its
+        values at its indices); returns the bytes received. A fused weight (the experts'
+        ``gate_up_proj``) is written through the view of its on-disk part, so a delta's flat
+        indices are those of the on-disk tensor.
+
+        Checks come first, so a refused tensor leaves the model untouched.
+        """
+        view = self._view(name)
+        if isinstance(tensor, Sparse):  # a delta's changed elements (weight_sync.delta), written in place
+            return scatter(view, tensor)
         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
             kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise ValueError(f"update_weights: {name!r} must be a floating-point tensor, got {kind}")

@@ -81,6 +81,10 @@ SPEC = EngineSpec(
     top_logprobs="unfiltered",
     # block FP8: each linear weight sent as e4m3 values and its block scales (weights/fp8.py)
     weight_quantization=lambda options: "fp8-blocks" if options.quantization == "fp8" else None,
+    # its NCCL broadcast path loads whole Hugging Face-named tensors only (update_weights_from_distributed
+    # reads no load format), and this project's IPC path posts flattened buckets of whole tensors:
+    # a delta skips the unchanged tensors (docs/internals.md, "Weight sync")
+    weight_delta=lambda options, transport: "tensors",
     # the layers SGLang builds in block FP8 at rollout.sglang's tp_size/ep_size, those served in bf16
     quantized_layout=_quantized_layout,
     notes=_notes,
