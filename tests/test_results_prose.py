@@ -598,3 +598,46 @@ def test_the_results_page_quotes_the_tier_m_followup(capsys, monkeypatch, tmp_pa
     assert f"made GRPO-CH worse, {numbers('GRPO-CH + SC − GRPO-CH')} (Holm p 0.018" in page
     assert "| GRPO-CH + SC − GRPO-CH | 10 | −1.5 | [−2.7, −0.3] | 0.017 | 0.018 | worse |" in table
     assert f"re-run on the follow-up's commit it is {numbers('(2′) BPO + SC − BPO (re-run)')}" in page
+
+
+def test_the_lr_followup_readings_quote_their_table(capsys):
+    """Tier C's follow-up readings (experiments/tier_c/README.md) and its docs/results.md row quote
+    tables/lr1e-4/results.md as the script prints it: Δ₁ and I with both intervals and Holm p, each
+    method's change, the drops, the μ-bin shares and the entropy proxy."""
+    table, seeds = _lr_followup_table(capsys)
+    if len(seeds) < 20:
+        pytest.skip("the follow-up's 20 seeds are not all committed")
+    tier_c_text = (TIER_C / "README.md").read_text()
+    text = " ".join(tier_c_text.split("### Follow-up results (lr 1e-4, seeds 1–20)")[1].split())
+    page = (ROOT / "docs" / "results.md").read_text()
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+            for line in table.splitlines() if line.startswith("| ")}
+    for label, name in (("Δ₁ = BPO − GRPO-ClipHigher at 1e-4", "Δ₁ = BPO − GRPO-ClipHigher at 1e-4"),
+                        ("I = Δ₁ − Δ₂ (Δ₂: the same at 2e-4)", "I = Δ₁ − Δ₂")):
+        c = rows[label]
+        assert f"**{name} = {c[1]} points {c[2]}** (95% t-interval; 97.5% {c[3]}; Holm p {c[6]})" in text or \
+            f"**{name} = {c[1]} points {c[2]}** (97.5% {c[3]}; Holm p {c[6]})" in text, label
+        assert f"*{c[7]}*" in text
+    d1, inter = rows["Δ₁ = BPO − GRPO-ClipHigher at 1e-4"], rows["I = Δ₁ − Δ₂ (Δ₂: the same at 2e-4)"]
+    assert f"BPO − GRPO-ClipHigher = {d1[1]} {d1[2]} (97.5% {d1[3]};" in page
+    assert f"the interaction with 2e-4 is {inter[1]} {inter[2]} (Holm p {inter[6]}," in page
+    assert f"upper bound, {d1[3].split(', ')[1].rstrip(']')}, is below +2 points" in text
+    for method in ("BPO", "GRPO-ClipHigher"):
+        lines = [line for line in table.splitlines() if line.startswith(f"| {method} | ")]
+        by_rate = {line.split("|")[2].strip(): [c.strip() for c in line.strip("|").split("|")] for line in lines
+                   if line.split("|")[2].strip() in ("2e-4", "1e-4") and len(line.split("|")) == 7}
+        drops = {rate: cells[4].split(" of ")[0] for rate, cells in by_rate.items()}
+        assert (f"| {method} | {by_rate['2e-4'][3]} | {by_rate['1e-4'][3]} | {drops['2e-4']} → {drops['1e-4']} of 20 |"
+                in tier_c_text), method
+        change = next(line for line in lines if len(line.split("|")) == 5)
+        cells = [c.strip() for c in change.strip("|").split("|")]
+        assert f"{method} gained {cells[1]} {cells[2]} points" in text or f"{method} {cells[1]} {cells[2]}" in text
+    shares = {(c[0], c[1]): c for c in (
+        [x.strip() for x in line.strip("|").split("|")] for line in table.splitlines()
+        if line.startswith("| ") and len(line.split("|")) == 10) if c[1] in ("1e-4", "2e-4")}
+    assert (f"({shares['BPO', '1e-4'][3]}% against {shares['GRPO-ClipHigher', '1e-4'][3]}%; at 2e-4 "
+            f"{shares['BPO', '2e-4'][3]}% against {shares['GRPO-ClipHigher', '2e-4'][3]}%)") in text
+    assert f"({shares['BPO', '1e-4'][5]}% against {shares['GRPO-ClipHigher', '1e-4'][5]}%)" in text
+    entropy = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in table.splitlines()
+               if line.startswith("| ") and "nats" not in line and len(line.split("|")) == 5 and "±" in line}
+    assert f"is {entropy['BPO']} nats for BPO and {entropy['GRPO-ClipHigher']} for GRPO-ClipHigher" in text
