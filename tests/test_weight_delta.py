@@ -459,3 +459,25 @@ def test_an_sglang_server_that_released_its_weights_holds_no_version_a_delta_cou
     assert engine.weight_version == 0
     record = HeldWeights(version=7, full_version=7)
     assert not record.delta_from(engine.weight_version, 8, full_every=16)
+
+
+def test_a_full_sync_to_a_replaced_engine_does_not_postpone_its_peers_next_full_sync():
+    """Version 3 reaches engine 0 as a delta and, in a round of its own, replaced engine 1 as a
+    full sync (the session's two rounds, same version). Engine 0's last full sync is still version
+    1, so with full_every=3 version 4 is a full sync for it, not another delta."""
+    trainer, gen = _weights(torch.float32), torch.Generator().manual_seed(11)
+    plan = SyncPlan("object_store", 8192, delta="sparse", full_every=3)
+    record, transport = HeldWeights(), _Counting()
+
+    def sync(version: int, held: int | None):
+        return send_weights(_Export(trainer), transport, plan, ["e"], version, rank=0, record=record, held=held)
+
+    assert sync(1, held=None)["delta"] is False
+    _perturb(trainer, 0.01, gen)
+    assert sync(2, held=1)["delta"] is True
+    _perturb(trainer, 0.01, gen)
+    assert sync(3, held=2)["delta"] is True  # engine 0
+    assert sync(3, held=None)["delta"] is False  # engine 1, replaced: full, same version
+    assert record.full_version == 1, "only engine 1 got version 3 whole"
+    _perturb(trainer, 0.01, gen)
+    assert sync(4, held=3)["delta"] is False, "engine 0's last full sync is 3 versions back"
