@@ -437,3 +437,47 @@ def test_an_engine_replaced_mid_run_gets_a_full_sync_and_its_peer_the_delta(grou
     _perturb(trainer.weights, 0.01, gen, names=["model.layers.0.self_attn.q_proj.weight"])
     with pytest.raises(WeightMismatch, match=r"rollout engine 1.*model\.norm\.weight"):
         sync(405)
+
+
+def test_an_sglang_server_that_released_its_weights_holds_no_version_a_delta_could_build_on(monkeypatch):
+    """Colocated, an SGLang server hands its weights' memory back at every train phase and keeps no
+    copy (no --enable-weights-cpu-backup): resumed, those bytes are gone. It must not report the
+    version it held before, else the next sync is a delta against weights it no longer has (the
+    session lets engines holding version >= 1 take a delta)."""
+    from bpo_megatron.rollout.sglang import SGLangConfig, SGLangEngine
+
+    engine = SGLangEngine(SGLangConfig(model_path="/m", url="http://127.0.0.1:1", capture_routed_experts=False))
+    posted = []
+    monkeypatch.setattr(engine, "_post", lambda route, body: posted.append((route, body)))
+    engine.weight_version = 7
+    engine.released = {"kv_cache"}  # the KV cache alone released: the weights stay, and their version
+    engine.resume_memory(("kv_cache",))
+    assert engine.weight_version == 7
+    engine.release_memory()
+    assert posted[-1] == ("release_memory_occupation", {"tags": ["kv_cache", "weights", "cuda_graph"]})
+    engine.resume_memory(("weights",))
+    assert engine.weight_version == 0
+    record = HeldWeights(version=7, full_version=7)
+    assert not record.delta_from(engine.weight_version, 8, full_every=16)
+
+
+def test_a_full_sync_to_a_replaced_engine_does_not_postpone_its_peers_next_full_sync():
+    """Version 3 reaches engine 0 as a delta and, in a round of its own, replaced engine 1 as a
+    full sync (the session's two rounds, same version). Engine 0's last full sync is still version
+    1, so with full_every=3 version 4 is a full sync for it, not another delta."""
+    trainer, gen = _weights(torch.float32), torch.Generator().manual_seed(11)
+    plan = SyncPlan("object_store", 8192, delta="sparse", full_every=3)
+    record, transport = HeldWeights(), _Counting()
+
+    def sync(version: int, held: int | None):
+        return send_weights(_Export(trainer), transport, plan, ["e"], version, rank=0, record=record, held=held)
+
+    assert sync(1, held=None)["delta"] is False
+    _perturb(trainer, 0.01, gen)
+    assert sync(2, held=1)["delta"] is True
+    _perturb(trainer, 0.01, gen)
+    assert sync(3, held=2)["delta"] is True  # engine 0
+    assert sync(3, held=None)["delta"] is False  # engine 1, replaced: full, same version
+    assert record.full_version == 1, "only engine 1 got version 3 whole"
+    _perturb(trainer, 0.01, gen)
+    assert sync(4, held=3)["delta"] is False, "engine 0's last full sync is 3 versions back"

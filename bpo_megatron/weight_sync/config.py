@@ -16,8 +16,11 @@ class WeightSyncConfig:
     ``delta``: send only what changed since the version the engines hold (per bucket, the changed
     elements as flat indices and values, or the changed tensors whole where that is fewer bytes;
     engines that take whole tensors only get the changed tensors whole); each sending trainer rank
-    (rank 0; every rank beside an engine for the CUDA IPC transports) keeps a host copy of what the
-    engines hold to diff against (one copy of the model in the sync's dtype, per engine group). Off by default, by the changed share measured here (docs/benchmarks.md, "The changed
+    keeps a host copy of what the engines hold to diff against, one copy of the model in the sync's
+    dtype per engine group: rank 0 alone, but every trainer rank for the CUDA IPC transports (each
+    receives the whole model), so host memory holds one model per GPU there. SGLang engines that
+    share the trainer's devices drop their weights at every train phase, so each sync to them is a
+    full one. Off by default, by the changed share measured here (docs/benchmarks.md, "The changed
     share per sync, measured"): at the learning rates of the CPU recipes (1e-4 to 3e-4) 30–58 % of
     the elements change per sync and a delta sends 0.87–0.98 of a full sync's bytes; at 1e-6 (the
     cluster recipes') 1–3 % change, so a sparse delta sends 3–6 % of the bytes, but every tensor has

@@ -44,7 +44,8 @@ Bucket = list[tuple[str, torch.Tensor]]
 class HeldWeights:
     """What the engines hold, by the trainer rank that sends to them: ``tensors`` (host copies, by
     name), the ``version`` they make (None: unknown, e.g. a sync that failed half way) and the
-    version of the last full sync (``full_version``)."""
+    version of the last full sync to every engine holding ``version`` (``full_version``; a full
+    sync of the same version to a replaced engine alone leaves it)."""
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     version: int | None = None

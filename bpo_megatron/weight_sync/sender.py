@@ -53,6 +53,7 @@ def send_weights(actor: Any, transport: Transport, plan: SyncPlan, endpoints: li
     transport.prepare(endpoints)
     buckets = _as_engines_hold(stream, plan, sent if plan.verify and rank == 0 else None)
     delta = plan.delta is not None and record.delta_from(held, version, plan.full_every)
+    before = record.version if plan.delta is not None else None
     if plan.delta is not None:
         record.version = None  # unknown until the transport has sent every bucket
         buckets = (_delta(buckets, record, plan.delta, plan.bucket_bytes, transport.host_tensors) if delta
@@ -60,7 +61,10 @@ def send_weights(actor: Any, transport: Transport, plan: SyncPlan, endpoints: li
     report = transport.send(buckets, version)
     if plan.delta is not None:
         record.version = version
-        record.full_version = record.full_version if delta else version
+        # a full sync of the version the record already held went to engines of their own (replaced
+        # or behind), the others having had it as a delta: their last full sync stays the record's
+        if not delta and before != version:
+            record.full_version = version
     return {"bytes": report["bytes"], "failed": report["failed"], "seconds": time.perf_counter() - start,
             "fingerprints": sent, "delta": delta}
 

@@ -266,11 +266,15 @@ class SGLangEngine(RolloutEngine):
     # ------------------------------------------------------------------------------- control
     def release_memory(self) -> None:
         """The server hands the GPU memory it still holds back (``--enable-memory-saver``); a
-        server that already released everything is not asked again."""
+        server that already released everything is not asked again. Released weights are gone
+        (SGLang keeps no host copy of them), so the server holds no version until the next sync:
+        a delta sync (weight_sync.delta) must not build on the version it held before."""
         tags = [tag for tag in MEMORY_TAGS if tag not in self.released]
         if tags:
             self._post("release_memory_occupation", {"tags": tags})
             self.released.update(tags)
+            if "weights" in tags:
+                self.weight_version = 0
 
     def resume_memory(self, tags: tuple[str, ...] = ()) -> None:
         """Take back ``tags`` (() all) of what was released; a tag this server holds is left
