@@ -129,6 +129,17 @@ def _asynchronous_needs_own_devices(cfg: ExperimentConfig) -> str | None:
     return None
 
 
+@rule("delta_sync_needs_engines_that_keep_weights", "weight_sync.delta", "cluster.colocate", "rollout.engine")
+def _delta_sync_needs_engines_that_keep_weights(cfg: ExperimentConfig) -> str | None:
+    """A delta weight sync needs engines that keep their weights between syncs."""
+    if cfg.weight_sync.delta and cfg.cluster.colocate and cfg.rollout.spec.drops_weights_when_released:
+        return (f"weight_sync.delta=true with colocated {cfg.rollout.engine} engines: they drop their weights "
+                "when they hand the devices to the trainer, so every sync after a train phase is full and "
+                "the trainer's host copy for deltas is paid for nothing: set weight_sync.delta=false (or "
+                "cluster.colocate=false)")
+    return None
+
+
 @rule("overlong_buffer_below_limit", "train.overlong_buffer", "rollout.max_new_tokens")
 def _overlong_buffer_below_limit(cfg: ExperimentConfig) -> str | None:
     """The overlong penalty starts before the response length limit."""

@@ -80,6 +80,10 @@ BREAKING: dict[str, tuple[list[str], str, Setup | None]] = {
     "asynchronous_needs_own_devices": (
         ["train.async.max_staleness=1", "cluster.colocate=true"],
         r"train.async.max_staleness=1 generates while the trainer trains.*set cluster.colocate=false", None),
+    "delta_sync_needs_engines_that_keep_weights": (
+        ["weight_sync.delta=true", "cluster.colocate=true"],
+        r"weight_sync.delta=true with colocated hf engines: they drop their weights .*set weight_sync.delta=false",
+        _embedded_engine(drops_weights_when_released=True)),
     "overlong_buffer_below_limit": (
         ["train.overlong_buffer=4"], "train.overlong_buffer=4 must be below rollout.max_new_tokens=4", None),
     "token_sum_norm_needs_length": (

@@ -268,6 +268,9 @@ class EngineSpec:
     # the transport's name: "sparse" (changed elements as flat indices and values, written in place)
     # or "tensors" (the changed tensors whole; what any engine that loads named tensors takes)
     weight_delta: Callable[[Any, str], str] = _whole_tensors
+    # releasing its memory for a colocated trainer drops its weights (not only its caches), so the
+    # sync after each train phase is a full one and a delta sync has nothing to build on
+    drops_weights_when_released: bool = False
     captures_routing_without_gpu: bool = True  # R3 capture works on a CPU-only machine
     exposes_weights: bool = False  # can report what it holds (weight_sync.verify)
     # a generation under way pauses for a weight update and continues with the new weights, each

@@ -19,8 +19,9 @@ class WeightSyncConfig:
     keeps a host copy of what the engines hold to diff against, one copy of the model in the sync's
     dtype per engine group: rank 0 alone, but every trainer rank for the CUDA IPC transports (each
     receives the whole model), so host memory holds one model per GPU there. SGLang engines that
-    share the trainer's devices drop their weights at every train phase, so each sync to them is a
-    full one. Off by default, by the changed share measured here (docs/benchmarks.md, "The changed
+    share the trainer's devices drop their weights at every train phase, so each sync to them would
+    be a full one: `train --check` refuses ``delta`` with them (rule
+    ``delta_sync_needs_engines_that_keep_weights``). Off by default, by the changed share measured here (docs/benchmarks.md, "The changed
     share per sync, measured"): at the learning rates of the CPU recipes (1e-4 to 3e-4) 30–58 % of
     the elements change per sync and a delta sends 0.87–0.98 of a full sync's bytes; at 1e-6 (the
     cluster recipes') 1–3 % change, so a sparse delta sends 3–6 % of the bytes, but every tensor has

@@ -85,6 +85,9 @@ SPEC = EngineSpec(
     # reads no load format), and this project's IPC path posts flattened buckets of whole tensors:
     # a delta skips the unchanged tensors (docs/internals.md, "Weight sync")
     weight_delta=lambda options, transport: "tensors",
+    # release_memory_occupation frees the weights too (this project starts SGLang without
+    # --enable-weights-cpu-backup), so colocated, every sync after a train phase is full
+    drops_weights_when_released=True,
     # the layers SGLang builds in block FP8 at rollout.sglang's tp_size/ep_size, those served in bf16
     quantized_layout=_quantized_layout,
     notes=_notes,
