@@ -22,19 +22,11 @@ def _smoke(tmp_path: Path, *args: str, timeout: float = 900) -> subprocess.Compl
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def cpu_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """Every check of the kit in one run (Ray's start-up and a 4-step loop included: minutes on 2
-    cores), made once for the tests that read its report."""
-    out = tmp_path_factory.mktemp("cpu_smoke")
-    return out, _smoke(out, timeout=1400)
-
-
-@pytest.mark.timeout(1500)
-def test_cpu_smoke_run_passes_every_check_with_its_numbers(cpu_run):
+@pytest.mark.timeout(1500)  # the kit's whole run (tests/conftest.py), if this test is the first to ask for it
+def test_cpu_smoke_run_passes_every_check_with_its_numbers(kit_cpu_run):
     from bpo_megatron.gpu_smoke.checks import CHECKS
 
-    tmp_path, done = cpu_run
+    tmp_path, done = kit_cpu_run
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     checks = {c["name"]: c for c in report["checks"]}
@@ -93,9 +85,9 @@ def test_cpu_smoke_run_passes_every_check_with_its_numbers(cpu_run):
     assert all(f"## {name}: pass" in markdown for name in CHECKS)
 
 
-@pytest.mark.timeout(1500)  # the shared run, if this test is the first to ask for it
-def test_logprobs_kernel_table_lists_the_fused_kernels_as_not_run_on_a_cpu(cpu_run):
-    tmp_path, done = cpu_run  # the kit's whole run, whose logprobs_kernel check is the one run alone before
+@pytest.mark.timeout(1500)  # the kit's whole run (tests/conftest.py), if this test is the first to ask for it
+def test_logprobs_kernel_table_lists_the_fused_kernels_as_not_run_on_a_cpu(kit_cpu_run):
+    tmp_path, done = kit_cpu_run  # the kit's whole run: its logprobs_kernel check, which ran a second time alone
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     checks = json.loads((tmp_path / "report" / "report.json").read_text())["checks"]
     [check] = [c for c in checks if c["name"] == "logprobs_kernel"]

@@ -196,7 +196,7 @@ class Ranks:
         from standin_rank import import_sglang_rank_modules, rank_main
 
         # The ranks are forked from this process once it holds SGLang's scheduler-side modules: a
-        # spawned rank imports them again (about 7 s of CPU each, most of a server's start-up).
+        # spawned rank imports them again (about 9 s of CPU each, most of a server's start-up).
         # Forked before uvicorn or any thread starts, each rank still runs in its own process.
         import_sglang_rank_modules()
         assert threading.active_count() == 1, "the TP ranks are forked before any thread starts"
