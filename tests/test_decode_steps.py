@@ -1,16 +1,13 @@
 """The kit's decode points (``bpo_megatron/gpu_smoke/decode_steps.py``, ``rollout_decode``'s part 3)
 on a CPU: a decode state built as the engine builds it (the graph path with capture faked, as in
 tests/test_hf_decode_path.py) replayed with every row at a set context, plain and with top-k/top-p;
-a profiled replay's trace; and ``rollout_decode`` in the kit's CPU mode with its numbers."""
+a profiled replay's trace; and ``rollout_decode`` with its numbers, read from the kit's whole CPU run."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +17,6 @@ from bpo_megatron.gpu_smoke import decode_steps
 from bpo_megatron.gpu_smoke.profiles import CPU
 from bpo_megatron.rollout.hf import graphs
 
-ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
 
 
@@ -58,12 +54,12 @@ def test_a_point_past_the_state_or_the_uniforms_is_refused(model):
         decode_steps.time_step(state, 20, 61, model.config.vocab_size)
 
 
-def test_rollout_decode_in_the_kits_cpu_mode_reports_every_decode_point(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "bpo_megatron.gpu_smoke", "--device", "cpu", "--checks", "rollout_decode",
-                           "--out", str(tmp_path / "report"), "--workdir", str(tmp_path / "work")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+@pytest.mark.timeout(1500)  # the kit's whole run (tests/conftest.py), if this test is the first to ask for it
+def test_rollout_decode_in_the_kits_cpu_mode_reports_every_decode_point(kit_cpu_run):
+    tmp_path, done = kit_cpu_run  # the kit's whole run: its rollout_decode check, which ran a second time alone
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    [check] = json.loads((tmp_path / "report" / "report.json").read_text())["checks"]
+    [check] = [c for c in json.loads((tmp_path / "report" / "report.json").read_text())["checks"]
+               if c["name"] == "rollout_decode"]
     numbers = check["numbers"]
     points = check["tables"]["decode step by context (replayed, largest size)"]
     assert {(r["point"], r["sampling"]) for r in points} == {(p.label, s) for p in CPU.decode_points

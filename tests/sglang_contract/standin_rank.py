@@ -104,6 +104,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def import_sglang_rank_modules() -> None:
+    """The SGLang modules a rank runs (``build``'s imports), for a server that forks its ranks."""
+    from sglang.srt.disaggregation import utils  # noqa: F401
+    from sglang.srt.managers import tp_worker  # noqa: F401
+    from sglang.srt.managers.scheduler_components import weight_updater  # noqa: F401
+    from sglang.srt.model_executor.model_runner_components import weight_updater as _  # noqa: F401
+    from sglang.srt.utils import kill_itself_when_parent_died, torch_memory_saver_adapter  # noqa: F401
+
+
 def build(tp_rank: int, model_dir: str, memory_saver: bool, activity: dict):
     """The rank's SGLang weight-update manager around a :class:`CheckpointModel`; ``activity``
     says whether requests are running (what SGLang's idle check reads)."""

@@ -193,9 +193,14 @@ class Ranks:
     """The TP rank processes; a call goes to all of them at once and their replies are merged."""
 
     def __init__(self, tp_size: int, model_dir: str) -> None:
-        from standin_rank import rank_main
+        from standin_rank import import_sglang_rank_modules, rank_main
 
-        ctx = mp.get_context("spawn")
+        # The ranks are forked from this process once it holds SGLang's scheduler-side modules: a
+        # spawned rank imports them again (about 9 s of CPU each, most of a server's start-up).
+        # Forked before uvicorn or any thread starts, each rank still runs in its own process.
+        import_sglang_rank_modules()
+        assert threading.active_count() == 1, "the TP ranks are forked before any thread starts"
+        ctx = mp.get_context("fork")
         self._lock = threading.Lock()
         self.pipes, self.processes = [], []
         for rank in range(tp_size):
@@ -203,6 +208,7 @@ class Ranks:
             process = ctx.Process(target=rank_main, args=(rank, model_dir, theirs, ARGS.enable_memory_saver),
                                   daemon=True)
             process.start()
+            theirs.close()  # the rank's end lives in the rank: a rank that dies is EOF here
             self.pipes.append(ours)
             self.processes.append(process)
         for pipe in self.pipes:

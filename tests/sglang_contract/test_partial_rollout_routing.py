@@ -65,6 +65,9 @@ def test_each_token_is_replayed_with_the_routing_that_sampled_it_or_masked_and_c
                 assert time.monotonic() < deadline, "the stand-in decoded no token in 60 s"
                 time.sleep(0.05)
             engine.begin_weight_update(1)  # pause_generation in ``mode``
+            paused_at = state(engine)["tokens"]
+            time.sleep(1.0)  # three decoding steps' time: nothing decodes while paused
+            assert state(engine)["tokens"] == paused_at
             engine.update_weights(iter(pushed))
             engine.end_weight_update()
             paused = future.result(timeout=120)
@@ -76,6 +79,15 @@ def test_each_token_is_replayed_with_the_routing_that_sampled_it_or_masked_and_c
         assert all(s.token_versions.tolist() == [version] * s.response_tokens.numel() and s.routing_valid is None
                    for s in samples.values())
 
+    # each token dated by SGLang's weight_versions spans, its μ computed with that version's weights
+    assert len(paused) == 4 and sum(s.response_tokens.numel() for s in paused) > paused_at - decoded
+    for sample in paused:
+        versions = sample.token_versions
+        assert versions.shape == sample.response_tokens.shape and set(versions.tolist()) <= {0, 1}
+        assert (versions.diff() >= 0).all() and sample.weight_version == int(versions.min())
+        want = torch.tensor([-0.1 * (i + 1) - 0.01 * v for i, v in enumerate(versions.tolist())])
+        assert torch.allclose(sample.rollout_logprobs, want)
+    assert sum(int((s.token_versions == 0).sum()) for s in paused) == paused_at - decoded
     masked = total = spanning = 0
     for sample in paused:
         key, prompt = (sample.request_id, sample.index), sample.prompt_tokens.numel()

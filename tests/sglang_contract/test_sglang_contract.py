@@ -140,6 +140,7 @@ def test_requests_that_do_not_ask_for_routing_get_none_over_the_wire(engine, lay
     assert all("routed_experts" not in answer["meta_info"] for answer in raw)
 
 
+@pytest.mark.ci  # a server of its own (CI time): every check of it holds in the default run on the same pause, update and continue, test_partial_rollout_routing.py's [retract] run
 def test_a_generation_paused_for_a_weight_update_continues_and_dates_every_token(checkpoints, layout, pushed,
                                                                                 tmp_path):
     """Partial rollouts (train.async): a weight update reaches the engine while it generates. The
@@ -209,12 +210,17 @@ def test_ipc_route_updates_every_tp_rank_inside_a_session_with_its_version(engin
     assert {s.weight_version for s in engine.generate(requests(count=1))} == {3}
 
 
-def test_host_tensors_never_travel_as_ipc_handles(engine, pushed, checkpoints, layout, tmp_path):
-    """A host tensor pickled by SGLang's serializer is a file descriptor of this process tree:
-    the server (another tree, another authkey) cannot open it and its scheduler dies. The client
-    refuses host tensors on that route instead."""
+def test_host_tensors_never_travel_as_ipc_handles(pushed):
+    """A host tensor pickled by SGLang's serializer is a file descriptor of this process tree,
+    which the server cannot open (the next test): the client refuses host tensors on that route."""
     with pytest.raises(ValueError, match="in host memory, which another process cannot map"):
         ipc_payload(flattened_bucket(pushed[:1]))
+
+
+@pytest.mark.ci  # a server killed on purpose (CI time): the client's refusal that keeps every server clear of it is the test above
+def test_a_host_tensor_sent_as_an_ipc_handle_kills_the_server(pushed, checkpoints, layout, tmp_path):
+    """The server (another process tree, another authkey) cannot open the file descriptor a host
+    tensor pickles to: its scheduler dies."""
     from multiprocessing.reduction import ForkingPickler
 
     victim = start(checkpoints[0], layout, tmp_path)
@@ -248,6 +254,15 @@ def test_memory_is_released_and_resumed_by_sglangs_tags(engine, pushed):
                       {"call": "resume_memory_occupation", "tags": ["kv_cache", "cuda_graph"]}]
 
 
+def test_the_client_resumes_only_memory_it_released(engine):
+    """Resuming a tag that was not released kills SGLang's scheduler (the next test): the client
+    names only tags it released, so this resume sends nothing."""
+    before = len(state(engine)["calls"])
+    engine.resume_memory(("kv_cache",))
+    assert engine.health().healthy and not [c for c in state(engine)["calls"][before:] if "memory" in c["call"]]
+
+
+@pytest.mark.ci  # a server killed on purpose (CI time): the client's side, that it never sends such a call, is the test above
 def test_resuming_memory_that_was_not_released_kills_sglangs_scheduler(checkpoints, layout, tmp_path):
     """SGLang's own rule, which the colocation phases must never break."""
     engine = start(checkpoints[0], layout, tmp_path)
@@ -404,6 +419,12 @@ def pushed_of(directory: Path) -> dict[str, torch.Tensor]:
     return load_file(str(directory / "model.safetensors"))
 
 
+# CI time (a server and 2 trainer ranks of its own). In the default run: the colocated transport end to end in
+# test_loop_over_standin.py's engine-death run (2 trainer ranks' buckets through the weight sync to an engine of
+# TP 2, colocated); every TP rank's fingerprints after an update on the same route in
+# test_ipc_route_updates_every_tp_rank_inside_a_session_with_its_version; TP rank r reading rank r's entry in
+# test_ipc_payload.py
+@pytest.mark.ci
 @pytest.mark.timeout(600)
 def test_colocated_engine_ranks_each_map_the_trainer_rank_beside_them(ray_session, checkpoints, tmp_path):
     """The colocated transport end to end: 2 trainer ranks and an engine of TP 2 on the same

@@ -44,6 +44,10 @@ SERVER_ENVIRONMENT = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
 # exited yet would size its memory from what that one still holds: each server's supervisor holds
 # an exclusive lock per GPU until the server it stops is gone, and a start waits for the locks.
 GPU_LOCK_DIR = Path(tempfile.gettempdir())
+# Run as a file: ``-m`` would import the packages above it first (``bpo_megatron.rollout`` brings
+# torch and Megatron: seconds of CPU before every server starts), and it needs the standard library
+# only; ``-P`` keeps its own directory off ``sys.path``, where ``http.py`` would shadow the library's.
+SUPERVISOR = Path(__file__).with_name("supervise.py")
 GPU_RELEASE_TIMEOUT_S = 2 * STOP_GRACE_S + 60.0  # the predecessor's grace, its SIGKILL, and slack
 
 
@@ -100,7 +104,7 @@ class ServerProcess:
         """The supervised server command line (the key is in the config file, not here)."""
         config = [] if self._key_file is None else ["--config", str(self._key_file)]
         redact = [] if self._key_file is None else ["--redact-key-in", str(self._key_file)]
-        return [sys.executable, "-m", "bpo_megatron.rollout.sglang.supervise", "--parent", str(os.getpid()),
+        return [sys.executable, "-P", str(SUPERVISOR), "--parent", str(os.getpid()),
                 "--grace", str(STOP_GRACE_S), *redact, "--", *self.cfg.launch_command(self.port), *config]
 
     def _write_key(self) -> None:

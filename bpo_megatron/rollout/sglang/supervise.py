@@ -1,5 +1,6 @@
-"""``python -m bpo_megatron.rollout.sglang.supervise --parent PID -- COMMAND...``: run COMMAND (an
-SGLang server) for as long as process PID lives.
+"""``python -P supervise.py --parent PID -- COMMAND...`` (as :mod:`.server` starts it, without
+importing the package; ``python -m bpo_megatron.rollout.sglang.supervise`` works too): run COMMAND
+(an SGLang server) for as long as process PID lives.
 
 A server runs in its own process group so that stopping it stops its TP workers too; but then a
 killed engine actor (``ray.kill``, an OOM kill) would leave it running, holding its port and its
