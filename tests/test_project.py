@@ -314,3 +314,25 @@ def test_orchestration_reads_no_experiment_config():
                 assert node.arg not in {"cfg", "config", "experiment"}, f"{path.name}: a parameter {node.arg!r}"
             if isinstance(node, ast.Attribute):
                 assert node.attr not in experiment_only, f"{path.name} reads .{node.attr} of an experiment"
+
+
+def test_an_engine_process_imports_no_megatron():
+    """The engines' modules (what every engine actor and server process imports) load without
+    Megatron: its import costs seconds of start-up per process, and an engine never touches a
+    Megatron model (bpo_megatron.weights imports its gather, which does, on first use)."""
+    import os
+    import subprocess
+    import sys
+
+    modules = ["bpo_megatron.rollout.hf.engine", "bpo_megatron.rollout.sglang.engine",
+               "bpo_megatron.rollout.sglang.server", "bpo_megatron.orchestration.workers"]
+    probe = (f"import sys\nfor m in {modules!r}:\n    __import__(m)\n"
+             "print(sorted(m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    import bpo_megatron.weights as weights
+
+    assert weights.ExportPlan.__module__ == "bpo_megatron.weights.gather"  # the lazy names still resolve
+    assert all(getattr(weights, name) is not None for name in weights.__all__)

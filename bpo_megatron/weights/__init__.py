@@ -20,21 +20,39 @@ these modules. Nothing here imports the trainer, an engine or Ray; Megatron only
 touched.
 """
 
-from bpo_megatron.weights.gather import ExportPlan, StreamedTensor, iter_hf_weights, weight_stream
-from bpo_megatron.weights.load import load_hf_weights
-from bpo_megatron.weights.names import RULES, WeightRule, expected_keys, hf_tensor_shapes
-from bpo_megatron.weights.safetensors_io import HFWeightsReader, ShardedSafetensorsWriter
+import importlib
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "RULES",
-    "StreamedTensor",
-    "ExportPlan",
-    "HFWeightsReader",
-    "ShardedSafetensorsWriter",
-    "WeightRule",
-    "expected_keys",
-    "hf_tensor_shapes",
-    "iter_hf_weights",
-    "load_hf_weights",
-    "weight_stream",
-]
+# Each name from the module that defines it, imported on first use: an engine process imports
+# this package for its buckets and names, and the gather's chain (grouped experts, Megatron's
+# tensor-parallel layers) costs seconds of start-up it never needs.
+_HOMES = {
+    "ExportPlan": "gather",
+    "StreamedTensor": "gather",
+    "iter_hf_weights": "gather",
+    "weight_stream": "gather",
+    "load_hf_weights": "load",
+    "RULES": "names",
+    "WeightRule": "names",
+    "expected_keys": "names",
+    "hf_tensor_shapes": "names",
+    "HFWeightsReader": "safetensors_io",
+    "ShardedSafetensorsWriter": "safetensors_io",
+}
+
+if TYPE_CHECKING:
+    from bpo_megatron.weights.gather import ExportPlan, StreamedTensor, iter_hf_weights, weight_stream
+    from bpo_megatron.weights.load import load_hf_weights
+    from bpo_megatron.weights.names import RULES, WeightRule, expected_keys, hf_tensor_shapes
+    from bpo_megatron.weights.safetensors_io import HFWeightsReader, ShardedSafetensorsWriter
+
+
+def __getattr__(name: str) -> object:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = sorted(_HOMES)
