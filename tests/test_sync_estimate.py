@@ -112,7 +112,7 @@ def test_plan_prints_the_delta_estimate(plans):
     assert delta.wire_bytes == payload and delta.seconds == pytest.approx(seconds)
     assert sum(delta.parts.values()) == pytest.approx(delta.seconds)
     text = format_plan(plan)
-    assert (f"delta weight sync (cuda_ipc; not built yet): ≈ {seconds:.1f} s per step, {payload / 1e9:.2f} of 61.1 GB "
+    assert (f"delta weight sync (cuda_ipc with sparse pieces through a custom loader; not built: weight_sync.delta sends SGLang the changed tensors whole, and colocated engines drop their weights, so it is refused there): ≈ {seconds:.1f} s per step, {payload / 1e9:.2f} of 61.1 GB "
             "at 1.0% of the bf16 weights changed") in text
     # the same rank's copy in host memory: its shard leaves the GPU at 32 GB/s, compared at the host's rate
     host = expected_delta_sync(plan.cfg, plan.hf, total, diffed_params(plan), host_diff_gbps=2.0)

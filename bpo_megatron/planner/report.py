@@ -346,7 +346,7 @@ def _sync(plan: Plan) -> list[str]:
                       f"whole tensors only, and every tensor has a change ({sent} if it took sparse pieces)")
     else:
         delta_parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in delta.parts.items())
-        delta_line = (f"delta weight sync ({delta.transport}; not built yet): ≈ {delta.seconds:.1f} s per step, {sent} "
+        delta_line = (f"delta weight sync ({delta.transport} with sparse pieces through a custom loader; not built: weight_sync.delta sends SGLang the changed tensors whole, and colocated engines drop their weights, so it is refused there): ≈ {delta.seconds:.1f} s per step, {sent} "
                       f"({delta_parts}, the busiest rank comparing {delta.diff_bytes / 1e9:.1f} GB held on its GPU; "
                       "bpo-megatron bench sync sets it beside full syncs and measured anchors)")
     return [f"weight sync ({estimate.transport}): ≈ {estimate.seconds:.1f} s per step ({parts}; assumptions in "
