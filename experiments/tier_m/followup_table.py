@@ -81,6 +81,17 @@ def row(label: str, seeds: list[int], c) -> str:
             f"{p_text(c.p)} |")
 
 
+def contrast_table(runs: dict, contrasts, out) -> None:
+    """An unadjusted table of ``contrasts`` ((label, arm, its CSV, reference, its CSV) each), those
+    with two or more paired seeds."""
+    out("| contrast | pairs | mean (points) | 95% interval | p |")
+    out("|---|---:|---:|---:|---:|")
+    for label, *arms in contrasts:
+        seeds, c = contrast(runs, *arms)
+        if c is not None:
+            out(row(label, seeds, c))
+
+
 def main(out=print) -> None:
     out("# Tier M follow-up: score centering as now composed (fp8/0, seeds 1–10 registered)\n")
     if not FOLLOWUP.exists():
@@ -123,20 +134,10 @@ def main(out=print) -> None:
         out("\nAdded after the check failed (not registered; a check of contrast (2), paired on one commit, "
             "unadjusted, outside the Holm family): BPO re-run at the follow-up's commit "
             "(`followup_bpo/runs.csv`).\n")
-        out("| contrast | pairs | mean (points) | 95% interval | p |")
-        out("|---|---:|---:|---:|---:|")
-        for label, *arms in ADDED:
-            seeds, c = contrast(runs, *arms)
-            if c is not None:
-                out(row(label, seeds, c))
+        contrast_table(runs, ADDED, out)
         out(f"\nThe re-run BPO curves equal the committed ones for {len(same)} of {len(rerun)} seeds.")
     out("\nSecondary (no verdicts, unadjusted):\n")
-    out("| contrast | pairs | mean (points) | 95% interval | p |")
-    out("|---|---:|---:|---:|---:|")
-    for label, *arms in SECONDARY:
-        seeds, c = contrast(runs, *arms)
-        if c is not None:
-            out(row(label, seeds, c))
+    contrast_table(runs, SECONDARY, out)
     out("\nArea under the evaluation curve (steps 0–40, trapezoids, divided by the steps), the primary contrasts:\n")
     out("| contrast | pairs | mean (points) | 95% interval | p |")
     out("|---|---:|---:|---:|---:|")

@@ -81,6 +81,17 @@ json.dump({"unchanged_by_a": unchanged, "stale": stale, "parameters": len(new)},
 """
 
 
+def load_in_sglang(tmp_path: Path, plans: dict[str, list]) -> dict:
+    """Run :data:`LOAD_IN_BUCKETS` in SGLang's environment on the checkpoint and weights written in
+    ``tmp_path``, for each plan of buckets: what it reports (``out.json``)."""
+    (tmp_path / "plans.json").write_text(json.dumps(plans))
+    done = subprocess.run([str(SGLANG_PYTHON), "-c", LOAD_IN_BUCKETS, str(tmp_path), str(tmp_path / "weights.pt"),
+                           str(tmp_path / "plans.json"), str(tmp_path / "out.json"), str(free_port())],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads((tmp_path / "out.json").read_text())
+
+
 def _greedy(names: list[str], nbytes: dict[str, int], max_bytes: int) -> list[list[str]]:
     """The control: buckets cut by size alone."""
     planned, bucket, total = [], [], 0
@@ -117,13 +128,7 @@ def test_no_bucket_size_leaves_a_deepseek_layer_on_its_old_weights(tmp_path):
         sizes.append(total)
     plans = {"project": [[[name for name, _ in bucket] for bucket in buckets(stream, size)] for size in sizes],
              "greedy": [_greedy(names, nbytes, size) for size in sizes]}
-    (tmp_path / "plans.json").write_text(json.dumps(plans))
-
-    done = subprocess.run([str(SGLANG_PYTHON), "-c", LOAD_IN_BUCKETS, str(tmp_path), str(tmp_path / "weights.pt"),
-                           str(tmp_path / "plans.json"), str(tmp_path / "out.json"), str(free_port())],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    out = json.loads((tmp_path / "out.json").read_text())
+    out = load_in_sglang(tmp_path, plans)
     assert out["unchanged_by_a"] == []  # every parameter (and w_kc, w_vc) tells A from B
     assert out["parameters"] > len(shapes) // 2
 

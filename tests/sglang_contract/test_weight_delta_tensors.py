@@ -18,17 +18,15 @@ Needs SGLang's environment (``bash tools/setup.sh --sglang``); skips without it.
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
 
 from bpo_megatron.models import HFModelConfig
-from bpo_megatron.platform import free_port
 from bpo_megatron.weight_sync.delta import HeldWeights, encode
 from bpo_megatron.weights.buckets import buckets, tensor_bytes
 from bpo_megatron.weights.names import hf_tensor_shapes
-from test_deepseek_weight_buckets import DEEPSEEK, LOAD_IN_BUCKETS, SGLANG_PYTHON
+from test_deepseek_weight_buckets import DEEPSEEK, SGLANG_PYTHON, load_in_sglang
 
 pytestmark = pytest.mark.skipif(not SGLANG_PYTHON.exists(),
                                 reason="SGLang's environment is missing: bash tools/setup.sh --sglang")
@@ -66,13 +64,7 @@ def test_a_whole_tensor_delta_leaves_sglangs_deepseek_model_as_a_full_sync_does(
         plans["changed alone"].append([[n for n in bucket if n in changed] for bucket in plans["delta"][-1]])
     sent = {name for plan in plans["delta"] for bucket in plan for name in bucket}
     assert sent == set(changed) | {lone.replace("q_a_proj", "kv_a_proj_with_mqa")}, "the changed tensors and the pair"
-    (tmp_path / "plans.json").write_text(json.dumps(plans))
-
-    done = subprocess.run([str(SGLANG_PYTHON), "-c", LOAD_IN_BUCKETS, str(tmp_path), str(tmp_path / "weights.pt"),
-                           str(tmp_path / "plans.json"), str(tmp_path / "out.json"), str(free_port())],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    out = json.loads((tmp_path / "out.json").read_text())
+    out = load_in_sglang(tmp_path, plans)
     assert len(out["unchanged_by_a"]) < out["parameters"], "B differs from A in SGLang's parameters"
     assert out["stale"]["delta"] == [[], [], []], "every bucket size: the delta leaves nothing on A"
     assert out["stale"]["changed alone"] == [["model.layers.0.self_attn.fused_qkv_a_proj_with_mqa.weight"]] * 3
