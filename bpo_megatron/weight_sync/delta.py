@@ -110,7 +110,7 @@ def encode(bucket: Iterable[tuple[str, torch.Tensor]], record: HeldWeights, mode
         if count:
             changes[name] = where
             changed_total += count
-            record.tensors[name] = _host_copy(tensor, old)
+            record.tensors[name] = _host_copy(flat.view(tensor.shape), old)  # from the host bytes: one copy off the device
     if mode == "tensors":  # a changed tensor's load group goes whole with it
         groups = {load_group(name) for name in changes} - {None}
         changes.update((name, None) for name, _ in bucket if name not in changes and load_group(name) in groups)
