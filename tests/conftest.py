@@ -56,22 +56,6 @@ def pytest_configure(config) -> None:
 
 
 @pytest.fixture(scope="session")
-def kit_cpu_run(tmp_path_factory):
-    """Every check of the GPU kit in its CPU mode, in one run (Ray's start-up and a 4-step loop
-    included: minutes on 2 cores), made once for the tests that read its report
-    (tests/test_gpu_smoke.py, tests/test_decode_steps.py): its folder (``report/``, ``work/``) and
-    the finished process."""
-    import subprocess
-    import sys
-
-    out = tmp_path_factory.mktemp("kit_cpu_run")
-    done = subprocess.run([sys.executable, "-m", "bpo_megatron.gpu_smoke", "--device", "cpu",
-                           "--out", str(out / "report"), "--workdir", str(out / "work")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=1400)
-    return out, done
-
-
-@pytest.fixture(scope="session")
 def ray_session():
     pytest.importorskip("ray")
     from bpo_megatron.orchestration.cluster import start_ray, stop_ray

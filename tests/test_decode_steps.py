@@ -1,13 +1,12 @@
 """The kit's decode points (``bpo_megatron/gpu_smoke/decode_steps.py``, ``rollout_decode``'s part 3)
 on a CPU: a decode state built as the engine builds it (the graph path with capture faked, as in
 tests/test_hf_decode_path.py) replayed with every row at a set context, plain and with top-k/top-p;
-a profiled replay's trace; and ``rollout_decode`` with its numbers, read from the kit's whole CPU run."""
+and a profiled replay's trace (``rollout_decode``'s numbers in the kit's CPU run: tests/test_gpu_smoke.py)."""
 
 from __future__ import annotations
 
 import gzip
 import json
-import math
 
 import pytest
 import torch
@@ -52,20 +51,3 @@ def test_a_point_past_the_state_or_the_uniforms_is_refused(model):
         decode_steps.time_step(state, 60, 8, model.config.vocab_size)
     with pytest.raises(ValueError, match="at most 64 uniforms"):
         decode_steps.time_step(state, 20, 61, model.config.vocab_size)
-
-
-@pytest.mark.timeout(1500)  # the kit's whole run (tests/conftest.py), if this test is the first to ask for it
-def test_rollout_decode_in_the_kits_cpu_mode_reports_every_decode_point(kit_cpu_run):
-    tmp_path, done = kit_cpu_run  # the kit's whole run: its rollout_decode check, which ran a second time alone
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    [check] = [c for c in json.loads((tmp_path / "report" / "report.json").read_text())["checks"]
-               if c["name"] == "rollout_decode"]
-    numbers = check["numbers"]
-    points = check["tables"]["decode step by context (replayed, largest size)"]
-    assert {(r["point"], r["sampling"]) for r in points} == {(p.label, s) for p in CPU.decode_points
-                                                             for s in ("plain", "filtered")}
-    assert all(r["decode_step_ms"] > 0 and r["path"] == "eager" for r in points)
-    # the goals' numbers are there on every device (nan without a graph); the scores cover every path's rows
-    assert all(math.isnan(numbers[f"best_graph_hbm_fraction_{label}"]) for label in ("ctx192", "ctx576", "ctx1088"))
-    assert numbers["eager_routing_agreement"] == 1.0 and numbers["eager_logp_max_abs_diff"] <= 1e-5
-    assert (tmp_path / "work" / "traces" / "decode_step_eager_ctx576.json.gz").exists()
