@@ -259,10 +259,16 @@ def test_a_stopped_engine_is_replaced_with_default_settings_and_the_run_goes_on(
     stopped: list[tuple[int, float]] = []
 
     def stop_engine() -> None:
-        for process in psutil.process_iter(["pid", "cmdline"]):
-            if "EngineWorker" in " ".join(process.info["cmdline"] or []):
-                os.kill(process.info["pid"], signal.SIGSTOP)
-                stopped.append((process.info["pid"], time.monotonic()))
+        # this process's own Ray only (its raylet's workers are its descendants): never an engine of
+        # another run or test worker on the same machine
+        for process in psutil.Process().children(recursive=True):
+            try:
+                cmdline = " ".join(process.cmdline())
+            except psutil.Error:
+                continue
+            if "EngineWorker" in cmdline:
+                os.kill(process.pid, signal.SIGSTOP)
+                stopped.append((process.pid, time.monotonic()))
                 return
 
     lines: list[str] = []
