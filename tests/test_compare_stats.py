@@ -382,3 +382,13 @@ def test_the_committed_tier_c_tables_rebuild_from_their_csvs(stat, tmp_path):
     csvs = ",".join(str(tier_c / "main" / f"runs_s{seed}.csv") for seed in range(1, 21))
     assert main(["compare", "--from-csv", csvs, "--primary", "grpo@main", "--stat", stat, "--out", str(tmp_path)]) == 0
     assert (tmp_path / "results.md").read_text() == (tier_c / "tables" / stat / "results.md").read_text()
+
+
+def test_the_committed_tier_c_cispo_table_rebuilds_from_its_csvs(tmp_path):
+    """experiments/tier_c/tables/cispo/results.md (CISPO − BPO at lr 2e-4, exploratory) is what
+    experiments/tier_c/tables.sh's command writes from the 40 primary and 20 CISPO CSVs, byte for byte."""
+    tier_c = TIER_B.parents[1] / "tier_c"
+    csvs = ",".join([str(tier_c / "main" / f"runs_s{seed}.csv") for seed in range(1, 21)]
+                    + [str(tier_c / "main" / f"runs_cispo_s{seed}.csv") for seed in range(1, 21)])
+    assert main(["compare", "--from-csv", csvs, "--primary", "grpo@main", "--stat", "final-window", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "results.md").read_text() == (tier_c / "tables" / "cispo" / "results.md").read_text()

@@ -641,3 +641,29 @@ def test_the_lr_followup_readings_quote_their_table(capsys):
     entropy = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in table.splitlines()
                if line.startswith("| ") and "nats" not in line and len(line.split("|")) == 5 and "±" in line}
     assert f"is {entropy['BPO']} nats for BPO and {entropy['GRPO-ClipHigher']} for GRPO-ClipHigher" in text
+
+
+def test_the_exploratory_cispo_runs_of_tier_c():
+    """CISPO at lr 2e-4 (exploratory, registered with the primary runs): its row of the means by
+    step, CISPO − BPO and CISPO − GRPO-ClipHigher, its runs that fail the pilot rule's stability
+    test, in experiments/tier_c/README.md and its docs/results.md row."""
+    runs, seeds = _tier_c_runs(), range(1, 21)
+    for seed in seeds:
+        runs.update(_runs(TIER_C / "main" / f"runs_cispo_s{seed}.csv"))
+    text = (TIER_C / "README.md").read_text()
+    flat = " ".join(text.split())
+    row = (ROOT / "docs" / "results.md").read_text()
+    windows = [final_window(runs[("cispo", s)]) for s in seeds]
+    by_step = ", ".join(f"{statistics.fmean(_accuracy(runs[('cispo', s)])[step] for s in seeds):.1f}"
+                        for step in range(0, 121, 20))
+    assert f"| CISPO (exploratory) | {statistics.fmean(windows):.1f} ± {statistics.stdev(windows):.1f} | {by_step} |" in text
+    versus = {}
+    for method, label in (("bpo", "BPO"), ("grpo", "GRPO-ClipHigher")):
+        deltas = [final_window(runs[("cispo", s)]) - final_window(runs[(method, s)]) for s in seeds]
+        mean, sd, low, high = versus[method] = interval(deltas)
+        assert (f"CISPO − {label} = {signed(mean)} points [{signed(low)}, {signed(high)}] (95% t-interval, 19 degrees "
+                f"of freedom, unadjusted), σ_d = {sd:.1f}, CISPO ahead in {sum(d > 0 for d in deltas)} of 20 seeds") in flat
+    drops = sum(_dropped(runs[("cispo", s)]) for s in seeds)
+    assert f"{drops} of the 20 CISPO runs fail the stability test at 2e-4" in flat
+    mean, _, low, high = versus["bpo"]
+    assert f"CISPO − BPO at lr 2e-4 (exploratory) = {signed(mean)} [{signed(low)}, {signed(high)}]" in row
