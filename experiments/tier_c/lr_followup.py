@@ -31,9 +31,10 @@ ENTROPY_PROXY = "rollout/neg_log_mu_mean"
 
 
 def read_runs(folder: Path) -> dict[tuple[str, int], list[dict]]:
-    """Every run's evaluation rows by (method_id, seed), in step order."""
+    """Every run's evaluation rows by (method_id, seed), in step order: the seeds' files
+    ``runs_s<seed>.csv`` only (not the exploratory ``runs_short_s<seed>.csv`` beside them)."""
     runs: dict[tuple[str, int], list[dict]] = {}
-    for path in sorted(folder.glob("runs_s*.csv")):
+    for path in sorted(p for p in folder.glob("runs_s*.csv") if p.stem[len("runs_s"):].isdigit()):
         with path.open() as f:
             for row in csv.DictReader(f):
                 runs.setdefault((row["method_id"], int(row["seed"])), []).append(row)
