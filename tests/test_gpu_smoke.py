@@ -22,33 +22,32 @@ def _smoke(tmp_path: Path, *args: str, timeout: float = 900) -> subprocess.Compl
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+# the kit's one check left to the tests marked ci (Ray's start-up and four RL steps: most of the run's time)
+LEFT_TO_CI = "rl_loop"
+
+
 @pytest.fixture(scope="module")
 def kit_cpu_run(tmp_path_factory):
-    """Every check of the GPU kit in its CPU mode but ``rl_loop``, in one run, made once for the
+    """Every check of the GPU kit in its CPU mode but ``LEFT_TO_CI``, in one run, made once for the
     tests of this module that read its report (one module: a test worker makes it once): its
-    folder (``report/``, ``work/``) and the finished process. ``rl_loop`` (Ray's start-up and a
-    4-step loop: most of the whole run's time) runs alone in the tests marked ``ci``
-    (test_the_kits_rl_loop_on_a_cpu_runs_four_steps_with_its_numbers)."""
+    folder (``report/``, ``work/``) and the finished process. ``rl_loop`` runs alone in
+    test_the_kits_rl_loop_on_a_cpu_runs_four_steps_with_its_numbers."""
     from bpo_megatron.gpu_smoke.checks import CHECKS
 
     out = tmp_path_factory.mktemp("kit_cpu_run")
-    done = subprocess.run([sys.executable, "-m", "bpo_megatron.gpu_smoke", "--device", "cpu",
-                           "--checks", ",".join(name for name in CHECKS if name != "rl_loop"),
-                           "--out", str(out / "report"), "--workdir", str(out / "work")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=1400)
-    return out, done
+    return out, _smoke(out, "--checks", ",".join(name for name in CHECKS if name != LEFT_TO_CI), timeout=1400)
 
 
 @pytest.mark.timeout(1500)  # the kit's run (kit_cpu_run), if this test is the first to ask for it
 def test_cpu_smoke_run_passes_every_check_with_its_numbers(kit_cpu_run):
-    """Every check but rl_loop (the next test's, in the tests marked ci)."""
+    """Every check but LEFT_TO_CI (the next test's)."""
     from bpo_megatron.gpu_smoke.checks import CHECKS
 
     tmp_path, done = kit_cpu_run
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     checks = {c["name"]: c for c in report["checks"]}
-    assert report["passed"] and list(checks) == [name for name in CHECKS if name != "rl_loop"]
+    assert report["passed"] and list(checks) == [name for name in CHECKS if name != LEFT_TO_CI]
     assert all(c["criteria"] and all(line.startswith("PASS") for line in c["criteria"]) for c in checks.values())
     numbers = {name: c["numbers"] for name, c in checks.items()}
     # fp32 on a CPU: the trainer equals transformers' fp32 reference up to summation order
@@ -97,26 +96,25 @@ def test_cpu_smoke_run_passes_every_check_with_its_numbers(kit_cpu_run):
 # overrides (test_the_kits_cpu_overrides_of_the_recipe_validate) and runs the loop in tests/test_loop_e2e.py
 @pytest.mark.timeout(900)
 def test_the_kits_rl_loop_on_a_cpu_runs_four_steps_with_its_numbers(tmp_path):
-    done = _smoke(tmp_path, "--checks", "rl_loop")
+    done = _smoke(tmp_path, "--checks", LEFT_TO_CI)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     [check] = json.loads((tmp_path / "report" / "report.json").read_text())["checks"]
-    checks, numbers = {"rl_loop": check}, {"rl_loop": check["numbers"]}
-    assert check["criteria"] and all(line.startswith("PASS") for line in check["criteria"])
+    assert check["name"] == "rl_loop" and check["criteria"] and all(line.startswith("PASS") for line in check["criteria"])
     # the RL loop through Ray: the recipe's one-device layout on the CPU demo's model, four steps
-    loop = numbers["rl_loop"]
+    loop = check["numbers"]
     assert loop["steps"] == 4 and loop["exit_status"] == 0 and loop["engine_device"] == "cpu"
     assert loop["routing_agreement_min"] == 1.0 and loop["abs_logp_diff_mean_max"] <= 1e-4
     assert loop["last_tokens_per_s_per_device"] > 0 and loop["offload_gb"] > 0
-    per_step = checks["rl_loop"]["tables"]["per step"]
+    per_step = check["tables"]["per step"]
     assert [row["step"] for row in per_step] == [1, 2, 3, 4] and loop["steady_steps"] == "3,4"
     assert loop["steady_step_s"] == pytest.approx((per_step[2]["step_s"] + per_step[3]["step_s"]) / 2)
     assert loop["steady_tokens_per_s_per_device"] > 0 and "push_s" in loop and "offload_s" in loop
-    assert any("sum to its time" in line for line in checks["rl_loop"]["criteria"])
+    assert any("sum to its time" in line for line in check["criteria"])
 
 
 @pytest.mark.timeout(1500)  # the kit's run (kit_cpu_run), if this test is the first to ask for it
 def test_logprobs_kernel_table_lists_the_fused_kernels_as_not_run_on_a_cpu(kit_cpu_run):
-    tmp_path, done = kit_cpu_run  # the kit's run: its logprobs_kernel check, which ran a second time alone
+    tmp_path, done = kit_cpu_run  # the kit's run: its logprobs_kernel check
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     checks = json.loads((tmp_path / "report" / "report.json").read_text())["checks"]
     [check] = [c for c in checks if c["name"] == "logprobs_kernel"]
@@ -137,7 +135,7 @@ def test_rollout_decode_in_the_kits_cpu_mode_reports_every_decode_point(kit_cpu_
 
     from bpo_megatron.gpu_smoke.profiles import CPU
 
-    tmp_path, done = kit_cpu_run  # the kit's run: its rollout_decode check, which ran a second time alone
+    tmp_path, done = kit_cpu_run  # the kit's run: its rollout_decode check
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [check] = [c for c in json.loads((tmp_path / "report" / "report.json").read_text())["checks"]
                if c["name"] == "rollout_decode"]
